@@ -1,0 +1,152 @@
+//! The trait every backend adapter implements, and its contract.
+//!
+//! A backend stores queues of [`Entry`]s whose lifetime is bound to a session: a
+//! ZooKeeper session, an etcd lease, a Redis watchdog lease. The recipes crate builds
+//! every lock out of the operations below and never learns which backend it runs on.
+//!
+//! # Contract
+//! - **Ordering.** [`Backend::enqueue`] and [`Backend::queue`] return queues sorted by
+//!   [`crate::entry::queue_order`]; sequence numbers in one queue grow in the order the
+//!   entries were added, as seen by every client.
+//! - **Session binding.** An entry disappears by itself once its session is gone (crash,
+//!   partition past the session timeout). Before that moment, [`Backend::lost`] of every
+//!   entry on that session has completed.
+//! - **One round trip.** `enqueue` adds the entry and returns the queue as it stands
+//!   right after the add, in one round trip where the backend allows it.
+//! - **No missed wake-up.** [`Backend::wait_gone`] arms its watch before it checks that
+//!   the entry still exists, and returns at once if it does not; [`Backend::wait_changed`]
+//!   likewise compares against the queue the caller saw.
+//! - **Idempotent removal.** [`Backend::remove`] and [`Backend::abandon`] succeed when the
+//!   entry is already gone, so they may be retried and run in the background.
+//! - **Cancel safety.** Every future may be dropped at any await point. A dropped
+//!   `enqueue` may still have created its entry on the server; the caller then calls
+//!   `abandon` with the same [`Ticket`], which removes whatever the ticket created.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::entry::{Entry, EntryKind, Ticket};
+use crate::error::{Error, Result};
+use crate::name::{NameRules, QueuePath};
+
+/// Where a new entry goes in its queue.
+#[derive(Debug, Clone, Copy)]
+pub enum Position<'a> {
+    /// At the tail: the normal case.
+    Tail,
+    /// Beside an entry the caller holds, with the same sequence number. Used for a write
+    /// holder's read entry (downgrade), which must not queue behind waiting writers.
+    Beside(&'a Entry),
+}
+
+/// Settings every backend's connect takes; each adapter documents its own defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SessionOptions {
+    /// How long a crashed or paused holder keeps its entries (ZooKeeper session timeout,
+    /// etcd lease TTL, Redis lease). `None` takes the backend's documented default.
+    pub session_timeout: Option<Duration>,
+    /// How long connecting may take before [`Error::Unreachable`].
+    pub connect_timeout: Duration,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            session_timeout: None,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl SessionOptions {
+    /// Sets the session timeout.
+    pub fn with_session_timeout(mut self, d: Duration) -> Self {
+        self.session_timeout = Some(d);
+        self
+    }
+
+    /// Sets the connect timeout.
+    pub fn with_connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+}
+
+/// The result of [`Backend::enqueue`].
+#[derive(Debug, Clone)]
+pub struct Enqueued {
+    /// The entry that was added, with its fencing token.
+    pub mine: Entry,
+    /// The whole queue right after the add, in queue order, `mine` included.
+    pub queue: Vec<Entry>,
+}
+
+/// A key/value store with session-bound, ordered queues: the one seam between the
+/// recipes and a server. See the module docs for the contract every implementation keeps.
+///
+/// Futures are boxed so that the facade can choose a backend at run time
+/// (`Arc<dyn Backend>`); one allocation per call is noise beside a network round trip.
+pub trait Backend: Send + Sync + 'static {
+    /// A short backend label for logs and status output: `zk`, `etcd`, `redis`, `redlock`.
+    fn kind(&self) -> &'static str;
+
+    /// The lock-name rules of this backend.
+    fn name_rules(&self) -> NameRules;
+
+    /// How long a crashed or paused holder keeps its entries: the ZooKeeper session
+    /// timeout, the etcd lease TTL, the Redis lease.
+    fn session_timeout(&self) -> Duration;
+
+    /// Adds an entry of `kind` for `ticket` to queue `q`, bound to the session, and
+    /// returns it with the queue as it stands right after. Creates the queue's parents
+    /// on demand.
+    fn enqueue<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        at: Position<'a>,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<Enqueued>>;
+
+    /// The queue `q` in queue order (empty if it does not exist).
+    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
+
+    /// Completes once `entry` is no longer in `q` (at once if it is already gone).
+    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
+
+    /// Completes once the set of entries in `q` differs from `seen` (at once if it
+    /// already does). Used only by the one semaphore contender that waits on leases.
+    fn wait_changed<'a>(&'a self, q: &'a QueuePath, seen: &'a [Entry])
+        -> BoxFuture<'a, Result<()>>;
+
+    /// Removes `entry` from `q`. Succeeds if it is already gone.
+    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
+
+    /// Removes whatever entry `ticket` created in `q`, if any: the clean-up after a
+    /// cancelled or failed `enqueue`. Succeeds if there is none.
+    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>>;
+
+    /// Completes, with the reason, once `entry` can no longer be trusted to be held:
+    /// the session expired, or was cut off from the servers for longer than its timeout,
+    /// or the entry's lease could not be renewed. Never completes while it is held.
+    fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;
+
+    /// Reads a small shared value stored at `key` under the lock (the semaphore's shared
+    /// permit count), or `None` if it is not set.
+    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        let _ = q;
+        Box::pin(async { Ok(None) })
+    }
+
+    /// The queue `q` with every detail the backend can give (tokens, data, creation
+    /// time), for status output. May cost more round trips than [`Backend::queue`].
+    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        self.queue(q)
+    }
+
+    /// Closes the session: every entry on it goes at once. Idempotent.
+    fn close(&self) -> BoxFuture<'_, Result<()>>;
+}

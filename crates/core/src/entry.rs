@@ -1,0 +1,297 @@
+//! Queue entries: what each contender adds under a lock, how it is named, and how the
+//! queue is ordered.
+//!
+//! Names follow Apache Curator 5.x so that Java services and dlock share one queue:
+//! `_c_<uuid>-lock-0000000007` for a mutex, `…-__READ__…` / `…-__WRIT__…` for the
+//! read/write lock (one shared sequence), `…-lease-…` for semaphore leases. The
+//! `_c_<uuid>-` "protected" prefix lets a contender find its own entry after a create
+//! whose reply was lost. Order is by the sequence part only, never by the whole name:
+//! the uuid in front would otherwise decide the order.
+
+use std::cmp::Ordering;
+use std::fmt;
+
+use crate::token::FencingToken;
+
+/// What an entry asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EntryKind {
+    /// A mutex contender (Curator `lock-`).
+    Lock,
+    /// A read-lock contender (Curator `__READ__`).
+    Read,
+    /// A write-lock contender (Curator `__WRIT__`).
+    Write,
+    /// A semaphore lease (Curator `lease-`).
+    Lease,
+}
+
+impl EntryKind {
+    /// Every kind, in a fixed order.
+    pub const ALL: [EntryKind; 4] = [
+        EntryKind::Lock,
+        EntryKind::Read,
+        EntryKind::Write,
+        EntryKind::Lease,
+    ];
+
+    /// The marker Curator puts between the protected prefix and the sequence number.
+    pub const fn marker(self) -> &'static str {
+        match self {
+            EntryKind::Lock => "lock-",
+            EntryKind::Read => "__READ__",
+            EntryKind::Write => "__WRIT__",
+            EntryKind::Lease => "lease-",
+        }
+    }
+
+    /// True for entries that exclude everyone queued behind them.
+    pub const fn is_exclusive(self) -> bool {
+        matches!(self, EntryKind::Lock | EntryKind::Write)
+    }
+
+    /// A short lower-case label, for status output.
+    pub const fn label(self) -> &'static str {
+        match self {
+            EntryKind::Lock => "lock",
+            EntryKind::Read => "read",
+            EntryKind::Write => "write",
+            EntryKind::Lease => "lease",
+        }
+    }
+}
+
+impl fmt::Display for EntryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// The unique id a contender picks before it creates its entry. It goes into the entry's
+/// name (Curator's protected prefix), so a create whose reply was lost, or whose future
+/// was dropped, can still be found and removed.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Ticket(String);
+
+impl Ticket {
+    /// A fresh random ticket (a v4 uuid, as Curator uses).
+    pub fn new() -> Self {
+        Ticket(uuid::Uuid::new_v4().to_string())
+    }
+
+    /// The id text, a hyphenated uuid.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Curator's protected prefix for this ticket: `_c_<uuid>-`.
+    pub fn protected_prefix(&self) -> String {
+        format!("{PROTECTED_PREFIX}{}-", self.0)
+    }
+
+    /// The name prefix a sequential create should use for `kind`:
+    /// `_c_<uuid>-lock-`; the server appends the 10-digit sequence.
+    pub fn name_prefix(&self, kind: EntryKind) -> String {
+        format!("{}{}", self.protected_prefix(), kind.marker())
+    }
+}
+
+impl Default for Ticket {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The start of every protected name.
+pub const PROTECTED_PREFIX: &str = "_c_";
+
+/// Length of `_c_` + a hyphenated uuid + `-`.
+const PROTECTED_LEN: usize = 3 + 36 + 1;
+
+/// A parsed entry name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedName {
+    /// The kind read from the marker.
+    pub kind: EntryKind,
+    /// The sequence number after the marker.
+    pub seq: u64,
+    /// The uuid of the protected prefix, if the name has one.
+    pub protected_id: Option<String>,
+}
+
+/// Parses an entry name such as `_c_1fbf573b-3050-4ba4-a162-7ea7e63924ae-lock-0000000000`
+/// or a bare `lock-0000000003`. The marker is searched from the end, as Curator does, so
+/// a name containing the marker twice still parses.
+///
+/// Returns `None` for names that are not lock entries (a foreign child, a sub-directory
+/// such as `leases`); such children never take part in the order.
+pub fn parse_name(name: &str) -> Option<ParsedName> {
+    EntryKind::ALL.iter().find_map(|&kind| {
+        let at = name.rfind(kind.marker())?;
+        let digits = &name[at + kind.marker().len()..];
+        if digits.is_empty() || digits.len() > 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let seq = digits.parse().ok()?;
+        Some(ParsedName {
+            kind,
+            seq,
+            protected_id: protected_id(name),
+        })
+    })
+}
+
+/// The uuid of a protected name (`_c_<uuid>-...`), if it has one.
+pub fn protected_id(name: &str) -> Option<String> {
+    let rest = name.strip_prefix(PROTECTED_PREFIX)?;
+    if name.len() < PROTECTED_LEN || name.as_bytes()[PROTECTED_LEN - 1] != b'-' {
+        return None;
+    }
+    let id = &rest[..36];
+    uuid::Uuid::parse_str(id).ok()?;
+    Some(id.to_owned())
+}
+
+/// Formats a sequence number as ZooKeeper does: ten digits, zero padded.
+pub fn format_seq(seq: u64) -> String {
+    format!("{seq:010}")
+}
+
+/// One contender in a queue, as read from the backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// The entry's name within its queue (a znode name, the last part of a key).
+    pub name: String,
+    /// What the entry asks for.
+    pub kind: EntryKind,
+    /// Its place in the queue: the ZooKeeper sequence, the etcd create revision, the
+    /// Redis queue counter. Unique within one queue except for a downgrade's read
+    /// entry, which shares its writer's number.
+    pub seq: u64,
+    /// The fencing token the entry carries, where the backend reports it on listing.
+    pub token: Option<FencingToken>,
+    /// The uuid of the ticket that created it, if known.
+    pub ticket: Option<String>,
+    /// When the server created the entry, in Unix milliseconds, where the backend
+    /// records it (for status output only: never used for a decision).
+    pub created_ms: Option<i64>,
+    /// The entry's payload (Curator writes the client's address; dlock writes an owner
+    /// description).
+    pub data: Vec<u8>,
+}
+
+impl Entry {
+    /// Builds an entry from a Curator-style name, or `None` if the name is not an entry.
+    pub fn from_name(name: impl Into<String>) -> Option<Self> {
+        let name = name.into();
+        let parsed = parse_name(&name)?;
+        Some(Entry {
+            kind: parsed.kind,
+            seq: parsed.seq,
+            ticket: parsed.protected_id,
+            token: None,
+            created_ms: None,
+            data: Vec::new(),
+            name,
+        })
+    }
+
+    /// True if `ticket` created this entry.
+    pub fn is_from(&self, ticket: &Ticket) -> bool {
+        self.ticket.as_deref() == Some(ticket.as_str())
+    }
+}
+
+/// Queue order: by sequence, then by name so the order is total. The name tie-break only
+/// matters for a downgrade's read entry, which sorts beside its writer.
+pub fn queue_order(a: &Entry, b: &Entry) -> Ordering {
+    a.seq.cmp(&b.seq).then_with(|| a.name.cmp(&b.name))
+}
+
+/// Sorts a queue in place into [`queue_order`].
+pub fn sort_queue(entries: &mut [Entry]) {
+    entries.sort_by(queue_order);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn parses_curator_names() {
+        let p =
+            parse_name("_c_1fbf573b-3050-4ba4-a162-7ea7e63924ae-lock-0000000031").expect("parse");
+        assert_eq!(p.kind, EntryKind::Lock);
+        assert_eq!(p.seq, 31);
+        assert_eq!(
+            p.protected_id.as_deref(),
+            Some("1fbf573b-3050-4ba4-a162-7ea7e63924ae")
+        );
+        let r = parse_name("_c_ae920474-0000-4000-8000-000000000000-__READ__0000000004")
+            .expect("parse");
+        assert_eq!((r.kind, r.seq), (EntryKind::Read, 4));
+        let w = parse_name("x-__WRIT__0000000002").expect("parse");
+        assert_eq!((w.kind, w.seq, w.protected_id), (EntryKind::Write, 2, None));
+        assert_eq!(
+            parse_name("lease-0000000009").map(|p| p.kind),
+            Some(EntryKind::Lease)
+        );
+    }
+
+    #[test]
+    fn rejects_non_entries() {
+        for name in [
+            "leases",
+            "locks",
+            "lock-",
+            "lock-12a",
+            "",
+            "__READ__x",
+            "lock-123456789012345678901",
+        ] {
+            assert_eq!(parse_name(name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn ticket_prefix_round_trips() {
+        let t = Ticket::new();
+        let name = format!("{}{}", t.name_prefix(EntryKind::Write), format_seq(12));
+        let e = Entry::from_name(name).expect("entry");
+        assert!(e.is_from(&t));
+        assert_eq!((e.kind, e.seq), (EntryKind::Write, 12));
+    }
+
+    #[test]
+    fn orders_by_sequence_not_name() {
+        let mut q: Vec<Entry> = [
+            "_c_ffffffff-0000-4000-8000-000000000000-lock-0000000001",
+            "_c_00000000-0000-4000-8000-000000000000-lock-0000000002",
+            "_c_88888888-0000-4000-8000-000000000000-lock-0000000000",
+        ]
+        .into_iter()
+        .filter_map(Entry::from_name)
+        .collect();
+        sort_queue(&mut q);
+        assert_eq!(q.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+
+    proptest! {
+        #[test]
+        fn parse_never_panics(s in "\\PC*") {
+            let _ = parse_name(&s);
+            let _ = protected_id(&s);
+        }
+
+        #[test]
+        fn format_then_parse(seq in 0u64..10_000_000_000, k in 0usize..4) {
+            let kind = EntryKind::ALL[k];
+            let t = Ticket::new();
+            let e = Entry::from_name(format!("{}{}", t.name_prefix(kind), format_seq(seq))).expect("entry");
+            prop_assert_eq!(e.kind, kind);
+            prop_assert_eq!(e.seq, seq);
+            prop_assert!(e.is_from(&t));
+        }
+    }
+}

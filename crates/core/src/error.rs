@@ -1,0 +1,124 @@
+//! The one error type every dlock layer speaks.
+//!
+//! Adapters map their client's errors into [`Error`] at their boundary, so a caller can
+//! always tell "the lock is gone" ([`Error::LockLost`]) from "the server is unreachable"
+//! ([`Error::Unreachable`]) from "you asked for something invalid".
+
+use std::time::Duration;
+
+/// A boxed error from a backend client, kept as the source of [`Error::Backend`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a lock name was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NameError {
+    /// The name is empty (or only slashes).
+    #[error("lock name is empty")]
+    Empty,
+    /// The name contains a NUL or another control character.
+    #[error("lock name contains a control character at byte {0}")]
+    ControlChar(usize),
+    /// A path segment is empty (`a//b`), `.` or `..`.
+    #[error("lock name has an empty, `.` or `..` segment")]
+    BadSegment,
+    /// The name starts with a segment the backend reserves (ZooKeeper's `/zookeeper`).
+    #[error("lock name uses the reserved prefix `{0}`")]
+    Reserved(&'static str),
+    /// The name is longer than the backend allows.
+    #[error("lock name is {len} bytes, longer than the {max} the backend allows")]
+    TooLong {
+        /// Length of the name in bytes.
+        len: usize,
+        /// The backend's limit in bytes.
+        max: usize,
+    },
+    /// The name contains a character the backend cannot store in a key.
+    #[error("lock name contains the character {0:?}, which this backend does not allow")]
+    BadChar(char),
+}
+
+/// Everything that can go wrong taking, holding or releasing a dlock lock.
+///
+/// The enum is `#[non_exhaustive]` and has the same variants under every feature, so a
+/// `match` in one crate cannot be broken by another crate turning a feature on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The lock could not be acquired within the given time. Nothing is left behind: the
+    /// waiter's entry has been removed (or is being removed in the background).
+    #[error("timed out after {0:?} waiting for the lock")]
+    Timeout(Duration),
+    /// `try_lock` found the lock held by someone else. The attempt's entry was removed.
+    #[error("the lock is held by someone else")]
+    WouldBlock,
+    /// The session (ZooKeeper session, etcd lease, Redis watchdog lease) that kept the entry
+    /// alive is gone: the lock may now be held by someone else.
+    #[error("lock lost: {0}")]
+    LockLost(String),
+    /// Release (or another holder-only operation) was called on something not held.
+    #[error("lock not held: {0}")]
+    NotHeld(String),
+    /// The lock name is not valid for this backend.
+    #[error("invalid lock name {name:?}: {reason}")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        #[source]
+        reason: NameError,
+    },
+    /// The backend URL could not be understood.
+    #[error("invalid URL {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL as given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A permit count of zero, or more permits than the semaphore has.
+    #[error("invalid permits: {0}")]
+    InvalidPermits(String),
+    /// A request that could only deadlock: re-acquiring a non-reentrant lock from its
+    /// owner, upgrading a read lock to a write lock, a multi-lock naming a lock twice.
+    #[error("would deadlock: {0}")]
+    WouldDeadlock(String),
+    /// No server of the backend could be reached within the connection timeout.
+    #[error("backend unreachable: {0}")]
+    Unreachable(String),
+    /// The backend answered with an error dlock does not map to a more specific variant.
+    #[error("backend error: {context}")]
+    Backend {
+        /// What dlock was doing.
+        context: String,
+        /// The client's error.
+        #[source]
+        source: BoxError,
+    },
+    /// The client was closed (or its runtime shut down) while the operation was running.
+    #[error("client closed")]
+    Closed,
+}
+
+impl Error {
+    /// Wraps a client error with what dlock was doing when it happened.
+    pub fn backend(context: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Error::Backend {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// True for errors after which the lock must be considered gone.
+    pub fn is_lost(&self) -> bool {
+        matches!(self, Error::LockLost(_) | Error::Closed)
+    }
+}
+
+/// The result type of every fallible dlock operation.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+const _: () = {
+    const fn assert_send_sync<T: Send + Sync + 'static>() {}
+    assert_send_sync::<Error>();
+};

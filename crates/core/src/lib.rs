@@ -1,0 +1,39 @@
+//! The sans-I/O protocol core of dlock.
+//!
+//! This crate does no I/O, reads no clock and runs no async runtime: every function is a
+//! deterministic function of its arguments, tested without servers. The adapters
+//! (`dlock-zookeeper`, ...) talk to servers; the recipes (`dlock-recipes`) drive them
+//! through the [`Backend`] trait defined here.
+//!
+//! # Where to start
+//! - [`entry`]: what a contender adds under a lock, its Curator-compatible name, and the
+//!   queue order (by sequence, never by whole name).
+//! - [`driver`]: given the ordered queue and my entry, am I the holder, and if not,
+//!   which single entry do I watch. This is the fair-queue recipe every backend shares.
+//! - [`Backend`]: the seam to the servers, with its contract.
+//! - [`Error`]: the one error enum, with distinct variants for timeout, lock lost, not
+//!   held, invalid input, unreachable backend.
+//! - [`HoldCounts`], [`FencingToken`], [`LockName`].
+//!
+//! # The design decision
+//! A waiter watches exactly one entry: the nearest one ahead of it that conflicts with
+//! it. That one choice gives fairness, no thundering herd and no missed release; the
+//! property tests in [`driver`] check all three over random interleavings.
+
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod driver;
+pub mod entry;
+pub mod error;
+pub mod name;
+pub mod owner;
+pub mod token;
+
+pub use backend::{Backend, Enqueued, Position, SessionOptions};
+pub use driver::{decide, Decision};
+pub use entry::{Entry, EntryKind, Ticket};
+pub use error::{Error, NameError, Result};
+pub use name::{LockName, NameRules, QueuePath};
+pub use owner::{HoldCounts, OwnerId};
+pub use token::{FenceGate, FencingToken};

@@ -1,0 +1,192 @@
+//! Lock names: one validated, slash-separated name per lock, checked against the rules of
+//! the backend that will store it.
+//!
+//! A name like `orders/42` means the znode `/orders/42` on ZooKeeper (the path a Curator
+//! user passes), the key prefix `orders/42/` on etcd and the hash tag `{orders/42}` on
+//! Redis. Validation happens once, before any round trip, so a bad name never leaves
+//! anything behind on a server.
+
+use std::fmt;
+
+use crate::error::{Error, NameError};
+
+/// The rules a backend puts on lock names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NameRules {
+    /// ZooKeeper paths: no empty, `.` or `..` segments, no control characters, not under
+    /// the reserved `/zookeeper` tree, and short enough to leave room for entry names.
+    ZooKeeper,
+    /// etcd keys: any UTF-8 without control characters; segments as for ZooKeeper so the
+    /// prefix of one lock is never the prefix of another.
+    Etcd,
+    /// Redis keys: as etcd, and no `{` or `}` because the name becomes the hash tag.
+    Redis,
+}
+
+impl NameRules {
+    /// The longest name accepted, in bytes. ZooKeeper's limit leaves room for the
+    /// chroot, a sub-directory and a 60-byte entry name under its 1 MiB packet limit;
+    /// the others are kept equal so a name valid on one backend is valid on all.
+    pub const MAX_LEN: usize = 1024;
+}
+
+/// A lock name that passed validation. Always without leading or trailing `/`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockName(String);
+
+impl LockName {
+    /// Validates `name` against `rules`. A leading or trailing `/` is dropped, so `/a/b`
+    /// and `a/b` name the same lock.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] saying what is wrong with the name.
+    pub fn new(name: &str, rules: NameRules) -> Result<Self, Error> {
+        Self::check(name, rules).map_err(|reason| Error::InvalidName {
+            name: name.to_owned(),
+            reason,
+        })
+    }
+
+    fn check(name: &str, rules: NameRules) -> Result<Self, NameError> {
+        if let Some(pos) = name.bytes().position(|b| b.is_ascii_control()) {
+            return Err(NameError::ControlChar(pos));
+        }
+        if let Some(c) = name.chars().find(|c| {
+            ('\u{7f}'..='\u{9f}').contains(c)
+                || ('\u{e000}'..='\u{f8ff}').contains(c)
+                || ('\u{fff0}'..='\u{ffff}').contains(c)
+        }) {
+            return Err(NameError::BadChar(c));
+        }
+        let trimmed = name.trim_matches('/');
+        if trimmed.is_empty() {
+            return Err(NameError::Empty);
+        }
+        if trimmed.len() > NameRules::MAX_LEN {
+            return Err(NameError::TooLong {
+                len: trimmed.len(),
+                max: NameRules::MAX_LEN,
+            });
+        }
+        if trimmed
+            .split('/')
+            .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+        {
+            return Err(NameError::BadSegment);
+        }
+        match rules {
+            NameRules::ZooKeeper => {
+                if trimmed == "zookeeper" || trimmed.starts_with("zookeeper/") {
+                    return Err(NameError::Reserved("zookeeper"));
+                }
+            }
+            NameRules::Etcd => {}
+            NameRules::Redis => {
+                if let Some(c) = trimmed.chars().find(|c| *c == '{' || *c == '}') {
+                    return Err(NameError::BadChar(c));
+                }
+            }
+        }
+        Ok(LockName(trimmed.to_owned()))
+    }
+
+    /// The name without leading or trailing slash, e.g. `orders/42`.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for LockName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// One queue of entries under a lock: the lock itself, or one of its sub-directories
+/// (the semaphore's `leases` and `locks`, as Curator lays them out).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct QueuePath {
+    /// The lock the queue belongs to.
+    pub lock: LockName,
+    /// A sub-directory under the lock, or `None` for the lock's own directory.
+    pub sub: Option<&'static str>,
+}
+
+impl QueuePath {
+    /// The queue directly under `lock`.
+    pub fn root(lock: LockName) -> Self {
+        QueuePath { lock, sub: None }
+    }
+
+    /// The queue in `lock`'s sub-directory `sub`.
+    pub fn sub(lock: LockName, sub: &'static str) -> Self {
+        QueuePath {
+            lock,
+            sub: Some(sub),
+        }
+    }
+
+    /// The path relative to the backend's root, e.g. `orders/42/leases`.
+    pub fn relative(&self) -> String {
+        match self.sub {
+            Some(sub) => format!("{}/{}", self.lock, sub),
+            None => self.lock.to_string(),
+        }
+    }
+}
+
+impl fmt::Display for QueuePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.relative())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bad(name: &str, rules: NameRules) -> NameError {
+        match LockName::new(name, rules) {
+            Err(Error::InvalidName { reason, .. }) => reason,
+            other => panic!("expected InvalidName for {name:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn accepts_and_normalises() {
+        let n = LockName::new("/a/b/", NameRules::ZooKeeper).expect("valid");
+        assert_eq!(n.as_str(), "a/b");
+        assert_eq!(
+            LockName::new("orders-42", NameRules::Redis)
+                .expect("valid")
+                .as_str(),
+            "orders-42"
+        );
+    }
+
+    #[test]
+    fn rejects_bad_names() {
+        assert_eq!(bad("", NameRules::ZooKeeper), NameError::Empty);
+        assert_eq!(bad("///", NameRules::Etcd), NameError::Empty);
+        assert_eq!(bad("a\0b", NameRules::Etcd), NameError::ControlChar(1));
+        assert_eq!(bad("a//b", NameRules::ZooKeeper), NameError::BadSegment);
+        assert_eq!(bad("a/../b", NameRules::ZooKeeper), NameError::BadSegment);
+        assert_eq!(
+            bad("zookeeper/quota", NameRules::ZooKeeper),
+            NameError::Reserved("zookeeper")
+        );
+        assert_eq!(bad("a{b}", NameRules::Redis), NameError::BadChar('{'));
+        assert!(matches!(
+            bad(&"x".repeat(2000), NameRules::Etcd),
+            NameError::TooLong { .. }
+        ));
+    }
+
+    #[test]
+    fn queue_paths() {
+        let n = LockName::new("s", NameRules::ZooKeeper).expect("valid");
+        assert_eq!(QueuePath::root(n.clone()).relative(), "s");
+        assert_eq!(QueuePath::sub(n, "leases").relative(), "s/leases");
+    }
+}
