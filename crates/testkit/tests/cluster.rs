@@ -116,3 +116,41 @@ fn one_node_each_starts_survives_kill_restart_stop_and_goes_down() {
     assert!(!path.exists(), "state file left behind");
     let _ = std::fs::remove_dir_all(&state_dir);
 }
+
+/// Runs against the cluster `cargo xtask integration` started (through `DLOCK_TEST_STATE`):
+/// the leader of each quorum backend is killed, a new leader must appear among the others,
+/// and the old one comes back on its data dir. The cluster is whole again afterwards.
+#[test]
+fn shared_cluster_survives_leader_kill_and_restart() {
+    let Some(mut state) = dlock_testkit::require_state() else {
+        return;
+    };
+    let limit = Duration::from_secs(60);
+    for backend in [Backend::Zookeeper, Backend::Etcd] {
+        let nodes = state.servers_of(backend).count();
+        if nodes == 0 {
+            continue;
+        }
+        let old = state.wait_leader(backend, limit).expect("a leader");
+        state.kill(backend, old).expect("kill leader");
+        assert!(!state.server(backend, old).expect("node").is_running());
+        if nodes >= 3 {
+            let new = state.wait_leader(backend, limit).expect("a new leader");
+            assert_ne!(new, old, "{backend}: the killed node cannot lead");
+        }
+        state.restart(backend, old).expect("restart old leader");
+        let ids: Vec<u32> = state.servers_of(backend).map(|s| s.id).collect();
+        for id in ids {
+            state
+                .wait_ready(backend, id, limit)
+                .expect("node ready again");
+        }
+        // The file now names the new incarnation, for the tests that run after this one.
+        let path = state.path().expect("loaded from a file").to_path_buf();
+        let reloaded = State::load(&path).expect("reload");
+        assert_eq!(
+            reloaded.server(backend, old).expect("node").pid,
+            state.server(backend, old).expect("node").pid
+        );
+    }
+}
