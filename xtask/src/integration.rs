@@ -41,7 +41,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");
     }
-    let outcome = run_tests(root, &endpoints);
+    let outcome = run_all(root, &endpoints);
     cluster.down().context("tearing the cluster down")?;
     let counts = outcome?;
     // A plain closing line, after the teardown chatter, that any log reader can count.
@@ -83,18 +83,34 @@ impl Counts {
     }
 }
 
-fn run_tests(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
-    crate::header("cargo test --workspace --all-targets -- --test-threads 2");
+/// Every unit, property and integration test in one run, then the doc tests (which
+/// `--all-targets` leaves out), stopping at the first failure.
+fn run_all(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
+    let mut counts = run_tests(
+        root,
+        endpoints,
+        &["--workspace", "--all-targets", "--", "--test-threads", "2"],
+    )?;
+    if counts.exit_code == 0 && counts.failed == 0 {
+        let doc = run_tests(root, endpoints, &["--workspace", "--doc"])?;
+        counts.passed += doc.passed;
+        counts.failed += doc.failed;
+        counts.ignored += doc.ignored;
+        counts.exit_code = doc.exit_code;
+    }
+    if counts.exit_code == 0 && counts.passed == 0 {
+        eprintln!("xtask: cargo test ran no test");
+        counts.exit_code = 1;
+    }
+    Ok(counts)
+}
+
+fn run_tests(root: &Path, endpoints: &Endpoints, args: &[&str]) -> anyhow::Result<Counts> {
+    crate::header(&format!("cargo test {}", args.join(" ")));
     let mut child = crate::cargo()
         .current_dir(root)
-        .args([
-            "test",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "--test-threads",
-            "2",
-        ])
+        .arg("test")
+        .args(args)
         .envs(endpoints.to_env())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -114,10 +130,6 @@ fn run_tests(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
     let status = child.wait().context("waiting for cargo test")?;
     crate::teardown::set_child_group(0);
     counts.exit_code = status.code().unwrap_or(1);
-    if counts.exit_code == 0 && counts.passed == 0 {
-        eprintln!("xtask: cargo test ran no test");
-        counts.exit_code = 1;
-    }
     Ok(counts)
 }
 
