@@ -1,5 +1,57 @@
-//! `cargo xtask`: dlock's developer tasks (see matklad/cargo-xtask).
+//! `cargo xtask`: dlock's developer tasks, as an ordinary Rust binary (see
+//! matklad/cargo-xtask). One module per task; flags live in [`flags`].
+//!
+//! - `cluster up|down|status`: real ZooKeeper / etcd / Redis servers on 127.0.0.1.
+//! - `integration`: start servers, export `DLOCK_TEST_*`, run every test, tear down.
+//! - `ci`: fmt check, clippy, integration. What `.ci/run` calls.
+//! - `demo`: the stock-deduction scenario, with and without the lock.
+
+mod ci;
+mod cluster;
+mod demo;
+mod flags;
+mod integration;
+mod teardown;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Parser as _;
 
 fn main() -> anyhow::Result<()> {
-    anyhow::bail!("no tasks yet")
+    let cli = flags::Cli::parse();
+    let root = project_root();
+    let code = match cli.task {
+        flags::Task::Cluster(cmd) => cluster::run(&root, cmd)?,
+        flags::Task::Integration(args) => integration::run(&root, &args)?,
+        flags::Task::Ci(args) => ci::run(&root, &args)?,
+        flags::Task::Demo(args) => demo::run(&root, &args)?,
+        flags::Task::DemoWorker(args) => demo::worker(&args)?,
+        flags::Task::DemoBuy(args) => demo::buy(&args.dir)?,
+    };
+    std::process::exit(code)
+}
+
+/// The workspace root: the parent of this crate's manifest directory.
+fn project_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// The cargo that runs us (`$CARGO`), so sub-builds use the same toolchain.
+fn cargo() -> Command {
+    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// The target directory cargo builds into (`$CARGO_TARGET_DIR` or `<root>/target`).
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|p| if p.is_absolute() { p } else { root.join(p) })
+        .unwrap_or_else(|| root.join("target"))
+}
+
+/// Prints a step header, so a long CI log shows where each step starts.
+fn header(text: &str) {
+    eprintln!("\n==> {text}");
 }

@@ -1,0 +1,204 @@
+//! Server configurations and command lines, as pure functions so they are unit-tested.
+//!
+//! Timings are shortened for tests (see the infra notes): ZooKeeper tickTime 200 ms so a
+//! session can expire in 400 ms; etcd heartbeat 20 ms / election 200 ms so failover takes
+//! well under a second and the minimum lease TTL is 1 s.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use crate::ports::{client_port, etcd_peer_port, zk_peer_ports};
+use crate::Backend;
+
+/// The ZooKeeper server jar from Debian's `zookeeper` package; its manifest classpath pulls
+/// in every dependency.
+pub const ZK_JAR: &str = "/usr/share/java/zookeeper.jar";
+
+/// Optional SLF4J binding, so the server logs to its log file instead of staying silent.
+const SLF4J_SIMPLE_JAR: &str = "/usr/share/java/slf4j-simple.jar";
+
+/// Renders `zoo.cfg` for node `id` of an ensemble of `nodes` (1 = standalone).
+pub fn zoo_cfg(id: u32, nodes: u32, offset: u16, data_dir: &Path) -> String {
+    let mut cfg = String::new();
+    cfg.push_str("tickTime=200\n");
+    if nodes > 1 {
+        cfg.push_str("initLimit=20\nsyncLimit=10\n");
+    }
+    cfg.push_str("minSessionTimeout=400\nmaxSessionTimeout=60000\n");
+    let _ = writeln!(cfg, "dataDir={}", data_dir.display());
+    cfg.push_str("clientPortAddress=127.0.0.1\n");
+    let _ = writeln!(
+        cfg,
+        "clientPort={}",
+        client_port(Backend::Zookeeper, id, offset)
+    );
+    // Without this the Jetty admin server binds 8080 on all interfaces and two clusters clash.
+    cfg.push_str("admin.enableServer=false\n");
+    cfg.push_str("4lw.commands.whitelist=*\n");
+    if nodes > 1 {
+        for n in 1..=nodes {
+            let (quorum, election) = zk_peer_ports(n, offset);
+            let _ = writeln!(cfg, "server.{n}=127.0.0.1:{quorum}:{election}");
+        }
+    }
+    cfg
+}
+
+/// The command line that runs one ZooKeeper node from `cfg_path` in the foreground.
+///
+/// The container check interval is cut from 60 s to 1 s so tests can observe ZooKeeper
+/// deleting empty Curator-style container parents.
+pub fn zk_argv(cfg_path: &Path) -> Vec<String> {
+    let mut classpath = ZK_JAR.to_string();
+    if Path::new(SLF4J_SIMPLE_JAR).exists() {
+        classpath.push(':');
+        classpath.push_str(SLF4J_SIMPLE_JAR);
+    }
+    [
+        "java",
+        "-Xms32m",
+        "-Xmx256m",
+        "-XX:+UseSerialGC",
+        "-Dznode.container.checkIntervalMs=1000",
+        "-cp",
+        &classpath,
+        "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+        &cfg_path.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The command line of etcd node `id` of a cluster of `nodes`.
+pub fn etcd_argv(id: u32, nodes: u32, offset: u16, data_dir: &Path) -> Vec<String> {
+    let client = format!(
+        "http://127.0.0.1:{}",
+        client_port(Backend::Etcd, id, offset)
+    );
+    let peer = format!("http://127.0.0.1:{}", etcd_peer_port(id, offset));
+    let initial_cluster = (1..=nodes)
+        .map(|n| format!("e{n}=http://127.0.0.1:{}", etcd_peer_port(n, offset)))
+        .collect::<Vec<_>>()
+        .join(",");
+    vec![
+        "etcd".into(),
+        "--name".into(),
+        format!("e{id}"),
+        "--data-dir".into(),
+        data_dir.display().to_string(),
+        "--listen-client-urls".into(),
+        client.clone(),
+        "--advertise-client-urls".into(),
+        client,
+        "--listen-peer-urls".into(),
+        peer.clone(),
+        "--initial-advertise-peer-urls".into(),
+        peer,
+        "--initial-cluster".into(),
+        initial_cluster,
+        "--initial-cluster-state".into(),
+        "new".into(),
+        "--initial-cluster-token".into(),
+        format!("dlock-test-{offset}"),
+        "--heartbeat-interval=20".into(),
+        "--election-timeout=200".into(),
+        "--logger=zap".into(),
+        "--log-outputs=stderr".into(),
+    ]
+}
+
+/// The command line of Redis node `id`: an independent master without persistence, with
+/// `DEBUG` enabled so tests can stall it (`DEBUG SLEEP`).
+pub fn redis_argv(id: u32, offset: u16, dir: &Path) -> Vec<String> {
+    vec![
+        "redis-server".into(),
+        "--port".into(),
+        client_port(Backend::Redis, id, offset).to_string(),
+        "--bind".into(),
+        "127.0.0.1".into(),
+        "--save".into(),
+        String::new(),
+        "--appendonly".into(),
+        "no".into(),
+        "--dir".into(),
+        dir.display().to_string(),
+        "--enable-debug-command".into(),
+        "yes".into(),
+        "--loglevel".into(),
+        "warning".into(),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn standalone_zoo_cfg_has_fast_timings_and_no_quorum() {
+        let cfg = zoo_cfg(1, 1, 0, Path::new("/tmp/x/zk1/data"));
+        assert!(cfg.contains("tickTime=200\n"));
+        assert!(cfg.contains("minSessionTimeout=400\n"));
+        assert!(cfg.contains("clientPort=2181\n"));
+        assert!(cfg.contains("clientPortAddress=127.0.0.1\n"));
+        assert!(cfg.contains("admin.enableServer=false\n"));
+        assert!(cfg.contains("4lw.commands.whitelist=*\n"));
+        assert!(cfg.contains("dataDir=/tmp/x/zk1/data\n"));
+        assert!(!cfg.contains("server.1"));
+        assert!(!cfg.contains("initLimit"));
+    }
+
+    #[test]
+    fn ensemble_zoo_cfg_lists_every_peer_with_offset() {
+        let cfg = zoo_cfg(2, 3, 10, Path::new("/d"));
+        assert!(cfg.contains("clientPort=2192\n"));
+        assert!(cfg.contains("server.1=127.0.0.1:2898:3898\n"));
+        assert!(cfg.contains("server.2=127.0.0.1:2899:3899\n"));
+        assert!(cfg.contains("server.3=127.0.0.1:2900:3900\n"));
+        assert!(cfg.contains("initLimit=20\nsyncLimit=10\n"));
+    }
+
+    #[test]
+    fn zk_argv_runs_quorum_peer_main_with_container_interval() {
+        let argv = zk_argv(Path::new("/d/zoo.cfg"));
+        assert_eq!(argv[0], "java");
+        assert!(argv.contains(&"-Dznode.container.checkIntervalMs=1000".to_string()));
+        let cp = argv
+            .iter()
+            .position(|a| a == "-cp")
+            .expect("classpath flag");
+        assert!(argv[cp + 1].starts_with(ZK_JAR));
+        assert_eq!(
+            argv[argv.len() - 2],
+            "org.apache.zookeeper.server.quorum.QuorumPeerMain"
+        );
+        assert_eq!(argv[argv.len() - 1], "/d/zoo.cfg");
+    }
+
+    #[test]
+    fn etcd_argv_names_all_members_and_uses_fast_timings() {
+        let argv = etcd_argv(3, 3, 0, Path::new("/d/etcd3/data"));
+        let joined = argv.join(" ");
+        assert!(joined.contains("--name e3 "));
+        assert!(joined.contains("--listen-client-urls http://127.0.0.1:2579 "));
+        assert!(joined.contains("--listen-peer-urls http://127.0.0.1:2580 "));
+        assert!(joined.contains(
+            "--initial-cluster e1=http://127.0.0.1:2380,e2=http://127.0.0.1:2480,e3=http://127.0.0.1:2580 "
+        ));
+        assert!(joined.contains("--heartbeat-interval=20 --election-timeout=200"));
+    }
+
+    #[test]
+    fn redis_argv_disables_persistence_and_enables_debug() {
+        let argv = redis_argv(2, 5, Path::new("/d/redis2"));
+        assert_eq!(argv[0], "redis-server");
+        assert_eq!(argv[2], "6385");
+        let save = argv.iter().position(|a| a == "--save").expect("--save");
+        assert_eq!(argv[save + 1], "");
+        let dbg = argv
+            .iter()
+            .position(|a| a == "--enable-debug-command")
+            .expect("debug flag");
+        assert_eq!(argv[dbg + 1], "yes");
+    }
+}

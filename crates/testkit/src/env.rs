@@ -1,0 +1,187 @@
+//! The environment contract between `cargo xtask integration` and the tests.
+
+use std::path::PathBuf;
+
+use crate::State;
+
+/// ZooKeeper connect string, e.g. `127.0.0.1:2181,127.0.0.1:2182,127.0.0.1:2183`.
+pub const ENV_ZK: &str = "DLOCK_TEST_ZK";
+/// etcd endpoints, e.g. `127.0.0.1:2379,127.0.0.1:2479,127.0.0.1:2579`.
+pub const ENV_ETCD: &str = "DLOCK_TEST_ETCD";
+/// One Redis master, e.g. `127.0.0.1:6379`.
+pub const ENV_REDIS: &str = "DLOCK_TEST_REDIS";
+/// Comma list of independent Redis masters for Redlock.
+pub const ENV_REDLOCK: &str = "DLOCK_TEST_REDLOCK";
+/// Path of the cluster state JSON, for fault tests.
+pub const ENV_STATE: &str = "DLOCK_TEST_STATE";
+
+/// Where the test servers are. Each field is `None` when that backend is not running.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Endpoints {
+    /// [`ENV_ZK`].
+    pub zk: Option<String>,
+    /// [`ENV_ETCD`].
+    pub etcd: Option<String>,
+    /// [`ENV_REDIS`].
+    pub redis: Option<String>,
+    /// [`ENV_REDLOCK`].
+    pub redlock: Option<String>,
+    /// [`ENV_STATE`].
+    pub state: Option<PathBuf>,
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+impl Endpoints {
+    /// Reads the `DLOCK_TEST_*` variables; empty values count as missing.
+    pub fn from_env() -> Endpoints {
+        Endpoints {
+            zk: var(ENV_ZK),
+            etcd: var(ENV_ETCD),
+            redis: var(ENV_REDIS),
+            redlock: var(ENV_REDLOCK),
+            state: var(ENV_STATE).map(PathBuf::from),
+        }
+    }
+
+    /// The variables to export for these endpoints (only the ones present).
+    pub fn to_env(&self) -> Vec<(&'static str, String)> {
+        let mut vars = Vec::new();
+        let pairs = [
+            (ENV_ZK, &self.zk),
+            (ENV_ETCD, &self.etcd),
+            (ENV_REDIS, &self.redis),
+            (ENV_REDLOCK, &self.redlock),
+        ];
+        for (name, value) in pairs {
+            if let Some(v) = value {
+                vars.push((name, v.clone()));
+            }
+        }
+        if let Some(p) = &self.state {
+            vars.push((ENV_STATE, p.display().to_string()));
+        }
+        vars
+    }
+
+    /// The endpoints as URLs for the `dlock` CLI and humans: `zk://a,b,c`, `etcd://a,b,c`,
+    /// `redis://a`, `redlock://a,b,c,d,e`.
+    pub fn urls(&self) -> Vec<String> {
+        let mut urls = Vec::new();
+        let pairs = [
+            ("zk", &self.zk),
+            ("etcd", &self.etcd),
+            ("redis", &self.redis),
+            ("redlock", &self.redlock),
+        ];
+        for (scheme, value) in pairs {
+            if let Some(v) = value {
+                urls.push(format!("{scheme}://{v}"));
+            }
+        }
+        urls
+    }
+}
+
+/// True when `CI` is set to something other than empty, `0` or `false`.
+fn in_ci() -> bool {
+    var("CI").is_some_and(|v| v != "0" && !v.eq_ignore_ascii_case("false"))
+}
+
+/// The value of `name`, or the skip/fail rule when it is missing.
+///
+/// # Panics
+/// When the variable is missing and `CI` is set: a CI run that silently skipped the real
+/// server tests would be a green build that tested nothing.
+fn require(name: &str) -> Option<String> {
+    if let Some(v) = var(name) {
+        return Some(v);
+    }
+    if in_ci() {
+        panic!(
+            "{name} is not set but CI is: server tests must run in CI. Run them through `cargo xtask integration` (or `cargo xtask ci`), which starts the servers and exports {name}."
+        );
+    }
+    eprintln!(
+        "\n==================== SKIPPED: {name} not set (run through cargo xtask integration) ====================\n"
+    );
+    None
+}
+
+/// The ZooKeeper connect string from [`ENV_ZK`], or `None` after printing a loud
+/// `SKIPPED` line. Call it first in a test and `return` on `None`.
+///
+/// # Panics
+/// When the variable is missing and env `CI` is set.
+pub fn require_zk() -> Option<String> {
+    require(ENV_ZK)
+}
+
+/// The etcd endpoints from [`ENV_ETCD`]; same skip/fail rule as [`require_zk`].
+///
+/// # Panics
+/// When the variable is missing and env `CI` is set.
+pub fn require_etcd() -> Option<String> {
+    require(ENV_ETCD)
+}
+
+/// The single Redis master from [`ENV_REDIS`]; same skip/fail rule as [`require_zk`].
+///
+/// # Panics
+/// When the variable is missing and env `CI` is set.
+pub fn require_redis() -> Option<String> {
+    require(ENV_REDIS)
+}
+
+/// The comma list of Redlock masters from [`ENV_REDLOCK`]; same skip/fail rule as
+/// [`require_zk`]. `--single` integration runs have one Redis and do not set it.
+///
+/// # Panics
+/// When the variable is missing and env `CI` is set.
+pub fn require_redlock() -> Option<String> {
+    require(ENV_REDLOCK)
+}
+
+/// The loaded cluster [`State`] from [`ENV_STATE`], for fault tests; same skip/fail rule
+/// as [`require_zk`].
+///
+/// # Panics
+/// When the variable is missing and env `CI` is set, or when the file named by it cannot
+/// be loaded (a broken harness must fail the test, not skip it).
+pub fn require_state() -> Option<State> {
+    let path = require(ENV_STATE)?;
+    match State::load(&path) {
+        Ok(state) => Some(state),
+        Err(e) => panic!("{ENV_STATE}={path} cannot be loaded: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_env_list_only_present_backends() {
+        let e = Endpoints {
+            zk: Some("127.0.0.1:2181,127.0.0.1:2182".into()),
+            etcd: None,
+            redis: Some("127.0.0.1:6379".into()),
+            redlock: Some("127.0.0.1:6379,127.0.0.1:6380".into()),
+            state: Some(PathBuf::from("/t/state.json")),
+        };
+        assert_eq!(
+            e.urls(),
+            vec![
+                "zk://127.0.0.1:2181,127.0.0.1:2182".to_string(),
+                "redis://127.0.0.1:6379".to_string(),
+                "redlock://127.0.0.1:6379,127.0.0.1:6380".to_string(),
+            ]
+        );
+        let env = e.to_env();
+        assert_eq!(env.len(), 4);
+        assert!(env.contains(&(ENV_STATE, "/t/state.json".to_string())));
+        assert!(!env.iter().any(|(k, _)| *k == ENV_ETCD));
+    }
+}

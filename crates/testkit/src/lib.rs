@@ -1,0 +1,47 @@
+//! Real-server test infrastructure for dlock.
+//!
+//! dlock's integration tests run against real ZooKeeper, etcd and Redis servers, never
+//! mocks. This crate starts them as plain child processes on 127.0.0.1 with throwaway data
+//! directories, records every process in a JSON state file so another process (a test,
+//! `cargo xtask cluster status`, a second shell) can find, kill, stop and restart them, and
+//! tells tests where the servers are.
+//!
+//! # Where to start
+//! - Writing a test that needs a server: call [`require_zk`], [`require_etcd`],
+//!   [`require_redis`] or [`require_redlock`] at the top. They return the endpoint that
+//!   `cargo xtask integration` exported, or skip loudly (fail under `CI`) when it is missing.
+//! - Writing a fault test: [`require_state`] loads the [`State`] of the running cluster;
+//!   [`State::kill`], [`State::stop`], [`State::cont`], [`State::restart`],
+//!   [`State::zk_leader`] and [`State::etcd_leader`] act on single nodes.
+//! - Starting servers yourself: build a [`ClusterSpec`] and call [`Cluster::start`]. The
+//!   returned [`Cluster`] kills its servers when dropped unless you [`Cluster::detach`] it.
+//!
+//! # The design decision
+//! Servers are identified by PID *and* process start time (from `/proc/PID/stat`), never by
+//! name: other sessions on the same machine run the same servers on other ports, and a PID
+//! recorded in a stale state file may have been reused. Nothing here ever signals a process
+//! whose start time does not match the one recorded when it was spawned.
+
+#![deny(missing_docs)]
+
+mod cluster;
+mod config;
+mod env;
+mod error;
+mod install;
+mod ports;
+mod probe;
+mod process;
+mod state;
+
+pub use cluster::{spawn_lock, Cluster, ClusterSpec};
+pub use config::{etcd_argv, redis_argv, zk_argv, zoo_cfg, ZK_JAR};
+pub use env::{
+    require_etcd, require_redis, require_redlock, require_state, require_zk, Endpoints, ENV_ETCD,
+    ENV_REDIS, ENV_REDLOCK, ENV_STATE, ENV_ZK,
+};
+pub use error::{Error, Result};
+pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
+pub use ports::{client_port, find_free_offset, ports_in_use, MAX_PORT_OFFSET};
+pub use probe::{etcd_healthy, redis_ping, zk_mode, ZkMode};
+pub use state::{default_state_path, Backend, Server, State};

@@ -1,0 +1,632 @@
+//! The cluster state file and per-node operations: kill, stop, continue, restart, leader.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::OpenOptions;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
+
+use crate::error::io_ctx;
+use crate::probe::{etcd_healthy, redis_ping, zk_mode, ZkMode};
+use crate::process::{self, is_alive, is_stopped, proc_stat};
+use crate::{Endpoints, Error, Result};
+
+/// How long a restarted node may take to answer its readiness probe. Generous: the machine
+/// has two cores shared with compilers.
+const READY_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// How long a SIGKILLed process may take to disappear.
+const DEATH_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// One of the three server kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Apache ZooKeeper.
+    Zookeeper,
+    /// etcd (v3 API).
+    Etcd,
+    /// Redis.
+    Redis,
+}
+
+impl Backend {
+    /// All backends, in the order clusters start them.
+    pub const ALL: [Backend; 3] = [Backend::Zookeeper, Backend::Etcd, Backend::Redis];
+
+    /// The short name used in URLs, directories and messages: `zk`, `etcd`, `redis`.
+    pub fn short(self) -> &'static str {
+        match self {
+            Backend::Zookeeper => "zk",
+            Backend::Etcd => "etcd",
+            Backend::Redis => "redis",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Zookeeper => "zookeeper",
+            Backend::Etcd => "etcd",
+            Backend::Redis => "redis",
+        })
+    }
+}
+
+impl FromStr for Backend {
+    type Err = String;
+
+    /// Accepts `zk`, `zookeeper`, `etcd`, `redis` (any case).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "zk" | "zookeeper" => Ok(Backend::Zookeeper),
+            "etcd" => Ok(Backend::Etcd),
+            "redis" => Ok(Backend::Redis),
+            other => Err(format!(
+                "unknown backend {other:?} (expected zk, etcd or redis)"
+            )),
+        }
+    }
+}
+
+/// One server process as recorded in the state file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Server {
+    /// Which server this is.
+    pub backend: Backend,
+    /// Node id, 1-based, unique per backend.
+    pub id: u32,
+    /// Client address, `127.0.0.1:PORT`.
+    pub addr: String,
+    /// PID of the current incarnation (updated by [`State::restart`]).
+    pub pid: u32,
+    /// Start time of that PID in clock ticks since boot (`/proc/PID/stat` field 22). A PID
+    /// whose start time differs is a different process and is never signalled.
+    pub start_time: u64,
+    /// The node's own directory: working directory, config, data and log live here.
+    pub data_dir: PathBuf,
+    /// stdout and stderr of every incarnation, appended.
+    pub log_path: PathBuf,
+    /// The full command line; [`State::restart`] runs exactly this again.
+    pub argv: Vec<String>,
+}
+
+impl Server {
+    /// True when this incarnation is alive (a stopped process is alive; a zombie is not).
+    pub fn is_running(&self) -> bool {
+        is_alive(self.pid, self.start_time)
+    }
+
+    /// True when this incarnation is stopped by SIGSTOP.
+    pub fn is_stopped(&self) -> bool {
+        is_stopped(self.pid, self.start_time)
+    }
+
+    /// Probes the client port once: `srvr` mode, `/health`, or `PING`.
+    pub fn is_ready(&self, timeout: Duration) -> bool {
+        match self.backend {
+            Backend::Zookeeper => zk_mode(&self.addr, timeout).is_some(),
+            Backend::Etcd => etcd_healthy(&self.addr, timeout),
+            Backend::Redis => redis_ping(&self.addr, timeout),
+        }
+    }
+
+    /// The last `lines` lines of the log, for error messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Starts this server's argv in its data dir as a new process group, so it outlives the
+    /// process that started it and a Ctrl-C in the terminal does not reach it.
+    pub(crate) fn spawn(&mut self) -> Result<Child> {
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .map_err(io_ctx(format!("opening {}", self.log_path.display())))?;
+        let log_err = log
+            .try_clone()
+            .map_err(io_ctx(format!("duplicating {}", self.log_path.display())))?;
+        let (program, args) = self.argv.split_first().ok_or_else(|| {
+            Error::InvalidSpec(format!(
+                "{} node {} has an empty argv",
+                self.backend, self.id
+            ))
+        })?;
+        let child = Command::new(program)
+            .args(args)
+            .current_dir(&self.data_dir)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(0)
+            .spawn()
+            .map_err(io_ctx(format!("starting {}", self.argv.join(" "))))?;
+        self.pid = child.id();
+        // The stat exists as soon as fork returned; a process that already exited (bad
+        // argv) leaves a zombie whose stat is still readable until we wait.
+        self.start_time = proc_stat(self.pid).map(|s| s.start_time).unwrap_or(0);
+        Ok(child)
+    }
+}
+
+/// The default state file: `<workspace>/target/dlock-cluster/state.json`.
+///
+/// `workspace` is the directory holding the root `Cargo.toml`.
+pub fn default_state_path(workspace: &Path) -> PathBuf {
+    workspace
+        .join("target")
+        .join("dlock-cluster")
+        .join("state.json")
+}
+
+/// A running (or once running) set of servers, loadable from another process.
+///
+/// The JSON file holds every [`Server`] with its argv, so any process can find, signal and
+/// restart nodes. Methods that change a PID write the file back when the state has a path.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct State {
+    /// The temporary directory holding every node's data dir; deleted by [`State::down`].
+    pub root_dir: PathBuf,
+    /// The port offset the cluster was started with.
+    pub port_offset: u16,
+    /// Every server, in start order.
+    pub servers: Vec<Server>,
+    /// Where this state is saved, if anywhere.
+    #[serde(skip)]
+    path: Option<PathBuf>,
+    /// Handles of the servers this process spawned, to reap them promptly after a kill.
+    #[serde(skip)]
+    children: HashMap<(Backend, u32), Child>,
+}
+
+impl State {
+    /// An empty state rooted at `root_dir`, saved to `path` if given.
+    pub(crate) fn new(root_dir: PathBuf, port_offset: u16, path: Option<PathBuf>) -> State {
+        State {
+            root_dir,
+            port_offset,
+            servers: Vec::new(),
+            path,
+            children: HashMap::new(),
+        }
+    }
+
+    /// Reads a state file written by `cargo xtask cluster up` or [`crate::Cluster::start`].
+    pub fn load(path: impl AsRef<Path>) -> Result<State> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(io_ctx(format!("reading state file {}", path.display())))?;
+        let mut state: State = serde_json::from_str(&text).map_err(|source| Error::StateFile {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        state.path = Some(path.to_path_buf());
+        Ok(state)
+    }
+
+    /// Where this state is saved, if anywhere.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// Writes the state file atomically (temp file + rename); a no-op without a path.
+    pub fn save(&self) -> Result<()> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io_ctx(format!("creating {}", dir.display())))?;
+        }
+        let text = serde_json::to_string_pretty(self).map_err(|source| Error::StateFile {
+            path: path.clone(),
+            source,
+        })?;
+        let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
+        std::fs::write(&tmp, text).map_err(io_ctx(format!("writing {}", tmp.display())))?;
+        std::fs::rename(&tmp, path).map_err(io_ctx(format!("renaming to {}", path.display())))
+    }
+
+    /// The server `id` of `backend`.
+    pub fn server(&self, backend: Backend, id: u32) -> Result<&Server> {
+        self.servers
+            .iter()
+            .find(|s| s.backend == backend && s.id == id)
+            .ok_or(Error::UnknownServer { backend, id })
+    }
+
+    fn server_index(&self, backend: Backend, id: u32) -> Result<usize> {
+        self.servers
+            .iter()
+            .position(|s| s.backend == backend && s.id == id)
+            .ok_or(Error::UnknownServer { backend, id })
+    }
+
+    /// The servers of one backend, by id.
+    pub fn servers_of(&self, backend: Backend) -> impl Iterator<Item = &Server> {
+        self.servers.iter().filter(move |s| s.backend == backend)
+    }
+
+    /// Comma-separated client addresses of one backend (`127.0.0.1:2181,127.0.0.1:2182`).
+    pub fn addrs(&self, backend: Backend) -> String {
+        self.servers_of(backend)
+            .map(|s| s.addr.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The endpoints of this cluster, in the `DLOCK_TEST_*` format.
+    ///
+    /// `redis` is the first Redis node; `redlock` lists all Redis nodes when there are
+    /// more than one; `state` is this state's file.
+    pub fn endpoints(&self) -> Endpoints {
+        let non_empty = |s: String| (!s.is_empty()).then_some(s);
+        let redis: Vec<&Server> = self.servers_of(Backend::Redis).collect();
+        Endpoints {
+            zk: non_empty(self.addrs(Backend::Zookeeper)),
+            etcd: non_empty(self.addrs(Backend::Etcd)),
+            redis: redis.first().map(|s| s.addr.clone()),
+            redlock: (redis.len() > 1).then(|| self.addrs(Backend::Redis)),
+            state: self.path.clone(),
+        }
+    }
+
+    pub(crate) fn push_spawned(&mut self, mut server: Server) -> Result<()> {
+        let child = server.spawn()?;
+        self.children.insert((server.backend, server.id), child);
+        self.servers.push(server);
+        self.save()
+    }
+
+    /// SIGKILLs node `id` of `backend` and waits until it is gone (or a zombie).
+    ///
+    /// A node that is already dead is fine. The node stays in the state so it can be
+    /// [`State::restart`]ed; its data dir is kept.
+    pub fn kill(&mut self, backend: Backend, id: u32) -> Result<()> {
+        let idx = self.server_index(backend, id)?;
+        let (pid, start) = (self.servers[idx].pid, self.servers[idx].start_time);
+        process::signal(pid, start, Signal::SIGKILL)?;
+        if let Some(mut child) = self.children.remove(&(backend, id)) {
+            // Our own child: reap it, which is both prompt and leaves no zombie.
+            child
+                .wait()
+                .map_err(io_ctx(format!("waiting for pid {pid}")))?;
+        }
+        process::wait_dead(pid, start, DEATH_TIMEOUT)
+    }
+
+    /// SIGSTOPs node `id` of `backend` (a hang: connections stay open, nothing answers) and
+    /// waits until the kernel reports it stopped.
+    pub fn stop(&self, backend: Backend, id: u32) -> Result<()> {
+        let s = self.server(backend, id)?;
+        if process::signal(s.pid, s.start_time, Signal::SIGSTOP)?
+            && !process::wait_stopped(s.pid, s.start_time, Duration::from_secs(10))
+        {
+            return Err(Error::Command {
+                command: format!("SIGSTOP pid {}", s.pid),
+                detail: "process did not enter the stopped state".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// SIGCONTs node `id` of `backend` after [`State::stop`].
+    pub fn cont(&self, backend: Backend, id: u32) -> Result<()> {
+        let s = self.server(backend, id)?;
+        process::signal(s.pid, s.start_time, Signal::SIGCONT)?;
+        Ok(())
+    }
+
+    /// Starts node `id` of `backend` again with the same argv and data dir, records the new
+    /// PID (saving the state file), and waits until it answers its readiness probe.
+    ///
+    /// A node that is still running is killed first, so this is also "bounce the node".
+    /// For an ensemble member, readiness means it rejoined a quorum.
+    pub fn restart(&mut self, backend: Backend, id: u32) -> Result<()> {
+        self.kill(backend, id)?;
+        let idx = self.server_index(backend, id)?;
+        let child = {
+            let _guard = crate::cluster::spawn_lock();
+            let child = self.servers[idx].spawn()?;
+            self.save()?;
+            child
+        };
+        self.children.insert((backend, id), child);
+        self.wait_ready(backend, id, READY_TIMEOUT)
+    }
+
+    /// Waits until node `id` of `backend` answers its readiness probe.
+    ///
+    /// Fails early with [`Error::Exited`] when the process dies meanwhile.
+    pub fn wait_ready(&self, backend: Backend, id: u32, timeout: Duration) -> Result<()> {
+        let s = self.server(backend, id)?;
+        let started = Instant::now();
+        loop {
+            if !s.is_running() {
+                return Err(Error::Exited {
+                    backend,
+                    id,
+                    log_tail: s.log_tail(20),
+                });
+            }
+            if s.is_ready(Duration::from_secs(1)) {
+                return Ok(());
+            }
+            if started.elapsed() > timeout {
+                return Err(Error::NotReady {
+                    backend,
+                    id,
+                    addr: s.addr.clone(),
+                    waited_secs: timeout.as_secs(),
+                    log_tail: s.log_tail(20),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Live (running and not stopped) servers of one backend.
+    fn live(&self, backend: Backend) -> impl Iterator<Item = &Server> {
+        self.servers_of(backend)
+            .filter(|s| s.is_running() && !s.is_stopped())
+    }
+
+    /// The id of the ZooKeeper node that reports `Mode: leader` right now (or `standalone`
+    /// for a one-node cluster), or `None` during an election. Stopped and dead nodes are
+    /// not asked.
+    pub fn zk_leader(&self) -> Option<u32> {
+        self.live(Backend::Zookeeper)
+            .find(|s| {
+                matches!(
+                    zk_mode(&s.addr, Duration::from_secs(1)),
+                    Some(ZkMode::Leader | ZkMode::Standalone)
+                )
+            })
+            .map(|s| s.id)
+    }
+
+    /// The id of the etcd member that is leader according to the live members, or `None`
+    /// when none of them reports one right now (election in progress, or all too slow).
+    ///
+    /// Uses `etcdctl endpoint status -w json` against live nodes only with short dial and
+    /// command timeouts: a dead endpoint would otherwise cost seconds per call.
+    pub fn etcd_leader(&self) -> Result<Option<u32>> {
+        let live: Vec<&Server> = self.live(Backend::Etcd).collect();
+        if live.is_empty() {
+            return Ok(None);
+        }
+        let endpoints = live
+            .iter()
+            .map(|s| s.addr.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        let args = [
+            format!("--endpoints={endpoints}"),
+            "--dial-timeout=300ms".into(),
+            "--command-timeout=1s".into(),
+            "endpoint".into(),
+            "status".into(),
+            "-w".into(),
+            "json".into(),
+        ];
+        let out = Command::new("etcdctl")
+            .args(&args)
+            .env("ETCDCTL_API", "3")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(io_ctx("running etcdctl endpoint status"))?;
+        // With one slow member etcdctl exits non-zero but still prints the others' status.
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        Ok(parse_etcd_leader(&stdout).and_then(|leader_addr| {
+            live.iter()
+                .find(|s| s.addr == leader_addr || leader_addr.ends_with(&s.addr))
+                .map(|s| s.id)
+        }))
+    }
+
+    /// Polls [`State::zk_leader`] or [`State::etcd_leader`] until a leader shows up.
+    ///
+    /// Redis has no leader; asking for one is [`Error::InvalidSpec`].
+    pub fn wait_leader(&self, backend: Backend, timeout: Duration) -> Result<u32> {
+        let started = Instant::now();
+        loop {
+            let leader = match backend {
+                Backend::Zookeeper => self.zk_leader(),
+                Backend::Etcd => self.etcd_leader()?,
+                Backend::Redis => {
+                    return Err(Error::InvalidSpec("Redis nodes have no leader".into()))
+                }
+            };
+            if let Some(id) = leader {
+                return Ok(id);
+            }
+            if started.elapsed() > timeout {
+                return Err(Error::Command {
+                    command: format!("wait for {backend} leader"),
+                    detail: format!("no leader after {} s", timeout.as_secs()),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills every server (SIGKILL, then reap or poll until gone), deletes the data
+    /// directory and the state file.
+    ///
+    /// Processes whose recorded start time no longer matches are left alone: they are
+    /// someone else's.
+    pub fn down(mut self) -> Result<()> {
+        self.down_in_place()
+    }
+
+    pub(crate) fn down_in_place(&mut self) -> Result<()> {
+        let mut first_error = None;
+        let ids: Vec<(Backend, u32)> = self.servers.iter().map(|s| (s.backend, s.id)).collect();
+        // Signal everything first so etcd members do not wait on each other, then wait.
+        for s in &self.servers {
+            if let Err(e) = process::signal(s.pid, s.start_time, Signal::SIGKILL) {
+                first_error.get_or_insert(e);
+            }
+        }
+        for (backend, id) in ids {
+            if let Err(e) = self.kill(backend, id) {
+                first_error.get_or_insert(e);
+            }
+        }
+        // Only delete what we created: a directory named like ours.
+        let ours = self
+            .root_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("dlock-cluster-"));
+        if ours && self.root_dir.exists() {
+            if let Err(e) = std::fs::remove_dir_all(&self.root_dir) {
+                first_error.get_or_insert(Error::Io {
+                    context: format!("removing {}", self.root_dir.display()),
+                    source: e,
+                });
+            }
+        }
+        if let Some(path) = &self.path {
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    first_error.get_or_insert(Error::Io {
+                        context: format!("removing {}", path.display()),
+                        source: e,
+                    });
+                }
+            }
+        }
+        self.servers.clear();
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The endpoint whose member id equals the leader id in `etcdctl endpoint status -w json`.
+fn parse_etcd_leader(json: &str) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_str(json.trim()).ok()?;
+    value.as_array()?.iter().find_map(|e| {
+        let status = e.get("Status")?;
+        let member = status.get("header")?.get("member_id")?.as_u64()?;
+        let leader = status.get("leader")?.as_u64()?;
+        (member == leader).then(|| e.get("Endpoint")?.as_str().map(str::to_string))?
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_state(path: PathBuf) -> State {
+        let mut state = State::new(PathBuf::from("/tmp/dlock-cluster-test"), 7, Some(path));
+        state.servers.push(Server {
+            backend: Backend::Zookeeper,
+            id: 1,
+            addr: "127.0.0.1:2188".into(),
+            pid: 4242,
+            start_time: 99,
+            data_dir: "/tmp/dlock-cluster-test/zk1".into(),
+            log_path: "/tmp/dlock-cluster-test/zk1/out.log".into(),
+            argv: vec!["java".into(), "-cp".into(), "x".into(), String::new()],
+        });
+        state.servers.push(Server {
+            backend: Backend::Redis,
+            id: 1,
+            addr: "127.0.0.1:6386".into(),
+            pid: 4243,
+            start_time: 100,
+            data_dir: "/tmp/dlock-cluster-test/redis1".into(),
+            log_path: "/tmp/dlock-cluster-test/redis1/out.log".into(),
+            argv: vec!["redis-server".into()],
+        });
+        state
+    }
+
+    #[test]
+    fn state_file_round_trips() {
+        let dir = std::env::temp_dir().join(format!("dlock-testkit-rt-{}", std::process::id()));
+        let path = dir.join("nested").join("state.json");
+        let state = sample_state(path.clone());
+        state.save().expect("save");
+        let loaded = State::load(&path).expect("load");
+        assert_eq!(loaded.servers, state.servers);
+        assert_eq!(loaded.root_dir, state.root_dir);
+        assert_eq!(loaded.port_offset, 7);
+        assert_eq!(loaded.path(), Some(path.as_path()));
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert!(text.contains("\"backend\": \"zookeeper\""), "{text}");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn load_reports_bad_json_with_the_path() {
+        let path =
+            std::env::temp_dir().join(format!("dlock-testkit-bad-{}.json", std::process::id()));
+        std::fs::write(&path, "{not json").expect("write");
+        let err = State::load(&path).expect_err("must fail");
+        assert!(matches!(err, Error::StateFile { .. }), "{err}");
+        assert!(err.to_string().contains(&path.display().to_string()));
+        std::fs::remove_file(&path).expect("cleanup");
+    }
+
+    #[test]
+    fn endpoints_follow_the_env_contract() {
+        let mut state = sample_state(PathBuf::from("/x/state.json"));
+        let e = state.endpoints();
+        assert_eq!(e.zk.as_deref(), Some("127.0.0.1:2188"));
+        assert_eq!(e.etcd, None);
+        assert_eq!(e.redis.as_deref(), Some("127.0.0.1:6386"));
+        assert_eq!(e.redlock, None, "one Redis is no Redlock set");
+        let mut second = state.servers[1].clone();
+        second.id = 2;
+        second.addr = "127.0.0.1:6387".into();
+        state.servers.push(second);
+        assert_eq!(
+            state.endpoints().redlock.as_deref(),
+            Some("127.0.0.1:6386,127.0.0.1:6387")
+        );
+    }
+
+    #[test]
+    fn unknown_server_is_a_typed_error() {
+        let mut state = sample_state(PathBuf::from("/x/state.json"));
+        assert!(matches!(
+            state.kill(Backend::Etcd, 1),
+            Err(Error::UnknownServer {
+                backend: Backend::Etcd,
+                id: 1
+            })
+        ));
+    }
+
+    #[test]
+    fn parses_etcdctl_status_json() {
+        let json = r#"[{"Endpoint":"127.0.0.1:2379","Status":{"header":{"cluster_id":1,"member_id":11,"revision":5,"raft_term":2},"version":"3.4.23","dbSize":20480,"leader":12,"raftIndex":9,"raftTerm":2}},
+                       {"Endpoint":"127.0.0.1:2479","Status":{"header":{"cluster_id":1,"member_id":12,"revision":5,"raft_term":2},"version":"3.4.23","dbSize":20480,"leader":12,"raftIndex":9,"raftTerm":2}}]"#;
+        assert_eq!(parse_etcd_leader(json).as_deref(), Some("127.0.0.1:2479"));
+        assert_eq!(parse_etcd_leader("[]"), None);
+        assert_eq!(parse_etcd_leader("Error: context deadline exceeded"), None);
+    }
+
+    #[test]
+    fn backend_names_parse() {
+        assert_eq!("zk".parse::<Backend>(), Ok(Backend::Zookeeper));
+        assert_eq!("ZooKeeper".parse::<Backend>(), Ok(Backend::Zookeeper));
+        assert_eq!("etcd".parse::<Backend>(), Ok(Backend::Etcd));
+        assert!("mysql".parse::<Backend>().is_err());
+    }
+}

@@ -1,0 +1,156 @@
+//! Starts one real ZooKeeper, etcd and Redis, exercises the fault-injection API on them,
+//! and tears them down. Needs only the Debian packages (`ensure_installed` adds them).
+
+use std::time::{Duration, Instant};
+
+use dlock_testkit::{
+    ensure_installed, etcd_healthy, find_free_offset, redis_ping, zk_mode, Backend, Cluster,
+    ClusterSpec, State, ZkMode,
+};
+
+fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !cond() {
+        assert!(started.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn one_node_each_starts_survives_kill_restart_stop_and_goes_down() {
+    ensure_installed().expect("server packages installed");
+    let state_dir = std::env::temp_dir().join(format!("dlock-testkit-it-{}", std::process::id()));
+    let mut spec = ClusterSpec {
+        zk: 1,
+        etcd: 1,
+        redis: 1,
+        state_path: Some(state_dir.join("state.json")),
+        ..ClusterSpec::default()
+    };
+    // Away from the default ports, which `cargo xtask integration` uses meanwhile.
+    spec.port_offset =
+        find_free_offset(&spec, (0..200u16).map(|k| 20_000 + k * 150)).expect("a free port offset");
+    let mut cluster = Cluster::start(&spec).expect("cluster starts");
+
+    let zk = cluster.server(Backend::Zookeeper, 1).expect("zk1").clone();
+    let etcd = cluster.server(Backend::Etcd, 1).expect("etcd1").clone();
+    let redis = cluster.server(Backend::Redis, 1).expect("redis1").clone();
+    let probe = Duration::from_secs(2);
+    assert_eq!(zk_mode(&zk.addr, probe), Some(ZkMode::Standalone));
+    assert!(etcd_healthy(&etcd.addr, probe));
+    assert!(redis_ping(&redis.addr, probe));
+    assert_eq!(
+        zk.addr,
+        format!("127.0.0.1:{}", 2181 + spec.port_offset),
+        "port layout"
+    );
+    assert_eq!(cluster.zk_leader(), Some(1));
+    assert_eq!(
+        cluster
+            .wait_leader(Backend::Etcd, Duration::from_secs(30))
+            .expect("etcd leader"),
+        1
+    );
+
+    // Another process's view: the state file has every server with its argv.
+    let path = spec.state_path.clone().expect("state path");
+    let loaded = State::load(&path).expect("state file loads");
+    assert_eq!(loaded.servers, cluster.servers);
+    assert_eq!(cluster.endpoints().zk.as_deref(), Some(zk.addr.as_str()));
+
+    // Kill and restart Redis: same port, new pid, written back to the file.
+    cluster.kill(Backend::Redis, 1).expect("kill redis");
+    assert!(!redis.is_running(), "redis pid {} still alive", redis.pid);
+    assert!(!redis_ping(&redis.addr, Duration::from_millis(500)));
+    cluster.restart(Backend::Redis, 1).expect("restart redis");
+    let restarted = cluster.server(Backend::Redis, 1).expect("redis1").clone();
+    assert_ne!(restarted.pid, redis.pid);
+    assert!(redis_ping(&restarted.addr, probe));
+    let reloaded = State::load(&path).expect("reload");
+    assert_eq!(
+        reloaded.server(Backend::Redis, 1).expect("redis1").pid,
+        restarted.pid
+    );
+
+    // Restart ZooKeeper on its data dir, through a State loaded from the file, as a fault
+    // test in another process would.
+    let mut other = State::load(&path).expect("load for restart");
+    other.restart(Backend::Zookeeper, 1).expect("restart zk");
+    assert!(!zk.is_running(), "old zk pid {} still alive", zk.pid);
+    assert_eq!(
+        zk_mode(&zk.addr, probe),
+        Some(ZkMode::Standalone),
+        "restarted zk serves"
+    );
+    // Keep the in-memory cluster in step so its teardown kills the new incarnation.
+    *cluster
+        .servers
+        .iter_mut()
+        .find(|s| s.backend == Backend::Zookeeper)
+        .expect("zk") = other.server(Backend::Zookeeper, 1).expect("zk1").clone();
+
+    // A stopped etcd accepts connections but answers nothing; SIGCONT brings it back.
+    cluster.stop(Backend::Etcd, 1).expect("stop etcd");
+    assert!(etcd.is_stopped());
+    assert!(!etcd_healthy(&etcd.addr, Duration::from_millis(500)));
+    cluster.cont(Backend::Etcd, 1).expect("cont etcd");
+    wait_until(
+        "etcd healthy after SIGCONT",
+        Duration::from_secs(30),
+        || etcd_healthy(&etcd.addr, probe),
+    );
+
+    let root = cluster.root_dir.clone();
+    let servers = cluster.servers.clone();
+    cluster.down().expect("down");
+    for s in &servers {
+        assert!(
+            !s.is_running(),
+            "{} {} pid {} survived down",
+            s.backend,
+            s.id,
+            s.pid
+        );
+    }
+    assert!(!root.exists(), "data dir {} left behind", root.display());
+    assert!(!path.exists(), "state file left behind");
+    let _ = std::fs::remove_dir_all(&state_dir);
+}
+
+/// Runs against the cluster `cargo xtask integration` started (through `DLOCK_TEST_STATE`):
+/// the leader of each quorum backend is killed, a new leader must appear among the others,
+/// and the old one comes back on its data dir. The cluster is whole again afterwards.
+#[test]
+fn shared_cluster_survives_leader_kill_and_restart() {
+    let Some(mut state) = dlock_testkit::require_state() else {
+        return;
+    };
+    let limit = Duration::from_secs(60);
+    for backend in [Backend::Zookeeper, Backend::Etcd] {
+        let nodes = state.servers_of(backend).count();
+        if nodes == 0 {
+            continue;
+        }
+        let old = state.wait_leader(backend, limit).expect("a leader");
+        state.kill(backend, old).expect("kill leader");
+        assert!(!state.server(backend, old).expect("node").is_running());
+        if nodes >= 3 {
+            let new = state.wait_leader(backend, limit).expect("a new leader");
+            assert_ne!(new, old, "{backend}: the killed node cannot lead");
+        }
+        state.restart(backend, old).expect("restart old leader");
+        let ids: Vec<u32> = state.servers_of(backend).map(|s| s.id).collect();
+        for id in ids {
+            state
+                .wait_ready(backend, id, limit)
+                .expect("node ready again");
+        }
+        // The file now names the new incarnation, for the tests that run after this one.
+        let path = state.path().expect("loaded from a file").to_path_buf();
+        let reloaded = State::load(&path).expect("reload");
+        assert_eq!(
+            reloaded.server(backend, old).expect("node").pid,
+            state.server(backend, old).expect("node").pid
+        );
+    }
+}

@@ -1,0 +1,40 @@
+//! `cargo xtask ci`: the whole gate, fail fast. `.ci/run` calls exactly this.
+
+use std::path::Path;
+
+use anyhow::Context as _;
+
+use crate::flags::IntegrationArgs;
+
+pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
+    let steps: [(&str, &[&str]); 2] = [
+        (
+            "cargo fmt --all -- --check",
+            &["fmt", "--all", "--", "--check"],
+        ),
+        (
+            "cargo clippy --workspace --all-targets -- -D warnings",
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        ),
+    ];
+    for (title, cargo_args) in steps {
+        crate::header(title);
+        let status = crate::cargo()
+            .current_dir(root)
+            .args(cargo_args)
+            .status()
+            .with_context(|| format!("running {title}"))?;
+        if !status.success() {
+            eprintln!("xtask ci: `{title}` failed ({status})");
+            return Ok(status.code().unwrap_or(1));
+        }
+    }
+    crate::integration::run(root, args)
+}

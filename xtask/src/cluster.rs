@@ -1,0 +1,134 @@
+//! `cargo xtask cluster up|down|status`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use dlock_testkit::{
+    default_state_path, ensure_installed, zk_mode, Backend, Cluster, ClusterSpec, State,
+};
+use indicatif::ProgressBar;
+
+use crate::flags::{ClusterCmd, StateArg, UpArgs};
+
+pub(crate) fn run(root: &Path, cmd: ClusterCmd) -> anyhow::Result<i32> {
+    match cmd {
+        ClusterCmd::Up(args) => up(root, &args),
+        ClusterCmd::Down(args) => down(&state_path(root, &args)),
+        ClusterCmd::Status(args) => status(&state_path(root, &args)),
+    }
+}
+
+fn state_path(root: &Path, arg: &StateArg) -> PathBuf {
+    arg.path.clone().unwrap_or_else(|| default_state_path(root))
+}
+
+/// Starts `spec` with a spinner, tearing it down on Ctrl-C meanwhile.
+pub(crate) fn start_with_progress(spec: &ClusterSpec) -> anyhow::Result<Cluster> {
+    ensure_installed().context("installing the server packages")?;
+    if let Some(path) = &spec.state_path {
+        crate::teardown::on_signal_tear_down(path)?;
+    }
+    let n = spec.zk + spec.etcd + spec.redis;
+    let spinner = ProgressBar::new_spinner().with_message(format!(
+        "starting {n} servers (ZooKeeper {}, etcd {}, Redis {}) at port offset {}",
+        spec.zk, spec.etcd, spec.redis, spec.port_offset
+    ));
+    spinner.enable_steady_tick(Duration::from_millis(100));
+    let result = Cluster::start(spec);
+    spinner.finish_and_clear();
+    let cluster = result.context("starting the cluster")?;
+    eprintln!("started {n} servers in {:.1?}", spinner.elapsed());
+    Ok(cluster)
+}
+
+fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {
+    let path = state_path(root, &args.state);
+    let spec = ClusterSpec {
+        zk: args.zk,
+        etcd: args.etcd,
+        redis: args.redis,
+        port_offset: args.offset.value,
+        state_path: Some(path.clone()),
+        base_dir: None,
+    };
+    let state = start_with_progress(&spec)?.detach();
+    let endpoints = state.endpoints();
+    for url in endpoints.urls() {
+        println!("{url}");
+    }
+    eprintln!(
+        "\nstate: {}\ndata:  {}",
+        path.display(),
+        state.root_dir.display()
+    );
+    eprintln!("for tests, in this shell:");
+    for (name, value) in endpoints.to_env() {
+        eprintln!("  export {name}={value}");
+    }
+    eprintln!("stop with: cargo xtask cluster down");
+    Ok(0)
+}
+
+fn down(path: &Path) -> anyhow::Result<i32> {
+    if !path.exists() {
+        eprintln!("no cluster recorded at {}", path.display());
+        return Ok(0);
+    }
+    let state = State::load(path)?;
+    let n = state.servers.len();
+    state.down().context("tearing the cluster down")?;
+    eprintln!(
+        "stopped {n} servers, removed their data and {}",
+        path.display()
+    );
+    Ok(0)
+}
+
+fn status(path: &Path) -> anyhow::Result<i32> {
+    if !path.exists() {
+        eprintln!("no cluster recorded at {}", path.display());
+        return Ok(1);
+    }
+    let state = State::load(path)?;
+    let etcd_leader = state.etcd_leader().unwrap_or(None);
+    println!(
+        "{:<10} {:>2}  {:<16} {:>8}  {:<8} {:<6} role",
+        "backend", "id", "addr", "pid", "process", "ready"
+    );
+    let mut all_ready = true;
+    for s in &state.servers {
+        let process = if s.is_stopped() {
+            "stopped"
+        } else if s.is_running() {
+            "alive"
+        } else {
+            "dead"
+        };
+        let ready = s.is_running() && !s.is_stopped() && s.is_ready(Duration::from_secs(1));
+        all_ready &= ready;
+        let role = match s.backend {
+            Backend::Zookeeper if ready => zk_mode(&s.addr, Duration::from_secs(1))
+                .map(|m| format!("{m:?}").to_lowercase())
+                .unwrap_or_else(|| "not serving".into()),
+            Backend::Etcd if etcd_leader == Some(s.id) => "leader".into(),
+            Backend::Etcd if ready => "follower".into(),
+            Backend::Redis if ready => "master".into(),
+            _ => "-".into(),
+        };
+        println!(
+            "{:<10} {:>2}  {:<16} {:>8}  {:<8} {:<6} {role}",
+            s.backend.to_string(),
+            s.id,
+            s.addr,
+            s.pid,
+            process,
+            if ready { "yes" } else { "no" }
+        );
+    }
+    println!();
+    for url in state.endpoints().urls() {
+        println!("{url}");
+    }
+    Ok(if all_ready { 0 } else { 1 })
+}

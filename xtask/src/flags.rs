@@ -1,0 +1,169 @@
+//! Command-line flags of every task.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// dlock developer tasks.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) task: Task,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Task {
+    /// Start, inspect or stop real servers on 127.0.0.1.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+    /// Start servers, export DLOCK_TEST_*, run every workspace test, tear down.
+    Integration(IntegrationArgs),
+    /// What CI runs: fmt check, clippy -D warnings, then integration.
+    Ci(IntegrationArgs),
+    /// The stock-deduction demo: 8 processes sell 300 items with and without dlock.
+    Demo(DemoArgs),
+    /// One demo worker process: buys until sold out (internal).
+    #[command(hide = true)]
+    DemoWorker(WorkerArgs),
+    /// One purchase: read the counter, decrement it, log the sale (internal).
+    #[command(hide = true)]
+    DemoBuy(BuyArgs),
+}
+
+/// Port offset shared by every task that starts servers.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct PortOffset {
+    /// Added to every default port (ZK 2181, etcd 2379, Redis 6379, ...), so several
+    /// developers can run clusters on one machine.
+    #[arg(long = "port-offset", env = "DLOCK_PORT_OFFSET", default_value_t = 0)]
+    pub(crate) value: u16,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum ClusterCmd {
+    /// Start servers and leave them running; prints their URLs.
+    Up(UpArgs),
+    /// Kill every server recorded in the state file and delete its data.
+    Down(StateArg),
+    /// Show every recorded server: pid alive, ready, ZooKeeper mode, etcd leader.
+    Status(StateArg),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct UpArgs {
+    /// ZooKeeper nodes.
+    #[arg(long, default_value_t = 1, value_parser = quorum_size)]
+    pub(crate) zk: u32,
+    /// etcd members.
+    #[arg(long, default_value_t = 1, value_parser = quorum_size)]
+    pub(crate) etcd: u32,
+    /// Independent Redis masters (5 = a Redlock set).
+    #[arg(long, default_value_t = 1, value_parser = redis_count)]
+    pub(crate) redis: u32,
+    #[command(flatten)]
+    pub(crate) offset: PortOffset,
+    #[command(flatten)]
+    pub(crate) state: StateArg,
+}
+
+/// ZooKeeper / etcd node counts: none, one, or a three-node quorum.
+fn quorum_size(s: &str) -> Result<u32, String> {
+    match s {
+        "0" | "1" | "3" => s.parse().map_err(|e| format!("{e}")),
+        _ => Err(format!("{s:?}: expected 0, 1 or 3")),
+    }
+}
+
+/// Redis node counts: none, one, or a five-master Redlock set.
+fn redis_count(s: &str) -> Result<u32, String> {
+    match s {
+        "0" | "1" | "5" => s.parse().map_err(|e| format!("{e}")),
+        _ => Err(format!("{s:?}: expected 0, 1 or 5")),
+    }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct StateArg {
+    /// State file (default: <workspace>/target/dlock-cluster/state.json).
+    #[arg(long = "state", env = "DLOCK_CLUSTER_STATE")]
+    pub(crate) path: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct IntegrationArgs {
+    /// One node of each backend instead of ZooKeeper 3 + etcd 3 + Redis 5.
+    #[arg(long)]
+    pub(crate) single: bool,
+    #[command(flatten)]
+    pub(crate) offset: PortOffset,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DemoArgs {
+    /// Use this lock service instead of starting a ZooKeeper (e.g. zk://127.0.0.1:2181).
+    #[arg(long)]
+    pub(crate) url: Option<String>,
+    /// Items in stock at the start.
+    #[arg(long, default_value_t = 300)]
+    pub(crate) stock: u64,
+    /// Concurrent worker processes.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) workers: u32,
+    #[command(flatten)]
+    pub(crate) offset: PortOffset,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct WorkerArgs {
+    /// The shop directory (counter and sales log).
+    #[arg(long)]
+    pub(crate) dir: PathBuf,
+    /// Path of the `dlock` binary; without it the worker buys with no lock.
+    #[arg(long)]
+    pub(crate) dlock: Option<PathBuf>,
+    /// Lock service URL for `dlock --url`.
+    #[arg(long)]
+    pub(crate) url: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct BuyArgs {
+    /// The shop directory (counter and sales log).
+    pub(crate) dir: PathBuf,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[test]
+    fn flags_are_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn cluster_up_parses_shapes_and_rejects_others() {
+        let cli = Cli::try_parse_from([
+            "xtask",
+            "cluster",
+            "up",
+            "--zk",
+            "3",
+            "--etcd",
+            "0",
+            "--redis",
+            "5",
+            "--port-offset",
+            "100",
+        ])
+        .expect("parses");
+        let Task::Cluster(ClusterCmd::Up(up)) = cli.task else {
+            panic!("wrong task: {cli:?}");
+        };
+        assert_eq!((up.zk, up.etcd, up.redis, up.offset.value), (3, 0, 5, 100));
+        assert!(Cli::try_parse_from(["xtask", "cluster", "up", "--zk", "2"]).is_err());
+        assert!(Cli::try_parse_from(["xtask", "cluster", "up", "--redis", "3"]).is_err());
+    }
+}

@@ -1,0 +1,149 @@
+//! `cargo xtask integration`: servers up, `DLOCK_TEST_*` exported, every test run, servers
+//! down, whatever happens.
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::os::unix::process::CommandExt as _;
+use std::path::Path;
+use std::process::Stdio;
+
+use anyhow::Context as _;
+use dlock_testkit::{ClusterSpec, Endpoints, State};
+
+use crate::flags::IntegrationArgs;
+
+pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
+    let state_path = crate::target_dir(root)
+        .join("dlock-cluster")
+        .join("integration.json");
+    if state_path.exists() {
+        // Only a run that was SIGKILLed leaves this file behind; its servers are ours.
+        eprintln!("xtask: stopping servers left by an interrupted integration run");
+        if let Ok(old) = State::load(&state_path) {
+            old.down().context("stopping leftover servers")?;
+        }
+    }
+    let (zk, etcd, redis) = if args.single { (1, 1, 1) } else { (3, 3, 5) };
+    let spec = ClusterSpec {
+        zk,
+        etcd,
+        redis,
+        port_offset: args.offset.value,
+        state_path: Some(state_path),
+        base_dir: None,
+    };
+    crate::header(&format!(
+        "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, port offset {}",
+        spec.port_offset
+    ));
+    // Dropped on every way out of this function, panics included: kills the servers.
+    let cluster = crate::cluster::start_with_progress(&spec)?;
+    let endpoints = cluster.endpoints();
+    for (name, value) in endpoints.to_env() {
+        eprintln!("  {name}={value}");
+    }
+    let outcome = run_all(root, &endpoints);
+    cluster.down().context("tearing the cluster down")?;
+    let counts = outcome?;
+    // A plain closing line, after the teardown chatter, that any log reader can count.
+    println!(
+        "integration: {} passed, {} failed, {} skipped",
+        counts.passed, counts.failed, counts.ignored
+    );
+    Ok(counts.exit_code)
+}
+
+/// What the test run reported.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Counts {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    exit_code: i32,
+}
+
+impl Counts {
+    /// Adds one libtest summary line (`test result: ok. 3 passed; 0 failed; 1 ignored; ...`).
+    fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split(';') {
+            let words: Vec<&str> = part.split_whitespace().collect();
+            // "ok. 3 passed" or " 0 failed": the number is the word before the label.
+            if let [.., n, label] = words.as_slice() {
+                let Ok(n) = n.parse::<u64>() else { continue };
+                match *label {
+                    "passed" => self.passed += n,
+                    "failed" => self.failed += n,
+                    "ignored" => self.ignored += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// Every unit, property and integration test in one run, then the doc tests (which
+/// `--all-targets` leaves out), stopping at the first failure.
+fn run_all(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
+    let mut counts = run_tests(
+        root,
+        endpoints,
+        &["--workspace", "--all-targets", "--", "--test-threads", "2"],
+    )?;
+    if counts.exit_code == 0 && counts.failed == 0 {
+        let doc = run_tests(root, endpoints, &["--workspace", "--doc"])?;
+        counts.passed += doc.passed;
+        counts.failed += doc.failed;
+        counts.ignored += doc.ignored;
+        counts.exit_code = doc.exit_code;
+    }
+    if counts.exit_code == 0 && counts.passed == 0 {
+        eprintln!("xtask: cargo test ran no test");
+        counts.exit_code = 1;
+    }
+    Ok(counts)
+}
+
+fn run_tests(root: &Path, endpoints: &Endpoints, args: &[&str]) -> anyhow::Result<Counts> {
+    crate::header(&format!("cargo test {}", args.join(" ")));
+    let mut child = crate::cargo()
+        .current_dir(root)
+        .arg("test")
+        .args(args)
+        .envs(endpoints.to_env())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .context("starting cargo test")?;
+    crate::teardown::set_child_group(child.id());
+    let mut counts = Counts::default();
+    if let Some(stdout) = child.stdout.take() {
+        let mut out = std::io::stdout().lock();
+        for line in BufReader::new(stdout).lines() {
+            let line = line.context("reading cargo test output")?;
+            counts.add_line(&line);
+            writeln!(out, "{line}").context("writing to stdout")?;
+        }
+    }
+    let status = child.wait().context("waiting for cargo test")?;
+    crate::teardown::set_child_group(0);
+    counts.exit_code = status.code().unwrap_or(1);
+    Ok(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_libtest_summary_lines() {
+        let mut c = Counts::default();
+        c.add_line("test result: ok. 21 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.01s");
+        c.add_line("test result: FAILED. 3 passed; 2 failed; 1 ignored; 0 measured; 0 filtered out; finished in 1.2s");
+        c.add_line("test foo ... ok");
+        c.add_line("running 3 tests");
+        assert_eq!((c.passed, c.failed, c.ignored), (24, 2, 1));
+    }
+}
