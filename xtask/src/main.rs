@@ -5,7 +5,9 @@
 //! - `integration`: start servers, export `DLOCK_TEST_*`, run every test, tear down.
 //! - `ci`: fmt check, clippy, integration. What `.ci/run` calls.
 //! - `demo`: the stock-deduction scenario, with and without the lock.
+//! - `chaos`: faults on real servers and processes, the safety table (docs/safety.md).
 
+mod chaos;
 mod ci;
 mod cluster;
 mod demo;
@@ -28,6 +30,9 @@ fn main() -> anyhow::Result<()> {
         flags::Task::Demo(args) => demo::run(&root, &args)?,
         flags::Task::DemoWorker(args) => demo::worker(&args)?,
         flags::Task::DemoBuy(args) => demo::buy(&args.dir)?,
+        flags::Task::Chaos(args) => chaos::run(&root, &args)?,
+        flags::Task::ChaosWorker(args) => chaos::worker::worker(&args)?,
+        flags::Task::ChaosSection(args) => chaos::worker::chaos_section(&args)?,
     };
     std::process::exit(code)
 }
