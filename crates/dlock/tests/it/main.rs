@@ -11,6 +11,7 @@
 )]
 
 mod cli;
+mod fuzz;
 mod recipes;
 mod support;
 
