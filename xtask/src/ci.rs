@@ -1,10 +1,11 @@
-//! `cargo xtask ci`: the whole gate, fail fast. `.ci/run` calls exactly this.
+//! `cargo xtask ci`: the whole gate, fail fast. `.ci/run` calls exactly this: fmt, clippy,
+//! the integration suite, then the short chaos run.
 
 use std::path::Path;
 
 use anyhow::Context as _;
 
-use crate::flags::IntegrationArgs;
+use crate::flags::{ChaosArgs, IntegrationArgs};
 
 pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     let steps: [(&str, &[&str]); 2] = [
@@ -36,5 +37,22 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
             return Ok(status.code().unwrap_or(1));
         }
     }
-    crate::integration::run(root, args)
+    let code = crate::integration::run(root, args)?;
+    if code != 0 {
+        return Ok(code);
+    }
+    // The short chaos run: holder SIGKILL and holder pause on every backend this build
+    // has, on its own servers far from the integration ports.
+    crate::header("cargo xtask chaos --short");
+    crate::chaos::run(
+        root,
+        &ChaosArgs {
+            backends: Vec::new(),
+            scenarios: Vec::new(),
+            list: false,
+            short: true,
+            no_docs: true,
+            port_offset: args.offset.value.saturating_add(45_000),
+        },
+    )
 }

@@ -48,6 +48,9 @@ pub(crate) enum WriteOutcome {
     Rejected,
     /// The store could not be reached.
     Failed,
+    /// The section was stopped (SIGTERM from `dlock exec` on its lost signal) before it
+    /// knew the store's answer.
+    Killed,
 }
 
 impl WriteOutcome {
@@ -56,6 +59,7 @@ impl WriteOutcome {
             WriteOutcome::Accepted => "ok",
             WriteOutcome::Rejected => "stale",
             WriteOutcome::Failed => "err",
+            WriteOutcome::Killed => "killed",
         }
     }
 
@@ -64,6 +68,7 @@ impl WriteOutcome {
             "ok" => Some(WriteOutcome::Accepted),
             "stale" => Some(WriteOutcome::Rejected),
             "err" => Some(WriteOutcome::Failed),
+            "killed" => Some(WriteOutcome::Killed),
             _ => None,
         }
     }
@@ -264,9 +269,9 @@ impl Verdict {
     }
 }
 
-/// Checks a history. `closed` gives, per worker, when its process was known to be gone
-/// (killed or exited), which ends its unfinished section; without one, an unfinished
-/// section lasts until `run_end_us`.
+/// Checks a history. An unfinished section (its process was killed) ends at the first
+/// sign that it was over: the worker's next section or lost signal, or the time in
+/// `closed` when the worker's process was known to be gone; failing all, `run_end_us`.
 pub(crate) fn check(
     records: &[Record],
     faults: &[Fault],
@@ -274,11 +279,25 @@ pub(crate) fn check(
     run_end_us: u64,
 ) -> Verdict {
     let secs = sections(records);
-    let end_of = |s: &Section| {
-        s.end_us
-            .or_else(|| closed.get(&s.worker).copied().filter(|&c| c >= s.start_us))
-            .unwrap_or(run_end_us)
+    let next_sign = |s: &Section| {
+        records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Begin { worker, at_us, .. } | Record::Lost { worker, at_us, .. }
+                    if *worker == s.worker && *at_us > s.start_us =>
+                {
+                    Some(*at_us)
+                }
+                _ => None,
+            })
+            .chain(closed.get(&s.worker).copied().filter(|&c| c >= s.start_us))
+            .min()
     };
+    let ends: Vec<u64> = secs
+        .iter()
+        .map(|s| s.end_us.or_else(|| next_sign(s)).unwrap_or(run_end_us))
+        .collect();
+    let end_of = |i: usize| ends[i];
     let mut v = Verdict {
         sections: secs.len() as u64,
         unfinished: secs.iter().filter(|s| s.end_us.is_none()).count() as u64,
@@ -287,7 +306,7 @@ pub(crate) fn check(
     // Overlaps: `secs` is in start order, so only later sections that start before this
     // one ends can intersect it.
     for (i, a) in secs.iter().enumerate() {
-        let a_end = end_of(a);
+        let a_end = end_of(i);
         for b in &secs[i + 1..] {
             if b.start_us >= a_end {
                 break;
@@ -299,7 +318,11 @@ pub(crate) fn check(
     }
     // Token order: sweep sections in start order, folding in every section that ended
     // before the current one began.
-    let mut by_end: Vec<(u64, u64)> = secs.iter().map(|s| (end_of(s), s.token)).collect();
+    let mut by_end: Vec<(u64, u64)> = secs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (end_of(i), s.token))
+        .collect();
     by_end.sort_unstable();
     let mut ended = 0;
     let mut max_ended_token: Option<u64> = None;

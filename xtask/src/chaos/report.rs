@@ -13,6 +13,9 @@ pub(crate) struct Row {
     pub(crate) scenario: String,
     pub(crate) backend: String,
     pub(crate) fenced: bool,
+    /// A paused holder's late write must reach the store: rejected when fenced, accepted
+    /// when not. Without it the run did not exercise what fencing is for.
+    pub(crate) expects_stale_write: bool,
     pub(crate) verdict: Verdict,
     pub(crate) store: StoreStats,
     /// Entries left under the lock after every client had gone.
@@ -36,6 +39,18 @@ impl Row {
                 "{id}: the fenced store accepted {} stale write(s)",
                 self.store.stale_accepted
             ));
+        }
+        if self.expects_stale_write {
+            let seen = if self.fenced {
+                self.store.stale_rejected
+            } else {
+                self.store.stale_accepted
+            };
+            if seen == 0 {
+                f.push(format!(
+                    "{id}: no paused holder's late write reached the store; the pause was not exercised"
+                ));
+            }
         }
         if self.leaked > 0 {
             f.push(format!(
@@ -208,6 +223,7 @@ mod tests {
             scenario: "holder-pause".into(),
             backend: "zookeeper".into(),
             fenced,
+            expects_stale_write: true,
             verdict: Verdict {
                 sections: 10,
                 overlaps: 2,

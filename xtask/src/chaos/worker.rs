@@ -11,6 +11,7 @@
 //! The section never looks at the lost signal between its work and its write: a pause
 //! right after such a check is exactly what fencing exists for.
 
+use std::io::{BufRead as _, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -50,11 +51,27 @@ pub(crate) fn section(p: &SectionParams, token: u64) -> anyhow::Result<WriteOutc
 }
 
 /// `xtask chaos-section`: one section under `dlock exec`, token from `$DLOCK_TOKEN`.
+///
+/// `dlock exec` sends SIGTERM when its lock's lost signal fires; the section then logs
+/// its end as `killed`, so the history knows exactly when it stopped.
 pub(crate) fn chaos_section(args: &ChaosSectionArgs) -> anyhow::Result<i32> {
     let token: u64 = std::env::var("DLOCK_TOKEN")
         .context("DLOCK_TOKEN is not set: run this under `dlock exec`")?
         .parse()
         .context("DLOCK_TOKEN is not a number")?;
+    let p = args.section.clone();
+    ctrlc::set_handler(move || {
+        let end = Record::End {
+            worker: p.worker,
+            pid: std::process::id(),
+            token,
+            at_us: now_us(),
+            write: WriteOutcome::Killed,
+        };
+        let _ = history::append(&p.history, &end.line());
+        std::process::exit(143);
+    })
+    .context("installing the SIGTERM handler")?;
     section(&args.section, token)?;
     Ok(0)
 }
@@ -90,7 +107,7 @@ fn cli_worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
     let me = std::env::current_exe().context("locating the xtask binary")?;
     let p = &args.section;
     while !stopped(&args.stop) {
-        let status = Command::new(dlock)
+        let mut child = Command::new(dlock)
             .arg("--url")
             .arg(&args.url)
             .arg("--session-timeout")
@@ -111,11 +128,32 @@ fn cli_worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
             .arg("--work-ms")
             .arg(p.work_ms.to_string())
             .stdin(Stdio::null())
-            .status()
+            .stderr(Stdio::piped())
+            .spawn()
             .context("running dlock exec")?;
+        // The CLI announces its lost signal on stderr the moment it fires; time it there,
+        // not at exit, which waits for the release.
+        let seen = child.stderr.take().map(|err| {
+            let p = p.clone();
+            std::thread::spawn(move || {
+                let mut seen = false;
+                for line in BufReader::new(err).lines() {
+                    let Ok(line) = line else { break };
+                    if !seen && line.contains("stopping the command") {
+                        seen = true;
+                        lost(&p, &format!("dlock exec: {line}"));
+                    }
+                    eprintln!("{line}");
+                }
+                seen
+            })
+        });
+        let status = child.wait().context("waiting for dlock exec")?;
+        let seen = seen.is_some_and(|t| t.join().unwrap_or(false));
         match status.code() {
             Some(0) | Some(75) => {}
-            // The CLI's lost signal: it stopped the section and exited 70.
+            Some(70) if seen => {}
+            // Lost before the command started, or the message changed: count it anyway.
             Some(70) => lost(p, "dlock exec exited 70: lock lost"),
             _ => {
                 eprintln!("chaos worker {}: dlock exec: {status}", p.worker);
