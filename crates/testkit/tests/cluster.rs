@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use dlock_testkit::{
-    ensure_installed, etcd_healthy, find_free_offset, redis_ping, zk_mode, Backend, Cluster,
-    ClusterSpec, State, ZkMode,
+    ensure_installed, etcd_healthy, find_free_offset, redis_ping, scratch_state_path, zk_mode,
+    Backend, Cluster, ClusterSpec, State, ZkMode,
 };
 
 fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
@@ -19,12 +19,11 @@ fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
 #[test]
 fn one_node_each_starts_survives_kill_restart_stop_and_goes_down() {
     ensure_installed().expect("server packages installed");
-    let state_dir = std::env::temp_dir().join(format!("dlock-testkit-it-{}", std::process::id()));
     let mut spec = ClusterSpec {
         zk: 1,
         etcd: 1,
         redis: 1,
-        state_path: Some(state_dir.join("state.json")),
+        state_path: Some(scratch_state_path("selftest")),
         ..ClusterSpec::default()
     };
     // Away from the default ports, which `cargo xtask integration` uses meanwhile.
@@ -112,7 +111,6 @@ fn one_node_each_starts_survives_kill_restart_stop_and_goes_down() {
     }
     assert!(!root.exists(), "data dir {} left behind", root.display());
     assert!(!path.exists(), "state file left behind");
-    let _ = std::fs::remove_dir_all(&state_dir);
 }
 
 /// Runs against the cluster `cargo xtask integration` started (through `DLOCK_TEST_STATE`):
