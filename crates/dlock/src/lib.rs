@@ -1,0 +1,165 @@
+//! Distributed locks for Rust: the locks one process gets from `std::sync`, for services
+//! that run on many machines — over ZooKeeper, etcd or Redis, behind one API.
+//!
+//! # Where to start
+//! [`connect`] a [`Client`] from a URL, then take a recipe from it:
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), dlock::Error> {
+//! let client = dlock::connect("zk://127.0.0.1:2181").await?;
+//! let mutex = client.mutex("orders/42")?;
+//! let mut guard = mutex.lock().await?;
+//! // Hand the fencing token to the storage you protect.
+//! println!("holding with token {}", guard.token());
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! - [`Mutex`] (reentrant, fair), [`SemaphoreMutex`] (non-reentrant), [`RwLock`]
+//!   (downgrade, no writer starvation), [`Semaphore`] (N permits), [`MultiLock`]
+//!   (all-or-nothing) — Apache Curator's five recipes, on every backend;
+//! - every guard has a fencing token ([`LockGuard::token`]) and a lost signal
+//!   ([`LockGuard::lost`]); every acquire is cancellation-safe.
+//!
+//! # Backends and URLs
+//! | URL | backend | feature |
+//! |---|---|---|
+//! | `zk://h:p[,h:p...][/chroot]` | ZooKeeper, wire-compatible with Curator | `zookeeper` |
+//! | `etcd://h:p[,h:p...]` | etcd, wire-compatible with etcd's lock | `etcd` |
+//! | `redis://h:p` | one Redis server, watchdog leases | `redis` |
+//! | `redlock://h:p,h:p,h:p[,...]` | Redlock over independent Redis masters | `redis` |
+//!
+//! # Feature flags
+//! - `zookeeper`, `etcd`, `redis`: one per backend (all on by default); turn off the
+//!   ones you do not use with `default-features = false`.
+//! - `cli`: the `dlock` command line tool.
+//!
+//! # The design decision
+//! The protocol (naming, ordering, which entry to watch) lives in one sans-I/O crate,
+//! `dlock-core`; adapters only move bytes; recipes are written once. See
+//! `docs/ARCHITECTURE.md`.
+
+#![deny(missing_docs)]
+
+mod url;
+
+use std::sync::Arc;
+
+#[doc(inline)]
+pub use dlock_core::{
+    Backend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName, Result, SessionOptions,
+};
+pub use dlock_recipes::{
+    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, Semaphore, SemaphoreMutex,
+};
+pub use url::BackendUrl;
+
+/// The protocol core, for backend authors.
+pub use dlock_core as core;
+
+/// A session on a backend chosen at run time; see [`dlock_recipes::Client`].
+pub type Client = dlock_recipes::Client<dyn Backend>;
+/// A reentrant fair mutex; see [`dlock_recipes::Mutex`].
+pub type Mutex = dlock_recipes::Mutex<dyn Backend>;
+/// A read/write lock; see [`dlock_recipes::RwLock`].
+pub type RwLock = dlock_recipes::RwLock<dyn Backend>;
+
+/// The environment variable [`connect_env`] and the CLI read the URL from.
+pub const URL_ENV: &str = "DLOCK_URL";
+
+/// Connects to the backend named by `url` with default session settings.
+///
+/// # Errors
+/// [`Error::InvalidUrl`] for a malformed URL or a backend this build leaves out;
+/// [`Error::Unreachable`] if no server answers within the connect timeout.
+pub async fn connect(url: &str) -> Result<Client> {
+    connect_with(url, SessionOptions::default()).await
+}
+
+/// Connects to the backend named by the `DLOCK_URL` environment variable.
+///
+/// # Errors
+/// [`Error::InvalidUrl`] if it is unset; otherwise as [`connect`].
+pub async fn connect_env() -> Result<Client> {
+    let url = std::env::var(URL_ENV).map_err(|_| Error::InvalidUrl {
+        url: String::new(),
+        reason: format!("{URL_ENV} is not set"),
+    })?;
+    connect(&url).await
+}
+
+/// Connects to the backend named by `url` with the given session settings.
+///
+/// # Errors
+/// As [`connect`].
+pub async fn connect_with(url: &str, opts: SessionOptions) -> Result<Client> {
+    let parsed = BackendUrl::parse(url)?;
+    let backend = open(url, parsed, opts).await?;
+    Ok(Client::new(backend))
+}
+
+#[allow(unused_variables)]
+async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc<dyn Backend>> {
+    let missing = |feature: &str| Error::InvalidUrl {
+        url: url.to_owned(),
+        reason: format!("this build of dlock has no `{feature}` feature"),
+    };
+    match parsed {
+        BackendUrl::ZooKeeper { hosts, chroot } => {
+            #[cfg(feature = "zookeeper")]
+            {
+                let connect = format!("{}{}", hosts.join(","), chroot.unwrap_or_default());
+                let b: Arc<dyn Backend> =
+                    dlock_zookeeper::ZkBackend::connect(&connect, opts).await?;
+                Ok(b)
+            }
+            #[cfg(not(feature = "zookeeper"))]
+            Err(missing("zookeeper"))
+        }
+        BackendUrl::Etcd { hosts } => {
+            #[cfg(feature = "etcd")]
+            {
+                let b: Arc<dyn Backend> = dlock_etcd::EtcdBackend::connect(&hosts, opts).await?;
+                Ok(b)
+            }
+            #[cfg(not(feature = "etcd"))]
+            Err(missing("etcd"))
+        }
+        BackendUrl::Redis { host } => {
+            #[cfg(feature = "redis")]
+            {
+                let b: Arc<dyn Backend> = dlock_redis::RedisBackend::connect(&host, opts).await?;
+                Ok(b)
+            }
+            #[cfg(not(feature = "redis"))]
+            Err(missing("redis"))
+        }
+        BackendUrl::Redlock { hosts } => {
+            #[cfg(feature = "redis")]
+            {
+                let b: Arc<dyn Backend> =
+                    dlock_redis::RedlockBackend::connect(&hosts, opts).await?;
+                Ok(b)
+            }
+            #[cfg(not(feature = "redis"))]
+            Err(missing("redis"))
+        }
+    }
+}
+
+/// The exit code the `dlock` CLI uses for an error (BSD sysexits): 75 (`EX_TEMPFAIL`)
+/// for a timeout or a lock held elsewhere, 69 (`EX_UNAVAILABLE`) for an unreachable
+/// backend, 64 (`EX_USAGE`) for a bad name, URL or argument, 70 (`EX_SOFTWARE`) for a lost
+/// lock, 1 otherwise.
+pub fn exit_code(e: &Error) -> i32 {
+    match e {
+        Error::Timeout(_) | Error::WouldBlock => 75,
+        Error::Unreachable(_) => 69,
+        Error::InvalidName { .. }
+        | Error::InvalidUrl { .. }
+        | Error::InvalidPermits(_)
+        | Error::WouldDeadlock(_) => 64,
+        Error::LockLost(_) | Error::Closed => 70,
+        _ => 1,
+    }
+}

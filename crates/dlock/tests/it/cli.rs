@@ -1,0 +1,272 @@
+//! The `dlock` binary, driven as a user's scripts drive it: real OS processes.
+
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::support::{client, eventually, leftovers, unique, Kind};
+
+fn dlock() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
+    c.env_remove("DLOCK_URL").stdin(Stdio::null());
+    c
+}
+
+/// 8 OS processes x `sections` critical sections through `dlock exec` on one name: each
+/// appends start/end lines with its token to a shared file; no interleaving, tokens
+/// strictly increasing.
+pub async fn cli_processes_never_overlap(kind: Kind, url: &str) {
+    let sections: usize = match kind {
+        Kind::Zk => 50,
+        _ => 25,
+    };
+    let name = unique("cli");
+    let dir = tempdir();
+    let log = dir.join("log");
+    let script = "echo \"start $DLOCK_TOKEN $$\" >> \"$1\"; echo \"end $DLOCK_TOKEN $$\" >> \"$1\"";
+    let mut workers = Vec::new();
+    for _ in 0..8 {
+        let (url, name, log) = (url.to_owned(), name.clone(), log.clone());
+        let session = kind.session_timeout();
+        workers.push(tokio::task::spawn_blocking(move || {
+            for _ in 0..sections {
+                let st = dlock()
+                    .args([
+                        "--url",
+                        &url,
+                        "--session-timeout",
+                        &format!("{}s", session.as_secs()),
+                    ])
+                    .args([
+                        "exec",
+                        &name,
+                        "--timeout",
+                        "120s",
+                        "--",
+                        "sh",
+                        "-c",
+                        script,
+                        "sh",
+                    ])
+                    .arg(&log)
+                    .status()
+                    .expect("run dlock");
+                assert!(st.success(), "dlock exec failed: {st:?}");
+            }
+        }));
+    }
+    for w in workers {
+        w.await.expect("worker");
+    }
+    let text = std::fs::read_to_string(&log).expect("log");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 8 * sections * 2);
+    let mut last_token = 0u64;
+    for pair in lines.chunks(2) {
+        let s: Vec<&str> = pair[0].split(' ').collect();
+        let e: Vec<&str> = pair[1].split(' ').collect();
+        assert_eq!(
+            (s[0], e[0]),
+            ("start", "end"),
+            "interleaved sections: {pair:?}"
+        );
+        assert_eq!(
+            s[1..],
+            e[1..],
+            "a section ended by another holder: {pair:?}"
+        );
+        let t: u64 = s[1].parse().expect("token");
+        assert!(t > last_token, "token {t} after {last_token}");
+        last_token = t;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The documented exit codes: 75 timed out, 69 unreachable, 64 bad input; the command's
+/// own code otherwise.
+pub async fn cli_exit_codes(kind: Kind, url: &str) {
+    let name = unique("codes");
+    let c = client(kind, url).await;
+    let code = |args: &[&str]| dlock().args(args).output().expect("run").status.code();
+    assert_eq!(
+        code(&["--url", url, "exec", &name, "--", "sh", "-c", "exit 7"]),
+        Some(7)
+    );
+    let mut g = c.mutex(&name).expect("n").lock().await.expect("lock");
+    assert_eq!(
+        code(&[
+            "--url",
+            url,
+            "exec",
+            &name,
+            "--timeout",
+            "500ms",
+            "--",
+            "true"
+        ]),
+        Some(75)
+    );
+    g.release().await.expect("release");
+    assert_eq!(code(&["--url", url, "exec", "", "--", "true"]), Some(64));
+    assert_eq!(
+        code(&["--url", url, "exec", "a\u{1}b", "--", "true"]),
+        Some(64)
+    );
+    assert_eq!(
+        code(&["--url", url, "exec", &name, "--permits", "0", "--", "true"]),
+        Some(64)
+    );
+    assert_eq!(
+        code(&["--url", url, "exec", &name, "--bogus", "--", "true"]),
+        Some(64)
+    );
+    assert_eq!(
+        code(&["--url", "nope://x", "exec", &name, "--", "true"]),
+        Some(64)
+    );
+    assert_eq!(code(&["exec", &name, "--", "true"]), Some(64));
+    assert_eq!(
+        code(&["--url", url, "exec", &name, "--", "/nonexistent/cmd"]),
+        Some(127)
+    );
+    let unreachable = match kind {
+        Kind::Zk => "zk://127.0.0.1:1",
+        Kind::Etcd => "etcd://127.0.0.1:1",
+        Kind::Redis => "redis://127.0.0.1:1",
+        Kind::Redlock => "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
+    };
+    assert_eq!(
+        code(&[
+            "--url",
+            unreachable,
+            "--connect-timeout",
+            "1s",
+            "exec",
+            &name,
+            "--",
+            "true"
+        ]),
+        Some(69)
+    );
+    // One-line messages on stderr, never a panic.
+    let out = dlock()
+        .args(["--url", url, "exec", "", "--", "true"])
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(!err.contains("panicked"));
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            leftovers(&c, &name).await == 0
+        })
+        .await
+    );
+    c.close().await.expect("close");
+}
+
+/// SIGKILL of the process holding the lock frees it within the session timeout.
+pub async fn cli_sigkill_frees_the_lock(kind: Kind, url: &str) {
+    let name = unique("kill");
+    let mut holder = dlock()
+        .args([
+            "--url",
+            url,
+            "--session-timeout",
+            "2s",
+            "exec",
+            &name,
+            "--",
+            "sleep",
+            "600",
+        ])
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn holder");
+    let c = client(kind, url).await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            c.participants(&name)
+                .await
+                .map(|p| p.iter().any(|x| x.holds))
+                .unwrap_or(false)
+        })
+        .await,
+        "holder never acquired"
+    );
+    // SIGKILL the holder's whole process group: dlock and its `sleep` child die at once,
+    // as in a machine crash; nothing releases the lock but the session's end.
+    let pgid = holder.id();
+    let st = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pgid}")])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+    let _ = holder.wait();
+    // Acquired after the holder's session ends: within the session timeout plus slack.
+    let mut g = c
+        .mutex(&name)
+        .expect("n")
+        .lock_timeout(Duration::from_secs(30))
+        .await
+        .expect("the dead holder's lock freed itself");
+    g.release().await.expect("release");
+    c.close().await.expect("close");
+}
+
+/// `dlock status` lists holders and waiters in queue order, as text and JSON.
+pub async fn cli_status_shows_queue(kind: Kind, url: &str) {
+    let name = unique("status");
+    let c = client(kind, url).await;
+    let out = dlock()
+        .args(["--url", url, "status", &name])
+        .output()
+        .expect("run");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("free"));
+    let mut g = c.mutex(&name).expect("n").lock().await.expect("lock");
+    let waiter = client(kind, url).await;
+    let m = waiter.mutex(&name).expect("n");
+    let pending = tokio::spawn(async move {
+        let r = m.lock_timeout(Duration::from_secs(60)).await;
+        (r.map(|mut g| async move { g.release().await }), waiter)
+    });
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            leftovers(&c, &name).await == 2
+        })
+        .await
+    );
+    let out = dlock()
+        .args(["--url", url, "status", &name, "--json"])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(0));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let parts = doc["participants"].as_array().expect("array");
+    assert_eq!(parts.len(), 2);
+    assert_eq!(parts[0]["state"], "holder");
+    assert_eq!(parts[1]["state"], "waiter");
+    assert_eq!(parts[0]["token"].as_u64(), Some(g.token().get()));
+    let text = dlock()
+        .args(["--url", url, "status", &name])
+        .output()
+        .expect("run");
+    let text = String::from_utf8_lossy(&text.stdout);
+    let rows: Vec<&str> = text.lines().skip(1).collect();
+    assert!(
+        rows[0].starts_with("holder") && rows[1].starts_with("waiter"),
+        "{text}"
+    );
+    g.release().await.expect("release");
+    let (r, waiter) = pending.await.expect("waiter");
+    r.expect("waiter acquired").await.expect("release");
+    waiter.close().await.expect("close");
+    c.close().await.expect("close");
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(unique("cli").replace('/', "-"));
+    std::fs::create_dir_all(&d).expect("tempdir");
+    d
+}

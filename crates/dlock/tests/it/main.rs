@@ -1,0 +1,70 @@
+//! Integration tests against real servers, written once and run per backend.
+//!
+//! `cargo xtask integration` starts the servers and exports their endpoints
+//! (`DLOCK_TEST_ZK`, `DLOCK_TEST_ETCD`, `DLOCK_TEST_REDIS`, `DLOCK_TEST_REDLOCK`); a test
+//! whose endpoint is missing says so loudly, and fails under CI.
+
+// Without any backend feature there is nothing to instantiate the tests for.
+#![cfg_attr(
+    not(any(feature = "zookeeper", feature = "etcd", feature = "redis")),
+    allow(dead_code, unused_macros, unused_imports)
+)]
+
+mod cli;
+mod recipes;
+mod support;
+
+/// Instantiates every shared test for one backend.
+macro_rules! backend_tests {
+    ($module:ident, $kind:expr, $feature:literal; $($test:path),* $(,)?) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            $(
+                paste_test!($test, $kind);
+            )*
+        }
+    };
+}
+
+/// One `#[tokio::test]` named after the shared test function it runs.
+macro_rules! paste_test {
+    ($test:path, $kind:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[allow(non_snake_case)]
+        async fn run() {
+            if let Some(url) = crate::support::url($kind) {
+                $test($kind, &url).await;
+            }
+        }
+    };
+}
+
+macro_rules! all_backends {
+    ($($test:ident => $path:path),* $(,)?) => {
+        $(
+            mod $test {
+                backend_tests!(zk, crate::support::Kind::Zk, "zookeeper"; $path);
+                backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; $path);
+                backend_tests!(redis, crate::support::Kind::Redis, "redis"; $path);
+                backend_tests!(redlock, crate::support::Kind::Redlock, "redis"; $path);
+            }
+        )*
+    };
+}
+
+all_backends! {
+    mutex_excludes_and_tokens_grow => crate::recipes::mutex_excludes_and_tokens_grow,
+    mutex_is_reentrant => crate::recipes::mutex_is_reentrant,
+    timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
+    cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
+    bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,
+    rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,
+    rwlock_downgrade => crate::recipes::rwlock_downgrade,
+    semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
+    multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
+    lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
+    cli_processes_never_overlap => crate::cli::cli_processes_never_overlap,
+    cli_exit_codes => crate::cli::cli_exit_codes,
+    cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
+    cli_status_shows_queue => crate::cli::cli_status_shows_queue,
+}

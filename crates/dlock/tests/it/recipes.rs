@@ -1,0 +1,393 @@
+//! Recipe behaviour, written once and run on every backend by `backend_tests!`.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock::Error;
+use futures::FutureExt;
+
+use crate::support::{client, eventually, leftovers, unique, Kind};
+
+const GENEROUS: Duration = Duration::from_secs(30);
+
+/// Four sessions hammer one mutex: never two inside, every token larger than the last.
+pub async fn mutex_excludes_and_tokens_grow(kind: Kind, url: &str) {
+    let name = unique("excl");
+    let inside = Arc::new(AtomicBool::new(false));
+    let tokens = Arc::new(parking_lot_free::Tokens::default());
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let c = client(kind, url).await;
+        let (name, inside, tokens) = (name.clone(), inside.clone(), tokens.clone());
+        tasks.push(tokio::spawn(async move {
+            let m = c.mutex(&name).expect("name");
+            for _ in 0..10 {
+                let mut g = m.lock().await.expect("lock");
+                assert!(!inside.swap(true, Ordering::SeqCst), "two holders at once");
+                tokens.push(g.token().get());
+                tokio::task::yield_now().await;
+                inside.store(false, Ordering::SeqCst);
+                g.release().await.expect("release");
+            }
+            c.close().await.expect("close");
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let seen = tokens.take();
+    assert_eq!(seen.len(), 40);
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "tokens must strictly increase in acquisition order: {seen:?}"
+    );
+}
+
+/// A task locks three times; another session gets the lock only after the third release.
+pub async fn mutex_is_reentrant(kind: Kind, url: &str) {
+    let name = unique("reentrant");
+    let a = client(kind, url).await;
+    let b = client(kind, url).await;
+    let ma = a.mutex(&name).expect("name");
+    let mb = b.mutex(&name).expect("name");
+    let mut g1 = ma.lock().await.expect("lock 1");
+    let mut g2 = ma.lock().await.expect("lock 2");
+    let mut g3 = ma.lock().await.expect("lock 3");
+    assert_eq!(ma.hold_count(), 3);
+    assert_eq!(g1.token(), g3.token(), "re-entry reuses the one entry");
+    // Exactly one entry on the server however often it was entered.
+    assert_eq!(leftovers(&a, &name).await, 1);
+    for g in [&mut g3, &mut g2] {
+        g.release().await.expect("release");
+        assert!(matches!(mb.try_lock().await, Err(Error::WouldBlock)));
+    }
+    g1.release().await.expect("last release");
+    let mut gb = mb
+        .lock_timeout(GENEROUS)
+        .await
+        .expect("b gets it after the last release");
+    assert!(gb.token() > g1.token());
+    gb.release().await.expect("release");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
+/// A held lock times out others cleanly: the right error, nothing left behind.
+pub async fn timeout_and_try_lock_leave_nothing(kind: Kind, url: &str) {
+    let name = unique("timeout");
+    let a = client(kind, url).await;
+    let b = client(kind, url).await;
+    let mut g = a.mutex(&name).expect("name").lock().await.expect("lock");
+    let mb = b.mutex(&name).expect("name");
+    match mb.lock_timeout(Duration::from_millis(300)).await {
+        Err(Error::Timeout(d)) => assert_eq!(d, Duration::from_millis(300)),
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(matches!(mb.try_lock().await, Err(Error::WouldBlock)));
+    assert_eq!(
+        leftovers(&a, &name).await,
+        1,
+        "only the holder's entry remains"
+    );
+    g.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&a, &name).await == 0 }).await,
+        "entries left after release"
+    );
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
+/// 200 acquisitions cancelled by timeouts and by dropped futures leave zero entries.
+pub async fn cancelled_acquisitions_leave_nothing(kind: Kind, url: &str) {
+    let name = unique("cancel");
+    let holder = client(kind, url).await;
+    let waiter = client(kind, url).await;
+    let mut g = holder
+        .mutex(&name)
+        .expect("name")
+        .lock()
+        .await
+        .expect("lock");
+    let m = waiter.mutex(&name).expect("name");
+    for i in 0..200u64 {
+        if i % 2 == 0 {
+            // A timeout at a varying point of the attempt.
+            let r = m.lock_timeout(Duration::from_millis(i % 7)).await;
+            assert!(matches!(r, Err(Error::Timeout(_))), "attempt {i}: {r:?}");
+        } else {
+            // A future dropped after a varying number of polls.
+            let mut fut = Box::pin(m.lock());
+            for _ in 0..(i % 5) {
+                if (&mut fut).now_or_never().is_some() {
+                    panic!("acquired a held lock");
+                }
+                tokio::task::yield_now().await;
+            }
+            drop(fut);
+        }
+    }
+    g.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&holder, &name).await == 0 }).await,
+        "cancelled acquisitions left {} entries",
+        leftovers(&holder, &name).await
+    );
+    holder.close().await.expect("close");
+    waiter.close().await.expect("close");
+}
+
+/// Bad input gives typed errors, never a panic, and leaves nothing behind.
+pub async fn bad_input_gives_typed_errors(kind: Kind, url: &str) {
+    let c = client(kind, url).await;
+    assert!(matches!(c.mutex(""), Err(Error::InvalidName { .. })));
+    assert!(matches!(c.mutex("a\0b"), Err(Error::InvalidName { .. })));
+    assert!(matches!(c.mutex("a//b"), Err(Error::InvalidName { .. })));
+    assert!(matches!(c.semaphore("s", 0), Err(Error::InvalidPermits(_))));
+    let name = unique("bad");
+    // Release twice.
+    let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");
+    g.release().await.expect("first release");
+    assert!(matches!(g.release().await, Err(Error::NotHeld(_))));
+    // Upgrade read -> write.
+    let rw = c.rwlock(&name).expect("name");
+    let mut r = rw.read(None).await.expect("read");
+    assert!(matches!(
+        rw.write(Some(GENEROUS)).await,
+        Err(Error::WouldDeadlock(_))
+    ));
+    r.release().await.expect("release");
+    // Semaphore-mutex taken twice by its owner.
+    let sm = c.semaphore_mutex(&name).expect("name");
+    let mut s = sm.lock(None).await.expect("lock");
+    assert!(matches!(
+        sm.lock(Some(GENEROUS)).await,
+        Err(Error::WouldDeadlock(_))
+    ));
+    s.release().await.expect("release");
+    // A multi-lock naming a lock twice.
+    let multi = c.multi().mutex(&name).expect("a").write(&name).expect("b");
+    assert!(matches!(
+        multi.acquire(None).await,
+        Err(Error::WouldDeadlock(_))
+    ));
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "bad input left entries behind"
+    );
+    c.close().await.expect("close");
+}
+
+/// Readers share; a writer excludes readers; a queued writer blocks later readers.
+pub async fn rwlock_readers_share_writers_exclude(kind: Kind, url: &str) {
+    let name = unique("rw");
+    let a = client(kind, url).await;
+    let b = client(kind, url).await;
+    let c = client(kind, url).await;
+    let (ra, rb, rc) = (
+        a.rwlock(&name).expect("n"),
+        b.rwlock(&name).expect("n"),
+        c.rwlock(&name).expect("n"),
+    );
+    let mut r1 = ra.read(None).await.expect("read a");
+    let mut r2 = rb.read(Some(GENEROUS)).await.expect("readers share");
+    assert!(matches!(rc.try_write().await, Err(Error::WouldBlock)));
+    // A writer queues; a reader arriving after it must wait (no writer starvation).
+    let w = tokio::spawn(async move {
+        let mut g = rc.write(Some(GENEROUS)).await.expect("write");
+        let t = g.token();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        g.release().await.expect("release");
+        (t, c)
+    });
+    assert!(
+        eventually(GENEROUS, || async {
+            a.participants(&name).await.map(|p| p.len()).unwrap_or(0) == 3
+        })
+        .await
+    );
+    let late = client(kind, url).await;
+    let rl = late.rwlock(&name).expect("n");
+    assert!(matches!(rl.try_read().await, Err(Error::WouldBlock)));
+    r1.release().await.expect("release");
+    r2.release().await.expect("release");
+    let (wt, c) = w.await.expect("writer");
+    let mut r3 = rl.read(Some(GENEROUS)).await.expect("read after writer");
+    assert!(r3.token() > wt);
+    r3.release().await.expect("release");
+    for x in [a, b, c, late] {
+        x.close().await.expect("close");
+    }
+}
+
+/// A writer takes the read lock and releases the write lock: a queued writer does not
+/// get in between, and gets in once the read is released.
+pub async fn rwlock_downgrade(kind: Kind, url: &str) {
+    let name = unique("down");
+    let a = client(kind, url).await;
+    let b = client(kind, url).await;
+    let ra = a.rwlock(&name).expect("n");
+    let rb = b.rwlock(&name).expect("n");
+    let mut w = ra.write(None).await.expect("write");
+    let got = Arc::new(AtomicBool::new(false));
+    let got2 = got.clone();
+    let queued = tokio::spawn(async move {
+        let mut g = rb.write(Some(GENEROUS)).await.expect("queued writer");
+        got2.store(true, Ordering::SeqCst);
+        g.release().await.expect("release");
+        b
+    });
+    assert!(
+        eventually(GENEROUS, || async {
+            a.participants(&name).await.map(|p| p.len()).unwrap_or(0) == 2
+        })
+        .await
+    );
+    let mut r = ra
+        .read(Some(Duration::from_secs(5)))
+        .await
+        .expect("downgrade read");
+    w.release().await.expect("release write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !got.load(Ordering::SeqCst),
+        "queued writer got in during the downgrade"
+    );
+    r.release().await.expect("release read");
+    let b = queued.await.expect("writer task");
+    assert!(got.load(Ordering::SeqCst));
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
+/// Eight sessions share a semaphore of 3: the peak is exactly 3, never more.
+pub async fn semaphore_peak_equals_permits(kind: Kind, url: &str) {
+    let name = unique("sem");
+    let live = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let c = client(kind, url).await;
+        let (name, live, peak) = (name.clone(), live.clone(), peak.clone());
+        tasks.push(tokio::spawn(async move {
+            let s = c.semaphore(&name, 3).expect("sem");
+            for _ in 0..4 {
+                let mut p = s
+                    .acquire(Some(Duration::from_secs(60)))
+                    .await
+                    .expect("permit");
+                let now = live.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                live.fetch_sub(1, Ordering::SeqCst);
+                p.release().await.expect("release");
+            }
+            c
+        }));
+    }
+    let mut clients = Vec::new();
+    for t in tasks {
+        clients.push(t.await.expect("task"));
+    }
+    assert_eq!(
+        peak.load(Ordering::SeqCst),
+        3,
+        "peak must equal the permits exactly"
+    );
+    assert!(
+        eventually(GENEROUS, || async {
+            leftovers(&clients[0], &name).await == 0
+        })
+        .await,
+        "semaphore left entries"
+    );
+    for c in clients {
+        c.close().await.expect("close");
+    }
+}
+
+/// A multi-lock rolls back when one part times out; two multi-locks over the same names
+/// listed in opposite orders never deadlock.
+pub async fn multilock_rollback_and_order(kind: Kind, url: &str) {
+    let (x, y) = (unique("mx"), unique("my"));
+    let a = client(kind, url).await;
+    let b = client(kind, url).await;
+    let mut hold_y = b.mutex(&y).expect("n").lock().await.expect("hold y");
+    let m = a.multi().mutex(&x).expect("x").mutex(&y).expect("y");
+    assert!(matches!(
+        m.acquire(Some(Duration::from_millis(500))).await,
+        Err(Error::Timeout(_))
+    ));
+    // x was rolled back: b can take it at once.
+    let mut gx = b
+        .mutex(&x)
+        .expect("n")
+        .try_lock()
+        .await
+        .expect("x was released");
+    gx.release().await.expect("release");
+    hold_y.release().await.expect("release");
+    let mut tasks = Vec::new();
+    for (c, first, second) in [(a, x.clone(), y.clone()), (b, y.clone(), x.clone())] {
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..5 {
+                let m = c
+                    .multi()
+                    .mutex(&first)
+                    .expect("n")
+                    .mutex(&second)
+                    .expect("n");
+                let mut g = m
+                    .acquire(Some(Duration::from_secs(60)))
+                    .await
+                    .expect("multi");
+                assert_eq!(g.tokens().len(), 2);
+                g.release().await.expect("release");
+            }
+            c
+        }));
+    }
+    for t in tasks {
+        t.await.expect("no deadlock").close().await.expect("close");
+    }
+}
+
+/// Closing a session fires the lost signal of every guard on it, and another session
+/// gets the lock.
+pub async fn lost_signal_fires_on_session_end(kind: Kind, url: &str) {
+    let name = unique("lost");
+    let a = client(kind, url).await;
+    let b = client(kind, url).await;
+    let g = a.mutex(&name).expect("n").lock().await.expect("lock");
+    let lost = g.lost();
+    assert!(!g.is_lost());
+    a.close().await.expect("close");
+    let e = tokio::time::timeout(GENEROUS, lost)
+        .await
+        .expect("lost fired");
+    assert!(matches!(e, Error::LockLost(_)), "{e:?}");
+    let mut gb = b
+        .mutex(&name)
+        .expect("n")
+        .lock_timeout(GENEROUS)
+        .await
+        .expect("the lock freed itself");
+    gb.release().await.expect("release");
+    drop(g);
+    b.close().await.expect("close");
+}
+
+/// Token bookkeeping without an extra dependency.
+mod parking_lot_free {
+    #[derive(Default)]
+    pub struct Tokens(std::sync::Mutex<Vec<u64>>);
+    impl Tokens {
+        pub fn push(&self, t: u64) {
+            self.0.lock().expect("poisoned").push(t);
+        }
+        pub fn take(&self) -> Vec<u64> {
+            std::mem::take(&mut *self.0.lock().expect("poisoned"))
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Shared helpers: endpoints from the environment, clients, polling.
+
+use std::future::Future;
+use std::time::Duration;
+
+use dlock::{Client, SessionOptions};
+
+/// Which backend a test instance runs on.
+#[derive(Debug, Clone, Copy)]
+pub enum Kind {
+    Zk,
+    Etcd,
+    Redis,
+    Redlock,
+}
+
+impl Kind {
+    fn env(self) -> &'static str {
+        match self {
+            Kind::Zk => "DLOCK_TEST_ZK",
+            Kind::Etcd => "DLOCK_TEST_ETCD",
+            Kind::Redis => "DLOCK_TEST_REDIS",
+            Kind::Redlock => "DLOCK_TEST_REDLOCK",
+        }
+    }
+
+    fn scheme(self) -> &'static str {
+        match self {
+            Kind::Zk => "zk",
+            Kind::Etcd => "etcd",
+            Kind::Redis => "redis",
+            Kind::Redlock => "redlock",
+        }
+    }
+
+    /// The session timeout the tests use: short, so crash tests finish quickly, but
+    /// long enough for a loaded 2-core machine not to expire live sessions.
+    pub fn session_timeout(self) -> Duration {
+        match self {
+            Kind::Zk => Duration::from_secs(4),
+            Kind::Etcd => Duration::from_secs(4),
+            Kind::Redis | Kind::Redlock => Duration::from_secs(4),
+        }
+    }
+}
+
+/// The backend URL for `kind`, or `None` (with a loud message) when the endpoints are
+/// not exported. Under CI a missing endpoint fails the test instead: CI must never pass
+/// by skipping.
+pub fn url(kind: Kind) -> Option<String> {
+    match std::env::var(kind.env()) {
+        Ok(v) if !v.is_empty() => Some(format!("{}://{}", kind.scheme(), v)),
+        _ => {
+            if std::env::var_os("CI").is_some() {
+                panic!(
+                    "{} is not set but CI is: run the tests through `cargo xtask integration`",
+                    kind.env()
+                );
+            }
+            // Written to the process's stderr directly: the test harness captures
+            // `eprintln!`, and a skip must be seen.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: {} not set (run through `cargo xtask integration`)",
+                kind.env()
+            );
+            None
+        }
+    }
+}
+
+/// A fresh client (its own session) on `url`.
+pub async fn client(kind: Kind, url: &str) -> Client {
+    dlock::connect_with(
+        url,
+        SessionOptions::default().with_session_timeout(kind.session_timeout()),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("connect {url}: {e}"))
+}
+
+/// A lock name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    format!("dlock-test/{prefix}-{}-{}", std::process::id(), uuid_like())
+}
+
+fn uuid_like() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{:x}{}", t, N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Polls `cond` until it holds or `limit` passes; returns whether it held. Used to wait
+/// for conditions with a generous limit, never to assert on speed.
+pub async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Number of entries left under `name` in every queue of every recipe.
+pub async fn leftovers(c: &Client, name: &str) -> usize {
+    c.participants(name)
+        .await
+        .map(|p| p.len())
+        .unwrap_or(usize::MAX)
+}

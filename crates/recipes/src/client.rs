@@ -1,0 +1,219 @@
+//! [`Client`]: one session on a backend, and the factory of every recipe.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::driver::holders;
+use dlock_core::{Backend, Entry, EntryKind, Error, LockName, Position, QueuePath, Result};
+use tracing::Instrument;
+
+use crate::guard::{current_owner, Held, HoldKey, Holds, LockGuard, Recipe};
+use crate::queue::{self, Wait};
+use crate::{MultiLock, Mutex, RwLock, Semaphore, SemaphoreMutex};
+
+/// A session on one backend: every lock made from it shares the session (its entries
+/// vanish together if the process dies) and one reentrancy table.
+///
+/// Cheap to clone; clones share the session. Build one per process (or per service),
+/// not one per lock.
+pub struct Client<B: Backend + ?Sized = dyn Backend> {
+    pub(crate) backend: Arc<B>,
+    pub(crate) holds: Arc<Holds<B>>,
+    pub(crate) data: Arc<[u8]>,
+}
+
+impl<B: Backend + ?Sized> Clone for Client<B> {
+    fn clone(&self) -> Self {
+        Client {
+            backend: self.backend.clone(),
+            holds: self.holds.clone(),
+            data: self.data.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for Client<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("backend", &self.backend.kind())
+            .finish()
+    }
+}
+
+/// One contender of a lock, as [`Client::participants`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Participant {
+    /// The queue it stands in: `""` for the lock itself, `"leases"` / `"locks"` for a
+    /// semaphore's.
+    pub queue: &'static str,
+    /// The entry.
+    pub entry: Entry,
+    /// True if it holds the lock (or a permit); false while it waits.
+    pub holds: bool,
+}
+
+impl<B: Backend + ?Sized> Client<B> {
+    /// A client over an already connected backend.
+    pub fn new(backend: Arc<B>) -> Self {
+        let data = format!("dlock pid={}", std::process::id());
+        Client {
+            backend,
+            holds: Arc::new(Holds::new()),
+            data: Arc::from(data.into_bytes()),
+        }
+    }
+
+    /// The backend this client runs on.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// Validates `name` against this backend's rules.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn lock_name(&self, name: &str) -> Result<LockName> {
+        LockName::new(name, self.backend.name_rules())
+    }
+
+    /// A reentrant, fair mutex (Curator's InterProcessMutex). See [`Mutex`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn mutex(&self, name: &str) -> Result<Mutex<B>> {
+        Ok(Mutex::new(self.clone(), self.lock_name(name)?))
+    }
+
+    /// A non-reentrant mutex (Curator's InterProcessSemaphoreMutex). See [`SemaphoreMutex`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn semaphore_mutex(&self, name: &str) -> Result<SemaphoreMutex<B>> {
+        Ok(SemaphoreMutex::new(self.clone(), self.lock_name(name)?))
+    }
+
+    /// A fair read/write lock (Curator's InterProcessReadWriteLock). See [`RwLock`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn rwlock(&self, name: &str) -> Result<RwLock<B>> {
+        Ok(RwLock::new(self.clone(), self.lock_name(name)?))
+    }
+
+    /// A counting semaphore of `permits` permits (Curator's InterProcessSemaphoreV2).
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`]; [`Error::InvalidPermits`] for zero permits.
+    pub fn semaphore(&self, name: &str, permits: u32) -> Result<Semaphore<B>> {
+        if permits == 0 {
+            return Err(Error::InvalidPermits(
+                "a semaphore needs at least one permit".into(),
+            ));
+        }
+        Ok(Semaphore::new(self.clone(), self.lock_name(name)?, permits))
+    }
+
+    /// An empty multi-lock; add parts with [`MultiLock::mutex`] and friends.
+    pub fn multi(&self) -> MultiLock<B> {
+        MultiLock::new(self.clone())
+    }
+
+    /// Every contender of the lock `name`, whatever the recipe: entries directly under
+    /// the name (mutex, read/write) and in a semaphore's `leases` and `locks` queues.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`], or a backend error.
+    pub async fn participants(&self, name: &str) -> Result<Vec<Participant>> {
+        let lock = self.lock_name(name)?;
+        let mut out = Vec::new();
+        for sub in [
+            None,
+            Some(crate::semaphore::LEASES),
+            Some(crate::semaphore::LOCKS),
+        ] {
+            let q = QueuePath {
+                lock: lock.clone(),
+                sub,
+            };
+            let entries = self.backend.participants(&q).await?;
+            let held: Vec<String> = if sub == Some(crate::semaphore::LEASES) {
+                entries.iter().map(|e| e.name.clone()).collect()
+            } else {
+                holders(&entries).iter().map(|e| e.name.clone()).collect()
+            };
+            out.extend(entries.into_iter().map(|entry| Participant {
+                queue: sub.unwrap_or(""),
+                holds: held.contains(&entry.name),
+                entry,
+            }));
+        }
+        Ok(out)
+    }
+
+    /// How long a crashed or paused holder keeps its locks.
+    pub fn session_timeout(&self) -> Duration {
+        self.backend.session_timeout()
+    }
+
+    /// Closes the session: every lock and permit held through this client is released
+    /// at once (their guards' lost signals fire).
+    ///
+    /// # Errors
+    /// A backend error if the close request failed (the session then ends by timeout).
+    pub async fn close(&self) -> Result<()> {
+        self.backend.close().await
+    }
+
+    /// The reentrant acquire shared by the mutex, the read and the write lock.
+    pub(crate) async fn acquire_reentrant(
+        &self,
+        lock: &LockName,
+        recipe: Recipe,
+        kind: EntryKind,
+        wait: Wait,
+    ) -> Result<LockGuard<B>> {
+        let owner = current_owner();
+        let key: HoldKey = (lock.clone(), recipe);
+        if let Some(held) = self.holds.reenter(&key, &owner) {
+            tracing::debug!(lock = %lock, token = %held.token, "re-entered");
+            return Ok(LockGuard::new(held, Some((self.holds.clone(), key, owner))));
+        }
+        // A write holder's read entry goes beside its write entry, so it is granted at
+        // once and no queued writer can slip in between (downgrade).
+        let beside = if recipe == Recipe::Read {
+            self.holds
+                .reenter(&(lock.clone(), Recipe::Write), &owner)
+                .inspect(|_| {
+                    // Only peeked: undo the count the peek added.
+                    let _ = self.holds.release(&(lock.clone(), Recipe::Write), &owner);
+                })
+        } else {
+            None
+        };
+        if recipe == Recipe::Write && self.holds.count(&(lock.clone(), Recipe::Read), &owner) > 0 {
+            return Err(Error::WouldDeadlock(format!(
+                "{lock}: a read holder cannot take the write lock (upgrade would deadlock); release the read lock first"
+            )));
+        }
+        let q = QueuePath::root(lock.clone());
+        let span = tracing::debug_span!("acquire", lock = %lock, kind = %kind.label(), token = tracing::field::Empty);
+        let at = match &beside {
+            Some(w) => Position::Beside(&w.entry),
+            None => Position::Tail,
+        };
+        let entry = queue::acquire(&self.backend, &q, kind, at, &self.data, wait)
+            .instrument(span.clone())
+            .await?;
+        let held = match Held::new(self.backend.clone(), q.clone(), entry.clone()) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = self.backend.remove(&q, &entry).await;
+                return Err(e);
+            }
+        };
+        span.record("token", held.token.get());
+        tracing::debug!(parent: &span, "acquired");
+        self.holds.first(key.clone(), owner.clone(), held.clone());
+        Ok(LockGuard::new(held, Some((self.holds.clone(), key, owner))))
+    }
+}

@@ -1,0 +1,233 @@
+//! [`MultiLock`]: several locks taken all-or-nothing (Curator's InterProcessMultiLock,
+//! with a global order and one deadline).
+
+use std::future::Future;
+use std::time::Duration;
+
+use dlock_core::{Backend, Error, FencingToken, LockName, Result};
+use futures::future::FutureExt;
+use tokio::time::Instant;
+
+use crate::{Client, LockGuard};
+
+/// One part of a multi-lock.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Part {
+    /// A reentrant [`crate::Mutex`].
+    Mutex(LockName),
+    /// The read side of an [`crate::RwLock`].
+    Read(LockName),
+    /// The write side of an [`crate::RwLock`].
+    Write(LockName),
+    /// A [`crate::SemaphoreMutex`].
+    SemaphoreMutex(LockName),
+    /// One permit of a [`crate::Semaphore`] of this many permits.
+    Permit(LockName, u32),
+}
+
+impl Part {
+    /// The lock this part names.
+    pub fn name(&self) -> &LockName {
+        match self {
+            Part::Mutex(n)
+            | Part::Read(n)
+            | Part::Write(n)
+            | Part::SemaphoreMutex(n)
+            | Part::Permit(n, _) => n,
+        }
+    }
+}
+
+/// Several locks of any kinds, taken all-or-nothing.
+///
+/// Parts are always acquired in one global order (by name), so two multi-locks over
+/// overlapping names cannot deadlock each other, whatever order their callers listed the
+/// names in. One deadline covers the whole acquire. A failure or timeout part way
+/// releases what was taken, in reverse order.
+#[derive(Debug, Clone)]
+pub struct MultiLock<B: Backend + ?Sized = dyn Backend> {
+    client: Client<B>,
+    parts: Vec<Part>,
+}
+
+impl<B: Backend + ?Sized> MultiLock<B> {
+    pub(crate) fn new(client: Client<B>) -> Self {
+        MultiLock {
+            client,
+            parts: Vec::new(),
+        }
+    }
+
+    /// Adds a part.
+    pub fn with(mut self, part: Part) -> Self {
+        self.parts.push(part);
+        self
+    }
+
+    /// Adds a mutex part by name.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn mutex(self, name: &str) -> Result<Self> {
+        let n = self.client.lock_name(name)?;
+        Ok(self.with(Part::Mutex(n)))
+    }
+
+    /// Adds a read-lock part by name.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn read(self, name: &str) -> Result<Self> {
+        let n = self.client.lock_name(name)?;
+        Ok(self.with(Part::Read(n)))
+    }
+
+    /// Adds a write-lock part by name.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn write(self, name: &str) -> Result<Self> {
+        let n = self.client.lock_name(name)?;
+        Ok(self.with(Part::Write(n)))
+    }
+
+    /// Adds a semaphore-mutex part by name.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn semaphore_mutex(self, name: &str) -> Result<Self> {
+        let n = self.client.lock_name(name)?;
+        Ok(self.with(Part::SemaphoreMutex(n)))
+    }
+
+    /// Adds a one-permit part of a semaphore of `permits` permits.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`], [`Error::InvalidPermits`] for 0 permits.
+    pub fn permit(self, name: &str, permits: u32) -> Result<Self> {
+        if permits == 0 {
+            return Err(Error::InvalidPermits(
+                "a semaphore needs at least one permit".into(),
+            ));
+        }
+        let n = self.client.lock_name(name)?;
+        Ok(self.with(Part::Permit(n, permits)))
+    }
+
+    /// The parts in acquisition order, after checking that no lock is named twice.
+    ///
+    /// # Errors
+    /// [`Error::WouldDeadlock`] if a name appears twice (taking the same lock twice in
+    /// one multi-lock can only deadlock or be a mistake); [`Error::InvalidPermits`] if
+    /// there are no parts.
+    pub fn ordered_parts(&self) -> Result<Vec<Part>> {
+        if self.parts.is_empty() {
+            return Err(Error::InvalidPermits(
+                "a multi-lock needs at least one lock".into(),
+            ));
+        }
+        let mut parts = self.parts.clone();
+        parts.sort_by(|a, b| a.name().cmp(b.name()).then_with(|| a.cmp(b)));
+        if let Some(w) = parts.windows(2).find(|w| w[0].name() == w[1].name()) {
+            return Err(Error::WouldDeadlock(format!(
+                "the multi-lock names {} twice",
+                w[0].name()
+            )));
+        }
+        Ok(parts)
+    }
+
+    /// Takes every part, or none; `timeout` of `None` waits forever.
+    ///
+    /// # Errors
+    /// [`Error::WouldDeadlock`] for a name given twice; the first part's error
+    /// ([`Error::Timeout`] with the whole timeout, [`Error::LockLost`], ...) after the
+    /// parts already taken have been released.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: the parts taken so far are released in the background, the pending
+    /// part's entry is removed.
+    pub async fn acquire(&self, timeout: Option<Duration>) -> Result<MultiGuard<B>> {
+        let parts = self.ordered_parts()?;
+        let deadline = timeout.map(|d| Instant::now() + d);
+        let mut guards: Vec<LockGuard<B>> = Vec::with_capacity(parts.len());
+        for part in &parts {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let r = self.acquire_part(part, left).await;
+            match r {
+                Ok(g) => guards.push(g),
+                Err(e) => {
+                    let e = match (e, timeout) {
+                        (Error::Timeout(_), Some(t)) => Error::Timeout(t),
+                        (e, _) => e,
+                    };
+                    tracing::debug!(failed = %part.name(), error = %e, "multi-lock rolls back");
+                    for mut g in guards.into_iter().rev() {
+                        let _ = g.release().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(MultiGuard { guards })
+    }
+
+    async fn acquire_part(&self, part: &Part, left: Option<Duration>) -> Result<LockGuard<B>> {
+        let c = &self.client;
+        match part {
+            Part::Mutex(n) => {
+                let m = c.mutex(n.as_str())?;
+                match left {
+                    Some(d) => m.lock_timeout(d).await,
+                    None => m.lock().await,
+                }
+            }
+            Part::Read(n) => c.rwlock(n.as_str())?.read(left).await,
+            Part::Write(n) => c.rwlock(n.as_str())?.write(left).await,
+            Part::SemaphoreMutex(n) => c.semaphore_mutex(n.as_str())?.lock(left).await,
+            Part::Permit(n, p) => c.semaphore(n.as_str(), *p)?.acquire(left).await,
+        }
+    }
+}
+
+/// Holds every part of a [`MultiLock`].
+#[derive(Debug)]
+#[must_use = "the locks are released as soon as the guard is dropped"]
+pub struct MultiGuard<B: Backend + ?Sized = dyn Backend> {
+    guards: Vec<LockGuard<B>>,
+}
+
+impl<B: Backend + ?Sized> MultiGuard<B> {
+    /// Each part's guard, in acquisition order.
+    pub fn guards(&self) -> &[LockGuard<B>] {
+        &self.guards
+    }
+
+    /// Each part's lock name and fencing token, in acquisition order.
+    pub fn tokens(&self) -> Vec<(LockName, FencingToken)> {
+        self.guards
+            .iter()
+            .map(|g| (g.name().clone(), g.token()))
+            .collect()
+    }
+
+    /// Completes once any part is lost.
+    pub fn lost(&self) -> impl Future<Output = Error> + Send + 'static {
+        let all: Vec<_> = self.guards.iter().map(|g| g.lost().boxed()).collect();
+        futures::future::select_all(all).map(|(e, _, _)| e)
+    }
+
+    /// Releases every part, in reverse order, even if some release fails.
+    ///
+    /// # Errors
+    /// The first error met; every other part was still released.
+    pub async fn release(&mut self) -> Result<()> {
+        let mut first = None;
+        for g in self.guards.iter_mut().rev() {
+            if let Err(e) = g.release().await {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}

@@ -1,0 +1,89 @@
+//! [`Mutex`]: the reentrant, fair, distributed mutex (Curator's InterProcessMutex).
+
+use std::time::Duration;
+
+use dlock_core::{Backend, EntryKind, LockName, Result};
+
+use crate::guard::{LockGuard, Recipe};
+use crate::queue::Wait;
+use crate::Client;
+
+/// A reentrant, fair (FIFO) mutex shared by every process that names the same lock.
+///
+/// Matches Curator's `InterProcessMutex` on the wire (ZooKeeper: `_c_<uuid>-lock-<seq>`
+/// nodes under the lock's path), so Java services using Curator and dlock exclude each
+/// other. Reentrancy is per tokio task (per thread outside a task): the same task may
+/// lock again and must release as many times; the server sees one entry.
+///
+/// # Session loss
+/// If the session ends (crash, partition past the session timeout, lease not renewed)
+/// the lock frees itself on the server and the guard's [`LockGuard::lost`] fires.
+#[derive(Debug, Clone)]
+pub struct Mutex<B: Backend + ?Sized = dyn Backend> {
+    client: Client<B>,
+    name: LockName,
+}
+
+impl<B: Backend + ?Sized> Mutex<B> {
+    pub(crate) fn new(client: Client<B>, name: LockName) -> Self {
+        Mutex { client, name }
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &LockName {
+        &self.name
+    }
+
+    /// Waits until the lock is held.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::LockLost`] if the session ends while waiting; backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropping the future (a `select!`, a timeout) removes this attempt's
+    /// entry from the queue, in the background if need be. Nothing is left behind.
+    pub async fn lock(&self) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(&self.name, Recipe::Mutex, EntryKind::Lock, Wait::Forever)
+            .await
+    }
+
+    /// Takes the lock only if nobody holds it or waits ahead.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::WouldBlock`] if it is taken; the attempt's entry is removed.
+    ///
+    /// # Cancel safety
+    /// As [`Mutex::lock`].
+    pub async fn try_lock(&self) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(&self.name, Recipe::Mutex, EntryKind::Lock, Wait::No)
+            .await
+    }
+
+    /// Waits at most `timeout` for the lock.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::Timeout`]; the attempt's entry is removed before it returns.
+    ///
+    /// # Cancel safety
+    /// As [`Mutex::lock`].
+    pub async fn lock_timeout(&self, timeout: Duration) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(
+                &self.name,
+                Recipe::Mutex,
+                EntryKind::Lock,
+                Wait::timeout(timeout),
+            )
+            .await
+    }
+
+    /// How many times the current task holds this lock (0 if not at all).
+    pub fn hold_count(&self) -> usize {
+        self.client.holds.count(
+            &(self.name.clone(), Recipe::Mutex),
+            &crate::guard::current_owner(),
+        )
+    }
+}

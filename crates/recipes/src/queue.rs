@@ -1,0 +1,176 @@
+//! The fair-queue acquire loop every recipe shares: add an entry, ask the driver, watch
+//! the one entry it names, repeat; and the clean-up that makes every acquire
+//! cancellation-safe.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::driver::{decide, Decision};
+use dlock_core::{Backend, Entry, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use tokio::time::Instant;
+
+/// How long an acquire may wait.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Wait {
+    /// Until acquired (or the session is lost).
+    Forever,
+    /// Until this instant, then [`Error::Timeout`] with the original duration.
+    Until(Instant, Duration),
+    /// Not at all: [`Error::WouldBlock`] if anyone conflicting is ahead.
+    No,
+}
+
+impl Wait {
+    pub(crate) fn timeout(d: Duration) -> Self {
+        Wait::Until(Instant::now() + d, d)
+    }
+}
+
+/// Removes a ticket's entry when dropped while armed. An acquire future that is dropped
+/// at any await point (a `select!`, a timeout, an aborted task) thereby still removes
+/// whatever its enqueue may have created, in the background.
+pub(crate) struct AbandonOnDrop<B: Backend + ?Sized> {
+    backend: Arc<B>,
+    q: QueuePath,
+    ticket: Ticket,
+    armed: bool,
+}
+
+impl<B: Backend + ?Sized> AbandonOnDrop<B> {
+    pub(crate) fn new(backend: Arc<B>, q: QueuePath, ticket: Ticket) -> Self {
+        AbandonOnDrop {
+            backend,
+            q,
+            ticket,
+            armed: true,
+        }
+    }
+
+    /// The attempt succeeded: its entry now belongs to a guard.
+    pub(crate) fn disarm(mut self) {
+        self.armed = false;
+    }
+
+    /// The attempt failed: remove its entry now, so the caller sees a clean server
+    /// when the error reaches it.
+    pub(crate) async fn abandon_now(mut self) {
+        // Stay armed until the removal succeeded: if this future is dropped halfway, or
+        // the removal fails, `Drop` retries it in the background.
+        match self.backend.abandon(&self.q, &self.ticket).await {
+            Ok(()) => self.armed = false,
+            Err(e) => {
+                tracing::warn!(queue = %self.q, error = %e, "abandon failed; retrying in the background");
+            }
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> Drop for AbandonOnDrop<B> {
+    fn drop(&mut self) {
+        if self.armed {
+            spawn_abandon(self.backend.clone(), self.q.clone(), self.ticket.clone());
+        }
+    }
+}
+
+/// Background removal of a ticket's entry, retried a few times: the entry's session
+/// would remove it in the end anyway, but a live session must not keep a ghost waiter.
+fn spawn_abandon<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, ticket: Ticket) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(queue = %q, "no tokio runtime to remove an abandoned entry; it goes with the session");
+        return;
+    };
+    rt.spawn(async move {
+        for attempt in 0..5u32 {
+            match backend.abandon(&q, &ticket).await {
+                Ok(()) => return,
+                Err(e) if e.is_lost() => return,
+                Err(e) => {
+                    tracing::debug!(queue = %q, attempt, error = %e, "background abandon failed");
+                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                }
+            }
+        }
+    });
+}
+
+/// Background removal of a held entry (a guard dropped without `release`).
+pub(crate) fn spawn_remove<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, entry: Entry) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(queue = %q, "no tokio runtime to release a dropped guard; the entry goes with the session");
+        return;
+    };
+    rt.spawn(async move {
+        for attempt in 0..5u32 {
+            match backend.remove(&q, &entry).await {
+                Ok(()) => return,
+                Err(e) if e.is_lost() => return,
+                Err(e) => {
+                    tracing::debug!(queue = %q, attempt, error = %e, "background release failed");
+                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                }
+            }
+        }
+    });
+}
+
+/// Adds an entry of `kind` to `q` and waits until the driver grants it.
+///
+/// On any error (timeout, would-block, lost session) the entry is removed before the
+/// error is returned; if the returned future is dropped, it is removed in the
+/// background.
+pub(crate) async fn acquire<B: Backend + ?Sized>(
+    backend: &Arc<B>,
+    q: &QueuePath,
+    kind: EntryKind,
+    at: Position<'_>,
+    data: &[u8],
+    wait: Wait,
+) -> Result<Entry> {
+    let ticket = Ticket::new();
+    let cleanup = AbandonOnDrop::new(backend.clone(), q.clone(), ticket.clone());
+    let attempt = async {
+        let enq = backend.enqueue(q, &ticket, kind, at, data).await?;
+        let mine = enq.mine;
+        let mut queue = enq.queue;
+        let mut lost = backend.lost(q, &mine);
+        loop {
+            let blocker = match decide(&queue, &mine.name) {
+                Decision::Acquired => return Ok(mine),
+                Decision::Missing => {
+                    return Err(Error::LockLost(format!(
+                        "entry {} vanished from {q} while waiting",
+                        mine.name
+                    )))
+                }
+                Decision::Wait(blocker) => blocker.clone(),
+            };
+            if matches!(wait, Wait::No) {
+                return Err(Error::WouldBlock);
+            }
+            tracing::trace!(queue = %q, mine = %mine.name, watching = %blocker.name, "waiting");
+            tokio::select! {
+                r = backend.wait_gone(q, &blocker) => r?,
+                e = &mut lost => return Err(e),
+            }
+            queue = backend.queue(q).await?;
+        }
+    };
+    let result = match wait {
+        Wait::Until(deadline, d) => match tokio::time::timeout_at(deadline, attempt).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout(d)),
+        },
+        Wait::Forever | Wait::No => attempt.await,
+    };
+    match result {
+        Ok(entry) => {
+            cleanup.disarm();
+            Ok(entry)
+        }
+        Err(e) => {
+            cleanup.abandon_now().await;
+            Err(e)
+        }
+    }
+}

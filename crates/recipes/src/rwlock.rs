@@ -1,0 +1,86 @@
+//! [`RwLock`]: a fair distributed read/write lock with downgrade (Curator's
+//! InterProcessReadWriteLock).
+
+use std::time::Duration;
+
+use dlock_core::{Backend, EntryKind, LockName, Result};
+
+use crate::guard::{LockGuard, Recipe};
+use crate::queue::Wait;
+use crate::Client;
+
+/// Shared readers, exclusive writers, granted in arrival order.
+///
+/// Readers and writers queue in one sequence (Curator's `__READ__` / `__WRIT__` nodes),
+/// so a reader never overtakes a writer that arrived first: writers do not starve. Both
+/// sides are reentrant per task. A write holder may take the read lock and then release
+/// the write lock (downgrade): its read entry is placed beside its write entry, so no
+/// queued writer gets in between. A read holder asking for the write lock gets
+/// [`dlock_core::Error::WouldDeadlock`] instead of waiting forever (Curator hangs).
+#[derive(Debug, Clone)]
+pub struct RwLock<B: Backend + ?Sized = dyn Backend> {
+    client: Client<B>,
+    name: LockName,
+}
+
+impl<B: Backend + ?Sized> RwLock<B> {
+    pub(crate) fn new(client: Client<B>, name: LockName) -> Self {
+        RwLock { client, name }
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &LockName {
+        &self.name
+    }
+
+    /// Waits for the read lock; `timeout` of `None` waits forever.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::Timeout`], [`dlock_core::Error::LockLost`], backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a dropped attempt's entry is removed.
+    pub async fn read(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(&self.name, Recipe::Read, EntryKind::Read, wait(timeout))
+            .await
+    }
+
+    /// Takes the read lock only if no writer holds or waits ahead.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::WouldBlock`].
+    pub async fn try_read(&self) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(&self.name, Recipe::Read, EntryKind::Read, Wait::No)
+            .await
+    }
+
+    /// Waits for the write lock; `timeout` of `None` waits forever.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::WouldDeadlock`] if the current task holds the read lock
+    /// (upgrade); [`dlock_core::Error::Timeout`], [`dlock_core::Error::LockLost`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a dropped attempt's entry is removed.
+    pub async fn write(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(&self.name, Recipe::Write, EntryKind::Write, wait(timeout))
+            .await
+    }
+
+    /// Takes the write lock only if nobody holds or waits ahead.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::WouldBlock`], [`dlock_core::Error::WouldDeadlock`].
+    pub async fn try_write(&self) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(&self.name, Recipe::Write, EntryKind::Write, Wait::No)
+            .await
+    }
+}
+
+pub(crate) fn wait(timeout: Option<Duration>) -> Wait {
+    timeout.map_or(Wait::Forever, Wait::timeout)
+}

@@ -1,0 +1,333 @@
+//! [`Semaphore`] and [`SemaphoreMutex`]: Curator's InterProcessSemaphoreV2 algorithm and
+//! layout, over any backend.
+//!
+//! A semaphore `s` keeps two queues: `s/locks`, an internal fair mutex, and `s/leases`,
+//! one entry per permit. A contender takes the internal mutex, adds its lease, and holds
+//! a permit once there are at most `permits` leases; otherwise it waits for a lease to go,
+//! still holding the internal mutex, which it releases either way. So only one contender
+//! ever waits on the leases: a returned permit wakes exactly one waiter (no herd), and
+//! permits are granted in arrival order. Leases are session-bound: a crashed holder's
+//! permit comes back by itself.
+
+use std::time::Duration;
+
+use dlock_core::driver::lease_granted;
+use dlock_core::{Backend, EntryKind, Error, LockName, Position, QueuePath, Result, Ticket};
+
+use crate::guard::{current_owner, Held, LockGuard, Recipe};
+use crate::queue::{self, AbandonOnDrop, Wait};
+use crate::rwlock::wait;
+use crate::Client;
+use tracing::Instrument;
+
+/// The internal-mutex queue of a semaphore (Curator's `locks`).
+pub const LOCKS: &str = "locks";
+/// The lease queue of a semaphore (Curator's `leases`).
+pub const LEASES: &str = "leases";
+
+/// Where a semaphore's permit count comes from.
+#[derive(Debug, Clone)]
+enum Permits {
+    Fixed(u32),
+    /// Read from a shared count node on every acquire (Curator's SharedCount: a 4-byte
+    /// big-endian integer), so every process agrees on the count.
+    Shared(LockName),
+}
+
+/// A fair counting semaphore: at most N holders at once, across all processes.
+///
+/// Each permit is its own [`LockGuard`], with its own fencing token and lost signal.
+/// Matches Curator's `InterProcessSemaphoreV2` on the wire, so Java and dlock holders
+/// share the same permits.
+#[derive(Debug, Clone)]
+pub struct Semaphore<B: Backend + ?Sized = dyn Backend> {
+    client: Client<B>,
+    name: LockName,
+    permits: Permits,
+}
+
+impl<B: Backend + ?Sized> Semaphore<B> {
+    pub(crate) fn new(client: Client<B>, name: LockName, permits: u32) -> Self {
+        Semaphore {
+            client,
+            name,
+            permits: Permits::Fixed(permits),
+        }
+    }
+
+    /// A semaphore whose permit count is read from the shared count stored at
+    /// `count_name` (Curator's `SharedCount` format), instead of a fixed number.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn with_shared_count(client: &Client<B>, name: &str, count_name: &str) -> Result<Self> {
+        Ok(Semaphore {
+            client: client.clone(),
+            name: client.lock_name(name)?,
+            permits: Permits::Shared(client.lock_name(count_name)?),
+        })
+    }
+
+    /// The semaphore's name.
+    pub fn name(&self) -> &LockName {
+        &self.name
+    }
+
+    /// The permit count now in force.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPermits`] if the shared count is missing, malformed or below 1.
+    pub async fn permits(&self) -> Result<u32> {
+        match &self.permits {
+            Permits::Fixed(n) => Ok(*n),
+            Permits::Shared(count) => {
+                let raw = self
+                    .client
+                    .backend
+                    .read_value(&QueuePath::root(count.clone()))
+                    .await?
+                    .ok_or_else(|| {
+                        Error::InvalidPermits(format!("shared count {count} is not set"))
+                    })?;
+                let bytes: [u8; 4] = raw.as_slice().try_into().map_err(|_| {
+                    Error::InvalidPermits(format!("shared count {count} is not a 4-byte integer"))
+                })?;
+                let n = i32::from_be_bytes(bytes);
+                u32::try_from(n)
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| Error::InvalidPermits(format!("shared count {count} is {n}")))
+            }
+        }
+    }
+
+    /// Waits for one permit; `timeout` of `None` waits forever.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::LockLost`], [`Error::InvalidPermits`], backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a dropped attempt removes its internal-mutex entry and its lease.
+    pub async fn acquire(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
+        let held = self.acquire_lease(wait(timeout)).await?;
+        Ok(LockGuard::new(held, None))
+    }
+
+    /// Takes a permit only if one is free now.
+    ///
+    /// # Errors
+    /// [`Error::WouldBlock`] if none is free.
+    pub async fn try_acquire(&self) -> Result<LockGuard<B>> {
+        let held = self.acquire_lease(Wait::No).await?;
+        Ok(LockGuard::new(held, None))
+    }
+
+    /// Waits for `n` permits, all or none: on timeout or error the permits already taken
+    /// are returned.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPermits`] if `n` is 0 or more than the semaphore has; as
+    /// [`Semaphore::acquire`].
+    pub async fn acquire_many(
+        &self,
+        n: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<LockGuard<B>>> {
+        let total = self.permits().await?;
+        if n == 0 || n > total {
+            return Err(Error::InvalidPermits(format!(
+                "asked for {n} of the {total} permits of {}",
+                self.name
+            )));
+        }
+        let w = wait(timeout);
+        let mut got = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            match self.acquire_lease(w).await {
+                Ok(h) => got.push(LockGuard::new(h, None)),
+                Err(e) => {
+                    for mut g in got.into_iter().rev() {
+                        let _ = g.release().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(got)
+    }
+
+    pub(crate) async fn acquire_lease(&self, w: Wait) -> Result<std::sync::Arc<Held<B>>> {
+        let span = tracing::debug_span!("acquire", lock = %self.name, kind = "lease");
+        let held = self.acquire_lease_inner(w).instrument(span.clone()).await?;
+        tracing::debug!(parent: &span, token = %held.token, "acquired");
+        Ok(held)
+    }
+
+    async fn acquire_lease_inner(&self, w: Wait) -> Result<std::sync::Arc<Held<B>>> {
+        let backend = &self.client.backend;
+        let locks = QueuePath::sub(self.name.clone(), LOCKS);
+        let leases = QueuePath::sub(self.name.clone(), LEASES);
+        let max = self.permits().await?;
+        // The internal mutex: fair, and only its holder waits on the leases.
+        let inner = queue::acquire(
+            backend,
+            &locks,
+            EntryKind::Lock,
+            Position::Tail,
+            &self.client.data,
+            w,
+        )
+        .await?;
+        let inner_guard = RemoveInner {
+            backend: backend.clone(),
+            q: locks.clone(),
+            entry: Some(inner),
+        };
+        let ticket = Ticket::new();
+        let cleanup = AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone());
+        let attempt = async {
+            let enq = backend
+                .enqueue(
+                    &leases,
+                    &ticket,
+                    EntryKind::Lease,
+                    Position::Tail,
+                    &self.client.data,
+                )
+                .await?;
+            let mine = enq.mine;
+            let mut seen = enq.queue;
+            let mut lost = backend.lost(&leases, &mine);
+            loop {
+                if !seen.iter().any(|e| e.name == mine.name) {
+                    return Err(Error::LockLost(format!(
+                        "lease {} vanished from {leases}",
+                        mine.name
+                    )));
+                }
+                if lease_granted(seen.len(), max) {
+                    return Ok(mine);
+                }
+                if matches!(w, Wait::No) {
+                    return Err(Error::WouldBlock);
+                }
+                tokio::select! {
+                    r = backend.wait_changed(&leases, &seen) => r?,
+                    e = &mut lost => return Err(e),
+                }
+                seen = backend.queue(&leases).await?;
+            }
+        };
+        let result = match w {
+            Wait::Until(deadline, d) => match tokio::time::timeout_at(deadline, attempt).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::Timeout(d)),
+            },
+            Wait::Forever | Wait::No => attempt.await,
+        };
+        inner_guard.release().await;
+        match result {
+            Ok(entry) => {
+                cleanup.disarm();
+                match Held::new(backend.clone(), leases.clone(), entry.clone()) {
+                    Ok(h) => Ok(h),
+                    Err(e) => {
+                        let _ = backend.remove(&leases, &entry).await;
+                        Err(e)
+                    }
+                }
+            }
+            Err(e) => {
+                cleanup.abandon_now().await;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Releases the internal mutex of a semaphore acquire, in the background if the acquire
+/// future is dropped.
+struct RemoveInner<B: Backend + ?Sized> {
+    backend: std::sync::Arc<B>,
+    q: QueuePath,
+    entry: Option<dlock_core::Entry>,
+}
+
+impl<B: Backend + ?Sized> RemoveInner<B> {
+    async fn release(mut self) {
+        if let Some(e) = &self.entry {
+            if self.backend.remove(&self.q, e).await.is_ok() {
+                self.entry = None;
+            }
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> Drop for RemoveInner<B> {
+    fn drop(&mut self) {
+        if let Some(e) = self.entry.take() {
+            queue::spawn_remove(self.backend.clone(), self.q.clone(), e);
+        }
+    }
+}
+
+/// A non-reentrant mutex: a [`Semaphore`] with one permit (Curator's
+/// `InterProcessSemaphoreMutex`, same layout).
+///
+/// Where Curator deadlocks when the same owner acquires it twice, dlock returns
+/// [`Error::WouldDeadlock`]. The guard may be released from any task.
+#[derive(Debug, Clone)]
+pub struct SemaphoreMutex<B: Backend + ?Sized = dyn Backend> {
+    sem: Semaphore<B>,
+}
+
+impl<B: Backend + ?Sized> SemaphoreMutex<B> {
+    pub(crate) fn new(client: Client<B>, name: LockName) -> Self {
+        SemaphoreMutex {
+            sem: Semaphore::new(client, name, 1),
+        }
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &LockName {
+        &self.sem.name
+    }
+
+    /// Waits for the lock; `timeout` of `None` waits forever.
+    ///
+    /// # Errors
+    /// [`Error::WouldDeadlock`] if the current task already holds it; as
+    /// [`Semaphore::acquire`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, as [`Semaphore::acquire`].
+    pub async fn lock(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
+        self.lock_with(wait(timeout)).await
+    }
+
+    /// Takes the lock only if it is free now.
+    ///
+    /// # Errors
+    /// [`Error::WouldBlock`], [`Error::WouldDeadlock`].
+    pub async fn try_lock(&self) -> Result<LockGuard<B>> {
+        self.lock_with(Wait::No).await
+    }
+
+    async fn lock_with(&self, w: Wait) -> Result<LockGuard<B>> {
+        let client = &self.sem.client;
+        let owner = current_owner();
+        let key = (self.sem.name.clone(), Recipe::SemaphoreMutex);
+        if client.holds.count(&key, &owner) > 0 {
+            return Err(Error::WouldDeadlock(format!(
+                "{} is not reentrant and the current task already holds it",
+                self.sem.name
+            )));
+        }
+        let held = self.sem.acquire_lease(w).await?;
+        client.holds.first(key.clone(), owner.clone(), held.clone());
+        Ok(LockGuard::new(
+            held,
+            Some((client.holds.clone(), key, owner)),
+        ))
+    }
+}

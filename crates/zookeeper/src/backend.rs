@@ -1,0 +1,730 @@
+//! [`ZkBackend`]: the [`Backend`] trait on one ZooKeeper session.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::entry::{format_seq, sort_queue};
+use dlock_core::{
+    Backend, Enqueued, Entry, EntryKind, Error, FencingToken, NameRules, Position, QueuePath,
+    Result, SessionOptions, Ticket,
+};
+use futures::future::BoxFuture;
+use tracing::Instrument;
+use zookeeper_client as zk;
+
+use crate::errors::{connect_error, map_err};
+use crate::session::{watch_session, Health, Shared};
+use crate::{nodelay, ZkOptions};
+
+/// The session timeout asked for when [`SessionOptions::session_timeout`] is `None`.
+///
+/// Ten seconds: long enough to ride out a leader election and a GC pause, short enough
+/// that a crashed holder's locks free up quickly. The server clamps whatever is asked to
+/// `[2, 20] × tickTime` (4–40 s with the default tickTime of 2 s); the negotiated value
+/// is what [`Backend::session_timeout`] reports.
+pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often enqueue re-creates its entry after the parent vanished or the connection
+/// dropped before it gives up. Each retry needs a concurrent deletion or a reconnect, so
+/// the bound is never reached in practice; it only turns a livelock into an error.
+const MAX_ENQUEUE_ATTEMPTS: usize = 8;
+
+/// A [`Backend`] on one ZooKeeper session, laid out as Apache Curator 5 lays out its
+/// locks, so Java services using Curator and dlock users share the same queues.
+///
+/// Every entry is an ephemeral znode of this session: closing the backend, dropping it, or
+/// losing the session removes them all. Cloning is done through the `Arc` that
+/// [`ZkBackend::connect`] returns; one backend serves any number of locks and tasks.
+#[derive(Debug)]
+pub struct ZkBackend {
+    shared: Arc<Shared>,
+    states: zk::StateWatcher,
+    session_timeout: Duration,
+    session_id: zk::SessionId,
+    watcher: tokio::task::AbortHandle,
+}
+
+impl Drop for ZkBackend {
+    fn drop(&mut self) {
+        // The task holds only a weak reference; abort it so it does not wait forever on
+        // a state watcher of a session nobody uses.
+        self.watcher.abort();
+    }
+}
+
+impl ZkBackend {
+    /// Connects to ZooKeeper with the default [`ZkOptions`].
+    ///
+    /// `connect_string` is `host:port[,host:port...][/chroot]`, as for the Java client. A
+    /// chroot that does not exist yet is created (as persistent nodes). The session asks
+    /// for [`SessionOptions::session_timeout`], or [`DEFAULT_SESSION_TIMEOUT`].
+    ///
+    /// Must be called inside a tokio runtime: a task watching the session is spawned.
+    ///
+    /// # Errors
+    /// - [`Error::Unreachable`] if no server answered within
+    ///   [`SessionOptions::connect_timeout`].
+    /// - [`Error::InvalidUrl`] if the connect string or chroot is malformed.
+    /// - [`Error::Backend`] if the chroot could not be created.
+    pub async fn connect(connect_string: &str, opts: SessionOptions) -> Result<Arc<ZkBackend>> {
+        Self::connect_with(connect_string, opts, ZkOptions::default()).await
+    }
+
+    /// Connects like [`ZkBackend::connect`], with adapter-specific options.
+    ///
+    /// # Errors
+    /// As [`ZkBackend::connect`].
+    pub async fn connect_with(
+        connect_string: &str,
+        opts: SessionOptions,
+        zk_opts: ZkOptions,
+    ) -> Result<Arc<ZkBackend>> {
+        let (hosts, chroot) = split_chroot(connect_string);
+        if hosts.trim().is_empty() {
+            return Err(Error::InvalidUrl {
+                url: connect_string.to_owned(),
+                reason: "no ZooKeeper host given".into(),
+            });
+        }
+        let timeout = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TIMEOUT);
+        let connecting = zk::Client::connector()
+            .with_session_timeout(timeout)
+            .connect(hosts);
+        let client = match tokio::time::timeout(opts.connect_timeout, connecting).await {
+            Err(_elapsed) => {
+                return Err(Error::Unreachable(format!(
+                    "no ZooKeeper server of {hosts:?} answered within {:?}",
+                    opts.connect_timeout
+                )))
+            }
+            Ok(Err(err)) => return Err(connect_error(connect_string, err)),
+            Ok(Ok(client)) => client,
+        };
+
+        let servers: Arc<[std::net::SocketAddr]> = if zk_opts.tcp_nodelay {
+            let hosts = hosts.to_owned();
+            let resolved = tokio::task::spawn_blocking(move || nodelay::resolve(&hosts))
+                .await
+                .unwrap_or_default();
+            nodelay::apply(&resolved);
+            resolved.into()
+        } else {
+            Arc::from(Vec::new())
+        };
+
+        let client = match chroot {
+            None => client,
+            Some(root) => {
+                let rooted = client.clone().chroot(root).map_err(|_| Error::InvalidUrl {
+                    url: connect_string.to_owned(),
+                    reason: format!("invalid chroot {root:?}"),
+                })?;
+                let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                let mkdir = client.mkdir(root, &persistent);
+                match tokio::time::timeout(opts.connect_timeout, mkdir).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => return Err(map_err("creating the chroot", err)),
+                    Err(_elapsed) => {
+                        return Err(Error::Unreachable(format!(
+                            "creating the chroot {root:?} took longer than {:?}",
+                            opts.connect_timeout
+                        )))
+                    }
+                }
+                rooted
+            }
+        };
+
+        let session_timeout = client.session_timeout();
+        let session_id = client.session_id();
+        let states = client.state_watcher();
+        let task_states = client.state_watcher();
+        let shared = Arc::new(Shared::new(client));
+        let task = tokio::spawn(watch_session(
+            Arc::downgrade(&shared),
+            task_states,
+            session_timeout,
+            servers,
+        ));
+        let backend = Arc::new(ZkBackend {
+            shared,
+            states,
+            session_timeout,
+            session_id,
+            watcher: task.abort_handle(),
+        });
+        tracing::info!(session = %session_id, ?session_timeout, "ZooKeeper session established");
+        Ok(backend)
+    }
+
+    /// The underlying zookeeper-client handle, for what the trait does not cover (guarded
+    /// writes with `new_check_writer`, inspecting the tree). It shares this session:
+    /// entries it creates are ephemeral to the same session, and holding it keeps the
+    /// session open after [`Backend::close`] until it is dropped.
+    ///
+    /// # Errors
+    /// [`Error::LockLost`] or [`Error::Closed`] once the session is over.
+    pub fn client(&self) -> Result<zk::Client> {
+        self.handle().map(|c| zk::Client::clone(&c))
+    }
+
+    /// The ZooKeeper session id, as the server's `cons` command and `ephemeralOwner` show it.
+    pub fn session_id(&self) -> i64 {
+        self.session_id.0
+    }
+
+    fn handle(&self) -> Result<Arc<zk::Client>> {
+        let client = self.shared.client.lock().clone();
+        match client {
+            Some(client) => Ok(client),
+            None => Err(self.shared.error().unwrap_or(Error::Closed)),
+        }
+    }
+
+    /// Runs `op` unless the session is over, and abandons it with the session's error as
+    /// soon as the session is declared lost: zookeeper-client queues requests while
+    /// disconnected, so without this a partitioned caller would hang instead of failing.
+    async fn guarded<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
+        let mut health = self.shared.health.subscribe();
+        tokio::select! {
+            biased;
+            verdict = health.wait_for(|h| *h != Health::Live) => {
+                let err = verdict.ok().and_then(|h| h.error());
+                Err(err.unwrap_or(Error::Closed))
+            }
+            result = op => result,
+        }
+    }
+
+    async fn enqueue_inner(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        at: Position<'_>,
+        data: &[u8],
+    ) -> Result<Enqueued> {
+        let client = self.handle()?;
+        let parent = znode(q);
+        let (name, mode) = match at {
+            Position::Tail => (
+                ticket.name_prefix(kind),
+                zk::CreateMode::EphemeralSequential,
+            ),
+            // Curator's downgrade: a non-sequential node carrying the writer's sequence.
+            Position::Beside(writer) => (
+                format!("{}{}", ticket.name_prefix(kind), format_seq(writer.seq)),
+                zk::CreateMode::Ephemeral,
+            ),
+        };
+        let sequential = matches!(mode, zk::CreateMode::EphemeralSequential);
+        let path = format!("{parent}/{name}");
+        let options = mode.with_acls(zk::Acls::anyone_all());
+        for _ in 0..MAX_ENQUEUE_ATTEMPTS {
+            // Both requests are written when called, in this order, so the listing is taken
+            // right after the create on the server: one round trip for both.
+            let create = client.create(&path, data, &options);
+            let list = client.get_children(&parent);
+            let (created, listed) = futures::join!(create, list);
+            let (stat, mine) = match created {
+                Ok((stat, seq)) if sequential => (stat, format!("{name}{seq}")),
+                Ok((stat, _)) => (stat, name.clone()),
+                Err(zk::Error::NoNode) => {
+                    // The parent was never created, or its container was reaped while empty.
+                    self.make_parent(&client, &parent).await?;
+                    continue;
+                }
+                Err(zk::Error::NodeExists) if !sequential => {
+                    // A retried Beside create whose first reply was lost: ours if our session owns it.
+                    let (_, stat) = client
+                        .get_data(&path)
+                        .await
+                        .map_err(|e| map_err("enqueue: reading an existing entry", e))?;
+                    if stat.ephemeral_owner != self.session_id.0 {
+                        return Err(Error::backend(
+                            "enqueue",
+                            format!("entry {path} already exists and belongs to another session"),
+                        ));
+                    }
+                    (stat, name.clone())
+                }
+                Err(zk::Error::ConnectionLoss) => {
+                    // The create may have happened with its reply lost: Curator's protected
+                    // mode finds it by the ticket in its name.
+                    match self.find_own(&client, &parent, ticket, kind).await? {
+                        Some(found) => found,
+                        None => continue,
+                    }
+                }
+                Err(err) => return Err(map_err("enqueue", err)),
+            };
+            let names = match listed {
+                Ok((names, _)) if names.contains(&mine) => names,
+                _ => match client.list_children(&parent).await {
+                    Ok(names) => names,
+                    Err(err) => return Err(map_err("enqueue: listing the queue", err)),
+                },
+            };
+            return build_enqueued(names, mine, &stat, data);
+        }
+        Err(Error::backend(
+            "enqueue",
+            format!(
+                "gave up after {MAX_ENQUEUE_ATTEMPTS} attempts: the queue's parent kept \
+                 vanishing or the connection kept dropping"
+            ),
+        ))
+    }
+
+    /// Creates `parent` and its ancestors as container nodes, as Curator's
+    /// `creatingParentContainersIfNeeded` does, so the server reaps them once empty.
+    async fn make_parent(&self, client: &zk::Client, parent: &str) -> Result<()> {
+        let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        match client.mkdir(parent, &container).await {
+            Ok(()) | Err(zk::Error::NodeExists) => Ok(()),
+            Err(zk::Error::NoNode) => Err(Error::backend(
+                "enqueue: creating the queue's parents",
+                "the chroot does not exist (deleted after connect?)",
+            )),
+            Err(err) => Err(map_err("enqueue: creating the queue's parents", err)),
+        }
+    }
+
+    /// Finds the entry `ticket` created in `parent`, with its stat.
+    async fn find_own(
+        &self,
+        client: &zk::Client,
+        parent: &str,
+        ticket: &Ticket,
+        kind: EntryKind,
+    ) -> Result<Option<(zk::Stat, String)>> {
+        let names = match client.list_children(parent).await {
+            Ok(names) => names,
+            Err(zk::Error::NoNode) => return Ok(None),
+            Err(err) => return Err(map_err("enqueue: looking for a lost create", err)),
+        };
+        let prefix = ticket.name_prefix(kind);
+        let Some(name) = names.into_iter().find(|n| n.starts_with(&prefix)) else {
+            return Ok(None);
+        };
+        match client.get_data(&format!("{parent}/{name}")).await {
+            Ok((_, stat)) => Ok(Some((stat, name))),
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(err) => Err(map_err("enqueue: reading a recovered entry", err)),
+        }
+    }
+
+    async fn queue_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        let client = self.handle()?;
+        match client.list_children(&znode(q)).await {
+            Ok(names) => Ok(parse_queue(names)),
+            Err(zk::Error::NoNode) => Ok(Vec::new()),
+            Err(err) => Err(map_err("listing the queue", err)),
+        }
+    }
+
+    async fn wait_gone_inner(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        let client = self.handle()?;
+        let path = format!("{}/{}", znode(q), entry.name);
+        loop {
+            // A data watch, not an exists watch: on a node already gone an exists watch
+            // would wait for a creation that never comes (pitfall Z4).
+            let watcher = match client.get_and_watch_data(&path).await {
+                Ok((_, _, watcher)) => watcher,
+                Err(zk::Error::NoNode) => return Ok(()),
+                Err(err) => return Err(map_err("waiting for an entry to go", err)),
+            };
+            let event = watcher.changed().await;
+            match event.event_type {
+                zk::EventType::NodeDeleted => return Ok(()),
+                zk::EventType::Session => session_event_result(event.session_state)?,
+                // Data changed (e.g. Curator's revocation request): re-arm.
+                _ => {}
+            }
+        }
+    }
+
+    async fn wait_changed_inner(&self, q: &QueuePath, seen: &[Entry]) -> Result<()> {
+        let client = self.handle()?;
+        let parent = znode(q);
+        let seen: BTreeSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
+        loop {
+            match client.get_and_watch_children(&parent).await {
+                Ok((names, _, watcher)) => {
+                    let now: BTreeSet<&str> = names
+                        .iter()
+                        .filter(|n| Entry::from_name(n.as_str()).is_some())
+                        .map(String::as_str)
+                        .collect();
+                    if now != seen {
+                        return Ok(());
+                    }
+                    let event = watcher.changed().await;
+                    if event.event_type == zk::EventType::Session {
+                        session_event_result(event.session_state)?;
+                    }
+                }
+                Err(zk::Error::NoNode) => {
+                    if !seen.is_empty() {
+                        return Ok(());
+                    }
+                    // An empty queue whose parent is missing: wait for it to appear.
+                    match client.check_and_watch_stat(&parent).await {
+                        Ok((Some(_), _)) => {}
+                        Ok((None, watcher)) => {
+                            let event = watcher.changed().await;
+                            if event.event_type == zk::EventType::Session {
+                                session_event_result(event.session_state)?;
+                            }
+                        }
+                        Err(err) => return Err(map_err("waiting for the queue to change", err)),
+                    }
+                }
+                Err(err) => return Err(map_err("waiting for the queue to change", err)),
+            }
+        }
+    }
+
+    async fn remove_inner(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        let client = self.handle()?;
+        let path = format!("{}/{}", znode(q), entry.name);
+        match client.delete(&path, None).await {
+            Ok(()) | Err(zk::Error::NoNode) => Ok(()),
+            Err(err) => Err(map_err("removing an entry", err)),
+        }
+    }
+
+    async fn abandon_inner(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
+        let client = self.handle()?;
+        let parent = znode(q);
+        // Listed after any create a dropped enqueue sent on this session, so it sees it.
+        let names = match client.list_children(&parent).await {
+            Ok(names) => names,
+            Err(zk::Error::NoNode) => return Ok(()),
+            Err(err) => return Err(map_err("abandoning an entry: listing", err)),
+        };
+        let deletes: Vec<_> = names
+            .iter()
+            .filter(|n| dlock_core::entry::protected_id(n).as_deref() == Some(ticket.as_str()))
+            .map(|n| {
+                tracing::debug!(entry = %n, "abandoning entry");
+                client.delete(&format!("{parent}/{n}"), None)
+            })
+            .collect();
+        for result in futures::future::join_all(deletes).await {
+            match result {
+                Ok(()) | Err(zk::Error::NoNode) => {}
+                Err(err) => return Err(map_err("abandoning an entry", err)),
+            }
+        }
+        Ok(())
+    }
+
+    async fn participants_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        let client = self.handle()?;
+        let parent = znode(q);
+        let names = match client.list_children(&parent).await {
+            Ok(names) => names,
+            Err(zk::Error::NoNode) => return Ok(Vec::new()),
+            Err(err) => return Err(map_err("listing participants", err)),
+        };
+        let entries = parse_queue(names);
+        let reads: Vec<_> = entries
+            .iter()
+            .map(|e| client.get_data(&format!("{parent}/{}", e.name)))
+            .collect();
+        let mut out = Vec::with_capacity(entries.len());
+        for (mut entry, read) in entries
+            .into_iter()
+            .zip(futures::future::join_all(reads).await)
+        {
+            match read {
+                Ok((data, stat)) => {
+                    entry.token = u64::try_from(stat.czxid).ok().map(FencingToken::new);
+                    entry.created_ms = Some(stat.ctime);
+                    entry.data = data;
+                    out.push(entry);
+                }
+                // Released between the listing and the read.
+                Err(zk::Error::NoNode) => {}
+                Err(err) => return Err(map_err("reading a participant", err)),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn read_value_inner(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
+        let client = self.handle()?;
+        match client.get_data(&znode(q)).await {
+            Ok((data, _)) if data.is_empty() => Ok(None),
+            Ok((data, _)) => Ok(Some(data)),
+            Err(zk::Error::NoNode) => Ok(None),
+            Err(err) => Err(map_err("reading the shared value", err)),
+        }
+    }
+}
+
+impl Backend for ZkBackend {
+    fn kind(&self) -> &'static str {
+        "zk"
+    }
+
+    fn name_rules(&self) -> NameRules {
+        NameRules::ZooKeeper
+    }
+
+    fn session_timeout(&self) -> Duration {
+        self.session_timeout
+    }
+
+    fn enqueue<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        at: Position<'a>,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<Enqueued>> {
+        let span = tracing::debug_span!("zk.enqueue", queue = %q, %kind, ticket = ticket.as_str());
+        Box::pin(
+            async move {
+                let result = self
+                    .guarded(self.enqueue_inner(q, ticket, kind, at, data))
+                    .await;
+                match &result {
+                    Ok(done) => tracing::debug!(
+                        entry = %done.mine.name,
+                        token = ?done.mine.token.map(FencingToken::get),
+                        queue_len = done.queue.len(),
+                        "enqueued"
+                    ),
+                    Err(err) => tracing::debug!(%err, "enqueue failed"),
+                }
+                result
+            }
+            .instrument(span),
+        )
+    }
+
+    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(self.guarded(self.queue_inner(q)))
+    }
+
+    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("zk.wait_gone", queue = %q, entry = %entry.name);
+        Box::pin(
+            self.guarded(self.wait_gone_inner(q, entry))
+                .instrument(span),
+        )
+    }
+
+    fn wait_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        seen: &'a [Entry],
+    ) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("zk.wait_changed", queue = %q, seen = seen.len());
+        Box::pin(
+            self.guarded(self.wait_changed_inner(q, seen))
+                .instrument(span),
+        )
+    }
+
+    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!(
+            "zk.remove",
+            queue = %q,
+            entry = %entry.name,
+            token = ?entry.token.map(FencingToken::get)
+        );
+        Box::pin(
+            async move {
+                let result = self.guarded(self.remove_inner(q, entry)).await;
+                if let Err(err) = &result {
+                    tracing::debug!(%err, "remove failed");
+                }
+                result
+            }
+            .instrument(span),
+        )
+    }
+
+    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("zk.abandon", queue = %q, ticket = ticket.as_str());
+        Box::pin(self.guarded(self.abandon_inner(q, ticket)).instrument(span))
+    }
+
+    fn lost(&self, _q: &QueuePath, _entry: &Entry) -> BoxFuture<'static, Error> {
+        let mut health = self.shared.health.subscribe();
+        Box::pin(async move {
+            let verdict = health
+                .wait_for(|h| *h != Health::Live)
+                .await
+                .ok()
+                .and_then(|h| h.error());
+            verdict.unwrap_or(Error::Closed)
+        })
+    }
+
+    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        Box::pin(self.guarded(self.read_value_inner(q)))
+    }
+
+    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(self.guarded(self.participants_inner(q)))
+    }
+
+    fn close(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let mut states = self.states.clone();
+            self.shared.conclude(Health::Closed);
+            // The session ends once the last client clone is gone; in-flight operations
+            // drop theirs as their guards see `Closed`. Wait (bounded) for the server to
+            // confirm, so entries are gone when close returns.
+            let confirmed = tokio::time::timeout(self.session_timeout, async {
+                while !states.peek_state().is_terminated() {
+                    states.changed().await;
+                }
+            })
+            .await;
+            if confirmed.is_err() {
+                tracing::warn!("ZooKeeper did not confirm the session close in time");
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The znode path of a queue: lock `a/b` is `/a/b` under the chroot, its semaphore
+/// sub-queue `leases` is `/a/b/leases`.
+fn znode(q: &QueuePath) -> String {
+    format!("/{}", q.relative())
+}
+
+/// Splits `h:p,h:p/chroot` into hosts and chroot. A `/` that belongs to a `tcp://`
+/// scheme is not the chroot. A bare `/` chroot is no chroot.
+pub(crate) fn split_chroot(connect_string: &str) -> (&str, Option<&str>) {
+    let bytes = connect_string.as_bytes();
+    for (i, &b) in bytes.iter().enumerate() {
+        if b != b'/' {
+            continue;
+        }
+        let scheme_slash = connect_string[..i].ends_with(':')
+            || (connect_string[..i].ends_with(":/") && bytes.get(i + 1) != Some(&b'/'));
+        if scheme_slash {
+            continue;
+        }
+        let root = connect_string[i..].trim_end_matches('/');
+        let root = if root.is_empty() { None } else { Some(root) };
+        return (&connect_string[..i], root);
+    }
+    (connect_string, None)
+}
+
+fn parse_queue(names: Vec<String>) -> Vec<Entry> {
+    let mut entries: Vec<Entry> = names.into_iter().filter_map(Entry::from_name).collect();
+    sort_queue(&mut entries);
+    entries
+}
+
+fn build_enqueued(
+    names: Vec<String>,
+    mine: String,
+    stat: &zk::Stat,
+    data: &[u8],
+) -> Result<Enqueued> {
+    let czxid = u64::try_from(stat.czxid).map_err(|_| {
+        Error::backend(
+            "enqueue",
+            "the server returned no czxid for the created entry (ZooKeeper 3.5 or later is required)",
+        )
+    })?;
+    let mut me = Entry::from_name(mine.as_str()).ok_or_else(|| {
+        Error::backend(
+            "enqueue",
+            format!("created entry {mine:?} does not parse as an entry name"),
+        )
+    })?;
+    me.token = Some(FencingToken::new(czxid));
+    me.created_ms = Some(stat.ctime);
+    me.data = data.to_vec();
+    let mut queue = parse_queue(names);
+    match queue.iter_mut().find(|e| e.name == me.name) {
+        Some(slot) => *slot = me.clone(),
+        None => {
+            queue.push(me.clone());
+            sort_queue(&mut queue);
+        }
+    }
+    Ok(Enqueued { mine: me, queue })
+}
+
+/// The result of a watch that fired with a session event instead of a node event:
+/// terminal states end the wait, others (the crate does not send them) re-arm.
+fn session_event_result(state: zk::SessionState) -> Result<()> {
+    match state {
+        zk::SessionState::Expired => Err(Error::LockLost("ZooKeeper session expired".into())),
+        zk::SessionState::AuthFailed => {
+            Err(Error::LockLost("ZooKeeper authentication failed".into()))
+        }
+        zk::SessionState::Closed => Err(Error::Closed),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_chroot() {
+        assert_eq!(split_chroot("a:1,b:2/x/y"), ("a:1,b:2", Some("/x/y")));
+        assert_eq!(split_chroot("a:1/"), ("a:1", None));
+        assert_eq!(split_chroot("a:1"), ("a:1", None));
+        assert_eq!(
+            split_chroot("tcp://a:1,tcp://b:2/r"),
+            ("tcp://a:1,tcp://b:2", Some("/r"))
+        );
+        assert_eq!(split_chroot("a:1/r/"), ("a:1", Some("/r")));
+    }
+
+    #[test]
+    fn znode_paths() {
+        let lock = dlock_core::LockName::new("a/b", NameRules::ZooKeeper).expect("valid");
+        assert_eq!(znode(&QueuePath::root(lock.clone())), "/a/b");
+        assert_eq!(znode(&QueuePath::sub(lock, "leases")), "/a/b/leases");
+    }
+
+    #[test]
+    fn enqueued_includes_mine_with_token() {
+        let t = Ticket::new();
+        let mine = format!("{}0000000002", t.name_prefix(EntryKind::Lock));
+        let other = Ticket::new();
+        let names = vec![
+            "leases".to_owned(),
+            format!("{}0000000003", other.name_prefix(EntryKind::Lock)),
+            format!("{}0000000001", other.name_prefix(EntryKind::Lock)),
+        ];
+        let stat = zk::Stat {
+            czxid: 42,
+            mzxid: 42,
+            pzxid: 42,
+            ctime: 7,
+            mtime: 7,
+            version: 0,
+            cversion: 0,
+            aversion: 0,
+            ephemeral_owner: 1,
+            data_length: 0,
+            num_children: 0,
+        };
+        let done = build_enqueued(names, mine.clone(), &stat, b"me").expect("built");
+        assert_eq!(done.mine.token, Some(FencingToken::new(42)));
+        let seqs: Vec<u64> = done.queue.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, vec![1, 2, 3]);
+        assert_eq!(done.queue[1].name, mine);
+        assert_eq!(done.queue[1].data, b"me");
+    }
+}

@@ -1,0 +1,158 @@
+//! Session health: one background task per session turns the client's state changes into
+//! one verdict that every operation and every `lost()` future reads.
+//!
+//! zookeeper-client reports `Expired` only once a server refuses the session, which during
+//! a partition may be never (pitfall Z5). So the task also runs Curator's SUSPENDED → LOST
+//! timer itself, see [`local_expiry_after`].
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use dlock_core::Error;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use zookeeper_client as zk;
+
+use crate::nodelay;
+
+/// What the adapter knows about its session. Moves only from `Live` to one terminal value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Health {
+    /// Connected, or disconnected for less than the local expiry time.
+    Live,
+    /// The session is gone or can no longer be trusted; the text says why.
+    Lost(String),
+    /// This process closed the session on purpose.
+    Closed,
+}
+
+impl Health {
+    /// The error an operation reports under this verdict, `None` while live.
+    pub(crate) fn error(&self) -> Option<Error> {
+        match self {
+            Health::Live => None,
+            Health::Lost(reason) => Some(Error::LockLost(reason.clone())),
+            Health::Closed => Some(Error::Closed),
+        }
+    }
+}
+
+/// State shared by the backend handle, its operations and the session task.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// The only long-lived client handle. Taking it out and dropping it closes the session
+    /// once in-flight operations (which hold short-lived clones) have ended.
+    pub(crate) client: Mutex<Option<Arc<zk::Client>>>,
+    /// The verdict; `lost()` futures and operation guards subscribe to it.
+    pub(crate) health: watch::Sender<Health>,
+}
+
+impl Shared {
+    pub(crate) fn new(client: zk::Client) -> Self {
+        Shared {
+            client: Mutex::new(Some(Arc::new(client))),
+            health: watch::Sender::new(Health::Live),
+        }
+    }
+
+    /// Records a terminal verdict unless one is already recorded (the first cause wins),
+    /// and drops the client handle so the session cannot outlive the verdict: a session
+    /// declared lost locally must not come back later still holding its entries.
+    pub(crate) fn conclude(&self, verdict: Health) {
+        let changed = self.health.send_if_modified(|current| {
+            if *current == Health::Live {
+                *current = verdict.clone();
+                true
+            } else {
+                false
+            }
+        });
+        if changed {
+            match &verdict {
+                Health::Lost(reason) => tracing::warn!(%reason, "ZooKeeper session lost"),
+                _ => tracing::debug!("ZooKeeper session closed"),
+            }
+        }
+        // Dropped outside the lock: the last drop of a client wakes the session task.
+        let client = self.client.lock().take();
+        drop(client);
+    }
+
+    /// The current verdict as an error, `None` while live.
+    pub(crate) fn error(&self) -> Option<Error> {
+        self.health.borrow().error()
+    }
+}
+
+/// How long the session may stay `Disconnected` before the adapter declares it lost,
+/// given the negotiated session timeout `t`.
+///
+/// The server expires a session `t` after it last heard from the client. The client
+/// reports `Disconnected` only after its connection timeout (2/5 of `t` in
+/// zookeeper-client) without a reply, so by then up to 0.4·t of the server's budget is
+/// spent. Waiting the full `t` after `Disconnected`, as Curator does, would declare the
+/// loss up to 0.4·t *after* another client may already hold the lock. Waiting `t / 2`
+/// declares it at about 0.9·t after the last reply: before the server can expire the
+/// session, with a margin for one round trip and scheduling delay.
+pub(crate) fn local_expiry_after(t: Duration) -> Duration {
+    t / 2
+}
+
+/// Watches `states` until the session ends, recording the verdict in `shared`.
+/// Re-applies TCP_NODELAY after every reconnect when `servers` is non-empty.
+pub(crate) async fn watch_session(
+    shared: Weak<Shared>,
+    mut states: zk::StateWatcher,
+    session_timeout: Duration,
+    servers: Arc<[SocketAddr]>,
+) {
+    let grace = local_expiry_after(session_timeout);
+    let mut suspended_until: Option<Instant> = None;
+    loop {
+        let state = match suspended_until {
+            None => states.changed().await,
+            Some(deadline) => {
+                tokio::select! {
+                    state = states.changed() => state,
+                    () = tokio::time::sleep_until(deadline) => {
+                        let reason = format!(
+                            "disconnected from ZooKeeper for {grace:?}, half the {session_timeout:?} \
+                             session timeout: the server may expire the session at any moment"
+                        );
+                        if let Some(shared) = shared.upgrade() {
+                            shared.conclude(Health::Lost(reason));
+                        }
+                        return;
+                    }
+                }
+            }
+        };
+        let verdict = match state {
+            zk::SessionState::Disconnected => {
+                if suspended_until.is_none() {
+                    tracing::warn!(?grace, "ZooKeeper connection lost; session suspended");
+                    suspended_until = Some(Instant::now() + grace);
+                }
+                continue;
+            }
+            zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly => {
+                if suspended_until.take().is_some() {
+                    tracing::info!("ZooKeeper connection re-established; session resumed");
+                }
+                if !servers.is_empty() {
+                    nodelay::apply(&servers);
+                }
+                continue;
+            }
+            zk::SessionState::Expired => Health::Lost("ZooKeeper session expired".into()),
+            zk::SessionState::AuthFailed => Health::Lost("ZooKeeper authentication failed".into()),
+            zk::SessionState::Closed => Health::Lost("ZooKeeper session closed".into()),
+        };
+        if let Some(shared) = shared.upgrade() {
+            shared.conclude(verdict);
+        }
+        return;
+    }
+}
