@@ -174,7 +174,7 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
     }
 
     let bar = ProgressBar::new(args.stock).with_style(
-        ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos}/{len} sold  {per_sec}")
+        ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos}/{len} sold  {elapsed}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> "),
     );
@@ -186,7 +186,7 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
     let started = Instant::now();
     let mut failures = Vec::new();
     while !workers.is_empty() {
-        bar.set_position(sales(&shop)?.len() as u64);
+        show_sold(&bar, args.stock, sales(&shop)?.len() as u64);
         let mut still = Vec::new();
         for mut w in workers {
             match w.try_wait().context("polling a worker")? {
@@ -199,7 +199,7 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
         std::thread::sleep(Duration::from_millis(50));
     }
     let lines = sales(&shop)?;
-    bar.set_position(lines.len() as u64);
+    show_sold(&bar, args.stock, lines.len() as u64);
     bar.finish();
     eprintln!("  {} purchases in {:.1?}", lines.len(), started.elapsed());
     if !failures.is_empty() {
@@ -225,6 +225,12 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
     };
     let _ = std::fs::remove_dir_all(&shop);
     Ok(outcome)
+}
+
+/// Moves the bar; past the stock (an oversell) the bar grows so "450/450" shows it.
+fn show_sold(bar: &ProgressBar, stock: u64, sold: u64) {
+    bar.set_length(stock.max(sold));
+    bar.set_position(sold);
 }
 
 /// `xtask demo-worker`: buys until the shop is sold out. Each purchase is its own process.
