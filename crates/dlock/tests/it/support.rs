@@ -6,6 +6,8 @@ use std::time::Duration;
 use dlock::{Client, SessionOptions};
 
 /// Which backend a test instance runs on.
+// Variants of backends whose feature is off are never built.
+#[allow(dead_code)]
 #[derive(Debug, Clone, Copy)]
 pub enum Kind {
     Zk,
