@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use dlock_testkit::{find_free_offset, ClusterSpec};
+use dlock_testkit::ClusterSpec;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::flags::{DemoArgs, WorkerArgs};
@@ -107,12 +107,7 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
         ),
         base_dir: None,
     };
-    if !dlock_testkit::ports_in_use(&spec).is_empty() {
-        let free = find_free_offset(&spec, (1..400u16).map(|k| offset.saturating_add(k * 100)))
-            .context("no free port for the demo ZooKeeper")?;
-        eprintln!("port {} is busy; using port offset {free}", 2181 + offset);
-        spec.port_offset = free;
-    }
+    crate::cluster::shift_if_busy(&mut spec)?;
     crate::cluster::start_with_progress(&spec)
 }
 

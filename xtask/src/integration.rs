@@ -28,7 +28,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         }
     }
     let (zk, etcd, redis) = if args.single { (1, 1, 1) } else { (3, 3, 5) };
-    let spec = ClusterSpec {
+    let mut spec = ClusterSpec {
         zk,
         etcd,
         redis,
@@ -36,6 +36,8 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         state_path: Some(state_path),
         base_dir: None,
     };
+    // A CI machine may run a distribution-started server on a default port.
+    crate::cluster::shift_if_busy(&mut spec)?;
     crate::header(&format!(
         "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, port offset {}",
         spec.port_offset
