@@ -20,7 +20,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::{sleep, timeout, Instant};
 use tracing::Instrument;
 
-use crate::errors::map;
+use crate::errors::{map, retrying};
 use crate::layout::{self, RawKv};
 use crate::session::Session;
 
@@ -159,6 +159,9 @@ impl EtcdBackend {
         }
         .instrument(span);
         let (client, session) = match timeout(connect_timeout, attempt).await {
+            Ok(Err(Error::Unreachable(why))) => {
+                return Err(Error::Unreachable(format!("etcd at {joined}: {why}")))
+            }
             Ok(r) => r?,
             Err(_) => {
                 return Err(Error::Unreachable(format!(
@@ -329,9 +332,14 @@ impl EtcdBackend {
             // The transaction runs in its own task: a dropped enqueue cannot cancel it
             // halfway, and `abandon` waits for its answer before deleting the key.
             let (tx, rx) = oneshot::channel();
-            let mut kv = self.kv.clone();
+            let kv = self.kv.clone();
+            let budget = self.request_timeout;
             tokio::spawn(async move {
-                let r = kv.txn(txn).await;
+                let r = retrying(budget, || {
+                    let (mut kv, txn) = (kv.clone(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await;
                 let _ = tx.send(r);
                 let _ = done_tx.send(true);
             });
@@ -374,10 +382,21 @@ impl EtcdBackend {
         }
     }
 
+    /// A linearizable read, retried on another endpoint if one is down.
+    async fn get(
+        &self,
+        key: &str,
+        opts: Option<GetOptions>,
+    ) -> std::result::Result<GetResponse, etcd_client::Error> {
+        retrying(self.request_timeout, || {
+            let (mut kv, opts) = (self.kv.clone(), opts.clone());
+            async move { kv.get(key, opts).await }
+        })
+        .await
+    }
+
     async fn read_queue(&self, prefix: &str) -> Result<(Vec<Entry>, i64)> {
         let resp: GetResponse = self
-            .kv
-            .clone()
             .get(prefix, Some(queue_read()))
             .await
             .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
@@ -408,12 +427,14 @@ impl EtcdBackend {
         if no_put {
             opts = opts.with_filters([WatchFilterType::NoPut]);
         }
-        let mut w = self.watch.clone();
+        let w = self.watch.clone();
         let opened = timeout(self.request_timeout, async {
-            let mut stream = w
-                .watch(key, Some(opts))
-                .await
-                .map_err(|e| map(&format!("watching {key}"), e))?;
+            let mut stream = retrying(self.request_timeout, || {
+                let (mut w, opts) = (w.clone(), opts.clone());
+                async move { w.watch(key, Some(opts)).await }
+            })
+            .await
+            .map_err(|e| map(&format!("watching {key}"), e))?;
             loop {
                 match stream.message().await {
                     Ok(Some(m)) if m.created() && !m.canceled() => {
@@ -456,12 +477,11 @@ impl EtcdBackend {
         // Arm the watch and read the key in the same round trip. The read is only good
         // enough if it saw the store at or after the revision the watch starts after;
         // otherwise a delete between the two could be missed, so read again.
-        let mut kv = self.kv.clone();
-        let (watch, read) = tokio::join!(self.open_watch(key, false, true), kv.get(key, None));
+        let (watch, read) = tokio::join!(self.open_watch(key, false, true), self.get(key, None));
         let (mut stream, watch_rev) = watch?;
         let mut read = read.map_err(|e| map(&format!("reading {key}"), e))?;
         if header_rev(read.header()) < watch_rev {
-            read = kv
+            read = self
                 .get(key, None)
                 .await
                 .map_err(|e| map(&format!("reading {key}"), e))?;
@@ -652,11 +672,12 @@ impl Backend for EtcdBackend {
                         .and_then([TxnOp::delete(key.clone(), None)]),
                     None => Txn::new().and_then([TxnOp::delete(key.clone(), None)]),
                 };
-                self.kv
-                    .clone()
-                    .txn(txn)
-                    .await
-                    .map_err(|e| map(&format!("releasing {key}"), e))?;
+                retrying(self.request_timeout, || {
+                    let (mut kv, txn) = (self.kv.clone(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await
+                .map_err(|e| map(&format!("releasing {key}"), e))?;
                 self.forget(entry.ticket.as_deref(), &key);
                 tracing::debug!("removed");
                 Ok(())
@@ -683,11 +704,12 @@ impl Backend for EtcdBackend {
                 // The enqueue's transaction may still be in flight; a delete sent now could
                 // be applied before it and leave its key behind.
                 let _ = timeout(self.request_timeout, p.done.wait_for(|d| *d)).await;
-                self.kv
-                    .clone()
-                    .delete(p.key.clone(), None)
-                    .await
-                    .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
+                retrying(self.request_timeout, || {
+                    let (mut kv, key) = (self.kv.clone(), p.key.clone());
+                    async move { kv.delete(key, None).await }
+                })
+                .await
+                .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
                 self.forget(Some(ticket.as_str()), &p.key);
                 tracing::debug!(key = %p.key, "abandoned");
                 Ok(())
@@ -717,7 +739,13 @@ impl Backend for EtcdBackend {
                 // Lost earlier: the lease is gone or being revoked by the keep-alive task.
                 return Ok(());
             }
-            match self.lease.clone().revoke(current.id()).await {
+            let id = current.id();
+            let revoked = retrying(self.request_timeout, || {
+                let mut lease = self.lease.clone();
+                async move { lease.revoke(id).await }
+            })
+            .await;
+            match revoked {
                 Ok(_) => Ok(()),
                 Err(e) => match map("revoking the session lease", e) {
                     Error::LockLost(_) => Ok(()),

@@ -5,8 +5,12 @@
 //! behind an entry is gone ([`Error::LockLost`]), or the server refused the request
 //! ([`Error::Backend`]).
 
+use std::future::Future;
+use std::time::Duration;
+
 use dlock_core::Error;
 use etcd_client::Error as EtcdError;
+use tokio::time::{sleep, Instant};
 
 /// Maps an etcd-client error from the operation described by `context`.
 pub(crate) fn map(context: &str, e: EtcdError) -> Error {
@@ -35,5 +39,42 @@ pub(crate) fn map(context: &str, e: EtcdError) -> Error {
             reason: e.to_string(),
         },
         _ => Error::backend(context, e),
+    }
+}
+
+/// True for an error that says no server took the request: etcd-client spreads requests
+/// over every endpoint, including dead ones, and a request sent to a dead endpoint fails
+/// at once with `Unavailable` instead of moving on to a live one.
+fn is_unavailable(e: &EtcdError) -> bool {
+    match e {
+        EtcdError::GRpcStatus(s) => i32::from(s.code()) == 14,
+        EtcdError::TransportError(_) => true,
+        _ => false,
+    }
+}
+
+/// Runs `op` again while it fails with [`is_unavailable`], for up to `budget`: this is
+/// the failover between endpoints. Only idempotent operations go through it (every dlock
+/// write is: a put-if-absent keyed by the ticket, a delete guarded by create revision).
+pub(crate) async fn retrying<T, F, Fut>(budget: Duration, mut op: F) -> Result<T, EtcdError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, EtcdError>>,
+{
+    let deadline = Instant::now() + budget;
+    let mut attempt = 0u32;
+    loop {
+        match op().await {
+            Err(e) if is_unavailable(&e) && Instant::now() < deadline => {
+                tracing::debug!(attempt, error = %e, "endpoint unavailable; trying again");
+                // The first retries are immediate: the balancer likely picks a live
+                // endpoint next. Back off only if every endpoint seems down.
+                if attempt >= 3 {
+                    sleep(Duration::from_millis(10u64 << (attempt - 3).min(6))).await;
+                }
+                attempt += 1;
+            }
+            other => return other,
+        }
     }
 }

@@ -53,15 +53,19 @@ pub(crate) struct Session {
 impl Session {
     /// Grants a lease of `ttl` (whole seconds, at least one) and starts keeping it alive.
     /// The caller bounds the whole call with its connect timeout.
-    pub(crate) async fn start(mut lease: LeaseClient, ttl: Duration) -> Result<Arc<Self>, Error> {
+    pub(crate) async fn start(lease: LeaseClient, ttl: Duration) -> Result<Arc<Self>, Error> {
         let secs = i64::try_from(ttl.as_secs_f64().ceil() as u64)
             .unwrap_or(i64::MAX)
             .max(1);
         let granted_at = Instant::now();
-        let resp = lease
-            .grant(secs, None)
-            .await
-            .map_err(|e| crate::errors::map("granting the session lease", e))?;
+        // Until the connect timeout (the caller's bound): a grant that failed to reach any
+        // server was never applied, so trying again cannot leave a second lease.
+        let resp = crate::errors::retrying(Duration::from_secs(3600), || {
+            let mut lease = lease.clone();
+            async move { lease.grant(secs, None).await }
+        })
+        .await
+        .map_err(|e| crate::errors::map("granting the session lease", e))?;
         if !resp.error().is_empty() || resp.ttl() <= 0 {
             return Err(Error::backend(
                 "granting the session lease",
