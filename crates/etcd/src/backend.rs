@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -57,6 +57,8 @@ pub struct EtcdBackend {
     renew: tokio::sync::Mutex<()>,
     local: parking_lot::Mutex<Local>,
     closed: AtomicBool,
+    /// The highest cluster revision this client has seen; reads must not go back before it.
+    seen_rev: AtomicI64,
 }
 
 /// What this client's own contenders have claimed, so that two of them never share a key
@@ -184,6 +186,7 @@ impl EtcdBackend {
             renew: tokio::sync::Mutex::new(()),
             local: parking_lot::Mutex::new(Local::default()),
             closed: AtomicBool::new(false),
+            seen_rev: AtomicI64::new(0),
         }))
     }
 
@@ -347,6 +350,7 @@ impl EtcdBackend {
                 .await
                 .map_err(|_| Error::Closed)?
                 .map_err(|e| map(&format!("enqueue on {q}"), e))?;
+            self.observe(header_rev(resp.header()));
             let Some(get) = resp.op_responses().into_iter().find_map(|op| match op {
                 TxnOpResponse::Get(g) => Some(g),
                 _ => None,
@@ -382,22 +386,47 @@ impl EtcdBackend {
         }
     }
 
-    /// A linearizable read, retried on another endpoint if one is down.
-    async fn get(
+    /// Remembers that the cluster has reached revision `rev`.
+    fn observe(&self, rev: i64) {
+        self.seen_rev.fetch_max(rev, Ordering::AcqRel);
+    }
+
+    /// A read that reflects at least revision `floor` and everything this client has seen
+    /// (its own writes, the deletes its watches reported), retried on another endpoint if
+    /// one is down.
+    ///
+    /// It is first served by whichever member gets it, without a quorum round
+    /// (serializable); only if that member lags behind the floor is it repeated as a
+    /// linearizable read. A view at or after my own entry's revision is safe for the
+    /// driver: it lists every entry still ahead of mine (entries are only ever added
+    /// behind), so it can make me wait longer, never let me in early.
+    async fn fresh_get(
         &self,
         key: &str,
-        opts: Option<GetOptions>,
+        opts: GetOptions,
+        floor: i64,
     ) -> std::result::Result<GetResponse, etcd_client::Error> {
-        retrying(self.request_timeout, || {
-            let (mut kv, opts) = (self.kv.clone(), opts.clone());
-            async move { kv.get(key, opts).await }
-        })
-        .await
+        let floor = floor.max(self.seen_rev.load(Ordering::Acquire));
+        let read = |opts: GetOptions| {
+            retrying(self.request_timeout, move || {
+                let (mut kv, opts) = (self.kv.clone(), opts.clone());
+                async move { kv.get(key, Some(opts)).await }
+            })
+        };
+        let r = read(opts.clone().with_serializable()).await?;
+        let rev = header_rev(r.header());
+        if rev >= floor {
+            self.observe(rev);
+            return Ok(r);
+        }
+        let r = read(opts).await?;
+        self.observe(header_rev(r.header()));
+        Ok(r)
     }
 
     async fn read_queue(&self, prefix: &str) -> Result<(Vec<Entry>, i64)> {
         let resp: GetResponse = self
-            .get(prefix, Some(queue_read()))
+            .fresh_get(prefix, queue_read(), 0)
             .await
             .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
         let rev = header_rev(resp.header());
@@ -477,12 +506,15 @@ impl EtcdBackend {
         // Arm the watch and read the key in the same round trip. The read is only good
         // enough if it saw the store at or after the revision the watch starts after;
         // otherwise a delete between the two could be missed, so read again.
-        let (watch, read) = tokio::join!(self.open_watch(key, false, true), self.get(key, None));
+        let (watch, read) = tokio::join!(
+            self.open_watch(key, false, true),
+            self.fresh_get(key, GetOptions::new(), 0)
+        );
         let (mut stream, watch_rev) = watch?;
         let mut read = read.map_err(|e| map(&format!("reading {key}"), e))?;
         if header_rev(read.header()) < watch_rev {
             read = self
-                .get(key, None)
+                .fresh_get(key, GetOptions::new(), watch_rev)
                 .await
                 .map_err(|e| map(&format!("reading {key}"), e))?;
         }
@@ -492,6 +524,7 @@ impl EtcdBackend {
         loop {
             match stream.message().await {
                 Ok(Some(m)) => {
+                    self.observe(header_rev(m.header()));
                     if m.canceled() {
                         return Err(Error::Unreachable(format!(
                             "watch on {key} cancelled by the server (compacted at {}): {}",
@@ -526,17 +559,21 @@ impl EtcdBackend {
             self.read_queue(prefix)
         );
         let (mut stream, watch_rev) = watch?;
-        let (mut queue, mut rev) = read?;
+        let (mut queue, rev) = read?;
         if rev < watch_rev {
-            (queue, rev) = self.read_queue(prefix).await?;
+            let resp = self
+                .fresh_get(prefix, queue_read(), watch_rev)
+                .await
+                .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
+            queue = layout::queue_from_kvs(prefix, resp.kvs().iter().map(raw));
         }
-        let _ = rev;
         if !same(&queue) {
             return Ok(());
         }
         loop {
             match stream.message().await {
                 Ok(Some(m)) => {
+                    self.observe(header_rev(m.header()));
                     if m.canceled() {
                         return Err(Error::Unreachable(format!(
                             "watch on {prefix} cancelled by the server (compacted at {}): {}",
@@ -672,12 +709,13 @@ impl Backend for EtcdBackend {
                         .and_then([TxnOp::delete(key.clone(), None)]),
                     None => Txn::new().and_then([TxnOp::delete(key.clone(), None)]),
                 };
-                retrying(self.request_timeout, || {
+                let resp = retrying(self.request_timeout, || {
                     let (mut kv, txn) = (self.kv.clone(), txn.clone());
                     async move { kv.txn(txn).await }
                 })
                 .await
                 .map_err(|e| map(&format!("releasing {key}"), e))?;
+                self.observe(header_rev(resp.header()));
                 self.forget(entry.ticket.as_deref(), &key);
                 tracing::debug!("removed");
                 Ok(())

@@ -627,3 +627,48 @@ async fn handoff_rate() {
         c.close().await.expect("close");
     }
 }
+
+/// The baseline for [`handoff_rate`], measured under the same conditions: etcd's own lock
+/// (the server's v3lock RPC, i.e. Go's `concurrency.Mutex`), 8 clients with a lease each,
+/// lock → unlock on one name for 3 s. Only a measurement: dlock itself never calls this
+/// RPC (a cancelled call leaves a ghost waiter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handoff_rate_of_etcds_own_lock() {
+    let eps = etcd_or_skip!("handoff_rate_of_etcds_own_lock");
+    const WORKERS: usize = 8;
+    let name = unique_name("v3lock");
+    let barrier = Arc::new(tokio::sync::Barrier::new(WORKERS));
+    let mut tasks = Vec::new();
+    for _ in 0..WORKERS {
+        let mut c = raw(&eps).await;
+        let lease = c.lease_grant(60, None).await.expect("lease").id();
+        let (name, barrier) = (name.to_string(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let start = Instant::now();
+            let end = start + Duration::from_secs(3);
+            let mut ops = 0u64;
+            while Instant::now() < end {
+                let opts = etcd_client::LockOptions::new().with_lease(lease);
+                let held = c.lock(name.as_str(), Some(opts)).await.expect("lock");
+                c.unlock(held.key()).await.expect("unlock");
+                ops += 1;
+            }
+            c.lease_revoke(lease).await.expect("revoke");
+            (start, Instant::now(), ops)
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.expect("worker"));
+    }
+    let first = results.iter().map(|r| r.0).min().expect("workers");
+    let last = results.iter().map(|r| r.1).max().expect("workers");
+    let total: u64 = results.iter().map(|r| r.2).sum();
+    let secs = (last - first).as_secs_f64();
+    eprintln!(
+        "handoff_rate_of_etcds_own_lock: {total} handoffs in {secs:.2} s = {:.0}/s",
+        total as f64 / secs
+    );
+    assert!(total > 0);
+}
