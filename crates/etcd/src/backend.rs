@@ -95,6 +95,12 @@ impl fmt::Debug for EtcdBackend {
     }
 }
 
+/// How often `wait_gone` re-reads its key while its watch may still be unsynced.
+const UNSYNCED_CHECK: Duration = Duration::from_millis(25);
+/// How long a watch may stay unsynced: one round of the server's 100 ms catch-up loop,
+/// plus slack for the loop's own work.
+const UNSYNCED_WINDOW: Duration = Duration::from_millis(130);
+
 fn queue_read() -> GetOptions {
     GetOptions::new()
         .with_prefix()
@@ -521,8 +527,30 @@ impl EtcdBackend {
         if !exists(&read) {
             return Ok(());
         }
+        // The server starts a watch from "now" as synced, unless a write lands between the
+        // moment it reads its revision and the moment it registers the watcher; such a
+        // watcher is caught up by the 100 ms loop, and a delete in that gap would reach
+        // us up to 100 ms late, stalling every waiter behind us. A few cheap reads during
+        // the first 100 ms bound that rare stall without waiting on the loop.
+        let mut next_check = Instant::now() + UNSYNCED_CHECK;
+        let last_check = Instant::now() + UNSYNCED_WINDOW;
         loop {
-            match stream.message().await {
+            let msg = tokio::select! {
+                m = stream.message() => m,
+                _ = tokio::time::sleep_until(next_check), if next_check <= last_check => {
+                    next_check += UNSYNCED_CHECK;
+                    let r = self
+                        .fresh_get(key, GetOptions::new(), watch_rev)
+                        .await
+                        .map_err(|e| map(&format!("reading {key}"), e))?;
+                    if !exists(&r) {
+                        tracing::debug!(target: "dlock_etcd::unsynced", key, "delete found by a re-read before the watch reported it");
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            match msg {
                 Ok(Some(m)) => {
                     self.observe(header_rev(m.header()));
                     if m.canceled() {
