@@ -55,7 +55,19 @@
 //! opens its watch from "now" (no start revision), which the server treats as synced and
 //! notifies as each delete commits, and reads the predecessor's key in the same round
 //! trip; if that read saw the store before the watch started, it reads again, so no delete
-//! is missed.
+//! is missed. A watch from now is still unsynced if a write lands while the server
+//! registers it; for that rare case the waiter re-reads its predecessor's key every 25 ms
+//! during the watch's first 130 ms instead of waiting for the server's loop.
+//!
+//! Queue reads are served by whichever member receives them (serializable) when its
+//! revision is at least the highest this client has seen, and repeated as linearizable
+//! reads otherwise. Such a view may list entries that are already gone, never miss one
+//! still ahead of mine, so it can only make a waiter wait longer, never let it in early.
+//!
+//! # Cancel safety
+//! Every future may be dropped. An enqueue's transaction runs in its own task once sent;
+//! [`dlock_core::Backend::abandon`] waits for its answer before deleting the key, so a
+//! delete can never be overtaken by the put it was meant to undo.
 //!
 //! # Sessions
 //! One lease per client, TTL [`DEFAULT_SESSION_TTL`] (etcd's Go default) unless
@@ -68,6 +80,32 @@
 //! # What this crate never does
 //! It never calls etcd's server-side `Lock` RPC: a cancelled call leaves a waiter key that
 //! later becomes the owner with nobody to release it.
+
+//! # Example
+//! ```no_run
+//! use dlock_core::driver::{decide, Decision};
+//! use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions, Ticket};
+//! use dlock_etcd::EtcdBackend;
+//!
+//! # async fn run() -> Result<(), dlock_core::Error> {
+//! let etcd = EtcdBackend::connect(&["127.0.0.1:2379".to_owned()], SessionOptions::default()).await?;
+//! let q = QueuePath::root(LockName::new("orders/42", etcd.name_rules())?);
+//! let ticket = Ticket::new();
+//! let mut e = etcd.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"me").await?;
+//! loop {
+//!     let ahead = match decide(&e.queue, &e.mine.name) {
+//!         Decision::Acquired => break,
+//!         Decision::Wait(ahead) => ahead.clone(),
+//!         Decision::Missing => return Err(dlock_core::Error::LockLost("session ended".into())),
+//!     };
+//!     etcd.wait_gone(&q, &ahead).await?;
+//!     e.queue = etcd.queue(&q).await?;
+//! }
+//! // Held: `e.mine.token` is the fencing token. `etcdctl lock orders/42` waits now.
+//! etcd.remove(&q, &e.mine).await?;
+//! etcd.close().await
+//! # }
+//! ```
 
 #![deny(missing_docs)]
 
