@@ -646,9 +646,7 @@ impl EtcdBackend {
         loop {
             match attempt().await {
                 Ok(()) => return Ok(()),
-                Err(e @ (Error::Unreachable(_) | Error::Backend { .. }))
-                    if started.elapsed() < self.session.lock().ttl() =>
-                {
+                Err(e @ Error::Unreachable(_)) if started.elapsed() < self.session.lock().ttl() => {
                     tracing::debug!(what, error = %e, "watch failed; re-arming");
                     sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));

@@ -91,7 +91,8 @@ impl Session {
             state: session.state.clone(),
             stop: stop_rx,
         };
-        let span = tracing::debug_span!("etcd.keepalive", lease = format_args!("{id:x}"));
+        let span =
+            tracing::debug_span!(parent: None, "etcd.keepalive", lease = format_args!("{id:x}"));
         tokio::spawn(task.run().instrument(span));
         tracing::debug!(
             lease = format_args!("{id:x}"),
