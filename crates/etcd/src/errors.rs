@@ -78,3 +78,67 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_by_meaning() {
+        let lost = map(
+            "x",
+            EtcdError::LeaseKeepAliveError("lease not found".into()),
+        );
+        assert!(matches!(lost, Error::LockLost(_)), "{lost:?}");
+        let bad = map("h:p", EtcdError::InvalidArgs("empty endpoints".into()));
+        assert!(matches!(bad, Error::InvalidUrl { .. }), "{bad:?}");
+        let io = map(
+            "x",
+            EtcdError::IoError(std::io::ErrorKind::ConnectionRefused.into()),
+        );
+        assert!(matches!(io, Error::Unreachable(_)), "{io:?}");
+        let down = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::unavailable("tcp connect error")),
+        );
+        assert!(matches!(down, Error::Unreachable(_)), "{down:?}");
+        let slow = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::cancelled("Timeout expired")),
+        );
+        assert!(matches!(slow, Error::Unreachable(_)), "{slow:?}");
+        let gone = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::not_found(
+                "etcdserver: requested lease not found",
+            )),
+        );
+        assert!(matches!(gone, Error::LockLost(_)), "{gone:?}");
+        let denied = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::permission_denied("no")),
+        );
+        assert!(matches!(denied, Error::Backend { .. }), "{denied:?}");
+        let other = map("x", EtcdError::WatchError("boom".into()));
+        assert!(matches!(other, Error::Backend { .. }), "{other:?}");
+    }
+
+    #[tokio::test]
+    async fn retries_only_unavailable() {
+        let mut calls = 0;
+        let r: Result<(), EtcdError> = retrying(Duration::from_secs(5), || {
+            calls += 1;
+            let n = calls;
+            async move {
+                if n < 3 {
+                    Err(EtcdError::GRpcStatus(tonic::Status::unavailable("down")))
+                } else {
+                    Err(EtcdError::WatchError("final".into()))
+                }
+            }
+        })
+        .await;
+        assert!(matches!(r, Err(EtcdError::WatchError(_))));
+        assert_eq!(calls, 3);
+    }
+}

@@ -672,3 +672,59 @@ async fn handoff_rate_of_etcds_own_lock() {
     );
     assert!(total > 0);
 }
+
+#[tokio::test]
+async fn contenders_of_one_client_exclude_each_other_in_order() {
+    let eps = etcd_or_skip!("contenders_of_one_client_exclude_each_other_in_order");
+    init_tracing();
+    let a = connect(&eps).await;
+    let b = connect(&eps).await;
+    let q = QueuePath::root(unique_name("local"));
+    let (_, a1, q1) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(decide(&q1, &a1.name), Decision::Acquired);
+    // A second task of the same client does not share a1's key, so it does not hold.
+    let (_, a2, q2) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(decide(&q2, &a2.name), Decision::Wait(&a1));
+    let (_, b1, _) = enqueue(&b, &q, EntryKind::Lock).await;
+
+    a.remove(&q, &a1).await.expect("release a1");
+    timeout(SOON, a.wait_gone(&q, &a1))
+        .await
+        .expect("gone")
+        .expect("ok");
+    let now = a.queue(&q).await.expect("queue");
+    assert_eq!(decide(&now, &a2.name), Decision::Acquired);
+    assert_eq!(decide(&now, &b1.name), Decision::Wait(&a2));
+
+    // etcd's key is free again: the next local contender takes it, behind b1.
+    let (_, a3, q3) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(a3.name, format!("{:x}", a.lease_id()));
+    assert_eq!(decide(&q3, &a3.name), Decision::Wait(&b1));
+    for (c, e) in [(&a, &a2), (&b, &b1), (&a, &a3)] {
+        c.remove(&q, e).await.expect("remove");
+    }
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn dropping_the_client_revokes_its_lease() {
+    let eps = etcd_or_skip!("dropping_the_client_revokes_its_lease");
+    init_tracing();
+    let mut c = raw(&eps).await;
+    let name = unique_name("drop");
+    let q = QueuePath::root(name.clone());
+    let a = connect(&eps).await;
+    let (_, _mine, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(a.session_timeout(), dlock_etcd::DEFAULT_SESSION_TTL);
+    drop(a);
+    // Well before the 60 s TTL could expire it.
+    let deadline = Instant::now() + SOON;
+    while !keys_under(&mut c, &format!("{name}/")).await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the dropped client's key is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
