@@ -1,5 +1,5 @@
 //! `cargo xtask ci`: the whole gate, fail fast. `.ci/run` calls exactly this: fmt, clippy,
-//! the integration suite, then the short chaos run.
+//! the integration suite, the demo, then the short chaos run.
 
 use std::path::Path;
 
@@ -38,6 +38,19 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         }
     }
     let code = crate::integration::run(root, args)?;
+    if code != 0 {
+        return Ok(code);
+    }
+    // The README's main job, end to end: it checks its own result (no oversell,
+    // increasing tokens) and fails otherwise.
+    crate::header("cargo xtask demo --stock 100");
+    let demo = crate::flags::DemoArgs {
+        url: None,
+        stock: 100,
+        workers: 8,
+        offset: args.offset.clone(),
+    };
+    let code = crate::demo::run(root, &demo)?;
     if code != 0 {
         return Ok(code);
     }
