@@ -35,6 +35,9 @@ pub const MIN_LEASE: Duration = Duration::from_millis(300);
 /// previous one, before it gives up with an error.
 const REDLOCK_ATTEMPTS: usize = 8;
 
+/// How long a Redlock call waits for the remaining masters once a majority answered.
+const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
+
 /// Which servers the backend talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -507,12 +510,54 @@ impl Shared {
         args: Vec<Value>,
     ) -> Vec<Result<Value>> {
         let k = keys.script_keys();
-        join_all(
+        self.gather(
             self.nodes
                 .iter()
                 .map(|n| n.eval(what, script, k.clone(), args.clone())),
         )
         .await
+    }
+
+    /// Runs one request per master and collects the answers, in no particular order.
+    /// Once a majority has answered, the others get [`STRAGGLER_GRACE`] more and then
+    /// count as failed: a dead master would otherwise hold every call for its whole
+    /// command timeout. On one master this is just that master's answer.
+    async fn gather<T, F>(&self, requests: impl IntoIterator<Item = F>) -> Vec<Result<T>>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
+        use futures::StreamExt;
+        let mut pending: futures::stream::FuturesUnordered<F> = requests.into_iter().collect();
+        let n = pending.len();
+        let mut out = Vec::with_capacity(n);
+        let mut oks = 0;
+        let grace = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(grace);
+        let mut grace_armed = false;
+        loop {
+            tokio::select! {
+                r = pending.next() => match r {
+                    Some(r) => {
+                        oks += usize::from(r.is_ok());
+                        out.push(r);
+                        if oks >= self.majority && !grace_armed && out.len() < n {
+                            grace.as_mut().reset(Instant::now() + STRAGGLER_GRACE);
+                            grace_armed = true;
+                        }
+                    }
+                    None => break,
+                },
+                _ = &mut grace, if grace_armed => {
+                    for _ in out.len()..n {
+                        out.push(Err(Error::Unreachable(format!(
+                            "a redis master did not answer within {STRAGGLER_GRACE:?} of the majority"
+                        ))));
+                    }
+                    break;
+                }
+            }
+        }
+        out
     }
 
     /// Keeps the answers if a majority answered (on one master: the answer), otherwise
@@ -672,61 +717,83 @@ impl Shared {
         next
     }
 
-    /// One renewal round: one script per queue and master, all in flight at once.
+    /// One renewal round: one script per queue and master, all in flight at once. An
+    /// entry is credited as soon as a majority of masters renewed it, so a dead master
+    /// that answers only at its command timeout does not delay the credit.
     async fn renew_round(self: &Arc<Self>) {
-        let mut groups: HashMap<String, (QueueKeys, Vec<String>)> = HashMap::new();
-        for ((q, name), l) in self.live.lock().iter() {
-            groups
-                .entry(q.clone())
-                .or_insert_with(|| (l.keys.clone(), Vec::new()))
-                .1
-                .push(name.clone());
+        let mut groups: Vec<(QueueKeys, Vec<String>)> = Vec::new();
+        {
+            let mut by_queue: HashMap<String, usize> = HashMap::new();
+            for ((q, name), l) in self.live.lock().iter() {
+                let i = *by_queue.entry(q.clone()).or_insert_with(|| {
+                    groups.push((l.keys.clone(), Vec::new()));
+                    groups.len() - 1
+                });
+                groups[i].1.push(name.clone());
+            }
         }
         if groups.is_empty() {
             return;
         }
         let sent_at = Instant::now();
         let lease_ms = self.lease.as_millis().to_string();
-        let rounds = groups.into_values().map(|(keys, names)| {
-            let mut args = vec![
-                Value::from(keys.entry_prefix.as_str()),
-                Value::from(lease_ms.as_str()),
-            ];
-            args.extend(names.iter().map(|n| Value::from(n.as_str())));
-            async move {
-                let results = self
-                    .eval_all("renewing entries", &self.scripts.renew, &keys, args)
-                    .await;
-                let per_node: Vec<Result<Vec<bool>>> = results
-                    .into_iter()
-                    .map(|r| r.and_then(|v| reply::renewed(v, names.len())))
-                    .collect();
-                (keys, names, per_node)
-            }
-        });
-        for (keys, names, per_node) in join_all(rounds).await {
+        let mut pending: futures::stream::FuturesUnordered<_> = groups
+            .iter()
+            .enumerate()
+            .flat_map(|(g, (keys, names))| {
+                let mut args = vec![
+                    Value::from(keys.entry_prefix.as_str()),
+                    Value::from(lease_ms.as_str()),
+                ];
+                args.extend(names.iter().map(|n| Value::from(n.as_str())));
+                let script_keys = keys.script_keys();
+                self.nodes.iter().map(move |node| {
+                    let (args, script_keys) = (args.clone(), script_keys.clone());
+                    async move {
+                        let r = node
+                            .eval("renewing entries", &self.scripts.renew, script_keys, args)
+                            .await
+                            .and_then(|v| reply::renewed(v, names.len()));
+                        (g, r)
+                    }
+                })
+            })
+            .collect();
+        // Per group and entry: (renewed, gone, last error).
+        let mut tally: Vec<Vec<(usize, usize, Option<String>)>> = groups
+            .iter()
+            .map(|(_, names)| vec![(0, 0, None); names.len()])
+            .collect();
+        while let Some((g, r)) = futures::StreamExt::next(&mut pending).await {
+            let (keys, names) = &groups[g];
             for (i, name) in names.iter().enumerate() {
-                let (mut ok, mut gone, mut err) = (0usize, 0usize, None);
-                for r in &per_node {
-                    match r {
-                        Ok(v) if v[i] => ok += 1,
-                        Ok(_) => gone += 1,
-                        Err(e) => err = Some(e.to_string()),
+                let t = &mut tally[g][i];
+                match &r {
+                    Ok(v) if v[i] => {
+                        t.0 += 1;
+                        self.counters.renewals.fetch_add(1, Ordering::Relaxed);
+                        if t.0 == self.majority {
+                            if let Some(l) = self
+                                .live
+                                .lock()
+                                .get_mut(&(keys.queue.clone(), name.clone()))
+                            {
+                                l.renewed_at = l.renewed_at.max(sent_at);
+                            }
+                        }
                     }
+                    Ok(_) => t.1 += 1,
+                    Err(e) => t.2 = Some(e.to_string()),
                 }
-                self.counters
-                    .renewals
-                    .fetch_add(ok as u64, Ordering::Relaxed);
-                let n = self.nodes.len();
+            }
+        }
+        let n = self.nodes.len();
+        for ((keys, names), tally) in groups.iter().zip(tally) {
+            for (name, (ok, gone, err)) in names.iter().zip(tally) {
                 if ok >= self.majority {
-                    if let Some(l) = self
-                        .live
-                        .lock()
-                        .get_mut(&(keys.queue.clone(), name.clone()))
-                    {
-                        l.renewed_at = l.renewed_at.max(sent_at);
-                    }
-                } else if gone > n - self.majority {
+                    continue;
+                }
+                if gone > n - self.majority {
                     let reason = match self.mode {
                         Mode::Single => "the entry expired or was deleted on the server".to_owned(),
                         Mode::Redlock => format!(
@@ -796,6 +863,7 @@ async fn watchdog(weak: Weak<Shared>) {
     };
     loop {
         let Some(shared) = weak.upgrade() else { return };
+        let round_started = Instant::now();
         shared.fire_overdue();
         {
             let round = shared.renew_round();
@@ -813,7 +881,7 @@ async fn watchdog(weak: Weak<Shared>) {
         let wake = shared.wake.clone();
         drop(shared);
         tokio::select! {
-            _ = tokio::time::sleep(period) => {}
+            _ = tokio::time::sleep_until(round_started + period) => {}
             _ = wake.notified() => {}
         }
     }
@@ -870,7 +938,7 @@ impl Backend for RedisBackend {
                     tokio::pin!(notified);
                     notified.as_mut().enable();
                     s.check_open()?;
-                    let results = join_all(s.nodes.iter().map(|n| n.exists(&key))).await;
+                    let results = s.gather(s.nodes.iter().map(|n| n.exists(&key))).await;
                     let present = s.quorum(results)?;
                     if !present.iter().any(|p| *p) {
                         return Ok(());
