@@ -28,7 +28,13 @@
 //!
 //! Every state change is one Lua script (enqueue, list, remove, abandon, renew), sent with
 //! `EVALSHA` and loaded on `NOSCRIPT`. The scripts build entry keys from prefixes instead
-//! of declaring each key: they share the hash tag, so they are on the script's slot.
+//! of declaring each key: they share the hash tag, so they are on the script's slot. Every
+//! key gets a TTL of at least the longest lease renewed through it, and the counters are
+//! deleted when their queue empties, so neither an idle lock nor a crashed client leaves
+//! keys behind for longer than a lease.
+//!
+//! The layout is Cluster-ready (one slot per lock), but the client connects to one master
+//! per address: pointing it at a Redis Cluster node is not supported yet.
 //!
 //! # Lifetime of an entry: the watchdog
 //! An entry key expires one lease after its last renewal (the lease is

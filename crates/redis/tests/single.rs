@@ -493,3 +493,63 @@ async fn a_restart_without_persistence_fires_lost() {
     );
     b.close().await.expect("close");
 }
+
+#[tokio::test]
+async fn dropping_the_backend_stops_renewal_and_removes_its_entries() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "dropping_the_backend") else {
+        return;
+    };
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("drop");
+    let b = connect(&addr, Duration::from_secs(1)).await;
+    let e = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let lost = b.lost(&q, &e);
+    drop(b);
+    assert!(matches!(lost.await, Error::Closed));
+    let pattern = format!("dlock:{{{}}}*", glob_escape(q.lock.as_str()));
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            scan_keys(&insp, &pattern).await.is_empty()
+        })
+        .await,
+        "dropping the backend removed its keys"
+    );
+    // And nothing renews or re-creates them afterwards.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(scan_keys(&insp, &pattern).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_silent_client_s_entry_expires_and_wakes_its_watcher() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "a_silent_client_s_entry_expires") else {
+        return;
+    };
+    let q = fresh_queue("silent");
+    let dead = connect(&addr, Duration::from_secs(1)).await;
+    let e = dead
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let waiter = connect(&addr, LONG).await;
+    let w = waiter
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue");
+    assert!(matches!(decide(&w.queue, &w.mine.name), Decision::Wait(x) if x.name == e.name));
+    // The watchdog dies without removing anything, as in a crash.
+    dead.simulate_crash();
+    tokio::time::timeout(Duration::from_secs(20), waiter.wait_gone(&q, &e))
+        .await
+        .expect("the expired entry's watcher wakes (re-check timer)")
+        .expect("wait_gone");
+    let now = waiter.queue(&q).await.expect("queue");
+    assert_eq!(decide(&now, &w.mine.name), Decision::Acquired);
+    waiter.close().await.expect("close");
+}
