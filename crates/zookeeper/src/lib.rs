@@ -1,4 +1,80 @@
-//! tmp
+//! The ZooKeeper backend of dlock: [`dlock_core::Backend`] on one ZooKeeper session,
+//! laid out exactly as Apache Curator 5 lays out its locks, so Java services using Curator
+//! and Rust services using dlock can share the same locks.
+//!
+//! Most users reach this crate through the `dlock` facade (a `zk://` URL); use it directly
+//! when you build on the `Backend` trait yourself.
+//!
+//! # Where to start
+//! - [`ZkBackend::connect`] opens a session (`"host:port,host:port/chroot"`) and returns an
+//!   `Arc<ZkBackend>` that any number of locks and tasks share.
+//! - [`ZkOptions`] holds the adapter's own settings; [`DEFAULT_SESSION_TIMEOUT`] (10 s) is
+//!   used when [`dlock_core::SessionOptions`] does not set one.
+//! - [`ZkBackend::client`] hands out the underlying [`zk::Client`] for guarded writes or
+//!   inspection.
+//!
+//! # Layout (Curator-compatible)
+//! Lock `orders/42` is the znode `/orders/42` under the chroot; a semaphore's queues are
+//! `/orders/42/leases` and `/orders/42/locks`. Each contender is an `EPHEMERAL_SEQUENTIAL`
+//! child named `_c_<uuid>-lock-0000000007` (`__READ__`, `__WRIT__`, `lease-` for the other
+//! kinds); parents are created on demand as `CONTAINER` nodes, which the server deletes
+//! once empty. A write holder's read entry (downgrade) is an `EPHEMERAL` node carrying the
+//! writer's sequence number. The fencing token is the entry's `czxid`: the zxid of the
+//! transaction that created it, which only grows across the whole ensemble.
+//!
+//! Enqueue is one round trip: the `create` and the `get_children` of the parent are written
+//! back to back without waiting (zookeeper-client fixes request order at call time), and
+//! the connection runs with `TCP_NODELAY` so the second request is not held back by Nagle
+//! (zookeeper-client never sets it; see [`ZkOptions::tcp_nodelay`]).
+//!
+//! # The design decision: the adapter declares loss itself, before the server can
+//! A ZooKeeper client learns that its session expired only when a server tells it, which
+//! during a partition is too late: the server expires the session a session timeout `t`
+//! after it last heard from the client, and another contender may take the lock at once.
+//! So one task per session watches the connection state, and when the connection has been
+//! down for `t / 2` (the client itself needs 0.4·`t` to notice, so that is about 0.9·`t`
+//! after the last reply) it declares every entry of the session lost: `lost()` futures
+//! complete with [`dlock_core::Error::LockLost`], in-flight and later operations fail with
+//! it instead of hanging, and the session is closed so it cannot come back holding entries.
+//! Curator waits a full `t` after SUSPENDED, which can be 0.4·`t` after the server already
+//! gave the lock away.
+//!
+//! # Example
+//! ```no_run
+//! use dlock_core::{decide, Backend, Decision, EntryKind, LockName, NameRules, Position, QueuePath,
+//!                  SessionOptions, Ticket};
+//! use dlock_zookeeper::ZkBackend;
+//!
+//! # async fn demo() -> dlock_core::Result<()> {
+//! let zk = ZkBackend::connect("127.0.0.1:2181/myapp", SessionOptions::default()).await?;
+//! let q = QueuePath::root(LockName::new("orders/42", NameRules::ZooKeeper)?);
+//! let ticket = Ticket::new();
+//! let mut done = zk.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"worker-1").await?;
+//! loop {
+//!     match decide(&done.queue, &done.mine.name) {
+//!         Decision::Acquired => break,
+//!         Decision::Wait(ahead) => {
+//!             let ahead = ahead.clone();
+//!             zk.wait_gone(&q, &ahead).await?;
+//!             done.queue = zk.queue(&q).await?;
+//!         }
+//!         Decision::Missing => return Err(dlock_core::Error::LockLost("entry vanished".into())),
+//!     }
+//! }
+//! println!("holding orders/42 with fencing token {:?}", done.mine.token);
+//! zk.remove(&q, &done.mine).await?;
+//! zk.close().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Feature flags
+//! None. The crate always builds zookeeper-client with its `tokio` feature (without it,
+//! connecting panics at run time) and needs a tokio runtime.
+//!
+//! # Cancel safety
+//! Every future may be dropped. A dropped `enqueue` may still create its entry (the request
+//! is on the wire once the future was first polled); `abandon` with the same ticket removes
+//! it, since it lists the queue after that create on the same session.
 #![deny(missing_docs)]
 mod backend;
 mod errors;

@@ -110,10 +110,14 @@ pub(crate) async fn watch_session(
 ) {
     let grace = local_expiry_after(session_timeout);
     let mut suspended_until: Option<Instant> = None;
+    // The state the session is in now counts as the first change: it may already have
+    // dropped its connection between connect and this task's start.
+    let mut pending = Some(states.peek_state());
     loop {
-        let state = match suspended_until {
-            None => states.changed().await,
-            Some(deadline) => {
+        let state = match (pending.take(), suspended_until) {
+            (Some(state), _) => state,
+            (None, None) => states.changed().await,
+            (None, Some(deadline)) => {
                 tokio::select! {
                     state = states.changed() => state,
                     () = tokio::time::sleep_until(deadline) => {
