@@ -529,7 +529,18 @@ async fn unreachable_server_is_a_typed_error() {
 struct Proxy {
     addr: SocketAddr,
     frozen: Arc<AtomicBool>,
+    /// Like `frozen`, for the server-to-client direction only: requests still arrive and
+    /// run, their replies are lost.
+    muted: Arc<AtomicBool>,
+    cuts: tokio::sync::watch::Sender<u64>,
     task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Closes every connection open now (the client sees the server hang up).
+    fn cut(&self) {
+        self.cuts.send_modify(|n| *n += 1);
+    }
 }
 
 impl Drop for Proxy {
@@ -545,33 +556,59 @@ async fn start_proxy(target: String) -> Proxy {
     let addr = listener.local_addr().expect("addr");
     let frozen = Arc::new(AtomicBool::new(false));
     let flag = frozen.clone();
+    let muted = Arc::new(AtomicBool::new(false));
+    let mute = muted.clone();
+    let cuts = tokio::sync::watch::Sender::new(0u64);
+    let cut_rx = cuts.subscribe();
     let task = tokio::spawn(async move {
         let mut conns = tokio::task::JoinSet::new();
         while let Ok((inbound, _)) = listener.accept().await {
-            let (flag, target) = (flag.clone(), target.clone());
+            let (flag, mute, target) = (flag.clone(), mute.clone(), target.clone());
+            let mut cut = cut_rx.clone();
+            cut.mark_unchanged();
             conns.spawn(async move {
-                if flag.load(Ordering::SeqCst) {
-                    // Partitioned: accept, then never answer.
-                    let _held = &inbound;
-                    std::future::pending::<()>().await;
+                tokio::select! {
+                    _ = cut.changed() => {}
+                    () = serve_conn(inbound, target, flag, mute) => {}
                 }
-                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
-                    return;
-                };
-                let (mut ri, mut wi) = inbound.into_split();
-                let (mut ro, mut wo) = outbound.into_split();
-                tokio::join!(pump(&mut ri, &mut wo, &flag), pump(&mut ro, &mut wi, &flag));
             });
         }
     });
-    Proxy { addr, frozen, task }
+    Proxy {
+        addr,
+        frozen,
+        muted,
+        cuts,
+        task,
+    }
 }
 
-/// Copies `r` to `w` until EOF; once `frozen` is set, swallows what it reads and stalls.
+async fn serve_conn(
+    inbound: tokio::net::TcpStream,
+    target: String,
+    flag: Arc<AtomicBool>,
+    mute: Arc<AtomicBool>,
+) {
+    if flag.load(Ordering::SeqCst) {
+        // Partitioned: accept, then never answer.
+        let _held = &inbound;
+        std::future::pending::<()>().await;
+    }
+    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+        return;
+    };
+    let (mut ri, mut wi) = inbound.into_split();
+    let (mut ro, mut wo) = outbound.into_split();
+    let up = [&*flag];
+    let down = [&*flag, &*mute];
+    tokio::join!(pump(&mut ri, &mut wo, &up), pump(&mut ro, &mut wi, &down));
+}
+
+/// Copies `r` to `w` until EOF; once any of `stalls` is set, swallows what it reads and stalls.
 async fn pump(
     r: &mut tokio::net::tcp::OwnedReadHalf,
     w: &mut tokio::net::tcp::OwnedWriteHalf,
-    frozen: &AtomicBool,
+    stalls: &[&AtomicBool],
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 16384];
@@ -580,7 +617,7 @@ async fn pump(
         if n == 0 {
             return;
         }
-        if frozen.load(Ordering::SeqCst) {
+        if stalls.iter().any(|f| f.load(Ordering::SeqCst)) {
             std::future::pending::<()>().await;
         }
         if w.write_all(&buf[..n]).await.is_err() {
@@ -626,4 +663,96 @@ async fn partition_longer_than_half_the_session_timeout_is_lost_locally() {
     })
     .await;
     assert!(matches!(within(a.queue(&q)).await, Err(Error::LockLost(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_cut_off_by_a_dropped_connection_are_resent() {
+    let Some(hosts) = zk_hosts() else { return };
+    let first = hosts.split(',').next().expect("one host").to_owned();
+    let proxy = start_proxy(first).await;
+    let root = fresh_chroot();
+    let a = within(ZkBackend::connect(&format!("{}{root}", proxy.addr), opts()))
+        .await
+        .expect("connect through proxy");
+    let q = queue("flaky");
+    let e = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
+        .await
+        .expect("enqueue");
+    for round in 0..3 {
+        // Swallow the next requests, then hang up: their replies never come, so the
+        // client fails them with ConnectionLoss and reconnects.
+        proxy.frozen.store(true, Ordering::SeqCst);
+        let (a2, q2) = (a.clone(), q.clone());
+        let listing = tokio::spawn(async move { a2.queue(&q2).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        proxy.frozen.store(false, Ordering::SeqCst);
+        proxy.cut();
+        let got = within(listing).await.expect("join");
+        let got = got.unwrap_or_else(|err| panic!("round {round}: queue failed: {err}"));
+        assert_eq!(names(&got), vec![e.mine.name.as_str()], "round {round}");
+    }
+    // The session survived the reconnects: the entry is still ours, and removable.
+    within(a.remove(&q, &e.mine)).await.expect("remove");
+    assert!(within(a.queue(&q)).await.expect("queue").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_whose_reply_is_lost_finds_its_entry_instead_of_duplicating() {
+    let Some(hosts) = zk_hosts() else { return };
+    let first = hosts.split(',').next().expect("one host").to_owned();
+    let proxy = start_proxy(first).await;
+    let root = fresh_chroot();
+    let a = within(ZkBackend::connect(&format!("{}{root}", proxy.addr), opts()))
+        .await
+        .expect("connect through proxy");
+    let observer = connect(&hosts, &root).await;
+    let q = queue("lost-reply");
+    // Create the parent first, so the create below is the one whose reply is lost.
+    let warm = Ticket::new();
+    within(a.enqueue(&q, &warm, EntryKind::Lock, Position::Tail, b""))
+        .await
+        .expect("enqueue");
+    for round in 0..3 {
+        let t = Ticket::new();
+        proxy.muted.store(true, Ordering::SeqCst);
+        let (a2, q2, t2) = (a.clone(), q.clone(), t.clone());
+        let enqueue = tokio::spawn(async move {
+            a2.enqueue(&q2, &t2, EntryKind::Lock, Position::Tail, b"")
+                .await
+        });
+        // The create runs on the server even though its reply is swallowed.
+        within(async {
+            while !observer
+                .queue(&q)
+                .await
+                .expect("queue")
+                .iter()
+                .any(|e| e.is_from(&t))
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        proxy.muted.store(false, Ordering::SeqCst);
+        proxy.cut();
+        let done = within(enqueue)
+            .await
+            .expect("join")
+            .unwrap_or_else(|err| panic!("round {round}: enqueue failed: {err}"));
+        assert!(done.mine.is_from(&t));
+        assert!(done.mine.token.is_some());
+        let mine: Vec<Entry> = within(observer.queue(&q))
+            .await
+            .expect("queue")
+            .into_iter()
+            .filter(|e| e.is_from(&t))
+            .collect();
+        assert_eq!(
+            mine.len(),
+            1,
+            "round {round}: the ticket has {} entries",
+            mine.len()
+        );
+        assert_eq!(mine[0].name, done.mine.name);
+    }
 }
