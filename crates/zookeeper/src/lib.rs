@@ -67,6 +67,21 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Errors and retries
+//! - A request cut off by a dropped connection (`ConnectionLoss`) is sent again once the
+//!   client has reconnected, when doing so is safe: every read, `remove`, `abandon`, and
+//!   enqueue's `create`, which first looks for its entry by ticket (Curator's protected
+//!   mode) so a create whose reply was lost is never duplicated.
+//! - Once the session is lost (expired, closed by someone else, or disconnected past the
+//!   local limit above) every operation, including ones already waiting, fails with
+//!   [`dlock_core::Error::LockLost`]; after [`dlock_core::Backend::close`] they fail with
+//!   [`dlock_core::Error::Closed`].
+//! - A server that stays unreachable gives [`dlock_core::Error::Unreachable`]; anything
+//!   else the server refuses is [`dlock_core::Error::Backend`] with the client's error as
+//!   its source.
+//! - `read_value` reads the data of the lock's own znode; empty data counts as "not set"
+//!   (`None`), since the container node created on demand carries none.
+//!
 //! # Feature flags
 //! None. The crate always builds zookeeper-client with its `tokio` feature (without it,
 //! connecting panics at run time) and needs a tokio runtime.
