@@ -32,7 +32,7 @@
 //! during a partition is too late: the server expires the session a session timeout `t`
 //! after it last heard from the client, and another contender may take the lock at once.
 //! So one task per session watches the connection state, and when the connection has been
-//! down for `t / 2` (the client itself needs 0.4·`t` to notice, so that is about 0.9·`t`
+//! down for 0.4·`t` (the client itself needs 0.4·`t` to notice, so that is about 0.8·`t`
 //! after the last reply) it declares every entry of the session lost: `lost()` futures
 //! complete with [`dlock_core::Error::LockLost`], in-flight and later operations fail with
 //! it instead of hanging, and the session is closed so it cannot come back holding entries.

@@ -627,7 +627,7 @@ async fn pump(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn partition_longer_than_half_the_session_timeout_is_lost_locally() {
+async fn partition_past_the_local_limit_is_declared_lost() {
     let Some(hosts) = zk_hosts() else { return };
     let first = hosts.split(',').next().expect("one host").to_owned();
     let proxy = start_proxy(first).await;
