@@ -105,6 +105,10 @@ pub use zookeeper_client as zk;
 pub struct ZkOptions {
     /// Set `TCP_NODELAY` on the session's connections (Linux only; a no-op elsewhere).
     /// Default `true`. Turning it off only makes sense to measure what it buys.
+    ///
+    /// The option is found and set per process, not per session: the adapter sets it on
+    /// every socket of the process connected to one of the session's servers, so `false`
+    /// here does not keep another session to the same servers from switching it on.
     pub tcp_nodelay: bool,
 }
 
