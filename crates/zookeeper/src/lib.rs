@@ -28,9 +28,10 @@
 //! (zookeeper-client never sets it; see [`ZkOptions::tcp_nodelay`]).
 //!
 //! # The design decision: the adapter declares loss itself, before the server can
-//! A ZooKeeper client learns that its session expired only when a server tells it, which
-//! during a partition is too late: the server expires the session a session timeout `t`
-//! after it last heard from the client, and another contender may take the lock at once.
+//! The server expires a session a session timeout `t` after it last heard from the
+//! client, and another contender may take the lock at once. The client hears of it only
+//! when a server tells it, or (zookeeper-client) when it gives up reconnecting 1.4·`t`
+//! after the last reply: during a partition, both come too late.
 //! So one task per session watches the connection state, and when the connection has been
 //! down for 0.4·`t` (the client itself needs 0.4·`t` to notice, so that is about 0.8·`t`
 //! after the last reply) it declares every entry of the session lost: `lost()` futures
