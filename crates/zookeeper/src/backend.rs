@@ -14,7 +14,7 @@ use futures::future::BoxFuture;
 use tracing::Instrument;
 use zookeeper_client as zk;
 
-use crate::errors::{connect_error, map_err};
+use crate::errors::{connect_error, is_connection_loss, map_err};
 use crate::session::{watch_session, Health, Shared};
 use crate::{nodelay, ZkOptions};
 
@@ -31,7 +31,7 @@ pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 /// the bound is never reached in practice; it only turns a livelock into an error.
 const MAX_ENQUEUE_ATTEMPTS: usize = 8;
 
-/// How often an idempotent request is re-sent after `ConnectionLoss`. Each retry waits for
+/// How often an idempotent request is re-sent after the connection dropped. Each retry waits for
 /// the client to reconnect (zookeeper-client queues requests meanwhile), and the session
 /// guard ends the wait once the session is declared lost, so a few cover any failover.
 const MAX_RETRIES: usize = 4;
@@ -46,9 +46,9 @@ where
     let mut left = MAX_RETRIES;
     loop {
         match request().await {
-            Err(zk::Error::ConnectionLoss) if left > 0 => {
+            Err(err) if left > 0 && is_connection_loss(&err) => {
                 left -= 1;
-                tracing::debug!("ZooKeeper connection lost before the reply; re-sending");
+                tracing::debug!(%err, "ZooKeeper connection lost before the reply; re-sending");
             }
             other => return other,
         }
@@ -286,7 +286,8 @@ impl ZkBackend {
                     }
                     (stat, name.clone())
                 }
-                Err(zk::Error::ConnectionLoss) => {
+                Err(err) if is_connection_loss(&err) => {
+                    tracing::debug!(%err, "connection lost during create; looking for the entry");
                     maybe_created = true;
                     continue;
                 }

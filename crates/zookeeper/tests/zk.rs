@@ -532,14 +532,19 @@ struct Proxy {
     /// Like `frozen`, for the server-to-client direction only: requests still arrive and
     /// run, their replies are lost.
     muted: Arc<AtomicBool>,
-    cuts: tokio::sync::watch::Sender<u64>,
+    /// Bumped to close every open connection; the flag says whether with a reset.
+    cuts: tokio::sync::watch::Sender<(u64, bool)>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Proxy {
-    /// Closes every connection open now (the client sees the server hang up).
-    fn cut(&self) {
-        self.cuts.send_modify(|n| *n += 1);
+    /// Closes every connection open now: cleanly (the client reads EOF, as when a server
+    /// shuts down) or with `reset` (a TCP RST, as when a server process is killed).
+    fn cut(&self, reset: bool) {
+        self.cuts.send_modify(|(n, r)| {
+            *n += 1;
+            *r = reset;
+        });
     }
 }
 
@@ -558,18 +563,21 @@ async fn start_proxy(target: String) -> Proxy {
     let flag = frozen.clone();
     let muted = Arc::new(AtomicBool::new(false));
     let mute = muted.clone();
-    let cuts = tokio::sync::watch::Sender::new(0u64);
+    let cuts = tokio::sync::watch::Sender::new((0u64, false));
     let cut_rx = cuts.subscribe();
     let task = tokio::spawn(async move {
         let mut conns = tokio::task::JoinSet::new();
-        while let Ok((inbound, _)) = listener.accept().await {
+        while let Ok((mut inbound, _)) = listener.accept().await {
             let (flag, mute, target) = (flag.clone(), mute.clone(), target.clone());
             let mut cut = cut_rx.clone();
             cut.mark_unchanged();
             conns.spawn(async move {
-                tokio::select! {
-                    _ = cut.changed() => {}
-                    () = serve_conn(inbound, target, flag, mute) => {}
+                let reset = tokio::select! {
+                    _ = cut.changed() => cut.borrow().1,
+                    () = serve_conn(&mut inbound, target, flag, mute) => false,
+                };
+                if reset {
+                    let _ = inbound.set_zero_linger();
                 }
             });
         }
@@ -584,20 +592,19 @@ async fn start_proxy(target: String) -> Proxy {
 }
 
 async fn serve_conn(
-    inbound: tokio::net::TcpStream,
+    inbound: &mut tokio::net::TcpStream,
     target: String,
     flag: Arc<AtomicBool>,
     mute: Arc<AtomicBool>,
 ) {
     if flag.load(Ordering::SeqCst) {
         // Partitioned: accept, then never answer.
-        let _held = &inbound;
         std::future::pending::<()>().await;
     }
     let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
         return;
     };
-    let (mut ri, mut wi) = inbound.into_split();
+    let (mut ri, mut wi) = inbound.split();
     let (mut ro, mut wo) = outbound.into_split();
     let up = [&*flag];
     let down = [&*flag, &*mute];
@@ -606,8 +613,8 @@ async fn serve_conn(
 
 /// Copies `r` to `w` until EOF; once any of `stalls` is set, swallows what it reads and stalls.
 async fn pump(
-    r: &mut tokio::net::tcp::OwnedReadHalf,
-    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    r: &mut (impl tokio::io::AsyncRead + Unpin),
+    w: &mut (impl tokio::io::AsyncWrite + Unpin),
     stalls: &[&AtomicBool],
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -678,15 +685,15 @@ async fn requests_cut_off_by_a_dropped_connection_are_resent() {
     let e = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
         .await
         .expect("enqueue");
-    for round in 0..3 {
-        // Swallow the next requests, then hang up: their replies never come, so the
-        // client fails them with ConnectionLoss and reconnects.
+    for round in 0..4 {
+        // Swallow the next requests, then hang up (odd rounds: reset): their replies never
+        // come, so the client fails them and reconnects.
         proxy.frozen.store(true, Ordering::SeqCst);
         let (a2, q2) = (a.clone(), q.clone());
         let listing = tokio::spawn(async move { a2.queue(&q2).await });
         tokio::time::sleep(Duration::from_millis(200)).await;
         proxy.frozen.store(false, Ordering::SeqCst);
-        proxy.cut();
+        proxy.cut(round % 2 == 1);
         let got = within(listing).await.expect("join");
         let got = got.unwrap_or_else(|err| panic!("round {round}: queue failed: {err}"));
         assert_eq!(names(&got), vec![e.mine.name.as_str()], "round {round}");
@@ -734,7 +741,7 @@ async fn enqueue_whose_reply_is_lost_finds_its_entry_instead_of_duplicating() {
         })
         .await;
         proxy.muted.store(false, Ordering::SeqCst);
-        proxy.cut();
+        proxy.cut(round % 2 == 0);
         let done = within(enqueue)
             .await
             .expect("join")
