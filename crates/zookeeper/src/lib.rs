@@ -69,7 +69,7 @@
 //! ```
 //!
 //! # Errors and retries
-//! - A request cut off by a dropped connection (`ConnectionLoss`) is sent again once the
+//! - A request cut off by a dropped or reset connection is sent again once the
 //!   client has reconnected, when doing so is safe: every read, `remove`, `abandon`, and
 //!   enqueue's `create`, which first looks for its entry by ticket (Curator's protected
 //!   mode) so a create whose reply was lost is never duplicated.
