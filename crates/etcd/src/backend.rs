@@ -149,7 +149,10 @@ impl EtcdBackend {
             .with_connect_timeout(connect_timeout)
             .with_timeout(request_timeout)
             .with_keep_alive(ping, ping)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive_while_idle(true)
+            // A member that lost its leader answers "no leader" at once instead of holding
+            // the request until it times out; the request is then retried elsewhere.
+            .with_require_leader(true);
         let span = tracing::debug_span!("etcd.connect", endpoints = %joined);
         let attempt = async {
             let client =
