@@ -728,3 +728,24 @@ async fn dropping_the_client_revokes_its_lease() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test]
+async fn an_orphan_under_the_clients_mutex_key_is_cleared() {
+    let eps = etcd_or_skip!("an_orphan_under_the_clients_mutex_key_is_cleared");
+    init_tracing();
+    let a = connect(&eps).await;
+    let mut c = raw(&eps).await;
+    let name = unique_name("orphan");
+    let q = QueuePath::root(name.clone());
+    // A key on a's lease that none of a's contenders owns (say, a release that never
+    // reached the server, its retries given up).
+    let key = format!("{name}/{:x}", a.lease_id());
+    let put = etcd_client::PutOptions::new().with_lease(a.lease_id());
+    c.put(key.clone(), "", Some(put)).await.expect("raw put");
+    let (_, mine, queue) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(format!("{name}/{}", mine.name), key);
+    assert_eq!(queue, vec![mine.clone()], "the orphan is gone, mine took its key");
+    assert_eq!(decide(&queue, &mine.name), Decision::Acquired);
+    a.remove(&q, &mine).await.expect("remove");
+    a.close().await.expect("close");
+}
