@@ -369,7 +369,9 @@ async fn dropped_enqueues_then_abandon_leave_nothing() {
 async fn keepalive_holds_and_revoked_lease_fires_lost() {
     let eps = etcd_or_skip!("keepalive_holds_and_revoked_lease_fires_lost");
     init_tracing();
-    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(2));
+    // Short enough to see several renewals, long enough that a loaded machine's scheduling
+    // delays (renewals go out every TTL/3) do not lose it.
+    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(3));
     let a = EtcdBackend::connect(&eps, opts).await.expect("connect");
     let mut c = raw(&eps).await;
     let name = unique_name("lost");
@@ -744,7 +746,11 @@ async fn an_orphan_under_the_clients_mutex_key_is_cleared() {
     c.put(key.clone(), "", Some(put)).await.expect("raw put");
     let (_, mine, queue) = enqueue(&a, &q, EntryKind::Lock).await;
     assert_eq!(format!("{name}/{}", mine.name), key);
-    assert_eq!(queue, vec![mine.clone()], "the orphan is gone, mine took its key");
+    assert_eq!(
+        queue,
+        vec![mine.clone()],
+        "the orphan is gone, mine took its key"
+    );
     assert_eq!(decide(&queue, &mine.name), Decision::Acquired);
     a.remove(&q, &mine).await.expect("remove");
     a.close().await.expect("close");
