@@ -449,7 +449,7 @@ impl Shared {
         ready
             .get_or_init(|| async {
                 let _ops = self.sub_ops.lock().await;
-                let results = join_all(self.nodes.iter().map(|n| n.subscribe(channel))).await;
+                let results = self.gather(self.nodes.iter().map(|n| n.subscribe(channel))).await;
                 for r in results {
                     match r {
                         Ok(()) => {
