@@ -138,16 +138,18 @@ pub(crate) enum Scenario {
     HolderPauseUnfenced,
     LeaderKill,
     ServerRestart,
+    ReplicaPromotion,
     ClientCut,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 6] = [
+    const ALL: [Scenario; 7] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::HolderPauseUnfenced,
         Scenario::LeaderKill,
         Scenario::ServerRestart,
+        Scenario::ReplicaPromotion,
         Scenario::ClientCut,
     ];
 
@@ -158,6 +160,7 @@ impl Scenario {
             Scenario::HolderPauseUnfenced => "holder-pause-unfenced",
             Scenario::LeaderKill => "leader-kill",
             Scenario::ServerRestart => "server-restart",
+            Scenario::ReplicaPromotion => "replica-promotion",
             Scenario::ClientCut => "client-cut",
         }
     }
@@ -174,6 +177,9 @@ impl Scenario {
             }
             Scenario::ServerRestart => {
                 "restart Redis node 1 without persistence while a holder is inside"
+            }
+            Scenario::ReplicaPromotion => {
+                "promote a Redis replica that never saw the lock (primary killed, replica stopped meanwhile)"
             }
             Scenario::ClientCut => {
                 "a loopback proxy between the holder and the servers stops forwarding past the session"
@@ -192,6 +198,7 @@ impl Scenario {
         match self {
             Scenario::LeaderKill => matches!(kind, Kind::Zk | Kind::Etcd),
             Scenario::ServerRestart => matches!(kind, Kind::Redis | Kind::Redlock),
+            Scenario::ReplicaPromotion => kind == Kind::Redis,
             _ => true,
         }
     }
@@ -204,7 +211,9 @@ impl Scenario {
     /// catch the holder inside for longer than that.
     fn slow_work_ms(self) -> u64 {
         match self {
-            Scenario::ClientCut | Scenario::ServerRestart => 2 * SESSION.as_millis() as u64,
+            Scenario::ClientCut | Scenario::ServerRestart | Scenario::ReplicaPromotion => {
+                2 * SESSION.as_millis() as u64
+            }
             _ => SLOW_WORK_MS,
         }
     }
@@ -279,7 +288,8 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         redis: if kinds.contains(&Kind::Redlock) {
             5
         } else if kinds.contains(&Kind::Redis) {
-            1
+            // A second node to promote in replica-promotion.
+            2
         } else {
             0
         },
@@ -349,7 +359,10 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
     }
     cluster.down().context("tearing the cluster down")?;
     if !scenarios.is_empty() && args.scenarios.is_empty() && !args.short {
-        notes.push("sentinel-failover: not run (testkit has no Sentinel mode yet)".into());
+        notes.push(
+            "sentinel-failover: not run (testkit has no Sentinel mode); replica-promotion promotes a replica by hand instead"
+                .into(),
+        );
     }
     let markdown = report::markdown(&rows, &notes);
     println!("{markdown}");
@@ -515,6 +528,22 @@ fn run_one(
         }
     }
 
+    // Replica promotion: every client reaches Redis through one address that moves to
+    // the promoted replica, as a virtual IP (or Sentinel-aware clients) would.
+    let vip = match scenario {
+        Scenario::ReplicaPromotion => {
+            let first = addrs.first().context("no Redis node")?;
+            Some(Proxy::start(
+                first.parse().with_context(|| format!("address {first}"))?,
+            )?)
+        }
+        _ => None,
+    };
+    let mut primary = 1;
+    let url = match &vip {
+        Some(v) => kind.url(&[v.addr().to_string()]),
+        None => url,
+    };
     let me = std::env::current_exe().context("locating the xtask binary")?;
     let mut workers = Workers(Vec::new());
     for (id, via, slow) in WORKERS {
@@ -578,6 +607,8 @@ fn run_one(
             cluster,
             &mut workers,
             &proxies,
+            vip.as_ref(),
+            &mut primary,
             victim,
             &history_path,
         )?;
@@ -662,12 +693,17 @@ fn victim_lost_after(records: &[Record], victim: u32, t: u64) -> bool {
 }
 
 /// Injects one fault of `scenario` and waits until the lock serves another worker.
+// Each argument is a different handle of the run (servers, processes, proxies, history);
+// bundling them would only rename the list.
+#[allow(clippy::too_many_arguments)]
 fn inject(
     scenario: Scenario,
     kind: Kind,
     cluster: &mut Cluster,
     workers: &mut Workers,
     proxies: &HashMap<u32, Vec<Proxy>>,
+    vip: Option<&Proxy>,
+    primary: &mut u32,
     victim: u32,
     history_path: &Path,
 ) -> anyhow::Result<Fault> {
@@ -751,6 +787,66 @@ fn inject(
                 signal_from_us: Some(t),
             })
         }
+        Scenario::ReplicaPromotion => {
+            let vip = vip.context("replica promotion without its proxy")?;
+            let p = *primary;
+            let r = if p == 1 { 2 } else { 1 };
+            let p_addr = cluster.server(Backend::Redis, p)?.addr.clone();
+            let r_addr = cluster.server(Backend::Redis, r)?.addr.clone();
+            let (p_host, p_port) = p_addr.rsplit_once(':').context("address")?;
+            redis_cli(&p_addr, &["CONFIG", "SET", "repl-diskless-sync-delay", "0"])?;
+            redis_cli(&r_addr, &["REPLICAOF", p_host, p_port])?;
+            wait_for("the replica in sync", WAIT, || {
+                Ok(redis_cli(&r_addr, &["INFO", "replication"])?.contains("master_link_status:up"))
+            })?;
+            // The replica stops applying the stream: it will not see the next holds.
+            cluster.stop(Backend::Redis, r)?;
+            let stopped = now_us();
+            // The victim must hold an entry it created after the stop: its next section
+            // after one that ended after the stop (every section is a new entry).
+            wait_for(
+                "the victim inside a section it queued for after the replica stopped",
+                WAIT,
+                || {
+                    let secs = history::sections(&h()?);
+                    let Some(first_end) = secs
+                        .iter()
+                        .filter(|s| s.worker == victim)
+                        .filter_map(|s| s.end_us.filter(|&e| e > stopped))
+                        .min()
+                    else {
+                        return Ok(false);
+                    };
+                    Ok(secs.iter().any(|s| {
+                        s.worker == victim && s.start_us > first_end && s.end_us.is_none()
+                    }))
+                },
+            )?;
+            let t = now_us();
+            cluster.kill(Backend::Redis, p)?;
+            cluster.cont(Backend::Redis, r)?;
+            redis_cli(&r_addr, &["REPLICAOF", "NO", "ONE"])?;
+            vip.retarget(
+                r_addr
+                    .parse()
+                    .with_context(|| format!("address {r_addr}"))?,
+            )?;
+            eprintln!(
+                "  killed primary (node {p}) under worker {victim}; promoted node {r}, which never saw the hold"
+            );
+            *primary = r;
+            let recovered = wait_for("another holder on the promoted replica", WAIT, || {
+                Ok(other_began(&h()?, victim, t))
+            });
+            // The old primary comes back empty, ready to be the next round's replica.
+            cluster.restart(Backend::Redis, p)?;
+            recovered?;
+            Ok(Fault {
+                at_us: t,
+                victim: Some(victim),
+                signal_from_us: Some(t),
+            })
+        }
         Scenario::ClientCut => {
             let ps = proxies.get(&victim).context("victim without proxies")?;
             wait_inside("the victim inside its section")?;
@@ -774,6 +870,22 @@ fn inject(
             })
         }
     }
+}
+
+/// Runs `redis-cli` against `addr` and returns its output; a Redis error is an error.
+fn redis_cli(addr: &str, args: &[&str]) -> anyhow::Result<String> {
+    let (host, port) = addr.rsplit_once(':').context("address")?;
+    let out = Command::new("redis-cli")
+        .args(["-h", host, "-p", port])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("running redis-cli")?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    if !out.status.success() || text.starts_with("ERR") {
+        bail!("redis-cli -p {port} {}: {text}", args.join(" "));
+    }
+    Ok(text)
 }
 
 /// Entries left under `name` once every client has gone, after waiting out the sessions

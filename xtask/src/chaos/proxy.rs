@@ -16,6 +16,8 @@ use anyhow::Context as _;
 const POLL: Duration = Duration::from_millis(5);
 
 struct Shared {
+    /// Where new connections go; [`Proxy::retarget`] moves it, like a virtual IP.
+    upstream: Mutex<SocketAddr>,
     forwarding: AtomicBool,
     stop: AtomicBool,
     /// Every socket the proxy opened, to shut down on drop.
@@ -60,6 +62,7 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").context("binding a proxy")?;
         let addr = listener.local_addr().context("proxy address")?;
         let shared = Arc::new(Shared {
+            upstream: Mutex::new(upstream),
             forwarding: AtomicBool::new(true),
             stop: AtomicBool::new(false),
             sockets: Mutex::new(Vec::new()),
@@ -72,7 +75,7 @@ impl Proxy {
                 }
                 let Ok(client) = conn else { continue };
                 let s = Arc::clone(&s);
-                std::thread::spawn(move || connect(client, upstream, &s));
+                std::thread::spawn(move || connect(client, &s));
             }
         });
         Ok(Proxy { addr, shared })
@@ -90,6 +93,30 @@ impl Proxy {
     /// Forwards again, including what waited during the cut.
     pub(crate) fn restore(&self) {
         self.shared.forwarding.store(true, Ordering::SeqCst);
+    }
+
+    /// Sends new connections to `upstream` and closes every open one, as a virtual IP
+    /// moving to a promoted replica does: clients reconnect and land on the new server.
+    pub(crate) fn retarget(&self, upstream: SocketAddr) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            upstream.ip().is_loopback(),
+            "the proxy only forwards to loopback addresses, not {upstream}"
+        );
+        *self
+            .shared
+            .upstream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = upstream;
+        for s in self
+            .shared
+            .sockets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        Ok(())
     }
 }
 
@@ -109,11 +136,12 @@ impl Drop for Proxy {
     }
 }
 
-fn connect(client: TcpStream, upstream: SocketAddr, shared: &Arc<Shared>) {
+fn connect(client: TcpStream, shared: &Arc<Shared>) {
     shared.track(&client);
     if !shared.wait_forwarding() {
         return;
     }
+    let upstream = *shared.upstream.lock().unwrap_or_else(|p| p.into_inner());
     let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2)) else {
         let _ = client.shutdown(Shutdown::Both);
         return;
@@ -183,5 +211,18 @@ mod tests {
         c.read_exact(&mut buf).expect("delivered after restore");
         assert_eq!(&buf, b"held");
         assert!(Proxy::start("10.0.0.1:1".parse().expect("addr")).is_err());
+        // Retargeting closes the open connection; a new one reaches the new upstream.
+        let other = TcpListener::bind("127.0.0.1:0").expect("bind");
+        proxy
+            .retarget(other.local_addr().expect("addr"))
+            .expect("retarget");
+        assert!(
+            matches!(c.read(&mut buf), Ok(0) | Err(_)),
+            "old connection closed"
+        );
+        let _c2 = TcpStream::connect(proxy.addr()).expect("connect");
+        other
+            .accept()
+            .expect("the new upstream gets the connection");
     }
 }
