@@ -28,7 +28,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         etcd,
         redis,
         port_offset: args.offset.value,
-        state_path: Some(state_path),
+        state_path: Some(state_path.clone()),
         base_dir: None,
     };
     crate::header(&format!(
@@ -42,6 +42,13 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         eprintln!("  {name}={value}");
     }
     let outcome = run_all(root, &endpoints);
+    // Fault tests restart the nodes they kill (DLOCK_TEST_STATE); the new processes are
+    // recorded only in the state file, so take down what it lists first, then the rest.
+    if let Ok(current) = State::load(&state_path) {
+        current
+            .down()
+            .context("tearing down the servers in the state file")?;
+    }
     cluster.down().context("tearing the cluster down")?;
     let counts = outcome?;
     // A plain closing line, after the teardown chatter, that any log reader can count.
