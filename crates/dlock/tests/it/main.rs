@@ -22,6 +22,8 @@ mod zk_faults;
 #[cfg(feature = "zookeeper")]
 mod zk_herd;
 #[cfg(feature = "zookeeper")]
+mod zk_revoke;
+#[cfg(feature = "zookeeper")]
 mod zk_scenarios;
 
 /// Instantiates every shared test for one backend.
@@ -112,5 +114,8 @@ zk_only! {
     shared semaphore_deleted_lease_is_a_typed_error => crate::zk_scenarios::semaphore_deleted_lease_is_a_typed_error,
     shared guard_lost_fires_on_session_expiry => crate::zk_faults::guard_lost_fires_on_session_expiry,
     shared cli_sigstop_past_session_exits_70 => crate::zk_faults::cli_sigstop_past_session_exits_70,
+    shared revoke_between_dlock_clients => crate::zk_revoke::revoke_between_dlock_clients,
+    shared revoke_interop_with_curator => crate::zk_revoke::revoke_interop_with_curator,
+    shared cli_revoke => crate::zk_revoke::cli_revoke,
     exclusive locks_survive_leader_kill => crate::zk_faults::locks_survive_leader_kill,
 }
