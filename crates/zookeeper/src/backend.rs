@@ -318,7 +318,7 @@ impl ZkBackend {
 
     async fn queue_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         let client = self.handle()?;
-        match client.list_children(&znode(q)).await {
+        match retry_on_connection_loss(|| client.list_children(&znode(q))).await {
             Ok(names) => Ok(parse_queue(names)),
             Err(zk::Error::NoNode) => Ok(Vec::new()),
             Err(err) => Err(map_err("listing the queue", err)),
@@ -331,7 +331,8 @@ impl ZkBackend {
         loop {
             // A data watch, not an exists watch: on a node already gone an exists watch
             // would wait for a creation that never comes (pitfall Z4).
-            let watcher = match client.get_and_watch_data(&path).await {
+            let watcher = match retry_on_connection_loss(|| client.get_and_watch_data(&path)).await
+            {
                 Ok((_, _, watcher)) => watcher,
                 Err(zk::Error::NoNode) => return Ok(()),
                 Err(err) => return Err(map_err("waiting for an entry to go", err)),
@@ -351,7 +352,7 @@ impl ZkBackend {
         let parent = znode(q);
         let seen: BTreeSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
         loop {
-            match client.get_and_watch_children(&parent).await {
+            match retry_on_connection_loss(|| client.get_and_watch_children(&parent)).await {
                 Ok((names, _, watcher)) => {
                     let now: BTreeSet<&str> = names
                         .iter()
@@ -371,7 +372,7 @@ impl ZkBackend {
                         return Ok(());
                     }
                     // An empty queue whose parent is missing: wait for it to appear.
-                    match client.check_and_watch_stat(&parent).await {
+                    match retry_on_connection_loss(|| client.check_and_watch_stat(&parent)).await {
                         Ok((Some(_), _)) => {}
                         Ok((None, watcher)) => {
                             let event = watcher.changed().await;
@@ -390,7 +391,7 @@ impl ZkBackend {
     async fn remove_inner(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
         let client = self.handle()?;
         let path = format!("{}/{}", znode(q), entry.name);
-        match client.delete(&path, None).await {
+        match retry_on_connection_loss(|| client.delete(&path, None)).await {
             Ok(()) | Err(zk::Error::NoNode) => Ok(()),
             Err(err) => Err(map_err("removing an entry", err)),
         }
@@ -400,7 +401,7 @@ impl ZkBackend {
         let client = self.handle()?;
         let parent = znode(q);
         // Listed after any create a dropped enqueue sent on this session, so it sees it.
-        let names = match client.list_children(&parent).await {
+        let names = match retry_on_connection_loss(|| client.list_children(&parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(()),
             Err(err) => return Err(map_err("abandoning an entry: listing", err)),
@@ -410,7 +411,8 @@ impl ZkBackend {
             .filter(|n| dlock_core::entry::protected_id(n).as_deref() == Some(ticket.as_str()))
             .map(|n| {
                 tracing::debug!(entry = %n, "abandoning entry");
-                client.delete(&format!("{parent}/{n}"), None)
+                let (client, path) = (&client, format!("{parent}/{n}"));
+                async move { retry_on_connection_loss(|| client.delete(&path, None)).await }
             })
             .collect();
         for result in futures::future::join_all(deletes).await {
@@ -425,7 +427,7 @@ impl ZkBackend {
     async fn participants_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         let client = self.handle()?;
         let parent = znode(q);
-        let names = match client.list_children(&parent).await {
+        let names = match retry_on_connection_loss(|| client.list_children(&parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(Vec::new()),
             Err(err) => return Err(map_err("listing participants", err)),
@@ -433,7 +435,10 @@ impl ZkBackend {
         let entries = parse_queue(names);
         let reads: Vec<_> = entries
             .iter()
-            .map(|e| client.get_data(&format!("{parent}/{}", e.name)))
+            .map(|e| {
+                let (client, path) = (&client, format!("{parent}/{}", e.name));
+                async move { retry_on_connection_loss(|| client.get_data(&path)).await }
+            })
             .collect();
         let mut out = Vec::with_capacity(entries.len());
         for (mut entry, read) in entries
@@ -458,7 +463,7 @@ impl ZkBackend {
     async fn set_data_inner(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
         let client = self.handle()?;
         let path = format!("{}/{}", znode(q), entry.name);
-        match client.set_data(&path, data, None).await {
+        match retry_on_connection_loss(|| client.set_data(&path, data, None)).await {
             Ok(_) | Err(zk::Error::NoNode) => Ok(()),
             Err(err) => Err(map_err("writing an entry's payload", err)),
         }
@@ -474,7 +479,8 @@ impl ZkBackend {
         let path = format!("{}/{}", znode(q), entry.name);
         loop {
             // Read and arm in one request: a change after the read fires the watch.
-            let watcher = match client.get_and_watch_data(&path).await {
+            let watcher = match retry_on_connection_loss(|| client.get_and_watch_data(&path)).await
+            {
                 Ok((data, _, _)) if data != seen => return Ok(Some(data)),
                 Ok((_, _, watcher)) => watcher,
                 Err(zk::Error::NoNode) => return Ok(None),
@@ -491,7 +497,7 @@ impl ZkBackend {
 
     async fn read_value_inner(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
         let client = self.handle()?;
-        match client.get_data(&znode(q)).await {
+        match retry_on_connection_loss(|| client.get_data(&znode(q))).await {
             Ok((data, _)) if data.is_empty() => Ok(None),
             Ok((data, _)) => Ok(Some(data)),
             Err(zk::Error::NoNode) => Ok(None),
@@ -654,6 +660,34 @@ impl Backend for ZkBackend {
             }
             Ok(())
         })
+    }
+}
+
+/// How long to pause before repeating a request that failed with a connection loss.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Runs an idempotent request, and again after each connection loss.
+///
+/// zookeeper-client fails the requests in flight when its connection drops (a server
+/// crashed or restarted) and re-sends none of them, while the session itself lives on
+/// and moves to another server. Reads, deletes of our own uniquely named entries and the
+/// revocation write may simply be repeated, as Curator's retry policy does; requests sent
+/// while disconnected wait in the client until it has reconnected. The loop ends when
+/// the session does: every caller runs under [`ZkBackend::guarded`], which abandons it
+/// once the session is declared lost.
+async fn retry_on_connection_loss<T, F, Fut>(mut op: F) -> Result<T, zk::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, zk::Error>>,
+{
+    loop {
+        match op().await {
+            Err(zk::Error::ConnectionLoss) => {
+                tracing::debug!("ZooKeeper connection lost during a request; repeating it");
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+            }
+            other => return other,
+        }
     }
 }
 
