@@ -86,7 +86,7 @@ pub async fn locks_survive_leader_kill(url: &str) {
     let session = Duration::from_secs(8);
     let mut holder = None;
     for _ in 0..30 {
-        let (c, b, _raw) = zk_client(url, session).await;
+        let (c, b, _) = zk_client(url, session).await;
         let sid = format!("sid=0x{:x}", b.session_id());
         let addr = leader_addr.clone();
         let cons = tokio::task::spawn_blocking(move || four_letter(&addr, "cons"))

@@ -67,19 +67,21 @@ pub async fn container_parents_are_reaped(url: &str) {
         .acquire(Some(GENEROUS))
         .await
         .expect("permit");
+    assert!(exists(&raw, &format!("/{top}/s/leases")).await);
     p.release().await.expect("release");
     let rw = c.rwlock(&format!("{top}/rw")).expect("name");
     let mut r = rw.read(Some(GENEROUS)).await.expect("read");
     r.release().await.expect("release");
     let mut w = rw.write(Some(GENEROUS)).await.expect("write");
     w.release().await.expect("release");
-    assert!(exists(&raw, &format!("/{top}/s/leases")).await);
     let top_path = format!("/{top}");
     assert!(
         eventually(GENEROUS, || async { !exists(&raw, &top_path).await }).await,
         "the lock's parents were never reaped: is ZooKeeper running with \
          -Dznode.container.checkIntervalMs=1000 and are they containers?"
     );
+    // The raw handle shares the session; close waits for the last handle to go.
+    drop(raw);
     c.close().await.expect("close");
 }
 
@@ -89,7 +91,7 @@ pub async fn container_parents_are_reaped(url: &str) {
 /// working.
 pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
     let name = unique("sem-interrupt");
-    let (c, _b, _raw) = zk_client(url, Kind::Zk.session_timeout()).await;
+    let (c, _b, _) = zk_client(url, Kind::Zk.session_timeout()).await;
     let sem = c.semaphore(&name, 1).expect("name");
     let mut held = sem.acquire(Some(GENEROUS)).await.expect("permit");
     let (s1, s2) = (
@@ -167,5 +169,6 @@ pub async fn semaphore_deleted_lease_is_a_typed_error(url: &str) {
         eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
         "entries left"
     );
+    drop(raw);
     c.close().await.expect("close");
 }
