@@ -17,6 +17,10 @@
 //   <id> read <path> [ms]       InterProcessReadWriteLock read   -> ACQUIRED | TIMEOUT
 //   <id> write <path> [ms]      InterProcessReadWriteLock write  -> ACQUIRED | TIMEOUT
 //   <id> sem <path> <max> [ms]  InterProcessSemaphoreV2 lease    -> ACQUIRED <node> | TIMEOUT
+//   <id> count <path> <n>       SharedCount at <path> set to n   -> COUNT <n>
+//   <id> semshared <path> <count-path> [ms]
+//                               InterProcessSemaphoreV2 sized by that SharedCount
+//                                                                -> ACQUIRED <node> | TIMEOUT
 //   <id> revocable <path> [ms]  revocable InterProcessMutex      -> ACQUIRED | TIMEOUT
 //                               later, on a revocation request:  -> REVOKE_REQUESTED, RELEASED
 //   <id> release                releases what <id> took last     -> RELEASED | NOT_HELD
@@ -51,6 +55,7 @@ import org.apache.curator.framework.recipes.locks.InterProcessSemaphoreMutex;
 import org.apache.curator.framework.recipes.locks.InterProcessSemaphoreV2;
 import org.apache.curator.framework.recipes.locks.Lease;
 import org.apache.curator.framework.recipes.locks.Revoker;
+import org.apache.curator.framework.recipes.shared.SharedCount;
 import org.apache.curator.retry.ExponentialBackoffRetry;
 import org.apache.zookeeper.KeeperException;
 
@@ -80,6 +85,18 @@ public class CuratorPeer {
 
     static CuratorFramework client;
     static final Map<String, Slot> slots = new HashMap<>();
+    /** Started SharedCounts by path, shared by every id (each keeps a watch). */
+    static final Map<String, SharedCount> counts = new HashMap<>();
+
+    static synchronized SharedCount count(String path, int seed) throws Exception {
+        SharedCount c = counts.get(path);
+        if (c == null) {
+            c = new SharedCount(client, path, seed);
+            c.start();
+            counts.put(path, c);
+        }
+        return c;
+    }
 
     static synchronized void say(String line) {
         System.out.println(line);
@@ -182,6 +199,25 @@ public class CuratorPeer {
             }
             case "sem": {
                 InterProcessSemaphoreV2 sem = new InterProcessSemaphoreV2(client, w[2], Integer.parseInt(w[3]));
+                long t = ms(w, 4);
+                Lease lease = t < 0 ? sem.acquire() : sem.acquire(t, TimeUnit.MILLISECONDS);
+                if (lease == null) {
+                    say(id + " TIMEOUT");
+                } else {
+                    s.held.push(lease::close);
+                    say(id + " ACQUIRED " + lease.getNodeName());
+                }
+                break;
+            }
+            case "count": {
+                int n = Integer.parseInt(w[3]);
+                SharedCount c = count(w[2], n);
+                c.setCount(n);
+                say(id + " COUNT " + c.getCount());
+                break;
+            }
+            case "semshared": {
+                InterProcessSemaphoreV2 sem = new InterProcessSemaphoreV2(client, w[2], count(w[3], 1));
                 long t = ms(w, 4);
                 Lease lease = t < 0 ? sem.acquire() : sem.acquire(t, TimeUnit.MILLISECONDS);
                 if (lease == null) {

@@ -398,3 +398,53 @@ pub async fn semaphore_interop(url: &str) {
     java.quit().await;
     c.close().await.expect("close");
 }
+
+/// A semaphore sized by Curator's `SharedCount`: dlock reads the count Curator writes
+/// (4-byte big-endian), both sides enforce it together, and when Curator raises it both
+/// sides see the new size.
+pub async fn shared_count_interop(url: &str) {
+    let Some(mut java) = Peer::start(url).await else {
+        return;
+    };
+    let name = unique("cur-shared");
+    let count = format!("{name}-count");
+    let (path, count_path) = (format!("/{name}"), format!("/{count}"));
+    assert_eq!(
+        java.cmd("c", &format!("count {count_path} 2")).await,
+        "COUNT 2"
+    );
+    let c = client(Kind::Zk, url).await;
+    let sem = dlock::Semaphore::with_shared_count(&c, &name, &count).expect("names");
+    assert_eq!(sem.permits().await.expect("permits"), 2, "Curator's count");
+    let mut p1 = sem.acquire(Some(GENEROUS)).await.expect("permit 1");
+    let mut p2 = sem.acquire(Some(GENEROUS)).await.expect("permit 2");
+    assert_eq!(
+        java.cmd("j1", &format!("semshared {path} {count_path} 500"))
+            .await,
+        "TIMEOUT",
+        "Curator must see dlock's two leases as the whole count"
+    );
+    assert!(matches!(sem.try_acquire().await, Err(Error::WouldBlock)));
+    assert_eq!(
+        java.cmd("c", &format!("count {count_path} 3")).await,
+        "COUNT 3"
+    );
+    assert_eq!(sem.permits().await.expect("permits"), 3, "the raised count");
+    let got = java
+        .cmd("j1", &format!("semshared {path} {count_path} 30000"))
+        .await;
+    assert!(got.starts_with("ACQUIRED"), "{got}");
+    assert!(
+        matches!(sem.try_acquire().await, Err(Error::WouldBlock)),
+        "three leases are the whole raised count"
+    );
+    assert_eq!(java.cmd("j1", "release").await, "RELEASED");
+    p1.release().await.expect("release");
+    p2.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left"
+    );
+    java.quit().await;
+    c.close().await.expect("close");
+}

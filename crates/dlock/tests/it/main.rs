@@ -107,6 +107,7 @@ zk_only! {
     shared curator_mutex_interop => crate::curator::mutex_interop,
     shared curator_rwlock_interop => crate::curator::rwlock_interop,
     shared curator_semaphore_interop => crate::curator::semaphore_interop,
+    shared curator_shared_count_interop => crate::curator::shared_count_interop,
     shared no_herd_mutex_queue_of_50 => crate::zk_herd::mutex_queue_of_50,
     shared no_herd_readers_behind_writer => crate::zk_herd::readers_behind_writer,
     shared container_parents_are_reaped => crate::zk_scenarios::container_parents_are_reaped,
