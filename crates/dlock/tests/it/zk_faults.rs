@@ -237,7 +237,7 @@ fn signal(pid: u32, sig: libc::c_int) {
 }
 
 /// `dlock exec` holds a lock while its command runs; the dlock process is SIGSTOPped
-/// past its 1 s session timeout, so the server expires the session and another client
+/// past its 2 s session timeout, so the server expires the session and another client
 /// gets the lock while the command still runs. On SIGCONT, dlock learns the session is
 /// gone: it SIGTERMs its command and exits 70.
 pub async fn cli_sigstop_past_session_exits_70(url: &str) {
@@ -248,7 +248,7 @@ pub async fn cli_sigstop_past_session_exits_70(url: &str) {
         r#"trap 'echo term > "$2"; exit 143' TERM; echo up > "$1"; while :; do sleep 0.1; done"#;
     let mut holder = Command::new(env!("CARGO_BIN_EXE_dlock"))
         .env_remove("DLOCK_URL")
-        .args(["--url", url, "--session-timeout", "1s", "exec", &name, "--"])
+        .args(["--url", url, "--session-timeout", "2s", "exec", &name, "--"])
         .args(["sh", "-c", script, "sh"])
         .arg(&started)
         .arg(&termed)
