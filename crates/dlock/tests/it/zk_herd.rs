@@ -105,6 +105,22 @@ impl Backend for Counting {
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         self.inner.participants(q)
     }
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        self.inner.set_data(q, entry, data)
+    }
+    fn wait_data_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        seen: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        self.inner.wait_data_changed(q, entry, seen)
+    }
     fn close(&self) -> BoxFuture<'_, Result<()>> {
         self.inner.close()
     }
