@@ -266,9 +266,13 @@ pub async fn semaphore_peak_equals_permits(kind: Kind, url: &str) {
     let name = unique("sem");
     let live = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
-    let mut tasks = Vec::new();
+    // Connect everyone first so the workers contend from the start, as at a barrier.
+    let mut sessions = Vec::new();
     for _ in 0..8 {
-        let c = client(kind, url).await;
+        sessions.push(client(kind, url).await);
+    }
+    let mut tasks = Vec::new();
+    for c in sessions {
         let (name, live, peak) = (name.clone(), live.clone(), peak.clone());
         tasks.push(tokio::spawn(async move {
             let s = c.semaphore(&name, 3).expect("sem");
