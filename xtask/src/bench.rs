@@ -789,7 +789,7 @@ fn run_peers(
     let mut cmd = if args.netns {
         prepare_offline(&venv, &rp_target, peers)?;
         let mut c = Command::new("unshare");
-        c.args(["-n", "sh", "-c", "ip link set lo up && exec bash \"$0\""])
+        c.args(["-n", "sh", "-c", "ip link set lo up && exec bash \"$0\" \"$@\""])
             .arg(&run_sh);
         c
     } else {
@@ -797,6 +797,9 @@ fn run_peers(
         c.arg(&run_sh);
         c
     };
+    if let Some(list) = &args.peer_list {
+        cmd.args(list.split([' ', ',']).filter(|p| !p.is_empty()));
+    }
     cmd.env("RUST_BENCH_CMD", &rust_cmd)
         .env("REPEATS", args.repeats.to_string())
         .env("DURATION", args.duration.to_string())

@@ -112,6 +112,10 @@ pub(crate) struct BenchArgs {
     /// so its fixed ports cannot clash with servers already running on this machine.
     #[arg(long, requires = "peers")]
     pub(crate) netns: bool,
+    /// With --peers: only these peers of run.sh (space or comma separated, e.g.
+    /// "curator kazoo redis-py rust-peers rust"); default all.
+    #[arg(long, requires = "peers")]
+    pub(crate) peer_list: Option<String>,
     /// Summarise a saved file of result lines instead of running anything.
     #[arg(long, conflicts_with = "peers")]
     pub(crate) from: Option<PathBuf>,
