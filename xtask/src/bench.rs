@@ -789,8 +789,13 @@ fn run_peers(
     let mut cmd = if args.netns {
         prepare_offline(&venv, &rp_target, peers)?;
         let mut c = Command::new("unshare");
-        c.args(["-n", "sh", "-c", "ip link set lo up && exec bash \"$0\" \"$@\""])
-            .arg(&run_sh);
+        c.args([
+            "-n",
+            "sh",
+            "-c",
+            "ip link set lo up && exec bash \"$0\" \"$@\"",
+        ])
+        .arg(&run_sh);
         c
     } else {
         let mut c = Command::new("bash");

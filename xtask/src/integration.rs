@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Stdio;
 
 use anyhow::Context as _;
-use dlock_testkit::{ClusterSpec, Endpoints, State};
+use dlock_testkit::{ClusterSpec, Endpoints, State, ENV_CLUSTER_DIR};
 
 use crate::flags::IntegrationArgs;
 
@@ -22,9 +22,14 @@ pub(crate) fn run_with(
     args: &IntegrationArgs,
     bench_smoke: bool,
 ) -> anyhow::Result<i32> {
-    let state_path = crate::target_dir(root)
-        .join("dlock-cluster")
-        .join("integration.json");
+    let cluster_dir = crate::target_dir(root).join("dlock-cluster");
+    let state_path = cluster_dir.join("integration.json");
+    // Servers of tests that a signal killed last time, then the same on our way out.
+    let reaped = dlock_testkit::reap_scratch_clusters(&cluster_dir);
+    if reaped > 0 {
+        eprintln!("xtask: stopped {reaped} cluster(s) left by killed tests");
+    }
+    crate::teardown::on_signal_reap(&cluster_dir);
     if state_path.exists() {
         // Only a run that was SIGKILLed leaves this file behind; its servers are ours.
         eprintln!("xtask: stopping servers left by an interrupted integration run");
@@ -33,7 +38,7 @@ pub(crate) fn run_with(
         }
     }
     let (zk, etcd, redis) = if args.single { (1, 1, 1) } else { (3, 3, 5) };
-    let spec = ClusterSpec {
+    let mut spec = ClusterSpec {
         zk,
         etcd,
         redis,
@@ -41,6 +46,8 @@ pub(crate) fn run_with(
         state_path: Some(state_path),
         base_dir: None,
     };
+    // A CI machine may run a distribution-started server on a default port.
+    crate::cluster::shift_if_busy(&mut spec)?;
     crate::header(&format!(
         "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, port offset {}",
         spec.port_offset
@@ -51,7 +58,7 @@ pub(crate) fn run_with(
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");
     }
-    let mut outcome = run_all(root, &endpoints);
+    let mut outcome = run_all(root, &endpoints, &cluster_dir);
     if bench_smoke {
         if let Ok(counts) = &mut outcome {
             if counts.exit_code == 0 && counts.failed == 0 {
@@ -66,6 +73,7 @@ pub(crate) fn run_with(
             }
         }
     }
+    dlock_testkit::reap_scratch_clusters(&cluster_dir);
     cluster.down().context("tearing the cluster down")?;
     let counts = outcome?;
     // A plain closing line, after the teardown chatter, that any log reader can count.
@@ -109,14 +117,16 @@ impl Counts {
 
 /// Every unit, property and integration test in one run, then the doc tests (which
 /// `--all-targets` leaves out), stopping at the first failure.
-fn run_all(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
+fn run_all(root: &Path, endpoints: &Endpoints, cluster_dir: &Path) -> anyhow::Result<Counts> {
+    let mut env = endpoints.to_env();
+    env.push((ENV_CLUSTER_DIR, cluster_dir.display().to_string()));
     let mut counts = run_tests(
         root,
-        endpoints,
+        &env,
         &["--workspace", "--all-targets", "--", "--test-threads", "2"],
     )?;
     if counts.exit_code == 0 && counts.failed == 0 {
-        let doc = run_tests(root, endpoints, &["--workspace", "--doc"])?;
+        let doc = run_tests(root, &env, &["--workspace", "--doc"])?;
         counts.passed += doc.passed;
         counts.failed += doc.failed;
         counts.ignored += doc.ignored;
@@ -129,13 +139,13 @@ fn run_all(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
     Ok(counts)
 }
 
-fn run_tests(root: &Path, endpoints: &Endpoints, args: &[&str]) -> anyhow::Result<Counts> {
+fn run_tests(root: &Path, env: &[(&str, String)], args: &[&str]) -> anyhow::Result<Counts> {
     crate::header(&format!("cargo test {}", args.join(" ")));
     let mut child = crate::cargo()
         .current_dir(root)
         .arg("test")
         .args(args)
-        .envs(endpoints.to_env())
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .process_group(0)
