@@ -138,7 +138,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             #[cfg(feature = "redis")]
             {
                 let b: Arc<dyn Backend> =
-                    dlock_redis::RedlockBackend::connect(&hosts, opts).await?;
+                    dlock_redis::RedisBackend::connect_redlock(&hosts, opts).await?;
                 Ok(b)
             }
             #[cfg(not(feature = "redis"))]
