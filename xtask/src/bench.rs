@@ -87,7 +87,7 @@ pub(crate) fn summarise(rows: &[Row]) -> BTreeMap<(String, String), Summary> {
                 runs: rs.len(),
                 counter_ok_all: rs
                     .iter()
-                    .all(|r| r.get("counter_ok").is_none_or(|v| v == "true")),
+                    .all(|r| r.get("counter_ok").map_or(true, |v| v == "true")),
                 status: rs.iter().find_map(|r| r.get("status").cloned()),
                 ..Summary::default()
             };
@@ -183,8 +183,17 @@ const TARGETS: &[Target] = &[
     },
 ];
 
+/// One backend's table: title, dlock peer, the peers it is compared with, its ceilings
+/// (peer, workload), first found wins.
+type BackendRow = (
+    &'static str,
+    &'static str,
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+);
+
 /// For each dlock peer: the peers it is compared with and its ceiling.
-const BACKENDS: &[(&str, &str, &[&str], &[(&str, &str)])] = &[
+const BACKENDS: &[BackendRow] = &[
     (
         "ZooKeeper",
         "dlock-zk",
@@ -410,7 +419,7 @@ pub(crate) fn svg(s: &Sums, title: &str) -> String {
     let max = groups
         .iter()
         .flat_map(|g| g.1.iter().map(|b| b.1))
-        .fold(10.0_f64, f64::max);
+        .fold(100.0_f64, f64::max);
     let top = 10f64.powf(max.log10().ceil());
     let (left, right, plot_top, plot_h, bar_w, gap) = (70.0, 20.0, 50.0, 300.0, 14.0, 18.0);
     let width: f64 = left
@@ -422,7 +431,12 @@ pub(crate) fn svg(s: &Sums, title: &str) -> String {
     let width = width.max(600.0);
     let legend_y = plot_top + plot_h + 70.0;
     let height = legend_y + 20.0 * ((legend.len() as f64) / 3.0).ceil() + 10.0;
-    let y = |v: f64| plot_top + plot_h * (1.0 - (v.max(1.0).log10() / top.log10()));
+    // Every figure here is above 10 ops/s; starting the axis there keeps the bars apart.
+    let bottom = 10.0_f64;
+    let y = |v: f64| {
+        let f = (v.max(bottom).log10() - bottom.log10()) / (top.log10() - bottom.log10());
+        plot_top + plot_h * (1.0 - f)
+    };
     let mut o = String::new();
     let _ = writeln!(
         o,
@@ -438,7 +452,7 @@ pub(crate) fn svg(s: &Sums, title: &str) -> String {
         o,
         r##"<text x="{left}" y="38" fill="#555">ops/s, log scale, median of runs; higher is better</text>"##
     );
-    let mut p = 1.0;
+    let mut p = bottom;
     while p <= top {
         let yy = y(p);
         let _ = writeln!(
@@ -748,14 +762,16 @@ fn redis_benchmark(addr: &str) -> Vec<String> {
             .args(&cmd)
             .output();
         let Ok(r) = r else { continue };
-        // CSV: "test","rps","avg_latency_ms","min","p50","p95","p99","max"
+        // CSV: "test","rps","avg_latency_ms","min","p50","p95","p99","max". The test name
+        // (the Lua script) has commas of its own, so the fields are counted from the end.
         for l in String::from_utf8_lossy(&r.stdout).lines().skip(1) {
-            let f: Vec<&str> = l.split(',').map(|x| x.trim_matches('"')).collect();
-            if f.len() >= 8 {
-                out.push(format!(
-                    "peer=redis-benchmark workload={label} ops_s={} p50_ms={} p99_ms={} max_ms={} n=20000 note=c1_P1",
-                    f[1], f[4], f[6], f[7]
-                ));
+            let f: Vec<&str> = l.trim().trim_matches('"').split("\",\"").collect();
+            if let [.., rps, _avg, _min, p50, _p95, p99, max] = f.as_slice() {
+                if rps.parse::<f64>().is_ok() {
+                    out.push(format!(
+                        "peer=redis-benchmark workload={label} ops_s={rps} p50_ms={p50} p99_ms={p99} max_ms={max} n=20000 note=c1_P1"
+                    ));
+                }
             }
         }
     }

@@ -109,6 +109,9 @@ impl Sink {
     }
 }
 
+/// Extra result fields computed from an outcome (violations, counters, ...).
+type Check<'a> = dyn Fn(&Outcome) -> Vec<(&'static str, String)> + 'a;
+
 /// One dlock backend under test.
 struct Target {
     peer: &'static str,
@@ -166,6 +169,7 @@ async fn run(args: Args) -> bool {
                 vec![w],
                 duration,
                 None,
+                None,
             )
             .await;
         }
@@ -187,6 +191,7 @@ async fn run(args: Args) -> bool {
                 vec![w],
                 duration,
                 None,
+                None,
             )
             .await;
         }
@@ -206,6 +211,7 @@ async fn run(args: Args) -> bool {
                 ceiling::REDIS_WORKLOAD,
                 vec![w],
                 duration,
+                None,
                 None,
             )
             .await;
@@ -246,7 +252,8 @@ async fn run_one<W: Worker>(
     workload: &str,
     built: Vec<Result<W, String>>,
     duration: Duration,
-    check: Option<&dyn Fn(&Outcome) -> Vec<(&'static str, String)>>,
+    check: Option<&Check<'_>>,
+    counter: Option<&OpCounter>,
 ) {
     let mut workers: Vec<Box<dyn Worker>> = Vec::with_capacity(built.len());
     let mut err = None;
@@ -263,9 +270,23 @@ async fn run_one<W: Worker>(
         sink.fail(peer, workload, &e);
         return;
     }
+    // Server requests per iteration say where the time goes (round trips per acquire +
+    // release); the few made by closing the sessions are counted too.
+    let before = match counter {
+        Some(c) => c.read().await.ok(),
+        None => None,
+    };
     match run_workers(workers, duration).await {
         Ok(o) => {
-            let extra = check.map(|c| c(&o)).unwrap_or_default();
+            let mut extra = check.map(|c| c(&o)).unwrap_or_default();
+            if let (Some(c), Some(b)) = (counter, before) {
+                if let Ok(a) = c.read().await {
+                    extra.push((
+                        "server_ops_per_op",
+                        format!("{:.2}", a.saturating_sub(b) as f64 / o.ops().max(1) as f64),
+                    ));
+                }
+            }
             sink.emit(line(peer, workload, &o, &extra));
         }
         Err(e) => sink.fail(peer, workload, &e),
@@ -324,7 +345,7 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
             Box::new(|_| Recipe::Mutex { shared: None }),
         )
         .await;
-        run_one(sink, peer, "W1", ws, duration, None).await;
+        run_one(sink, peer, "W1", ws, duration, None, t.counter.as_ref()).await;
     }
     if args.wants("W2") {
         let shared = Arc::new(Shared::default());
@@ -338,7 +359,16 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
         )
         .await;
         let check = |o: &Outcome| mutex_check(&shared, o);
-        run_one(sink, peer, "W2", ws, duration, Some(&check)).await;
+        run_one(
+            sink,
+            peer,
+            "W2",
+            ws,
+            duration,
+            Some(&check),
+            t.counter.as_ref(),
+        )
+        .await;
     }
     if args.wants("W3") {
         let b = base.clone();
@@ -348,7 +378,7 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
             Box::new(|_| Recipe::Mutex { shared: None }),
         )
         .await;
-        run_one(sink, peer, "W3", ws, duration, None).await;
+        run_one(sink, peer, "W3", ws, duration, None, t.counter.as_ref()).await;
     }
     if args.wants("W4") {
         let shared = Arc::new(Shared::default());
@@ -369,7 +399,16 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
                 ("max_holders", shared.max_holders().to_string()),
             ]
         };
-        run_one(sink, peer, "W4", ws, duration, Some(&check)).await;
+        run_one(
+            sink,
+            peer,
+            "W4",
+            ws,
+            duration,
+            Some(&check),
+            t.counter.as_ref(),
+        )
+        .await;
     }
     if args.wants("W5") {
         let shared = Arc::new(Shared::default());
@@ -390,7 +429,16 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
                 ("peak_readers", shared.peak_readers().to_string()),
             ]
         };
-        run_one(sink, peer, "W5", ws, duration, Some(&check)).await;
+        run_one(
+            sink,
+            peer,
+            "W5",
+            ws,
+            duration,
+            Some(&check),
+            t.counter.as_ref(),
+        )
+        .await;
     }
     if args.wants("S1") {
         run_s1(sink, args, t, &base).await;
