@@ -50,7 +50,8 @@ pub use dlock_core::{
     Backend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName, Result, SessionOptions,
 };
 pub use dlock_recipes::{
-    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, Semaphore, SemaphoreMutex,
+    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
+    SemaphoreMutex,
 };
 pub use url::BackendUrl;
 

@@ -10,7 +10,9 @@
 //! - [`MultiLock`]: any mix of the above, all-or-nothing.
 //!
 //! Every acquire returns a [`LockGuard`] with a fencing token ([`LockGuard::token`]) and a
-//! lost signal ([`LockGuard::lost`]).
+//! lost signal ([`LockGuard::lost`]). [`Mutex::lock_revocable`] returns a
+//! [`RevocableGuard`] that others can ask to release ([`Client::revoke`], Curator's
+//! revocation).
 //!
 //! # The design decision
 //! Recipes never know which backend they run on: they add an entry, ask the core's
@@ -33,7 +35,7 @@ mod rwlock;
 pub mod semaphore;
 
 pub use client::{Client, Participant};
-pub use guard::LockGuard;
+pub use guard::{LockGuard, RevocableGuard};
 pub use multi::{MultiGuard, MultiLock, Part};
 pub use mutex::Mutex;
 pub use rwlock::RwLock;

@@ -127,6 +127,11 @@ struct Shared {
 /// last `Arc` stops the watchdog at once (so no entry is renewed after that) and, inside a
 /// tokio runtime, removes this client's entries in the background as
 /// [`Backend::close`] does.
+///
+/// [`Backend::lost`] completes with [`Error::LockLost`] when the watchdog gives the entry
+/// up (gone on the server, or not renewed for a whole lease), with [`Error::NotHeld`] once
+/// this client removed or abandoned it, with [`Error::Closed`] after close or drop, and at
+/// once with [`Error::LockLost`] for an entry this client does not keep alive.
 pub struct RedisBackend {
     shared: Arc<Shared>,
 }
@@ -444,7 +449,7 @@ impl Shared {
         ready
             .get_or_init(|| async {
                 let _ops = self.sub_ops.lock().await;
-                let results = join_all(self.nodes.iter().map(|n| n.subscribe(channel))).await;
+                let results = self.gather(self.nodes.iter().map(|n| n.subscribe(channel))).await;
                 for r in results {
                     match r {
                         Ok(()) => {
@@ -1156,8 +1161,9 @@ impl RedisBackend {
                 debug!(entry = %mine.name, seq = mine.seq, token = ?mine.token, waiting = queue.len(), "entry added");
                 return Ok(Enqueued { mine, queue });
             }
-            if !added.is_empty() {
-                // Added on a minority, or too late: take it back everywhere.
+            if !added.is_empty() || !failed.is_empty() {
+                // Added on a minority, too late, or maybe added where the reply was lost:
+                // take it back everywhere before proposing again.
                 let mut args = Shared::q_args(&keys);
                 args.push(Value::from(ticket.protected_prefix()));
                 let _ = s

@@ -7,6 +7,25 @@
 //! backend by hand: [`RedisBackend::connect`], [`RedisBackend::connect_redlock`] or
 //! [`RedisBackend::connect_url`].
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use dlock_core::{decide, Backend, Decision, EntryKind, LockName, NameRules, Position,
+//!                  QueuePath, SessionOptions, Ticket};
+//! use dlock_redis::RedisBackend;
+//!
+//! # async fn demo() -> Result<(), dlock_core::Error> {
+//! let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
+//! let redis = RedisBackend::connect("127.0.0.1:6379", opts).await?;
+//! let q = QueuePath::root(LockName::new("orders/42", NameRules::Redis)?);
+//! let ticket = Ticket::new();
+//! let added = redis.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"me").await?;
+//! if let Decision::Wait(ahead) = decide(&added.queue, &added.mine.name) {
+//!     redis.wait_gone(&q, ahead).await?; // then decide again on a fresh `queue`
+//! }
+//! redis.remove(&q, &added.mine).await?;
+//! # Ok(()) }
+//! ```
+//!
 //! # Data model
 //! Every key of a lock `L` carries the hash tag `{L}`, so all of them live in one Redis
 //! Cluster slot and one Lua script can touch them all. For a queue (the lock itself, or

@@ -59,11 +59,14 @@ impl Node {
     /// Builds the clients and starts connecting them; does not wait for the connection.
     pub fn start(addr: &str, tuning: Tuning) -> Result<Node, Error> {
         let addr = check_addr(addr)?;
-        let config =
+        let mut config =
             Config::from_url(&format!("redis://{addr}")).map_err(|e| Error::InvalidUrl {
                 url: addr.to_owned(),
                 reason: e.to_string(),
             })?;
+        // Keep retrying a server that is down at start-up too: a Redlock minority may come
+        // back later. The caller bounds the wait with the connect timeout.
+        config.fail_fast = false;
         let mut b = Builder::from_config(config);
         b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
             .with_connection_config(|c| {

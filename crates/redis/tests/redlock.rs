@@ -191,3 +191,44 @@ async fn redlock_works_with_two_masters_down_and_fails_typed_with_three() {
     let _ = tokio::time::timeout(Duration::from_secs(30), a.close()).await;
     let _ = tokio::time::timeout(Duration::from_secs(30), b.close()).await;
 }
+
+#[tokio::test]
+async fn redlock_connects_with_a_master_down_and_uses_it_once_it_is_back() {
+    init_tracing();
+    if endpoint("DLOCK_TEST_REDLOCK", "redlock_master_down_at_connect").is_none() {
+        return;
+    }
+    let mut servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let addrs: Vec<String> = servers.iter().map(TestServer::addr).collect();
+    servers[2].kill();
+    let b = tokio::time::timeout(
+        Duration::from_secs(30),
+        RedisBackend::connect_redlock(
+            &addrs,
+            opts(LONG).with_connect_timeout(Duration::from_secs(2)),
+        ),
+    )
+    .await
+    .expect("no hang")
+    .expect("2 of 3 masters are a majority");
+    servers[2].restart();
+    let insp = inspector(&addrs[2]).await;
+    let q = fresh_queue("redlock-late-master");
+    // Once the late master is connected, new entries land on it too.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            let e = b
+                .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                .await
+                .expect("enqueue with a majority")
+                .mine;
+            let key = format!("dlock:{{{}}}:e:{}", q.lock, e.name);
+            let there = key_exists(&insp, &key).await;
+            b.remove(&q, &e).await.expect("remove");
+            there
+        })
+        .await,
+        "the master that was down at connect time is used once it is back"
+    );
+    b.close().await.expect("close");
+}

@@ -553,3 +553,41 @@ async fn a_silent_client_s_entry_expires_and_wakes_its_watcher() {
     assert_eq!(decide(&now, &w.mine.name), Decision::Acquired);
     waiter.close().await.expect("close");
 }
+
+#[tokio::test]
+async fn a_stalled_server_fires_lost_after_one_lease() {
+    init_tracing();
+    if endpoint("DLOCK_TEST_REDIS", "a_stalled_server_fires_lost").is_none() {
+        return;
+    }
+    let server = TestServer::start();
+    let b = connect(&server.addr(), Duration::from_secs(1)).await;
+    let q = fresh_queue("stall");
+    let e = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let lost = b.lost(&q, &e);
+    server.signal("STOP");
+    let reason = tokio::time::timeout(Duration::from_secs(30), lost)
+        .await
+        .expect("lost() fires while the server is stalled");
+    server.signal("CONT");
+    eprintln!("stall: lost() said: {reason}");
+    assert!(
+        matches!(&reason, Error::LockLost(r) if r.contains("no successful renewal")),
+        "{reason:?}"
+    );
+    // The entry is not renewed after it was given up: it expires on the server.
+    let insp = inspector(&server.addr()).await;
+    let key = format!("dlock:{{{}}}:e:{}", q.lock, e.name);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            !key_exists(&insp, &key).await
+        })
+        .await,
+        "the given-up entry is gone"
+    );
+    b.close().await.expect("close");
+}

@@ -279,7 +279,14 @@ pub async fn semaphore_peak_equals_permits(kind: Kind, url: &str) {
                     .expect("permit");
                 let now = live.fetch_add(1, Ordering::SeqCst) + 1;
                 peak.fetch_max(now, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                // Hold until all three permits have been out at once (or a while has
+                // passed): on a loaded machine a fixed hold time may end before the next
+                // grants arrive, and the peak would measure the machine, not the recipe.
+                let _ = eventually(Duration::from_secs(5), || async {
+                    peak.load(Ordering::SeqCst) >= 3
+                })
+                .await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
                 live.fetch_sub(1, Ordering::SeqCst);
                 p.release().await.expect("release");
             }

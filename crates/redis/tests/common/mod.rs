@@ -186,6 +186,18 @@ impl TestServer {
         }
     }
 
+    /// Sends `signal` (e.g. `STOP`, `CONT`) to this server by PID.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("server running").id();
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill")
+            .success();
+        assert!(ok, "kill -{signal} {pid}");
+    }
+
     /// SIGKILL by PID and reap.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -197,6 +209,18 @@ impl TestServer {
 
 impl Drop for TestServer {
     fn drop(&mut self) {
+        if self.child.is_some() {
+            // A stopped server must be continued to die promptly on SIGKILL's reap.
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(
+                    self.child
+                        .as_ref()
+                        .map(|c| c.id().to_string())
+                        .unwrap_or_default(),
+                )
+                .status();
+        }
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
