@@ -1,4 +1,6 @@
-//! `cargo xtask ci`: the whole gate, fail fast. `.ci/run` calls exactly this.
+//! `cargo xtask ci`: the whole gate, fail fast. `.ci/run` calls exactly this. After the
+//! tests, a dlock-bench smoke pass (0.2 s per workload) keeps the benchmark compiling and
+//! working; its figures are never asserted.
 
 use std::path::Path;
 
@@ -36,7 +38,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
             return Ok(status.code().unwrap_or(1));
         }
     }
-    let code = crate::integration::run(root, args)?;
+    let code = crate::integration::run_with(root, args, true)?;
     if code != 0 {
         return Ok(code);
     }

@@ -12,6 +12,16 @@ use dlock_testkit::{ClusterSpec, Endpoints, State, ENV_CLUSTER_DIR};
 use crate::flags::IntegrationArgs;
 
 pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
+    run_with(root, args, false)
+}
+
+/// As [`run`]; with `bench_smoke`, a passing test run is followed by the dlock-bench
+/// smoke pass against the same servers (what `cargo xtask ci` does).
+pub(crate) fn run_with(
+    root: &Path,
+    args: &IntegrationArgs,
+    bench_smoke: bool,
+) -> anyhow::Result<i32> {
     let cluster_dir = crate::target_dir(root).join("dlock-cluster");
     let state_path = cluster_dir.join("integration.json");
     // Servers of tests that a signal killed last time, then the same on our way out.
@@ -48,7 +58,21 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");
     }
-    let outcome = run_all(root, &endpoints, &cluster_dir);
+    let mut outcome = run_all(root, &endpoints, &cluster_dir);
+    if bench_smoke {
+        if let Ok(counts) = &mut outcome {
+            if counts.exit_code == 0 && counts.failed == 0 {
+                match crate::bench::smoke(root, &endpoints) {
+                    Ok(true) => {}
+                    Ok(false) => counts.exit_code = 1,
+                    Err(e) => {
+                        eprintln!("xtask: bench smoke pass could not run: {e:#}");
+                        counts.exit_code = 1;
+                    }
+                }
+            }
+        }
+    }
     dlock_testkit::reap_scratch_clusters(&cluster_dir);
     cluster.down().context("tearing the cluster down")?;
     let counts = outcome?;

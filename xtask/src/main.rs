@@ -3,9 +3,11 @@
 //!
 //! - `cluster up|down|status`: real ZooKeeper / etcd / Redis servers on 127.0.0.1.
 //! - `integration`: start servers, export `DLOCK_TEST_*`, run every test, tear down.
-//! - `ci`: fmt check, clippy, integration. What `.ci/run` calls.
+//! - `ci`: fmt check, clippy, integration, a dlock-bench smoke pass. What `.ci/run` calls.
 //! - `demo`: the stock-deduction scenario, with and without the lock.
+//! - `bench`: dlock-bench beside the peers; markdown table, JSON, SVG chart.
 
+mod bench;
 mod ci;
 mod cluster;
 mod demo;
@@ -26,6 +28,7 @@ fn main() -> anyhow::Result<()> {
         flags::Task::Integration(args) => integration::run(&root, &args)?,
         flags::Task::Ci(args) => ci::run(&root, &args)?,
         flags::Task::Demo(args) => demo::run(&root, &args)?,
+        flags::Task::Bench(args) => bench::run(&root, &args)?,
         flags::Task::DemoWorker(args) => demo::worker(&args)?,
         flags::Task::DemoBuy(args) => demo::buy(&args.dir)?,
     };
