@@ -38,3 +38,18 @@ pub use multi::{MultiGuard, MultiLock, Part};
 pub use mutex::Mutex;
 pub use rwlock::RwLock;
 pub use semaphore::{Semaphore, SemaphoreMutex};
+
+// Handles over `dyn Backend` (what the facade hands out) must be cloneable and printable,
+// so they can be shared between tasks.
+const _: () = {
+    fn clone_debug<T: Clone + std::fmt::Debug>() {}
+    #[allow(dead_code)]
+    fn handles_over_dyn_backend() {
+        clone_debug::<Client>();
+        clone_debug::<Mutex>();
+        clone_debug::<RwLock>();
+        clone_debug::<Semaphore>();
+        clone_debug::<SemaphoreMutex>();
+        clone_debug::<MultiLock>();
+    }
+};

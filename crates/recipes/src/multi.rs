@@ -44,10 +44,27 @@ impl Part {
 /// overlapping names cannot deadlock each other, whatever order their callers listed the
 /// names in. One deadline covers the whole acquire. A failure or timeout part way
 /// releases what was taken, in reverse order.
-#[derive(Debug, Clone)]
 pub struct MultiLock<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     parts: Vec<Part>,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for MultiLock<B> {
+    fn clone(&self) -> Self {
+        MultiLock {
+            client: self.client.clone(),
+            parts: self.parts.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for MultiLock<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultiLock")
+            .field("parts", &self.parts)
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> MultiLock<B> {

@@ -18,10 +18,27 @@ use crate::Client;
 /// # Session loss
 /// If the session ends (crash, partition past the session timeout, lease not renewed)
 /// the lock frees itself on the server and the guard's [`LockGuard::lost`] fires.
-#[derive(Debug, Clone)]
 pub struct Mutex<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     name: LockName,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for Mutex<B> {
+    fn clone(&self) -> Self {
+        Mutex {
+            client: self.client.clone(),
+            name: self.name.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for Mutex<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mutex")
+            .field("name", &self.name.as_str())
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> Mutex<B> {

@@ -17,10 +17,27 @@ use crate::Client;
 /// the write lock (downgrade): its read entry is placed beside its write entry, so no
 /// queued writer gets in between. A read holder asking for the write lock gets
 /// [`dlock_core::Error::WouldDeadlock`] instead of waiting forever (Curator hangs).
-#[derive(Debug, Clone)]
 pub struct RwLock<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     name: LockName,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for RwLock<B> {
+    fn clone(&self) -> Self {
+        RwLock {
+            client: self.client.clone(),
+            name: self.name.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for RwLock<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RwLock")
+            .field("name", &self.name.as_str())
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> RwLock<B> {

@@ -39,11 +39,30 @@ enum Permits {
 /// Each permit is its own [`LockGuard`], with its own fencing token and lost signal.
 /// Matches Curator's `InterProcessSemaphoreV2` on the wire, so Java and dlock holders
 /// share the same permits.
-#[derive(Debug, Clone)]
 pub struct Semaphore<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     name: LockName,
     permits: Permits,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for Semaphore<B> {
+    fn clone(&self) -> Self {
+        Semaphore {
+            client: self.client.clone(),
+            name: self.name.clone(),
+            permits: self.permits.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for Semaphore<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Semaphore")
+            .field("name", &self.name.as_str())
+            .field("permits", &self.permits)
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> Semaphore<B> {
@@ -276,9 +295,25 @@ impl<B: Backend + ?Sized> Drop for RemoveInner<B> {
 ///
 /// Where Curator deadlocks when the same owner acquires it twice, dlock returns
 /// [`Error::WouldDeadlock`]. The guard may be released from any task.
-#[derive(Debug, Clone)]
 pub struct SemaphoreMutex<B: Backend + ?Sized = dyn Backend> {
     sem: Semaphore<B>,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for SemaphoreMutex<B> {
+    fn clone(&self) -> Self {
+        SemaphoreMutex {
+            sem: self.sem.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for SemaphoreMutex<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SemaphoreMutex")
+            .field("name", &self.sem.name.as_str())
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> SemaphoreMutex<B> {
