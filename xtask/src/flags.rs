@@ -19,8 +19,12 @@ pub(crate) enum Task {
     Cluster(ClusterCmd),
     /// Start servers, export DLOCK_TEST_*, run every workspace test, tear down.
     Integration(IntegrationArgs),
-    /// What CI runs: fmt check, clippy -D warnings, then integration.
+    /// What CI runs: fmt check, clippy -D warnings, rustdoc -D warnings, then integration
+    /// (which also runs the examples).
     Ci(IntegrationArgs),
+    /// Run every example of examples/ once against real servers (its own single-node
+    /// cluster, or the given URLs).
+    Examples(ExamplesArgs),
     /// The stock-deduction demo: 8 processes sell 300 items with and without dlock.
     Demo(DemoArgs),
     /// One demo worker process: buys until sold out (internal).
@@ -95,6 +99,15 @@ pub(crate) struct IntegrationArgs {
     /// One node of each backend instead of ZooKeeper 3 + etcd 3 + Redis 5.
     #[arg(long)]
     pub(crate) single: bool,
+    #[command(flatten)]
+    pub(crate) offset: PortOffset,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ExamplesArgs {
+    /// Run against these backend URLs (repeatable) instead of starting a cluster.
+    #[arg(long)]
+    pub(crate) url: Vec<String>,
     #[command(flatten)]
     pub(crate) offset: PortOffset,
 }

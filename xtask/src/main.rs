@@ -3,12 +3,14 @@
 //!
 //! - `cluster up|down|status`: real ZooKeeper / etcd / Redis servers on 127.0.0.1.
 //! - `integration`: start servers, export `DLOCK_TEST_*`, run every test, tear down.
-//! - `ci`: fmt check, clippy, integration. What `.ci/run` calls.
+//! - `ci`: fmt check, clippy, rustdoc with warnings denied, integration. What `.ci/run` calls.
+//! - `examples`: every example of `examples/` once against real servers.
 //! - `demo`: the stock-deduction scenario, with and without the lock.
 
 mod ci;
 mod cluster;
 mod demo;
+mod examples;
 mod flags;
 mod integration;
 mod teardown;
@@ -26,6 +28,7 @@ fn main() -> anyhow::Result<()> {
         flags::Task::Integration(args) => integration::run(&root, &args)?,
         flags::Task::Ci(args) => ci::run(&root, &args)?,
         flags::Task::Demo(args) => demo::run(&root, &args)?,
+        flags::Task::Examples(args) => examples::run(&root, &args)?,
         flags::Task::DemoWorker(args) => demo::worker(&args)?,
         flags::Task::DemoBuy(args) => demo::buy(&args.dir)?,
     };
