@@ -43,8 +43,8 @@ pub const EXIT_SKIPPED: u8 = 77;
 /// The flags every example takes.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Common {
-    /// Backend URL: zk://h:p[,h:p][/chroot], etcd://h:p[,h:p], redis://h:p,
-    /// redlock://h:p,h:p,h:p. Defaults to $DLOCK_URL.
+    /// Backend URL: `zk://h:p[,h:p][/chroot]`, `etcd://h:p[,h:p]`, `redis://h:p` or
+    /// `redlock://h:p,h:p,h:p`. Defaults to $DLOCK_URL.
     #[arg(long, env = "DLOCK_URL")]
     pub url: String,
 }

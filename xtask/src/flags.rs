@@ -89,7 +89,7 @@ fn redis_count(s: &str) -> Result<u32, String> {
 
 #[derive(Debug, Args)]
 pub(crate) struct StateArg {
-    /// State file (default: <workspace>/target/dlock-cluster/state.json).
+    /// State file (default: `<workspace>/target/dlock-cluster/state.json`).
     #[arg(long = "state", env = "DLOCK_CLUSTER_STATE")]
     pub(crate) path: Option<PathBuf>,
 }
