@@ -154,7 +154,8 @@ impl<B: Backend + ?Sized> MultiLock<B> {
         Ok(parts)
     }
 
-    /// Takes every part, or none; `timeout` of `None` waits forever.
+    /// Takes every part, or none; `timeout` of `None` waits forever. One deadline covers
+    /// all parts (Curator gives each part the whole timeout).
     ///
     /// # Errors
     /// [`Error::WouldDeadlock`] for a name given twice; the first part's error
@@ -164,6 +165,15 @@ impl<B: Backend + ?Sized> MultiLock<B> {
     /// # Cancel safety
     /// Cancel-safe: the parts taken so far are released in the background, the pending
     /// part's entry is removed.
+    ///
+    /// # Session loss
+    /// A session that ends while a part is awaited fails the acquire with
+    /// [`Error::LockLost`] after the parts taken are released. Once held,
+    /// [`MultiGuard::lost`] fires when *any* part is lost.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMultiLock.acquire(time, unit)` (which takes the parts in the
+    /// caller's order); Redisson `RedissonMultiLock.lock()`.
     pub async fn acquire(&self, timeout: Option<Duration>) -> Result<MultiGuard<B>> {
         let parts = self.ordered_parts()?;
         let deadline = timeout.map(|d| Instant::now() + d);
