@@ -50,5 +50,18 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         eprintln!("xtask ci: `{title}` failed ({status})");
         return Ok(status.code().unwrap_or(1));
     }
-    crate::integration::run(root, args)
+    let code = crate::integration::run(root, args)?;
+    if code != 0 {
+        return Ok(code);
+    }
+    // The README's main job, end to end: it checks its own result (no oversell,
+    // increasing tokens) and fails otherwise.
+    crate::header("cargo xtask demo --stock 100");
+    let demo = crate::flags::DemoArgs {
+        url: None,
+        stock: 100,
+        workers: 8,
+        offset: args.offset.clone(),
+    };
+    crate::demo::run(root, &demo)
 }

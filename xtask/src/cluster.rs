@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use dlock_testkit::{
-    default_state_path, ensure_installed, zk_mode, Backend, Cluster, ClusterSpec, State,
+    default_state_path, ensure_installed, find_free_offset, ports_in_use, zk_mode, Backend,
+    Cluster, ClusterSpec, State,
 };
 use indicatif::ProgressBar;
 
@@ -40,6 +41,21 @@ pub(crate) fn start_with_progress(spec: &ClusterSpec) -> anyhow::Result<Cluster>
     let cluster = result.context("starting the cluster")?;
     eprintln!("started {n} servers in {:.1?}", spinner.elapsed());
     Ok(cluster)
+}
+
+/// Moves `spec` to the next port offset (in steps of 100) at which every port is free, when
+/// one of its ports is taken; says so on stderr.
+pub(crate) fn shift_if_busy(spec: &mut ClusterSpec) -> anyhow::Result<()> {
+    let busy = ports_in_use(spec);
+    if busy.is_empty() {
+        return Ok(());
+    }
+    let from = spec.port_offset;
+    let free = find_free_offset(spec, (1..500u16).map(|k| from.saturating_add(k * 100)))
+        .context("no port offset with every port free")?;
+    eprintln!("ports {busy:?} are taken; using port offset {free} instead of {from}");
+    spec.port_offset = free;
+    Ok(())
 }
 
 fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use dlock_testkit::{find_free_offset, ClusterSpec};
+use dlock_testkit::ClusterSpec;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::flags::{DemoArgs, WorkerArgs};
@@ -107,12 +107,7 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
         ),
         base_dir: None,
     };
-    if !dlock_testkit::ports_in_use(&spec).is_empty() {
-        let free = find_free_offset(&spec, (1..400u16).map(|k| offset.saturating_add(k * 100)))
-            .context("no free port for the demo ZooKeeper")?;
-        eprintln!("port {} is busy; using port offset {free}", 2181 + offset);
-        spec.port_offset = free;
-    }
+    crate::cluster::shift_if_busy(&mut spec)?;
     crate::cluster::start_with_progress(&spec)
 }
 
@@ -174,7 +169,7 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
     }
 
     let bar = ProgressBar::new(args.stock).with_style(
-        ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos}/{len} sold  {per_sec}")
+        ProgressStyle::with_template("{prefix:>14} [{bar:40}] {pos}/{len} sold  {elapsed}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> "),
     );
@@ -186,7 +181,7 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
     let started = Instant::now();
     let mut failures = Vec::new();
     while !workers.is_empty() {
-        bar.set_position(sales(&shop)?.len() as u64);
+        show_sold(&bar, args.stock, sales(&shop)?.len() as u64);
         let mut still = Vec::new();
         for mut w in workers {
             match w.try_wait().context("polling a worker")? {
@@ -199,7 +194,7 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
         std::thread::sleep(Duration::from_millis(50));
     }
     let lines = sales(&shop)?;
-    bar.set_position(lines.len() as u64);
+    show_sold(&bar, args.stock, lines.len() as u64);
     bar.finish();
     eprintln!("  {} purchases in {:.1?}", lines.len(), started.elapsed());
     if !failures.is_empty() {
@@ -225,6 +220,12 @@ fn sell(args: &DemoArgs, lock: Option<(&Path, &str)>) -> anyhow::Result<Outcome>
     };
     let _ = std::fs::remove_dir_all(&shop);
     Ok(outcome)
+}
+
+/// Moves the bar; past the stock (an oversell) the bar grows so "450/450" shows it.
+fn show_sold(bar: &ProgressBar, stock: u64, sold: u64) {
+    bar.set_length(stock.max(sold));
+    bar.set_position(sold);
 }
 
 /// `xtask demo-worker`: buys until the shop is sold out. Each purchase is its own process.

@@ -7,14 +7,19 @@ use std::path::Path;
 use std::process::Stdio;
 
 use anyhow::Context as _;
-use dlock_testkit::{ClusterSpec, Endpoints, State};
+use dlock_testkit::{ClusterSpec, Endpoints, State, ENV_CLUSTER_DIR};
 
 use crate::flags::IntegrationArgs;
 
 pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
-    let state_path = crate::target_dir(root)
-        .join("dlock-cluster")
-        .join("integration.json");
+    let cluster_dir = crate::target_dir(root).join("dlock-cluster");
+    let state_path = cluster_dir.join("integration.json");
+    // Servers of tests that a signal killed last time, then the same on our way out.
+    let reaped = dlock_testkit::reap_scratch_clusters(&cluster_dir);
+    if reaped > 0 {
+        eprintln!("xtask: stopped {reaped} cluster(s) left by killed tests");
+    }
+    crate::teardown::on_signal_reap(&cluster_dir);
     if state_path.exists() {
         // Only a run that was SIGKILLed leaves this file behind; its servers are ours.
         eprintln!("xtask: stopping servers left by an interrupted integration run");
@@ -23,7 +28,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         }
     }
     let (zk, etcd, redis) = if args.single { (1, 1, 1) } else { (3, 3, 5) };
-    let spec = ClusterSpec {
+    let mut spec = ClusterSpec {
         zk,
         etcd,
         redis,
@@ -31,6 +36,8 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         state_path: Some(state_path),
         base_dir: None,
     };
+    // A CI machine may run a distribution-started server on a default port.
+    crate::cluster::shift_if_busy(&mut spec)?;
     crate::header(&format!(
         "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, port offset {}",
         spec.port_offset
@@ -41,7 +48,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");
     }
-    let outcome = run_all(root, &endpoints).and_then(|mut counts| {
+    let outcome = run_all(root, &endpoints, &cluster_dir).and_then(|mut counts| {
         // The examples assert their own invariants; run them once per backend, in the
         // same cluster, once the tests are green.
         if counts.exit_code == 0 && counts.failed == 0 {
@@ -55,6 +62,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         }
         Ok(counts)
     });
+    dlock_testkit::reap_scratch_clusters(&cluster_dir);
     cluster.down().context("tearing the cluster down")?;
     let counts = outcome?;
     // A plain closing line, after the teardown chatter, that any log reader can count.
@@ -98,14 +106,16 @@ impl Counts {
 
 /// Every unit, property and integration test in one run, then the doc tests (which
 /// `--all-targets` leaves out), stopping at the first failure.
-fn run_all(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
+fn run_all(root: &Path, endpoints: &Endpoints, cluster_dir: &Path) -> anyhow::Result<Counts> {
+    let mut env = endpoints.to_env();
+    env.push((ENV_CLUSTER_DIR, cluster_dir.display().to_string()));
     let mut counts = run_tests(
         root,
-        endpoints,
+        &env,
         &["--workspace", "--all-targets", "--", "--test-threads", "2"],
     )?;
     if counts.exit_code == 0 && counts.failed == 0 {
-        let doc = run_tests(root, endpoints, &["--workspace", "--doc"])?;
+        let doc = run_tests(root, &env, &["--workspace", "--doc"])?;
         counts.passed += doc.passed;
         counts.failed += doc.failed;
         counts.ignored += doc.ignored;
@@ -118,13 +128,13 @@ fn run_all(root: &Path, endpoints: &Endpoints) -> anyhow::Result<Counts> {
     Ok(counts)
 }
 
-fn run_tests(root: &Path, endpoints: &Endpoints, args: &[&str]) -> anyhow::Result<Counts> {
+fn run_tests(root: &Path, env: &[(&str, String)], args: &[&str]) -> anyhow::Result<Counts> {
     crate::header(&format!("cargo test {}", args.join(" ")));
     let mut child = crate::cargo()
         .current_dir(root)
         .arg("test")
         .args(args)
-        .envs(endpoints.to_env())
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .process_group(0)

@@ -12,6 +12,7 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 static STATE_FILES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+static SCRATCH_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 static CHILD_GROUP: AtomicI32 = AtomicI32::new(0);
 static INSTALL: Once = Once::new();
 
@@ -24,6 +25,15 @@ pub(crate) fn on_signal_tear_down(state_file: &Path) -> anyhow::Result<()> {
     let mut result = Ok(());
     INSTALL.call_once(|| result = ctrlc::set_handler(handler));
     Ok(result?)
+}
+
+/// Makes a Ctrl-C / SIGTERM also kill the clusters that tests started themselves and
+/// recorded in `dir` (see `dlock_testkit::scratch_state_path`).
+pub(crate) fn on_signal_reap(dir: &Path) {
+    SCRATCH_DIRS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(dir.to_path_buf());
 }
 
 /// Records the process group of a long-running child (the test run) so a signal reaches it
@@ -48,6 +58,10 @@ fn handler() {
                 eprintln!("xtask: tearing down {}: {e}", file.display());
             }
         }
+    }
+    let dirs = SCRATCH_DIRS.lock().map(|d| d.clone()).unwrap_or_default();
+    for dir in dirs {
+        dlock_testkit::reap_scratch_clusters(&dir);
     }
     std::process::exit(130);
 }

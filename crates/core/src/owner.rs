@@ -50,6 +50,14 @@ impl<K: Eq + Hash + Clone, V: Clone> HoldCounts<K, V> {
         Some(slot.1.clone())
     }
 
+    /// The value stored for `owner`'s hold of `key`, without counting a hold.
+    pub fn get(&self, key: &K, owner: &OwnerId) -> Option<V> {
+        self.inner
+            .lock()
+            .get(&(key.clone(), owner.clone()))
+            .map(|s| s.1.clone())
+    }
+
     /// Records the first hold of `key` by `owner`.
     pub fn first(&self, key: K, owner: OwnerId, value: V) {
         self.inner.lock().insert((key, owner), (1, value));

@@ -181,12 +181,7 @@ impl<B: Backend + ?Sized> Client<B> {
         // A write holder's read entry goes beside its write entry, so it is granted at
         // once and no queued writer can slip in between (downgrade).
         let beside = if recipe == Recipe::Read {
-            self.holds
-                .reenter(&(lock.clone(), Recipe::Write), &owner)
-                .inspect(|_| {
-                    // Only peeked: undo the count the peek added.
-                    let _ = self.holds.release(&(lock.clone(), Recipe::Write), &owner);
-                })
+            self.holds.get(&(lock.clone(), Recipe::Write), &owner)
         } else {
             None
         };

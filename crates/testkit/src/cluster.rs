@@ -101,6 +101,9 @@ impl Cluster {
                             path.display()
                         )));
                     }
+                    // Its processes are gone (machine rebooted, killed by hand): drop
+                    // its data dir and file before reusing the path.
+                    old.down()?;
                 }
             }
         }

@@ -15,6 +15,53 @@ pub const ENV_REDLOCK: &str = "DLOCK_TEST_REDLOCK";
 /// Path of the cluster state JSON, for fault tests.
 pub const ENV_STATE: &str = "DLOCK_TEST_STATE";
 
+/// Directory where tests that start their own servers put their state files (see
+/// [`scratch_state_path`]); `cargo xtask integration` sets it and kills whatever those
+/// files record when the run ends or is interrupted.
+pub const ENV_CLUSTER_DIR: &str = "DLOCK_TEST_CLUSTER_DIR";
+
+/// The state file a test should give [`crate::ClusterSpec::state_path`] when it starts
+/// servers of its own: `$DLOCK_TEST_CLUSTER_DIR/test-<label>-<pid>.json`, or a file in
+/// the system temp dir outside xtask.
+///
+/// A test killed by a signal cannot run its teardown; recording its servers here lets
+/// xtask (or [`reap_scratch_clusters`]) kill them afterwards.
+pub fn scratch_state_path(label: &str) -> PathBuf {
+    let file = format!("test-{label}-{}.json", std::process::id());
+    match var(ENV_CLUSTER_DIR) {
+        Some(dir) => PathBuf::from(dir).join(file),
+        None => std::env::temp_dir().join(format!("dlock-testkit-{file}")),
+    }
+}
+
+/// Kills the servers recorded in every `test-*.json` state file in `dir` and deletes
+/// those files; returns how many clusters it took down. Clusters whose processes are
+/// already gone are just removed.
+pub fn reap_scratch_clusters(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut n = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("test-") && name.ends_with(".json") {
+            match State::load(entry.path()) {
+                Ok(state) => {
+                    if let Err(e) = state.down() {
+                        eprintln!("dlock-testkit: tearing down {name}: {e}");
+                    }
+                    n += 1;
+                }
+                Err(_) => {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+        }
+    }
+    n
+}
+
 /// Where the test servers are. Each field is `None` when that backend is not running.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Endpoints {
@@ -104,8 +151,12 @@ fn require(name: &str) -> Option<String> {
             "{name} is not set but CI is: server tests must run in CI. Run them through `cargo xtask integration` (or `cargo xtask ci`), which starts the servers and exports {name}."
         );
     }
-    eprintln!(
-        "\n==================== SKIPPED: {name} not set (run through cargo xtask integration) ====================\n"
+    // Straight to the process's stderr: libtest captures `eprintln!`, and a skip must be
+    // seen even when the test passes.
+    use std::io::Write as _;
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED: {name} not set (run through cargo xtask integration)"
     );
     None
 }

@@ -13,8 +13,10 @@
 //! - Writing a fault test: [`require_state`] loads the [`State`] of the running cluster;
 //!   [`State::kill`], [`State::stop`], [`State::cont`], [`State::restart`],
 //!   [`State::zk_leader`] and [`State::etcd_leader`] act on single nodes.
-//! - Starting servers yourself: build a [`ClusterSpec`] and call [`Cluster::start`]. The
-//!   returned [`Cluster`] kills its servers when dropped unless you [`Cluster::detach`] it.
+//! - Starting servers yourself: build a [`ClusterSpec`] (port offset from
+//!   [`find_free_offset`], state file from [`scratch_state_path`]) and call
+//!   [`Cluster::start`]. The returned [`Cluster`] kills its servers when dropped unless you
+//!   [`Cluster::detach`] it.
 //!
 //! ```no_run
 //! // A test that needs ZooKeeper: skips loudly without `DLOCK_TEST_ZK`, fails under `CI`.
@@ -51,8 +53,9 @@ mod state;
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
 pub use config::{etcd_argv, redis_argv, zk_argv, zoo_cfg, ZK_JAR};
 pub use env::{
-    require_etcd, require_redis, require_redlock, require_state, require_zk, Endpoints, ENV_ETCD,
-    ENV_REDIS, ENV_REDLOCK, ENV_STATE, ENV_ZK,
+    reap_scratch_clusters, require_etcd, require_redis, require_redlock, require_state, require_zk,
+    scratch_state_path, Endpoints, ENV_CLUSTER_DIR, ENV_ETCD, ENV_REDIS, ENV_REDLOCK, ENV_STATE,
+    ENV_ZK,
 };
 pub use error::{Error, Result};
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};

@@ -236,6 +236,27 @@ impl State {
         std::fs::rename(&tmp, path).map_err(io_ctx(format!("renaming to {}", path.display())))
     }
 
+    /// Writes one server's record into the state file, keeping every other record as the
+    /// file has it (another process may have updated those).
+    fn record(&self, server: &Server) -> Result<()> {
+        let Some(path) = &self.path else {
+            return Ok(());
+        };
+        let mut on_disk = match State::load(path) {
+            Ok(state) => state,
+            Err(_) => return self.save(),
+        };
+        match on_disk
+            .servers
+            .iter_mut()
+            .find(|s| s.backend == server.backend && s.id == server.id)
+        {
+            Some(slot) => *slot = server.clone(),
+            None => on_disk.servers.push(server.clone()),
+        }
+        on_disk.save()
+    }
+
     /// The server `id` of `backend`.
     pub fn server(&self, backend: Backend, id: u32) -> Result<&Server> {
         self.servers
@@ -293,21 +314,46 @@ impl State {
     /// [`State::restart`]ed; its data dir is kept.
     pub fn kill(&mut self, backend: Backend, id: u32) -> Result<()> {
         let idx = self.server_index(backend, id)?;
+        self.servers[idx] = self.current(backend, id)?;
         let (pid, start) = (self.servers[idx].pid, self.servers[idx].start_time);
         process::signal(pid, start, Signal::SIGKILL)?;
-        if let Some(mut child) = self.children.remove(&(backend, id)) {
-            // Our own child: reap it, which is both prompt and leaves no zombie.
-            child
-                .wait()
-                .map_err(io_ctx(format!("waiting for pid {pid}")))?;
-        }
+        self.reap(backend, id, pid)?;
         process::wait_dead(pid, start, DEATH_TIMEOUT)
+    }
+
+    /// Reaps our child handle of node `id` if we hold one (prompt, and leaves no zombie).
+    fn reap(&mut self, backend: Backend, id: u32, pid: u32) -> Result<()> {
+        if let Some(mut child) = self.children.remove(&(backend, id)) {
+            if child.id() == pid {
+                child
+                    .wait()
+                    .map_err(io_ctx(format!("waiting for pid {pid}")))?;
+            } else {
+                // An older incarnation, killed before; collect it if it is done.
+                let _ = child.try_wait();
+            }
+        }
+        Ok(())
+    }
+
+    /// The freshest record of node `id`: the state file's when there is one (another
+    /// process may have restarted the node and recorded its new PID), else our own.
+    fn current(&self, backend: Backend, id: u32) -> Result<Server> {
+        let on_disk = self
+            .path
+            .as_ref()
+            .and_then(|p| State::load(p).ok())
+            .and_then(|st| st.server(backend, id).ok().cloned());
+        match on_disk {
+            Some(server) => Ok(server),
+            None => self.server(backend, id).cloned(),
+        }
     }
 
     /// SIGSTOPs node `id` of `backend` (a hang: connections stay open, nothing answers) and
     /// waits until the kernel reports it stopped.
     pub fn stop(&self, backend: Backend, id: u32) -> Result<()> {
-        let s = self.server(backend, id)?;
+        let s = &self.current(backend, id)?;
         if process::signal(s.pid, s.start_time, Signal::SIGSTOP)?
             && !process::wait_stopped(s.pid, s.start_time, Duration::from_secs(10))
         {
@@ -321,7 +367,7 @@ impl State {
 
     /// SIGCONTs node `id` of `backend` after [`State::stop`].
     pub fn cont(&self, backend: Backend, id: u32) -> Result<()> {
-        let s = self.server(backend, id)?;
+        let s = &self.current(backend, id)?;
         process::signal(s.pid, s.start_time, Signal::SIGCONT)?;
         Ok(())
     }
@@ -337,7 +383,7 @@ impl State {
         let child = {
             let _guard = crate::cluster::spawn_lock();
             let child = self.servers[idx].spawn()?;
-            self.save()?;
+            self.record(&self.servers[idx])?;
             child
         };
         self.children.insert((backend, id), child);
@@ -470,15 +516,19 @@ impl State {
 
     pub(crate) fn down_in_place(&mut self) -> Result<()> {
         let mut first_error = None;
-        let ids: Vec<(Backend, u32)> = self.servers.iter().map(|s| (s.backend, s.id)).collect();
+        self.merge_from_file();
         // Signal everything first so etcd members do not wait on each other, then wait.
         for s in &self.servers {
             if let Err(e) = process::signal(s.pid, s.start_time, Signal::SIGKILL) {
                 first_error.get_or_insert(e);
             }
         }
-        for (backend, id) in ids {
-            if let Err(e) = self.kill(backend, id) {
+        let servers = self.servers.clone();
+        for s in &servers {
+            let waited = self
+                .reap(s.backend, s.id, s.pid)
+                .and_then(|()| process::wait_dead(s.pid, s.start_time, DEATH_TIMEOUT));
+            if let Err(e) = waited {
                 first_error.get_or_insert(e);
             }
         }
@@ -512,6 +562,28 @@ impl State {
         match first_error {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+}
+
+impl State {
+    /// Adds the servers the state file records that this in-memory state does not know:
+    /// another process (a fault test) may have restarted a node and written its new PID
+    /// there. Both incarnations are then killed; the start-time guard makes killing a
+    /// stale one a no-op.
+    fn merge_from_file(&mut self) {
+        let Some(path) = &self.path else { return };
+        let Ok(on_disk) = State::load(path) else {
+            return;
+        };
+        for server in on_disk.servers {
+            let known = self
+                .servers
+                .iter()
+                .any(|s| s.pid == server.pid && s.start_time == server.start_time);
+            if !known {
+                self.servers.push(server);
+            }
         }
     }
 }

@@ -1,0 +1,821 @@
+//! [`EtcdBackend`]: the [`Backend`] trait on etcd v3.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::{
+    Backend, Enqueued, Entry, EntryKind, Error, NameRules, Position, QueuePath, Result,
+    SessionOptions, Ticket,
+};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, GetResponse, KvClient,
+    LeaseClient, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchClient, WatchFilterType,
+    WatchOptions, WatchStream,
+};
+use futures::future::BoxFuture;
+use tokio::sync::{oneshot, watch};
+use tokio::time::{sleep, timeout, Instant};
+use tracing::Instrument;
+
+use crate::errors::{map, retrying};
+use crate::layout::{self, RawKv};
+use crate::session::Session;
+
+/// The session TTL when [`SessionOptions::session_timeout`] is `None`: 60 s, the default
+/// of etcd's Go `concurrency.NewSession` (`etcdctl lock` uses 10 s). A crashed holder
+/// keeps its locks this long.
+pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(60);
+
+/// A connection to an etcd cluster with one session (lease) on it.
+///
+/// Every entry this client creates is bound to its one lease, which a background task
+/// renews every TTL/3. Cheap to share: wrap it in an [`Arc`] (as [`EtcdBackend::connect`]
+/// does) and hand it to the recipes.
+///
+/// # Sessions
+/// If the lease is lost (expired during a partition, revoked by someone else), every
+/// entry on it reports [`Error::LockLost`] through [`Backend::lost`]; the next
+/// `enqueue` grants a fresh lease, so the client stays usable. [`Backend::close`] revokes
+/// the lease, which frees every lock of this client at once; dropping the last `Arc`
+/// without `close` revokes it in the background.
+pub struct EtcdBackend {
+    kv: KvClient,
+    watch: WatchClient,
+    lease: LeaseClient,
+    endpoints: Vec<String>,
+    ttl_requested: Duration,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    session: parking_lot::Mutex<Arc<Session>>,
+    /// Every session this client had, by lease id, so `lost` of an entry on an older
+    /// session answers at once.
+    sessions: parking_lot::Mutex<HashMap<i64, Arc<Session>>>,
+    /// Serialises granting a new lease after a loss.
+    renew: tokio::sync::Mutex<()>,
+    local: parking_lot::Mutex<Local>,
+    closed: AtomicBool,
+    /// The highest cluster revision this client has seen; reads must not go back before it.
+    seen_rev: AtomicI64,
+}
+
+/// What this client's own contenders have claimed, so that two of them never share a key
+/// and a cancelled enqueue can be cleaned up.
+#[derive(Default)]
+struct Local {
+    /// etcd's mutex key `NAME/<lease hex>` → the ticket using it. A lease has only one
+    /// such key per name, so a second local contender on the same name takes a ticketed
+    /// key instead (see the crate docs).
+    primary: HashMap<String, String>,
+    /// Ticket → the key its enqueue created, or may have created.
+    tickets: HashMap<String, Pending>,
+}
+
+#[derive(Clone)]
+struct Pending {
+    key: String,
+    primary: bool,
+    lease: i64,
+    /// Becomes `true` once the enqueue's transaction has been answered (or failed): only
+    /// then can a delete not be overtaken by it.
+    done: watch::Receiver<bool>,
+}
+
+impl fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.session.lock().clone();
+        f.debug_struct("EtcdBackend")
+            .field("endpoints", &self.endpoints)
+            .field("lease", &format_args!("{:x}", s.id()))
+            .field("ttl", &s.ttl())
+            .field("alive", &s.is_alive())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How often `wait_gone` re-reads its key while its watch may still be unsynced.
+const UNSYNCED_CHECK: Duration = Duration::from_millis(25);
+/// How long a watch may stay unsynced: one round of the server's 100 ms catch-up loop,
+/// plus slack for the loop's own work.
+const UNSYNCED_WINDOW: Duration = Duration::from_millis(130);
+
+fn queue_read() -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+}
+
+fn raw(kv: &etcd_client::KeyValue) -> RawKv<'_> {
+    RawKv {
+        key: kv.key(),
+        value: kv.value(),
+        create_revision: kv.create_revision(),
+    }
+}
+
+fn header_rev(h: Option<&etcd_client::ResponseHeader>) -> i64 {
+    h.map(|h| h.revision()).unwrap_or(0)
+}
+
+impl EtcdBackend {
+    /// Connects to the etcd cluster at `endpoints` (`host:port` or `http://host:port`; the
+    /// client spreads requests over all of them and fails over when one dies) and grants
+    /// the session's lease.
+    ///
+    /// The lease TTL is `opts.session_timeout` rounded up to whole seconds, or
+    /// [`DEFAULT_SESSION_TTL`]; the server may raise it (to 1.5 × its election timeout),
+    /// and [`Backend::session_timeout`] reports what it granted.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for an empty list or an endpoint the client cannot parse;
+    /// [`Error::Unreachable`] if no endpoint answered within `opts.connect_timeout`.
+    pub async fn connect(endpoints: &[String], opts: SessionOptions) -> Result<Arc<EtcdBackend>> {
+        let joined = endpoints.join(",");
+        if endpoints.is_empty() || endpoints.iter().any(|e| e.trim().is_empty()) {
+            return Err(Error::InvalidUrl {
+                url: joined,
+                reason: "expected a comma-separated list of host:port etcd endpoints".into(),
+            });
+        }
+        let ttl = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TTL);
+        let connect_timeout = opts.connect_timeout;
+        let request_timeout = connect_timeout.max(Duration::from_secs(5));
+        // HTTP/2 pings find a dead server even on an idle watch or keep-alive stream,
+        // which etcd-client would otherwise wait on forever.
+        let ping = (ttl / 3).clamp(Duration::from_millis(500), Duration::from_secs(10));
+        let co = ConnectOptions::new()
+            .with_connect_timeout(connect_timeout)
+            .with_timeout(request_timeout)
+            .with_keep_alive(ping, ping)
+            .with_keep_alive_while_idle(true);
+        let span = tracing::debug_span!("etcd.connect", endpoints = %joined);
+        let attempt = async {
+            let client =
+                Client::connect(endpoints, Some(co))
+                    .await
+                    .map_err(|e| match map(&joined, e) {
+                        Error::Backend { source, .. } => Error::InvalidUrl {
+                            url: joined.clone(),
+                            reason: source.to_string(),
+                        },
+                        other => other,
+                    })?;
+            let session = Session::start(client.lease_client(), ttl).await?;
+            Ok::<_, Error>((client, session))
+        }
+        .instrument(span);
+        let (client, session) = match timeout(connect_timeout, attempt).await {
+            Ok(Err(Error::Unreachable(why))) => {
+                return Err(Error::Unreachable(format!("etcd at {joined}: {why}")))
+            }
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::Unreachable(format!(
+                    "no etcd endpoint of {joined} answered within {connect_timeout:?}"
+                )))
+            }
+        };
+        let mut sessions = HashMap::new();
+        sessions.insert(session.id(), session.clone());
+        Ok(Arc::new(EtcdBackend {
+            kv: client.kv_client(),
+            watch: client.watch_client(),
+            lease: client.lease_client(),
+            endpoints: endpoints.to_vec(),
+            ttl_requested: ttl,
+            connect_timeout,
+            request_timeout,
+            session: parking_lot::Mutex::new(session),
+            sessions: parking_lot::Mutex::new(sessions),
+            renew: tokio::sync::Mutex::new(()),
+            local: parking_lot::Mutex::new(Local::default()),
+            closed: AtomicBool::new(false),
+            seen_rev: AtomicI64::new(0),
+        }))
+    }
+
+    /// The id of the current session's lease (etcd's mutex keys end in it, in hex).
+    pub fn lease_id(&self) -> i64 {
+        self.session.lock().id()
+    }
+
+    /// The current session, granting a new lease if the last one was lost.
+    async fn live_session(&self) -> Result<Arc<Session>> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let s = self.session.lock().clone();
+        if s.is_alive() {
+            return Ok(s);
+        }
+        let _renewing = self.renew.lock().await;
+        let s = self.session.lock().clone();
+        if s.is_alive() {
+            return Ok(s);
+        }
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        tracing::info!(old_lease = format_args!("{:x}", s.id()), reason = %s.dead_error(), "granting a new session lease");
+        let new = match timeout(
+            self.connect_timeout,
+            Session::start(self.lease.clone(), self.ttl_requested),
+        )
+        .await
+        {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::Unreachable(format!(
+                    "no etcd endpoint answered a lease grant within {:?}",
+                    self.connect_timeout
+                )))
+            }
+        };
+        *self.session.lock() = new.clone();
+        self.sessions.lock().insert(new.id(), new.clone());
+        Ok(new)
+    }
+
+    /// Picks the key for `ticket`'s entry and records it before anything is sent, so
+    /// `abandon` finds it even if the enqueue future is dropped mid-flight.
+    fn claim(
+        &self,
+        prefix: &str,
+        ticket: &Ticket,
+        kind: EntryKind,
+        lease: i64,
+        avoid_primary: bool,
+    ) -> (String, bool, Option<watch::Receiver<bool>>) {
+        let mut local = self.local.lock();
+        if let Some(p) = local.tickets.get(ticket.as_str()) {
+            if p.lease == lease && p.key.starts_with(prefix) && !(avoid_primary && p.primary) {
+                // A retry with the same ticket: the same key, so the retry is idempotent.
+                return (p.key.clone(), p.primary, Some(p.done.clone()));
+            }
+        }
+        if let Some(old) = local.tickets.remove(ticket.as_str()) {
+            if old.primary
+                && local.primary.get(&old.key).map(String::as_str) == Some(ticket.as_str())
+            {
+                local.primary.remove(&old.key);
+            }
+        }
+        let primary_key = format!("{prefix}{}", layout::entry_name(lease, ticket, kind, true));
+        let primary =
+            kind == EntryKind::Lock && !avoid_primary && !local.primary.contains_key(&primary_key);
+        let key = if primary {
+            local
+                .primary
+                .insert(primary_key.clone(), ticket.as_str().to_owned());
+            primary_key
+        } else {
+            format!("{prefix}{}", layout::entry_name(lease, ticket, kind, false))
+        };
+        (key, primary, None)
+    }
+
+    /// Forgets what `ticket` claimed for `key`.
+    fn forget(&self, ticket: Option<&str>, key: &str) {
+        let Some(ticket) = ticket else { return };
+        let mut local = self.local.lock();
+        if local.tickets.get(ticket).is_some_and(|p| p.key == key) {
+            local.tickets.remove(ticket);
+        }
+        if local.primary.get(key).map(String::as_str) == Some(ticket) {
+            local.primary.remove(key);
+        }
+    }
+
+    async fn enqueue_impl(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        at: Position<'_>,
+        data: &[u8],
+    ) -> Result<Enqueued> {
+        let beside = match at {
+            Position::Tail => None,
+            Position::Beside(e) if kind == EntryKind::Read => Some(e.seq),
+            Position::Beside(_) => {
+                return Err(Error::WouldDeadlock(format!(
+                    "only a read entry can be placed beside a held entry, not a {kind} entry"
+                )))
+            }
+        };
+        let prefix = layout::queue_prefix(q);
+        let session = self.live_session().await?;
+        let lease = session.id();
+        let value = layout::encode_value(ticket, beside, data);
+        let mut avoid_primary = false;
+        loop {
+            let (key, primary, previous) = self.claim(&prefix, ticket, kind, lease, avoid_primary);
+            if let Some(mut prev) = previous {
+                // Let an earlier attempt with this ticket land first, so that this one
+                // finds its key instead of racing it.
+                let _ = timeout(self.request_timeout, prev.wait_for(|d| *d)).await;
+            }
+            let (done_tx, done_rx) = watch::channel(false);
+            self.local.lock().tickets.insert(
+                ticket.as_str().to_owned(),
+                Pending {
+                    key: key.clone(),
+                    primary,
+                    lease,
+                    done: done_rx,
+                },
+            );
+            // etcd's Go Mutex in one round trip: create my key if it does not exist, and
+            // read the queue. The else branch (my key exists: a retry whose first answer
+            // was lost) reads the same queue, so retrying is idempotent.
+            let put = etcd_client::PutOptions::new().with_lease(lease);
+            let txn = Txn::new()
+                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                .and_then([
+                    TxnOp::put(key.clone(), value.clone(), Some(put)),
+                    TxnOp::get(prefix.clone(), Some(queue_read())),
+                ])
+                .or_else([TxnOp::get(prefix.clone(), Some(queue_read()))]);
+            // The transaction runs in its own task: a dropped enqueue cannot cancel it
+            // halfway, and `abandon` waits for its answer before deleting the key.
+            let (tx, rx) = oneshot::channel();
+            let kv = self.kv.clone();
+            let budget = self.request_timeout;
+            tokio::spawn(async move {
+                let r = retrying(budget, || {
+                    let (mut kv, txn) = (kv.clone(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await;
+                let _ = tx.send(r);
+                let _ = done_tx.send(true);
+            });
+            let resp = rx
+                .await
+                .map_err(|_| Error::Closed)?
+                .map_err(|e| map(&format!("enqueue on {q}"), e))?;
+            self.observe(header_rev(resp.header()));
+            let Some(get) = resp.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(g) => Some(g),
+                _ => None,
+            }) else {
+                return Err(Error::backend(
+                    format!("enqueue on {q}"),
+                    "the transaction's answer has no queue read",
+                ));
+            };
+            let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
+            let name = &key[prefix.len()..];
+            let Some(mine) = queue.iter().find(|e| e.name == name).cloned() else {
+                return Err(Error::backend(
+                    format!("enqueue on {q}"),
+                    format!("the queue read does not contain the new key {key}"),
+                ));
+            };
+            if !resp.succeeded() && mine.ticket.as_deref() != Some(ticket.as_str()) {
+                // etcd's key for this lease exists but another ticket wrote it: a leftover
+                // whose removal failed. Leave it alone and queue under a ticketed key.
+                tracing::warn!(key = %key, "mutex key of this lease is taken by an older entry; using a ticketed key");
+                avoid_primary = true;
+                continue;
+            }
+            tracing::debug!(
+                queue = %q,
+                entry = %mine.name,
+                token = mine.token.map(|t| t.get()).unwrap_or(0),
+                created = resp.succeeded(),
+                "enqueued"
+            );
+            return Ok(Enqueued { mine, queue });
+        }
+    }
+
+    /// Remembers that the cluster has reached revision `rev`.
+    fn observe(&self, rev: i64) {
+        self.seen_rev.fetch_max(rev, Ordering::AcqRel);
+    }
+
+    /// A read that reflects at least revision `floor` and everything this client has seen
+    /// (its own writes, the deletes its watches reported), retried on another endpoint if
+    /// one is down.
+    ///
+    /// It is first served by whichever member gets it, without a quorum round
+    /// (serializable); only if that member lags behind the floor is it repeated as a
+    /// linearizable read. A view at or after my own entry's revision is safe for the
+    /// driver: it lists every entry still ahead of mine (entries are only ever added
+    /// behind), so it can make me wait longer, never let me in early.
+    async fn fresh_get(
+        &self,
+        key: &str,
+        opts: GetOptions,
+        floor: i64,
+    ) -> std::result::Result<GetResponse, etcd_client::Error> {
+        let floor = floor.max(self.seen_rev.load(Ordering::Acquire));
+        let read = |opts: GetOptions| {
+            retrying(self.request_timeout, move || {
+                let (mut kv, opts) = (self.kv.clone(), opts.clone());
+                async move { kv.get(key, Some(opts)).await }
+            })
+        };
+        let r = read(opts.clone().with_serializable()).await?;
+        let rev = header_rev(r.header());
+        if rev >= floor {
+            self.observe(rev);
+            return Ok(r);
+        }
+        let r = read(opts).await?;
+        self.observe(header_rev(r.header()));
+        Ok(r)
+    }
+
+    async fn read_queue(&self, prefix: &str) -> Result<(Vec<Entry>, i64)> {
+        let resp: GetResponse = self
+            .fresh_get(prefix, queue_read(), 0)
+            .await
+            .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
+        let rev = header_rev(resp.header());
+        Ok((
+            layout::queue_from_kvs(prefix, resp.kvs().iter().map(raw)),
+            rev,
+        ))
+    }
+
+    /// Opens a watch from "now" on `key` (a prefix if `prefix`) and waits for its
+    /// `created` answer; returns the stream and the revision the watch starts after.
+    ///
+    /// Watching from now (no start revision) is what keeps the handoff fast: the server
+    /// puts such a watcher in its *synced* group and sends it each event as it is
+    /// committed, where a watch from a past revision (etcd's own Mutex) is served by the
+    /// loop that catches up unsynced watchers every 100 ms.
+    async fn open_watch(
+        &self,
+        key: &str,
+        prefix: bool,
+        no_put: bool,
+    ) -> Result<(WatchStream, i64)> {
+        let mut opts = WatchOptions::new();
+        if prefix {
+            opts = opts.with_prefix();
+        }
+        if no_put {
+            opts = opts.with_filters([WatchFilterType::NoPut]);
+        }
+        let w = self.watch.clone();
+        let opened = timeout(self.request_timeout, async {
+            let mut stream = retrying(self.request_timeout, || {
+                let (mut w, opts) = (w.clone(), opts.clone());
+                async move { w.watch(key, Some(opts)).await }
+            })
+            .await
+            .map_err(|e| map(&format!("watching {key}"), e))?;
+            loop {
+                match stream.message().await {
+                    Ok(Some(m)) if m.created() && !m.canceled() => {
+                        return Ok((stream, header_rev(m.header())));
+                    }
+                    Ok(Some(m)) if m.canceled() => {
+                        return Err(Error::backend(
+                            format!("watching {key}"),
+                            format!("watch refused: {}", m.cancel_reason()),
+                        ))
+                    }
+                    Ok(Some(_)) => continue,
+                    Ok(None) => {
+                        return Err(Error::Unreachable(format!(
+                            "watching {key}: stream closed before the watch was created"
+                        )))
+                    }
+                    Err(e) => return Err(map(&format!("watching {key}"), e)),
+                }
+            }
+        })
+        .await;
+        match opened {
+            Ok(r) => r,
+            Err(_) => Err(Error::Unreachable(format!(
+                "watching {key}: no answer within {:?}",
+                self.request_timeout
+            ))),
+        }
+    }
+
+    /// One attempt of `wait_gone`: `Ok` once the entry is gone.
+    async fn wait_gone_once(&self, key: &str, token: Option<u64>) -> Result<()> {
+        let exists = |r: &GetResponse| {
+            r.kvs().iter().any(|kv| {
+                kv.key() == key.as_bytes()
+                    && token.map_or(true, |t| u64::try_from(kv.create_revision()) == Ok(t))
+            })
+        };
+        // Arm the watch and read the key in the same round trip. The read is only good
+        // enough if it saw the store at or after the revision the watch starts after;
+        // otherwise a delete between the two could be missed, so read again.
+        let (watch, read) = tokio::join!(
+            self.open_watch(key, false, true),
+            self.fresh_get(key, GetOptions::new(), 0)
+        );
+        let (mut stream, watch_rev) = watch?;
+        let mut read = read.map_err(|e| map(&format!("reading {key}"), e))?;
+        if header_rev(read.header()) < watch_rev {
+            read = self
+                .fresh_get(key, GetOptions::new(), watch_rev)
+                .await
+                .map_err(|e| map(&format!("reading {key}"), e))?;
+        }
+        if !exists(&read) {
+            return Ok(());
+        }
+        // The server starts a watch from "now" as synced, unless a write lands between the
+        // moment it reads its revision and the moment it registers the watcher; such a
+        // watcher is caught up by the 100 ms loop, and a delete in that gap would reach
+        // us up to 100 ms late, stalling every waiter behind us. A few cheap reads during
+        // the first 100 ms bound that rare stall without waiting on the loop.
+        let mut next_check = Instant::now() + UNSYNCED_CHECK;
+        let last_check = Instant::now() + UNSYNCED_WINDOW;
+        loop {
+            let msg = tokio::select! {
+                m = stream.message() => m,
+                _ = tokio::time::sleep_until(next_check), if next_check <= last_check => {
+                    next_check += UNSYNCED_CHECK;
+                    let r = self
+                        .fresh_get(key, GetOptions::new(), watch_rev)
+                        .await
+                        .map_err(|e| map(&format!("reading {key}"), e))?;
+                    if !exists(&r) {
+                        tracing::debug!(target: "dlock_etcd::unsynced", key, "delete found by a re-read before the watch reported it");
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            match msg {
+                Ok(Some(m)) => {
+                    self.observe(header_rev(m.header()));
+                    if m.canceled() {
+                        return Err(Error::Unreachable(format!(
+                            "watch on {key} cancelled by the server (compacted at {}): {}",
+                            m.compact_revision(),
+                            m.cancel_reason()
+                        )));
+                    }
+                    if m.events()
+                        .iter()
+                        .any(|e| e.event_type() == EventType::Delete)
+                    {
+                        return Ok(());
+                    }
+                }
+                Ok(None) => {
+                    return Err(Error::Unreachable(format!("watch on {key}: stream closed")))
+                }
+                Err(e) => return Err(map(&format!("watching {key}"), e)),
+            }
+        }
+    }
+
+    /// One attempt of `wait_changed`.
+    async fn wait_changed_once(&self, prefix: &str, seen: &[Entry]) -> Result<()> {
+        let same = |q: &[Entry]| {
+            q.len() == seen.len()
+                && q.iter()
+                    .all(|e| seen.iter().any(|s| s.name == e.name && s.token == e.token))
+        };
+        let (watch, read) = tokio::join!(
+            self.open_watch(prefix, true, false),
+            self.read_queue(prefix)
+        );
+        let (mut stream, watch_rev) = watch?;
+        let (mut queue, rev) = read?;
+        if rev < watch_rev {
+            let resp = self
+                .fresh_get(prefix, queue_read(), watch_rev)
+                .await
+                .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
+            queue = layout::queue_from_kvs(prefix, resp.kvs().iter().map(raw));
+        }
+        if !same(&queue) {
+            return Ok(());
+        }
+        loop {
+            match stream.message().await {
+                Ok(Some(m)) => {
+                    self.observe(header_rev(m.header()));
+                    if m.canceled() {
+                        return Err(Error::Unreachable(format!(
+                            "watch on {prefix} cancelled by the server (compacted at {}): {}",
+                            m.compact_revision(),
+                            m.cancel_reason()
+                        )));
+                    }
+                    // Only keys directly in the queue count; a sub-queue's traffic does not.
+                    let relevant = m.events().iter().any(|e| {
+                        e.kv().is_some_and(|kv| {
+                            kv.key()
+                                .strip_prefix(prefix.as_bytes())
+                                .and_then(|n| std::str::from_utf8(n).ok())
+                                .and_then(layout::parse_name)
+                                .is_some()
+                        })
+                    });
+                    if relevant {
+                        return Ok(());
+                    }
+                }
+                Ok(None) => {
+                    return Err(Error::Unreachable(format!(
+                        "watch on {prefix}: stream closed"
+                    )))
+                }
+                Err(e) => return Err(map(&format!("watching {prefix}"), e)),
+            }
+        }
+    }
+
+    /// Retries a watch attempt after transient failures (a broken stream, a server that
+    /// went away, a compaction) for up to one session TTL; the caller's `lost` fires first
+    /// if the outage outlives the session.
+    async fn retry_watch<'a, F, Fut>(&'a self, what: &str, mut attempt: F) -> Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<()>> + 'a,
+    {
+        let started = Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            match attempt().await {
+                Ok(()) => return Ok(()),
+                Err(e @ Error::Unreachable(_)) if started.elapsed() < self.session.lock().ttl() => {
+                    tracing::debug!(what, error = %e, "watch failed; re-arming");
+                    sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl Backend for EtcdBackend {
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn name_rules(&self) -> NameRules {
+        NameRules::Etcd
+    }
+
+    fn session_timeout(&self) -> Duration {
+        self.session.lock().ttl()
+    }
+
+    fn enqueue<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        at: Position<'a>,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<Enqueued>> {
+        let span =
+            tracing::debug_span!("etcd.enqueue", lock = %q, kind = %kind, ticket = ticket.as_str());
+        Box::pin(
+            self.enqueue_impl(q, ticket, kind, at, data)
+                .instrument(span),
+        )
+    }
+
+    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(async move {
+            let prefix = layout::queue_prefix(q);
+            Ok(self.read_queue(&prefix).await?.0)
+        })
+    }
+
+    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
+        Box::pin(
+            async move {
+                let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+                let token = entry.token.map(|t| t.get());
+                self.retry_watch(&key, || self.wait_gone_once(&key, token))
+                    .await
+            }
+            .instrument(span),
+        )
+    }
+
+    fn wait_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        seen: &'a [Entry],
+    ) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("etcd.wait_changed", lock = %q);
+        Box::pin(
+            async move {
+                let prefix = layout::queue_prefix(q);
+                self.retry_watch(&prefix, || self.wait_changed_once(&prefix, seen))
+                    .await
+            }
+            .instrument(span),
+        )
+    }
+
+    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("etcd.remove", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
+        Box::pin(
+            async move {
+                let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+                // Delete only the entry that was handed out, never a newer key of the same
+                // name: a late retried release must not free someone else's lock.
+                let txn = match entry.token.and_then(|t| i64::try_from(t.get()).ok()) {
+                    Some(rev) => Txn::new()
+                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+                        .and_then([TxnOp::delete(key.clone(), None)]),
+                    None => Txn::new().and_then([TxnOp::delete(key.clone(), None)]),
+                };
+                let resp = retrying(self.request_timeout, || {
+                    let (mut kv, txn) = (self.kv.clone(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await
+                .map_err(|e| map(&format!("releasing {key}"), e))?;
+                self.observe(header_rev(resp.header()));
+                self.forget(entry.ticket.as_deref(), &key);
+                tracing::debug!("removed");
+                Ok(())
+            }
+            .instrument(span),
+        )
+    }
+
+    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("etcd.abandon", lock = %q, ticket = ticket.as_str());
+        Box::pin(
+            async move {
+                let prefix = layout::queue_prefix(q);
+                let pending = self
+                    .local
+                    .lock()
+                    .tickets
+                    .get(ticket.as_str())
+                    .filter(|p| p.key.starts_with(&prefix))
+                    .cloned();
+                let Some(mut p) = pending else {
+                    return Ok(());
+                };
+                // The enqueue's transaction may still be in flight; a delete sent now could
+                // be applied before it and leave its key behind.
+                let _ = timeout(self.request_timeout, p.done.wait_for(|d| *d)).await;
+                retrying(self.request_timeout, || {
+                    let (mut kv, key) = (self.kv.clone(), p.key.clone());
+                    async move { kv.delete(key, None).await }
+                })
+                .await
+                .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
+                self.forget(Some(ticket.as_str()), &p.key);
+                tracing::debug!(key = %p.key, "abandoned");
+                Ok(())
+            }
+            .instrument(span),
+        )
+    }
+
+    fn lost(&self, _q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
+        let session = layout::lease_of(entry)
+            .and_then(|id| self.sessions.lock().get(&id).cloned())
+            .unwrap_or_else(|| self.session.lock().clone());
+        Box::pin(session.lost())
+    }
+
+    fn close(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            if self.closed.swap(true, Ordering::AcqRel) {
+                return Ok(());
+            }
+            let current = self.session.lock().clone();
+            let was_alive = current.is_alive();
+            for s in self.sessions.lock().values() {
+                s.mark_closed();
+            }
+            if !was_alive {
+                // Lost earlier: the lease is gone or being revoked by the keep-alive task.
+                return Ok(());
+            }
+            let id = current.id();
+            let revoked = retrying(self.request_timeout, || {
+                let mut lease = self.lease.clone();
+                async move { lease.revoke(id).await }
+            })
+            .await;
+            match revoked {
+                Ok(_) => Ok(()),
+                Err(e) => match map("revoking the session lease", e) {
+                    Error::LockLost(_) => Ok(()),
+                    other => Err(other),
+                },
+            }
+        })
+    }
+}

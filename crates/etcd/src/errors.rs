@@ -1,0 +1,144 @@
+//! The one place where etcd-client errors become [`dlock_core::Error`]s.
+//!
+//! The distinction callers act on: the servers could not be reached
+//! ([`Error::Unreachable`]: retry, or wait for the session to be declared lost), the lease
+//! behind an entry is gone ([`Error::LockLost`]), or the server refused the request
+//! ([`Error::Backend`]).
+
+use std::future::Future;
+use std::time::Duration;
+
+use dlock_core::Error;
+use etcd_client::Error as EtcdError;
+use tokio::time::{sleep, Instant};
+
+/// Maps an etcd-client error from the operation described by `context`.
+pub(crate) fn map(context: &str, e: EtcdError) -> Error {
+    match &e {
+        EtcdError::GRpcStatus(s) => {
+            let msg = s.message();
+            if msg.contains("lease not found") {
+                return Error::LockLost(format!("{context}: the session's lease is gone ({msg})"));
+            }
+            // gRPC codes 1 (cancelled: how tower reports a request timeout), 4 (deadline
+            // exceeded) and 14 (unavailable: no endpoint could take the request).
+            let code: i32 = s.code().into();
+            match code {
+                1 | 4 | 14 => Error::Unreachable(format!("{context}: {msg}")),
+                _ => Error::backend(context, e),
+            }
+        }
+        EtcdError::TransportError(_) | EtcdError::IoError(_) => {
+            Error::Unreachable(format!("{context}: {e}"))
+        }
+        EtcdError::LeaseKeepAliveError(m) if m.contains("not found") => {
+            Error::LockLost(format!("{context}: the session's lease is gone"))
+        }
+        EtcdError::InvalidUri(_) | EtcdError::InvalidArgs(_) => Error::InvalidUrl {
+            url: context.to_owned(),
+            reason: e.to_string(),
+        },
+        _ => Error::backend(context, e),
+    }
+}
+
+/// True for an error that says no server took the request: etcd-client spreads requests
+/// over every endpoint, including dead ones, and a request sent to a dead endpoint fails
+/// at once with `Unavailable` instead of moving on to a live one.
+fn is_unavailable(e: &EtcdError) -> bool {
+    match e {
+        EtcdError::GRpcStatus(s) => i32::from(s.code()) == 14,
+        EtcdError::TransportError(_) => true,
+        _ => false,
+    }
+}
+
+/// Runs `op` again while it fails with [`is_unavailable`], for up to `budget`: this is
+/// the failover between endpoints. Only idempotent operations go through it (every dlock
+/// write is: a put-if-absent keyed by the ticket, a delete guarded by create revision).
+pub(crate) async fn retrying<T, F, Fut>(budget: Duration, mut op: F) -> Result<T, EtcdError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, EtcdError>>,
+{
+    let deadline = Instant::now() + budget;
+    let mut attempt = 0u32;
+    loop {
+        match op().await {
+            Err(e) if is_unavailable(&e) && Instant::now() < deadline => {
+                tracing::debug!(attempt, error = %e, "endpoint unavailable; trying again");
+                // The first retries are immediate: the balancer likely picks a live
+                // endpoint next. Back off only if every endpoint seems down.
+                if attempt >= 3 {
+                    sleep(Duration::from_millis(10u64 << (attempt - 3).min(6))).await;
+                }
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_by_meaning() {
+        let lost = map(
+            "x",
+            EtcdError::LeaseKeepAliveError("lease not found".into()),
+        );
+        assert!(matches!(lost, Error::LockLost(_)), "{lost:?}");
+        let bad = map("h:p", EtcdError::InvalidArgs("empty endpoints".into()));
+        assert!(matches!(bad, Error::InvalidUrl { .. }), "{bad:?}");
+        let io = map(
+            "x",
+            EtcdError::IoError(std::io::ErrorKind::ConnectionRefused.into()),
+        );
+        assert!(matches!(io, Error::Unreachable(_)), "{io:?}");
+        let down = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::unavailable("tcp connect error")),
+        );
+        assert!(matches!(down, Error::Unreachable(_)), "{down:?}");
+        let slow = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::cancelled("Timeout expired")),
+        );
+        assert!(matches!(slow, Error::Unreachable(_)), "{slow:?}");
+        let gone = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::not_found(
+                "etcdserver: requested lease not found",
+            )),
+        );
+        assert!(matches!(gone, Error::LockLost(_)), "{gone:?}");
+        let denied = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::permission_denied("no")),
+        );
+        assert!(matches!(denied, Error::Backend { .. }), "{denied:?}");
+        let other = map("x", EtcdError::WatchError("boom".into()));
+        assert!(matches!(other, Error::Backend { .. }), "{other:?}");
+    }
+
+    #[tokio::test]
+    async fn retries_only_unavailable() {
+        let mut calls = 0;
+        let r: Result<(), EtcdError> = retrying(Duration::from_secs(5), || {
+            calls += 1;
+            let n = calls;
+            async move {
+                if n < 3 {
+                    Err(EtcdError::GRpcStatus(tonic::Status::unavailable("down")))
+                } else {
+                    Err(EtcdError::WatchError("final".into()))
+                }
+            }
+        })
+        .await;
+        assert!(matches!(r, Err(EtcdError::WatchError(_))));
+        assert_eq!(calls, 3);
+    }
+}

@@ -1,0 +1,333 @@
+//! Where entries live in etcd's key space, and how a key and its value become an [`Entry`].
+//!
+//! The layout is chosen so that etcd's own lock (`etcdctl lock NAME`, Go's
+//! `concurrency.Mutex`, the server's v3lock service) and dlock exclude each other on the
+//! same name. etcd's lock puts its key at `NAME/<lease id in lowercase hex>` and treats
+//! *every* key under the prefix `NAME/` as a contender, ordered by create revision. So:
+//!
+//! | entry | key |
+//! | --- | --- |
+//! | mutex (`EntryKind::Lock`) | `NAME/<lease hex>`: exactly etcd's key |
+//! | a second mutex contender of the same client on the same name | `NAME/<lease hex>-<ticket uuid>` |
+//! | read lock | `NAME/<lease hex>-<ticket uuid>-r` |
+//! | write lock | `NAME/<lease hex>-<ticket uuid>-w` |
+//! | semaphore lease | `NAME/leases/<lease hex>-<ticket uuid>-l` |
+//! | semaphore's internal mutex | `NAME/locks/<lease hex>` |
+//!
+//! A queue is the set of keys *directly* under its prefix: the semaphore's `leases/...`
+//! keys are one level deeper than `NAME/...` and never appear in the root queue. etcd's
+//! lock does not filter by depth, so it also waits for those deeper keys: that only makes
+//! it more careful, never less.
+//!
+//! The value of a dlock key is `dlock1 <ticket uuid> <beside revision>\n` followed by the
+//! caller's data. etcd's lock writes an empty value; a key without the header is read as
+//! a foreign mutex contender whose whole value is its data.
+//!
+//! Everything in this module is pure, so the parsing is unit-tested without a server.
+
+use dlock_core::entry::sort_queue;
+use dlock_core::{Entry, EntryKind, FencingToken, QueuePath, Ticket};
+
+/// The start of every value dlock writes.
+const MAGIC: &[u8] = b"dlock1 ";
+
+/// The key prefix of queue `q`: `NAME/` or `NAME/sub/`.
+pub(crate) fn queue_prefix(q: &QueuePath) -> String {
+    format!("{}/", q.relative())
+}
+
+/// The entry name (the key below the queue prefix) a ticket uses.
+///
+/// `primary` asks for etcd's own mutex key, `<lease hex>`; it is only meaningful for
+/// [`EntryKind::Lock`], since the other kinds always carry their ticket.
+pub(crate) fn entry_name(lease: i64, ticket: &Ticket, kind: EntryKind, primary: bool) -> String {
+    let t = ticket.as_str();
+    match kind {
+        EntryKind::Lock if primary => format!("{lease:x}"),
+        EntryKind::Lock => format!("{lease:x}-{t}"),
+        EntryKind::Read => format!("{lease:x}-{t}-r"),
+        EntryKind::Write => format!("{lease:x}-{t}-w"),
+        EntryKind::Lease => format!("{lease:x}-{t}-l"),
+    }
+}
+
+/// What an entry name says about its entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ParsedName {
+    pub(crate) kind: EntryKind,
+    /// The lease the key is bound to, if the name follows etcd's `<lease hex>` start.
+    pub(crate) lease: Option<i64>,
+    /// The ticket uuid in the name, if it has one.
+    pub(crate) ticket: Option<String>,
+}
+
+/// Parses an entry name. Returns `None` for a key deeper than the queue (it belongs to a
+/// sub-queue or another lock); any other name is an entry, and one dlock did not write is
+/// read as a mutex contender, as etcd's lock reads it.
+pub(crate) fn parse_name(name: &str) -> Option<ParsedName> {
+    if name.is_empty() || name.contains('/') {
+        return None;
+    }
+    let foreign = ParsedName {
+        kind: EntryKind::Lock,
+        lease: None,
+        ticket: None,
+    };
+    let (head, rest) = match name.split_once('-') {
+        Some((h, r)) => (h, Some(r)),
+        None => (name, None),
+    };
+    let Some(lease) = parse_lease_hex(head) else {
+        return Some(foreign);
+    };
+    let Some(rest) = rest else {
+        return Some(ParsedName {
+            kind: EntryKind::Lock,
+            lease: Some(lease),
+            ticket: None,
+        });
+    };
+    let (uuid, kind) = match rest.len() {
+        36 => (rest, EntryKind::Lock),
+        38 => {
+            let kind = match &rest[36..] {
+                "-r" => EntryKind::Read,
+                "-w" => EntryKind::Write,
+                "-l" => EntryKind::Lease,
+                _ => return Some(foreign),
+            };
+            (&rest[..36], kind)
+        }
+        _ => return Some(foreign),
+    };
+    if !is_uuid(uuid) {
+        return Some(foreign);
+    }
+    Some(ParsedName {
+        kind,
+        lease: Some(lease),
+        ticket: Some(uuid.to_owned()),
+    })
+}
+
+/// A lease id as etcd's Go client prints it (`%x`): lowercase hex of a positive id.
+fn parse_lease_hex(s: &str) -> Option<i64> {
+    if s.is_empty() || s.len() > 16 || !s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return None;
+    }
+    i64::from_str_radix(s, 16).ok().filter(|id| *id > 0)
+}
+
+fn is_uuid(s: &str) -> bool {
+    s.len() == 36
+        && s.bytes().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 => b == b'-',
+            _ => b.is_ascii_hexdigit(),
+        })
+}
+
+/// The value dlock stores: a header naming the ticket (so a retried enqueue recognises its
+/// own key) and, for a downgrade's read entry, the revision of the write it sits beside.
+pub(crate) fn encode_value(ticket: &Ticket, beside: Option<u64>, data: &[u8]) -> Vec<u8> {
+    let header = format!("{} {}\n", ticket.as_str(), beside.unwrap_or(0));
+    let mut v = Vec::with_capacity(MAGIC.len() + header.len() + data.len());
+    v.extend_from_slice(MAGIC);
+    v.extend_from_slice(header.as_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+/// A decoded value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Value<'a> {
+    pub(crate) ticket: Option<&'a str>,
+    pub(crate) beside: Option<u64>,
+    pub(crate) data: &'a [u8],
+}
+
+/// Decodes a value; one without dlock's header is all data.
+pub(crate) fn decode_value(v: &[u8]) -> Value<'_> {
+    let plain = Value {
+        ticket: None,
+        beside: None,
+        data: v,
+    };
+    let Some(rest) = v.strip_prefix(MAGIC) else {
+        return plain;
+    };
+    let Some(nl) = rest.iter().position(|b| *b == b'\n') else {
+        return plain;
+    };
+    let Ok(header) = std::str::from_utf8(&rest[..nl]) else {
+        return plain;
+    };
+    let Some((ticket, beside)) = header.split_once(' ') else {
+        return plain;
+    };
+    let Ok(beside) = beside.parse::<u64>() else {
+        return plain;
+    };
+    if !is_uuid(ticket) {
+        return plain;
+    }
+    Value {
+        ticket: Some(ticket),
+        beside: (beside > 0).then_some(beside),
+        data: &rest[nl + 1..],
+    }
+}
+
+/// One key/value as read from etcd, reduced to what the layout needs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawKv<'a> {
+    pub(crate) key: &'a [u8],
+    pub(crate) value: &'a [u8],
+    pub(crate) create_revision: i64,
+}
+
+/// Builds the entry for one key of the queue with prefix `prefix`, or `None` if the key is
+/// not directly in that queue.
+pub(crate) fn entry_from_kv(prefix: &str, kv: RawKv<'_>) -> Option<Entry> {
+    let name = kv.key.strip_prefix(prefix.as_bytes())?;
+    let name = std::str::from_utf8(name).ok()?;
+    let parsed = parse_name(name)?;
+    let value = decode_value(kv.value);
+    let rev = u64::try_from(kv.create_revision).ok()?;
+    // Only a read entry may sit beside a writer; anything else claiming it is ignored so a
+    // foreign value cannot move an exclusive entry ahead in the queue.
+    let seq = match (parsed.kind, value.beside) {
+        (EntryKind::Read, Some(b)) => b,
+        _ => rev,
+    };
+    Some(Entry {
+        name: name.to_owned(),
+        kind: parsed.kind,
+        seq,
+        token: Some(FencingToken::new(rev)),
+        ticket: parsed.ticket.or_else(|| value.ticket.map(str::to_owned)),
+        created_ms: None,
+        data: value.data.to_vec(),
+    })
+}
+
+/// The queue `prefix` from a range read of it, in queue order.
+pub(crate) fn queue_from_kvs<'a>(
+    prefix: &str,
+    kvs: impl IntoIterator<Item = RawKv<'a>>,
+) -> Vec<Entry> {
+    let mut q: Vec<Entry> = kvs
+        .into_iter()
+        .filter_map(|kv| entry_from_kv(prefix, kv))
+        .collect();
+    sort_queue(&mut q);
+    q
+}
+
+/// The lease an entry is bound to, read from its name.
+pub(crate) fn lease_of(entry: &Entry) -> Option<i64> {
+    parse_name(&entry.name).and_then(|p| p.lease)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dlock_core::{LockName, NameRules};
+
+    fn kv<'a>(key: &'a str, value: &'a [u8], rev: i64) -> RawKv<'a> {
+        RawKv {
+            key: key.as_bytes(),
+            value,
+            create_revision: rev,
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        let t = Ticket::new();
+        let lease = 0x694d_7a1b_2c3d_4e5f;
+        assert_eq!(
+            entry_name(lease, &t, EntryKind::Lock, true),
+            "694d7a1b2c3d4e5f"
+        );
+        for kind in EntryKind::ALL {
+            let name = entry_name(lease, &t, kind, false);
+            let p = parse_name(&name).expect("parses");
+            assert_eq!(p.kind, kind, "{name}");
+            assert_eq!(p.lease, Some(lease));
+            assert_eq!(p.ticket.as_deref(), Some(t.as_str()));
+        }
+        let p = parse_name("694d7a1b2c3d4e5f").expect("parses");
+        assert_eq!(
+            (p.kind, p.lease, p.ticket),
+            (EntryKind::Lock, Some(lease), None)
+        );
+    }
+
+    #[test]
+    fn foreign_and_deep_names() {
+        // etcdctl's key is a mutex contender; so is anything else at depth one.
+        for name in ["xyz", "694d-zz", "abc-1234", "ABC", "-", "0"] {
+            let p = parse_name(name).expect("an entry");
+            assert_eq!(p.kind, EntryKind::Lock, "{name}");
+            assert_eq!(p.ticket, None, "{name}");
+        }
+        assert_eq!(parse_name("leases/694d-x-l"), None);
+        assert_eq!(parse_name(""), None);
+    }
+
+    #[test]
+    fn values_round_trip() {
+        let t = Ticket::new();
+        let v = encode_value(&t, Some(42), b"host:1 pid 7\nmore");
+        let d = decode_value(&v);
+        assert_eq!(d.ticket, Some(t.as_str()));
+        assert_eq!(d.beside, Some(42));
+        assert_eq!(d.data, b"host:1 pid 7\nmore");
+        let v = encode_value(&t, None, b"");
+        assert_eq!(decode_value(&v).beside, None);
+        for plain in [&b""[..], b"dlock1 x", b"dlock1 nope 3\nd", b"hello"] {
+            let d = decode_value(plain);
+            assert_eq!((d.ticket, d.data), (None, plain), "{plain:?}");
+        }
+    }
+
+    #[test]
+    fn queue_filters_depth_and_sorts_beside() {
+        let name = LockName::new("orders/42", NameRules::Etcd).expect("valid");
+        let prefix = queue_prefix(&QueuePath::root(name));
+        assert_eq!(prefix, "orders/42/");
+        let t = Ticket::new();
+        let w = format!(
+            "orders/42/{}",
+            entry_name(0x10, &t, EntryKind::Write, false)
+        );
+        let r_name = entry_name(0x10, &t, EntryKind::Read, false);
+        let r = format!("orders/42/{r_name}");
+        let r_val = encode_value(&t, Some(5), b"");
+        let q = queue_from_kvs(
+            &prefix,
+            [
+                kv("orders/42/1a", b"", 3),
+                kv(&w, b"", 5),
+                kv("orders/42/leases/10-x-l", b"", 6),
+                kv("orders/42/20", b"", 7),
+                kv(&r, &r_val, 9),
+                kv("orders/420/30", b"", 10),
+            ],
+        );
+        let seqs: Vec<u64> = q.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, vec![3, 5, 5, 7]);
+        // The read sorts beside its writer (same seq; the name breaks the tie).
+        let read = q
+            .iter()
+            .find(|e| e.name == r_name)
+            .expect("read entry listed");
+        assert_eq!(read.seq, 5);
+        assert_eq!(read.token, Some(FencingToken::new(9)));
+        assert_eq!(read.ticket.as_deref(), Some(t.as_str()));
+        // A beside claim on an exclusive entry is ignored.
+        let v = encode_value(&t, Some(1), b"");
+        let e = entry_from_kv(&prefix, kv("orders/42/99", &v, 12)).expect("entry");
+        assert_eq!(e.seq, 12);
+    }
+}

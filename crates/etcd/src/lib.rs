@@ -1,0 +1,117 @@
+//! The etcd v3 backend of dlock.
+//!
+//! You probably want the `dlock` facade, which picks this backend for `etcd://` URLs; use
+//! this crate directly only to build an [`EtcdBackend`] yourself and hand it to the
+//! recipes.
+//!
+//! # Where to start
+//! [`EtcdBackend::connect`] takes `host:port` endpoints and a
+//! [`dlock_core::SessionOptions`], grants the session's lease and returns the
+//! [`dlock_core::Backend`] the recipes drive. The rest of the crate is the trait's
+//! implementation:
+//! - `layout`: the key layout (below), pure and unit-tested;
+//! - `session`: the lease and its keep-alive task, and the lost signal;
+//! - `errors`: how etcd-client's errors map to [`dlock_core::Error`].
+//!
+//! # Layout: shared with etcd's own lock
+//! A lock named `NAME` lives under the key prefix `NAME/`. A mutex entry is exactly the
+//! key etcd's `concurrency.Mutex` (and so `etcdctl lock NAME` and the server's v3lock
+//! service) would write for the same lease: `NAME/<lease id in lowercase hex>`, ordered
+//! by create revision. dlock and etcd's lock therefore wait for each other on the same
+//! name, in one FIFO queue.
+//!
+//! | entry | key | value |
+//! | --- | --- | --- |
+//! | mutex | `NAME/<lease hex>` | `dlock1 <ticket> 0\n<data>` (etcd's lock writes an empty value) |
+//! | second mutex contender of the same client on `NAME` | `NAME/<lease hex>-<ticket uuid>` | as above |
+//! | read lock | `NAME/<lease hex>-<ticket uuid>-r` | `dlock1 <ticket> <writer revision or 0>\n<data>` |
+//! | write lock | `NAME/<lease hex>-<ticket uuid>-w` | as for a mutex |
+//! | semaphore lease | `NAME/leases/<lease hex>-<ticket uuid>-l` | as for a mutex |
+//! | semaphore's internal mutex | `NAME/locks/<lease hex>` | as for a mutex |
+//!
+//! - A queue is the keys *directly* under its prefix; deeper keys (a semaphore's
+//!   `leases/...`, the lock `NAME/sub`) are not part of it. etcd's lock does not filter by
+//!   depth, so it also waits for those: it is more careful, never less.
+//! - Any other key directly under `NAME/` (another client's etcd mutex key, say) counts as
+//!   an exclusive mutex entry, as it does for etcd's lock.
+//! - Every key is attached to the client's one lease, so it vanishes when the session
+//!   does. Entry sequence numbers and fencing tokens are create revisions, which grow
+//!   across the whole cluster; a downgrade's read entry stores its writer's revision in
+//!   its value and sorts beside it.
+//!
+//! ## Two contenders of one client on one mutex
+//! etcd's layout has room for one key per lease per name, and etcd's own Mutex simply lets
+//! two contenders of one session share it, so they do not exclude each other. dlock never
+//! shares a key: the first local contender on `NAME` takes `NAME/<lease hex>`, and any
+//! other contender of the same client that arrives while that key is in use takes the
+//! ticketed key `NAME/<lease hex>-<ticket>`. etcd's lock orders that key by create
+//! revision like any other, so exclusion and FIFO order hold across dlock and etcd's lock
+//! alike, and `try_lock` from the second contender still answers at once.
+//!
+//! # Fast handoff
+//! etcd's Mutex waits for its predecessor with a watch that starts at a past revision.
+//! The server serves such an *unsynced* watcher from a loop that runs every 100 ms, so
+//! under contention etcd's lock hands off about ten times a second per waiter chain. dlock
+//! opens its watch from "now" (no start revision), which the server treats as synced and
+//! notifies as each delete commits, and reads the predecessor's key in the same round
+//! trip; if that read saw the store before the watch started, it reads again, so no delete
+//! is missed. A watch from now is still unsynced if a write lands while the server
+//! registers it; for that rare case the waiter re-reads its predecessor's key every 25 ms
+//! during the watch's first 130 ms instead of waiting for the server's loop.
+//!
+//! Queue reads are served by whichever member receives them (serializable) when its
+//! revision is at least the highest this client has seen, and repeated as linearizable
+//! reads otherwise. Such a view may list entries that are already gone, never miss one
+//! still ahead of mine, so it can only make a waiter wait longer, never let it in early.
+//!
+//! # Cancel safety
+//! Every future may be dropped. An enqueue's transaction runs in its own task once sent;
+//! [`dlock_core::Backend::abandon`] waits for its answer before deleting the key, so a
+//! delete can never be overtaken by the put it was meant to undo.
+//!
+//! # Sessions
+//! One lease per client, TTL [`DEFAULT_SESSION_TTL`] (etcd's Go default) unless
+//! [`dlock_core::SessionOptions::session_timeout`] says otherwise, renewed every TTL/3 by
+//! a background task that re-opens the keep-alive stream whenever it breaks. Once no
+//! renewal has been acknowledged for a whole TTL, or the server reports the lease gone,
+//! [`dlock_core::Backend::lost`] completes for every entry on it. The next acquire grants
+//! a new lease. [`dlock_core::Backend::close`] revokes the lease.
+//!
+//! # What this crate never does
+//! It never calls etcd's server-side `Lock` RPC: a cancelled call leaves a waiter key that
+//! later becomes the owner with nobody to release it.
+
+//! # Example
+//! ```no_run
+//! use dlock_core::driver::{decide, Decision};
+//! use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions, Ticket};
+//! use dlock_etcd::EtcdBackend;
+//!
+//! # async fn run() -> Result<(), dlock_core::Error> {
+//! let etcd = EtcdBackend::connect(&["127.0.0.1:2379".to_owned()], SessionOptions::default()).await?;
+//! let q = QueuePath::root(LockName::new("orders/42", etcd.name_rules())?);
+//! let ticket = Ticket::new();
+//! let mut e = etcd.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"me").await?;
+//! loop {
+//!     let ahead = match decide(&e.queue, &e.mine.name) {
+//!         Decision::Acquired => break,
+//!         Decision::Wait(ahead) => ahead.clone(),
+//!         Decision::Missing => return Err(dlock_core::Error::LockLost("session ended".into())),
+//!     };
+//!     etcd.wait_gone(&q, &ahead).await?;
+//!     e.queue = etcd.queue(&q).await?;
+//! }
+//! // Held: `e.mine.token` is the fencing token. `etcdctl lock orders/42` waits now.
+//! etcd.remove(&q, &e.mine).await?;
+//! etcd.close().await
+//! # }
+//! ```
+
+#![deny(missing_docs)]
+
+mod backend;
+mod errors;
+mod layout;
+mod session;
+
+pub use backend::{EtcdBackend, DEFAULT_SESSION_TTL};
