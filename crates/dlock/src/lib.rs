@@ -34,10 +34,13 @@
 //!
 //! # Feature flags
 //! - `zookeeper` (default): the ZooKeeper backend, `dlock-zookeeper`.
+//! - `etcd` (default): the etcd backend, `dlock-etcd`.
 //! - `cli` (default): the `dlock` command line tool (`src/bin/dlock.rs`).
-//! - `etcd`, `redis`: the etcd and Redis backends. Their adapters (`dlock-etcd`,
-//!   `dlock-redis`) are not in this tree yet, so these features do not build today;
-//!   they are the switches the adapters will plug into.
+//! - `redis`: the Redis and Redlock backends. Their adapter (`dlock-redis`) is not in
+//!   this tree yet, so this feature does not build today; it is the switch the adapter
+//!   will plug into.
+//!
+//! Turn off the backends you do not use with `default-features = false`.
 //!
 //! # Cancel safety and session loss
 //! Every acquire may be dropped at any await point: its queue entry is removed (in the
