@@ -185,3 +185,8 @@ pub fn exit_code(e: &Error) -> i32 {
         _ => 1,
     }
 }
+
+// The README's Rust example is compiled as a doc test, so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;
