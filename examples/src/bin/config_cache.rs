@@ -13,6 +13,7 @@
 //!
 //! ```sh
 //! cargo run -p dlock-examples --bin config_cache -- --url zk://127.0.0.1:2181
+//! cargo run -p dlock-examples --bin config_cache -- --url zk://127.0.0.1:2181 --no-lock  # torn reads, exits 1
 //! ```
 
 use std::process::ExitCode;
@@ -37,6 +38,9 @@ struct Args {
     /// Publications per publisher (there are two publishers).
     #[arg(long, default_value_t = 3)]
     updates: u64,
+    /// Read and publish without the lock, to see torn reads and lost updates (exits 1).
+    #[arg(long)]
+    no_lock: bool,
 }
 
 /// The shared store: two records, each read or written atomically on its own.
@@ -92,7 +96,7 @@ struct ReaderTally {
 }
 
 async fn reader(
-    rw: dlock::RwLock,
+    rw: Option<dlock::RwLock>,
     store: Arc<Store>,
     gauge: Arc<Gauge>,
     reads: usize,
@@ -100,7 +104,10 @@ async fn reader(
     let mut cache: Option<(u64, String)> = None;
     let mut t = ReaderTally::default();
     for _ in 0..reads {
-        let mut guard = rw.read(Some(Duration::from_secs(60))).await?;
+        let mut guard = match &rw {
+            Some(rw) => Some(rw.read(Some(Duration::from_secs(60))).await?),
+            None => None,
+        };
         let inside = gauge.now.fetch_add(1, Ordering::SeqCst) + 1;
         gauge.peak.fetch_max(inside, Ordering::SeqCst);
         let version = store.read_version().await;
@@ -114,7 +121,9 @@ async fn reader(
         }
         t.reads += 1;
         gauge.now.fetch_sub(1, Ordering::SeqCst);
-        guard.release().await?;
+        if let Some(g) = &mut guard {
+            g.release().await?;
+        }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     Ok(t)
@@ -127,25 +136,35 @@ struct PublisherTally {
 }
 
 async fn publisher(
-    rw: dlock::RwLock,
+    rw: Option<dlock::RwLock>,
     store: Arc<Store>,
     updates: u64,
 ) -> Result<PublisherTally, dlock::Error> {
     let mut t = PublisherTally::default();
     for _ in 0..updates {
-        let mut write = rw.write(Some(Duration::from_secs(60))).await?;
+        let mut write = match &rw {
+            Some(rw) => Some(rw.write(Some(Duration::from_secs(60))).await?),
+            None => None,
+        };
         // Next version = current + 1: a lost update would show as a short final count.
         let next = store.read_version().await + 1;
         store.publish(next).await;
         t.published += 1;
         // Downgrade: the read entry goes beside the write entry, so no queued writer
         // can publish between our write and our check.
-        let mut read = rw.read(Some(Duration::from_secs(60))).await?;
-        write.release().await?;
+        let mut read = match &rw {
+            Some(rw) => Some(rw.read(Some(Duration::from_secs(60))).await?),
+            None => None,
+        };
+        if let Some(w) = &mut write {
+            w.release().await?;
+        }
         if store.read_version().await == next && store.read_body().await == body_of(next) {
             t.downgrade_saw_own += 1;
         }
-        read.release().await?;
+        if let Some(r) = &mut read {
+            r.release().await?;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     Ok(t)
@@ -166,8 +185,13 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
     let mut readers = Vec::new();
     for _ in 0..args.readers {
         let c = dlock::connect(&url).await?;
+        let rw = if args.no_lock {
+            None
+        } else {
+            Some(c.rwlock(&name)?)
+        };
         readers.push(tokio::spawn(reader(
-            c.rwlock(&name)?,
+            rw,
             store.clone(),
             gauge.clone(),
             args.reads,
@@ -177,11 +201,12 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
     let mut publishers = Vec::new();
     for _ in 0..2 {
         let c = dlock::connect(&url).await?;
-        publishers.push(tokio::spawn(publisher(
-            c.rwlock(&name)?,
-            store.clone(),
-            args.updates,
-        )));
+        let rw = if args.no_lock {
+            None
+        } else {
+            Some(c.rwlock(&name)?)
+        };
+        publishers.push(tokio::spawn(publisher(rw, store.clone(), args.updates)));
         clients.push(c);
     }
     let readers = join_all(readers).await?;

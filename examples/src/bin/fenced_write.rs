@@ -17,6 +17,7 @@
 //!
 //! ```sh
 //! cargo run -p dlock-examples --bin fenced_write -- --url zk://127.0.0.1:2181
+//! cargo run -p dlock-examples --bin fenced_write -- --url zk://127.0.0.1:2181 --no-fence  # stale write wins, exits 1
 //! ```
 
 use std::process::ExitCode;
@@ -32,6 +33,9 @@ use dlock_examples::{run_id, storage_round_trip, Common, Report};
 struct Args {
     #[command(flatten)]
     common: Common,
+    /// A store that does not check tokens, to see the stale write win (exits 1).
+    #[arg(long)]
+    no_fence: bool,
 }
 
 /// A write the store refused: its token is older than one it has seen.
@@ -44,6 +48,8 @@ struct StaleToken {
 /// Storage that accepts a write only with a token at least as high as any it has seen.
 #[derive(Default)]
 struct FencedStore {
+    /// Accept every write (what storage without fencing does).
+    unchecked: bool,
     /// The gate and the value change together, under one storage-side lock: checking
     /// the token and then writing in two steps would let a stale write slip in between.
     inner: StdMutex<(FenceGate, Option<String>)>,
@@ -57,7 +63,7 @@ impl FencedStore {
             highest: None,
         })?;
         let (gate, stored) = &mut *inner;
-        if !gate.admit(token) {
+        if !gate.admit(token) && !self.unchecked {
             return Err(StaleToken {
                 token,
                 highest: gate.highest(),
@@ -72,9 +78,12 @@ impl FencedStore {
     }
 }
 
-async fn scenario(url: String) -> Result<Report, dlock::Error> {
+async fn scenario(url: String, no_fence: bool) -> Result<Report, dlock::Error> {
     let name = format!("examples/{}/storage/daily-report", run_id());
-    let store = Arc::new(FencedStore::default());
+    let store = Arc::new(FencedStore {
+        unchecked: no_fence,
+        ..FencedStore::default()
+    });
     let mut r = Report::new();
 
     // Ordinary operation: holders one after another, each write accepted.
@@ -150,5 +159,6 @@ async fn scenario(url: String) -> Result<Report, dlock::Error> {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    dlock_examples::run("fenced_write", &args.common, scenario).await
+    let no_fence = args.no_fence;
+    dlock_examples::run("fenced_write", &args.common, |url| scenario(url, no_fence)).await
 }

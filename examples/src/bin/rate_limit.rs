@@ -10,6 +10,7 @@
 //!
 //! ```sh
 //! cargo run -p dlock-examples --bin rate_limit -- --url zk://127.0.0.1:2181
+//! cargo run -p dlock-examples --bin rate_limit -- --url zk://127.0.0.1:2181 --no-lock  # 429s, exits 1
 //! ```
 
 use std::process::ExitCode;
@@ -37,6 +38,9 @@ struct Args {
     /// Calls per caller.
     #[arg(long, default_value_t = 4)]
     calls: usize,
+    /// Call without taking a permit, to see the upstream refuse calls (exits 1).
+    #[arg(long)]
+    no_lock: bool,
 }
 
 /// The partner API: counts calls in flight and refuses the ones over its limit.
@@ -64,14 +68,19 @@ impl Upstream {
 }
 
 async fn caller(
-    sem: dlock::Semaphore,
+    sem: Option<dlock::Semaphore>,
     upstream: Arc<Upstream>,
     calls: usize,
 ) -> Result<(), dlock::Error> {
     for _ in 0..calls {
-        let mut permit = sem.acquire(Some(Duration::from_secs(60))).await?;
+        let mut permit = match &sem {
+            Some(sem) => Some(sem.acquire(Some(Duration::from_secs(60))).await?),
+            None => None,
+        };
         upstream.call().await;
-        permit.release().await?;
+        if let Some(p) = &mut permit {
+            p.release().await?;
+        }
     }
     Ok(())
 }
@@ -89,7 +98,11 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
     let mut callers = Vec::new();
     for _ in 0..args.instances {
         let c = dlock::connect(&url).await?;
-        let sem = c.semaphore(&name, args.permits)?;
+        let sem = if args.no_lock {
+            None
+        } else {
+            Some(c.semaphore(&name, args.permits)?)
+        };
         for _ in 0..args.callers {
             callers.push(tokio::spawn(caller(
                 sem.clone(),

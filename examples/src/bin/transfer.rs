@@ -10,6 +10,7 @@
 //!
 //! ```sh
 //! cargo run -p dlock-examples --bin transfer -- --url zk://127.0.0.1:2181
+//! cargo run -p dlock-examples --bin transfer -- --url zk://127.0.0.1:2181 --no-lock  # money vanishes, exits 1
 //! ```
 
 use std::collections::BTreeMap;
@@ -37,6 +38,10 @@ struct Args {
     /// Transfers per teller.
     #[arg(long, default_value_t = 6)]
     transfers: usize,
+    /// Transfer and audit without locks, to see the money the locks protect vanish
+    /// (exits 1).
+    #[arg(long)]
+    no_lock: bool,
 }
 
 /// The ledger: one balance per account, each read and write atomic on its own (a row).
@@ -82,6 +87,7 @@ async fn teller(
     accounts: u64,
     transfers: usize,
     seed: u64,
+    lock: bool,
 ) -> Result<Tally, dlock::Error> {
     let mut rng = Rng::new(seed);
     let mut tally = Tally::default();
@@ -90,12 +96,17 @@ async fn teller(
         let to = (from + 1 + rng.below(accounts - 1)) % accounts;
         let amount = 1 + rng.below(40) as i64;
         // Listed as the transfer goes, from then to: the multi-lock reorders them.
-        let mut both = client
-            .multi()
-            .mutex(&account_lock(&run, from))?
-            .mutex(&account_lock(&run, to))?
-            .acquire(Some(Duration::from_secs(60)))
-            .await?;
+        let mut both = match lock {
+            true => Some(
+                client
+                    .multi()
+                    .mutex(&account_lock(&run, from))?
+                    .mutex(&account_lock(&run, to))?
+                    .acquire(Some(Duration::from_secs(60)))
+                    .await?,
+            ),
+            false => None,
+        };
         let a = ledger.balance(from).await?;
         if a >= amount {
             let b = ledger.balance(to).await?;
@@ -105,7 +116,9 @@ async fn teller(
         } else {
             tally.declined += 1;
         }
-        both.release().await?;
+        if let Some(both) = &mut both {
+            both.release().await?;
+        }
     }
     Ok(tally)
 }
@@ -116,12 +129,16 @@ async fn audit(
     ledger: &Ledger,
     run: &str,
     accounts: u64,
+    lock: bool,
 ) -> Result<(i64, i64), dlock::Error> {
-    let mut all = client.multi();
-    for a in 0..accounts {
-        all = all.mutex(&account_lock(run, a))?;
+    let mut guard = None;
+    if lock {
+        let mut all = client.multi();
+        for a in 0..accounts {
+            all = all.mutex(&account_lock(run, a))?;
+        }
+        guard = Some(all.acquire(Some(Duration::from_secs(60))).await?);
     }
-    let mut guard = all.acquire(Some(Duration::from_secs(60))).await?;
     let mut sum = 0;
     let mut min = i64::MAX;
     for a in 0..accounts {
@@ -129,7 +146,9 @@ async fn audit(
         sum += b;
         min = min.min(b);
     }
-    guard.release().await?;
+    if let Some(g) = &mut guard {
+        g.release().await?;
+    }
     Ok((sum, min))
 }
 
@@ -158,6 +177,7 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
                 args.accounts,
                 args.transfers,
                 1 + i as u64 * 2 + t,
+                !args.no_lock,
             )));
         }
         clients.push(client);
@@ -168,11 +188,11 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
     let auditor = dlock::connect(&url).await?;
     let mut audits = Vec::new();
     while tellers.iter().any(|t| !t.is_finished()) {
-        audits.push(audit(&auditor, &ledger, &run, args.accounts).await?);
+        audits.push(audit(&auditor, &ledger, &run, args.accounts, !args.no_lock).await?);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let tallies = join_all(tellers).await?;
-    audits.push(audit(&auditor, &ledger, &run, args.accounts).await?);
+    audits.push(audit(&auditor, &ledger, &run, args.accounts, !args.no_lock).await?);
     auditor.close().await?;
     for c in &clients {
         c.close().await?;
