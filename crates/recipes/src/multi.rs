@@ -238,7 +238,9 @@ impl<B: Backend + ?Sized> MultiGuard<B> {
             .collect()
     }
 
-    /// Completes once any part is lost.
+    /// Completes once any part is lost (its session ended, or it could not be renewed):
+    /// stop the critical section, since another client may hold that part from then on.
+    /// Cancel-safe: dropping it loses nothing.
     pub fn lost(&self) -> impl Future<Output = Error> + Send + 'static {
         let all: Vec<_> = self.guards.iter().map(|g| g.lost().boxed()).collect();
         futures::future::select_all(all).map(|(e, _, _)| e)
@@ -247,7 +249,16 @@ impl<B: Backend + ?Sized> MultiGuard<B> {
     /// Releases every part, in reverse order, even if some release fails.
     ///
     /// # Errors
-    /// The first error met; every other part was still released.
+    /// The first error met; every other part was still released. A part lost before the
+    /// release gives [`Error::LockLost`], as [`LockGuard::release`] does.
+    ///
+    /// # Cancel safety
+    /// If the future is dropped, the parts not yet released are released in the
+    /// background when the guard is dropped.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMultiLock.release()` (also reverse order, also keeps going
+    /// after a failure and reports the first).
     pub async fn release(&mut self) -> Result<()> {
         let mut first = None;
         for g in self.guards.iter_mut().rev() {
