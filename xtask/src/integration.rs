@@ -33,7 +33,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         etcd,
         redis,
         port_offset: args.offset.value,
-        state_path: Some(state_path),
+        state_path: Some(state_path.clone()),
         base_dir: None,
     };
     // A CI machine may run a distribution-started server on a default port.

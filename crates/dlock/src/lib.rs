@@ -72,7 +72,8 @@ pub use dlock_core::{
     Backend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName, Result, SessionOptions,
 };
 pub use dlock_recipes::{
-    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, Semaphore, SemaphoreMutex,
+    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
+    SemaphoreMutex,
 };
 pub use url::BackendUrl;
 
@@ -160,7 +161,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             #[cfg(feature = "redis")]
             {
                 let b: Arc<dyn Backend> =
-                    dlock_redis::RedlockBackend::connect(&hosts, opts).await?;
+                    dlock_redis::RedisBackend::connect_redlock(&hosts, opts).await?;
                 Ok(b)
             }
             #[cfg(not(feature = "redis"))]

@@ -149,7 +149,10 @@ impl EtcdBackend {
             .with_connect_timeout(connect_timeout)
             .with_timeout(request_timeout)
             .with_keep_alive(ping, ping)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive_while_idle(true)
+            // A member that lost its leader answers "no leader" at once instead of holding
+            // the request until it times out; the request is then retried elsewhere.
+            .with_require_leader(true);
         let span = tracing::debug_span!("etcd.connect", endpoints = %joined);
         let attempt = async {
             let client =
@@ -310,6 +313,7 @@ impl EtcdBackend {
         let lease = session.id();
         let value = layout::encode_value(ticket, beside, data);
         let mut avoid_primary = false;
+        let mut cleaned = false;
         loop {
             let (key, primary, previous) = self.claim(&prefix, ticket, kind, lease, avoid_primary);
             if let Some(mut prev) = previous {
@@ -375,9 +379,17 @@ impl EtcdBackend {
                 ));
             };
             if !resp.succeeded() && mine.ticket.as_deref() != Some(ticket.as_str()) {
-                // etcd's key for this lease exists but another ticket wrote it: a leftover
-                // whose removal failed. Leave it alone and queue under a ticketed key.
-                tracing::warn!(key = %key, "mutex key of this lease is taken by an older entry; using a ticketed key");
+                // etcd's key for this lease exists, but another ticket wrote it, and no
+                // local contender claims it (this ticket holds the claim): an orphan that
+                // would hold the lock until the session ends. Delete exactly that entry
+                // and try again; if that fails, queue under a ticketed key instead.
+                if primary && !cleaned {
+                    cleaned = true;
+                    tracing::warn!(key = %key, token = mine.token.map(|t| t.get()).unwrap_or(0), "removing an orphaned entry under this lease's mutex key");
+                    if self.remove_exact(&key, mine.token).await.is_ok() {
+                        continue;
+                    }
+                }
                 avoid_primary = true;
                 continue;
             }
@@ -390,6 +402,26 @@ impl EtcdBackend {
             );
             return Ok(Enqueued { mine, queue });
         }
+    }
+
+    /// Deletes `key` if it still holds the entry created at revision `token` (any entry
+    /// under `key` if `token` is unknown). Never deletes a newer entry of the same name:
+    /// a late retried release must not free someone else's lock.
+    async fn remove_exact(&self, key: &str, token: Option<dlock_core::FencingToken>) -> Result<()> {
+        let txn = match token.and_then(|t| i64::try_from(t.get()).ok()) {
+            Some(rev) => Txn::new()
+                .when([Compare::create_revision(key, CompareOp::Equal, rev)])
+                .and_then([TxnOp::delete(key, None)]),
+            None => Txn::new().and_then([TxnOp::delete(key, None)]),
+        };
+        let resp = retrying(self.request_timeout, || {
+            let (mut kv, txn) = (self.kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await
+        .map_err(|e| map(&format!("releasing {key}"), e))?;
+        self.observe(header_rev(resp.header()));
+        Ok(())
     }
 
     /// Remembers that the cluster has reached revision `rev`.
@@ -727,21 +759,7 @@ impl Backend for EtcdBackend {
         Box::pin(
             async move {
                 let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-                // Delete only the entry that was handed out, never a newer key of the same
-                // name: a late retried release must not free someone else's lock.
-                let txn = match entry.token.and_then(|t| i64::try_from(t.get()).ok()) {
-                    Some(rev) => Txn::new()
-                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
-                        .and_then([TxnOp::delete(key.clone(), None)]),
-                    None => Txn::new().and_then([TxnOp::delete(key.clone(), None)]),
-                };
-                let resp = retrying(self.request_timeout, || {
-                    let (mut kv, txn) = (self.kv.clone(), txn.clone());
-                    async move { kv.txn(txn).await }
-                })
-                .await
-                .map_err(|e| map(&format!("releasing {key}"), e))?;
-                self.observe(header_rev(resp.header()));
+                self.remove_exact(&key, entry.token).await?;
                 self.forget(entry.ticket.as_deref(), &key);
                 tracing::debug!("removed");
                 Ok(())

@@ -22,9 +22,12 @@ pub(crate) fn map(context: &str, e: EtcdError) -> Error {
             }
             // gRPC codes 1 (cancelled: how tower reports a request timeout), 4 (deadline
             // exceeded) and 14 (unavailable: no endpoint could take the request).
+            if is_unavailable(&e) {
+                return Error::Unreachable(format!("{context}: {msg}"));
+            }
             let code: i32 = s.code().into();
             match code {
-                1 | 4 | 14 => Error::Unreachable(format!("{context}: {msg}")),
+                1 | 4 => Error::Unreachable(format!("{context}: {msg}")),
                 _ => Error::backend(context, e),
             }
         }
@@ -45,28 +48,46 @@ pub(crate) fn map(context: &str, e: EtcdError) -> Error {
 /// True for an error that says no server took the request: etcd-client spreads requests
 /// over every endpoint, including dead ones, and a request sent to a dead endpoint fails
 /// at once with `Unavailable` instead of moving on to a live one.
+///
+/// A status of code `Unknown` that carries a source is the client's own report of a
+/// connection that broke under the request (the server never sends a source); etcd's
+/// "no leader", "leader changed" and "request timed out" are `Unavailable`.
 fn is_unavailable(e: &EtcdError) -> bool {
     match e {
-        EtcdError::GRpcStatus(s) => i32::from(s.code()) == 14,
+        EtcdError::GRpcStatus(s) => {
+            let code = i32::from(s.code());
+            code == 14 || (code == 2 && std::error::Error::source(s).is_some())
+        }
         EtcdError::TransportError(_) => true,
         _ => false,
     }
 }
 
-/// Runs `op` again while it fails with [`is_unavailable`], for up to `budget`: this is
-/// the failover between endpoints. Only idempotent operations go through it (every dlock
-/// write is: a put-if-absent keyed by the ticket, a delete guarded by create revision).
+/// Runs `op` again while it fails with [`is_unavailable`] or does not answer within a
+/// third of `budget`, for up to `budget`: this is the failover between endpoints, and
+/// what gets a request past a leader election (a write forwarded to a leader that died
+/// is never answered). Only idempotent operations go through it: every dlock write is a
+/// put-if-absent keyed by the ticket or a delete, so a late first attempt and its retry
+/// have the effect of one.
 pub(crate) async fn retrying<T, F, Fut>(budget: Duration, mut op: F) -> Result<T, EtcdError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, EtcdError>>,
 {
     let deadline = Instant::now() + budget;
+    let per_try = (budget / 3).max(Duration::from_millis(500)).min(budget);
     let mut attempt = 0u32;
     loop {
-        match op().await {
-            Err(e) if is_unavailable(&e) && Instant::now() < deadline => {
-                tracing::debug!(attempt, error = %e, "endpoint unavailable; trying again");
+        let result = match tokio::time::timeout(per_try, op()).await {
+            Ok(r) => r,
+            Err(_) => Err(EtcdError::IoError(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {per_try:?}"),
+            ))),
+        };
+        match result {
+            Err(e) if (is_unavailable(&e) || is_timeout(&e)) && Instant::now() < deadline => {
+                tracing::debug!(attempt, error = %e, "request failed; trying again");
                 // The first retries are immediate: the balancer likely picks a live
                 // endpoint next. Back off only if every endpoint seems down.
                 if attempt >= 3 {
@@ -77,6 +98,10 @@ where
             other => return other,
         }
     }
+}
+
+fn is_timeout(e: &EtcdError) -> bool {
+    matches!(e, EtcdError::IoError(io) if io.kind() == std::io::ErrorKind::TimedOut)
 }
 
 #[cfg(test)]

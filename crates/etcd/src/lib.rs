@@ -64,6 +64,16 @@
 //! reads otherwise. Such a view may list entries that are already gone, never miss one
 //! still ahead of mine, so it can only make a waiter wait longer, never let it in early.
 //!
+//! # Failover
+//! etcd-client spreads requests over every endpoint given, dead ones included, and a
+//! request that lands on a dead one fails at once. Every request dlock makes is
+//! idempotent (a put-if-absent keyed by the ticket, a delete guarded by create revision, a
+//! read), so it is retried, immediately and then with a short backoff, until it succeeds
+//! or its budget (the connect timeout, at least 5 s) runs out; an attempt that gets no
+//! answer within a third of the budget (a write forwarded to a leader that just died) is
+//! retried too. Requests carry etcd's require-leader flag, so a member without a leader
+//! refuses them at once instead of holding them. Broken watch streams are re-armed.
+//!
 //! # Cancel safety
 //! Every future may be dropped. An enqueue's transaction runs in its own task once sent;
 //! [`dlock_core::Backend::abandon`] waits for its answer before deleting the key, so a

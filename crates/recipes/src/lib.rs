@@ -10,7 +10,9 @@
 //! - [`MultiLock`]: any mix of the above, all-or-nothing.
 //!
 //! Every acquire returns a [`LockGuard`] with a fencing token ([`LockGuard::token`]) and a
-//! lost signal ([`LockGuard::lost`]).
+//! lost signal ([`LockGuard::lost`]). [`Mutex::lock_revocable`] returns a
+//! [`RevocableGuard`] that others can ask to release ([`Client::revoke`], Curator's
+//! revocation).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -63,7 +65,7 @@ mod rwlock;
 pub mod semaphore;
 
 pub use client::{Client, Participant};
-pub use guard::LockGuard;
+pub use guard::{LockGuard, RevocableGuard};
 pub use multi::{MultiGuard, MultiLock, Part};
 pub use mutex::Mutex;
 pub use rwlock::RwLock;

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use dlock_core::{Backend, EntryKind, LockName, Result};
 
-use crate::guard::{LockGuard, Recipe};
+use crate::guard::{LockGuard, Recipe, RevocableGuard};
 use crate::queue::Wait;
 use crate::Client;
 
@@ -134,6 +134,34 @@ impl<B: Backend + ?Sized> Mutex<B> {
                 Wait::timeout(timeout),
             )
             .await
+    }
+
+    /// Waits (at most `timeout`, or forever for `None`) for the lock, taken so that
+    /// others can ask this holder to release it: the guard's
+    /// [`RevocableGuard::revoke_requested`] completes when [`Client::revoke`], `dlock
+    /// revoke` or Curator's `Revoker.attemptRevoke` targets it. The entry is written with
+    /// an empty payload, as Curator's `makeRevocable` does.
+    ///
+    /// # Errors
+    /// As [`Mutex::lock_timeout`]; a backend without entry payload watches fails only
+    /// when `revoke_requested` is awaited.
+    ///
+    /// # Cancel safety
+    /// As [`Mutex::lock`].
+    ///
+    /// # Session loss
+    /// As [`Mutex::lock`]: the guard's [`crate::LockGuard::lost`] fires once the session
+    /// is gone.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMutex.makeRevocable(listener)` + `acquire()`.
+    pub async fn lock_revocable(&self, timeout: Option<Duration>) -> Result<RevocableGuard<B>> {
+        let wait = timeout.map_or(Wait::Forever, Wait::timeout);
+        let guard = self
+            .client
+            .acquire_reentrant_with(&self.name, Recipe::Mutex, EntryKind::Lock, wait, &[])
+            .await?;
+        Ok(RevocableGuard::new(guard))
     }
 
     /// How many times the current task holds this lock (0 if not at all). Local: no

@@ -14,7 +14,7 @@ use futures::future::BoxFuture;
 use tracing::Instrument;
 use zookeeper_client as zk;
 
-use crate::errors::{connect_error, map_err};
+use crate::errors::{connect_error, is_connection_loss, map_err};
 use crate::session::{watch_session, Health, Shared};
 use crate::{nodelay, ZkOptions};
 
@@ -30,6 +30,30 @@ pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 /// dropped before it gives up. Each retry needs a concurrent deletion or a reconnect, so
 /// the bound is never reached in practice; it only turns a livelock into an error.
 const MAX_ENQUEUE_ATTEMPTS: usize = 8;
+
+/// How often an idempotent request is re-sent after the connection dropped. Each retry waits for
+/// the client to reconnect (zookeeper-client queues requests meanwhile), and the session
+/// guard ends the wait once the session is declared lost, so a few cover any failover.
+const MAX_RETRIES: usize = 4;
+
+/// Runs an idempotent request again when the connection dropped before its reply came:
+/// a leader failover or a server restart then costs a wait, not an error.
+async fn retry<T, F, Fut>(mut request: F) -> Result<T, zk::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, zk::Error>>,
+{
+    let mut left = MAX_RETRIES;
+    loop {
+        match request().await {
+            Err(err) if left > 0 && is_connection_loss(&err) => {
+                left -= 1;
+                tracing::debug!(%err, "ZooKeeper connection lost before the reply; re-sending");
+            }
+            other => return other,
+        }
+    }
+}
 
 /// A [`Backend`] on one ZooKeeper session, laid out as Apache Curator 5 lays out its
 /// locks, so Java services using Curator and dlock users share the same queues.
@@ -222,7 +246,20 @@ impl ZkBackend {
         let sequential = matches!(mode, zk::CreateMode::EphemeralSequential);
         let path = format!("{parent}/{name}");
         let options = mode.with_acls(zk::Acls::anyone_all());
+        // Set when a create's reply was lost: it may have happened on the server.
+        let mut maybe_created = false;
         for _ in 0..MAX_ENQUEUE_ATTEMPTS {
+            if std::mem::take(&mut maybe_created) {
+                // Curator's protected mode: find the entry by the ticket in its name. The
+                // listing is ordered after the lost create, so if it is absent now it was
+                // never made and creating again cannot duplicate it.
+                if let Some((stat, mine)) = self.find_own(&client, &parent, ticket, kind).await? {
+                    let names = retry(|| client.list_children(&parent))
+                        .await
+                        .map_err(|e| map_err("enqueue: listing the queue", e))?;
+                    return build_enqueued(names, mine, &stat, data);
+                }
+            }
             // Both requests are written when called, in this order, so the listing is taken
             // right after the create on the server: one round trip for both.
             let create = client.create(&path, data, &options);
@@ -238,8 +275,7 @@ impl ZkBackend {
                 }
                 Err(zk::Error::NodeExists) if !sequential => {
                     // A retried Beside create whose first reply was lost: ours if our session owns it.
-                    let (_, stat) = client
-                        .get_data(&path)
+                    let (_, stat) = retry(|| client.get_data(&path))
                         .await
                         .map_err(|e| map_err("enqueue: reading an existing entry", e))?;
                     if stat.ephemeral_owner != self.session_id.0 {
@@ -250,22 +286,18 @@ impl ZkBackend {
                     }
                     (stat, name.clone())
                 }
-                Err(zk::Error::ConnectionLoss) => {
-                    // The create may have happened with its reply lost: Curator's protected
-                    // mode finds it by the ticket in its name.
-                    match self.find_own(&client, &parent, ticket, kind).await? {
-                        Some(found) => found,
-                        None => continue,
-                    }
+                Err(err) if is_connection_loss(&err) => {
+                    tracing::debug!(%err, "connection lost during create; looking for the entry");
+                    maybe_created = true;
+                    continue;
                 }
                 Err(err) => return Err(map_err("enqueue", err)),
             };
             let names = match listed {
                 Ok((names, _)) if names.contains(&mine) => names,
-                _ => match client.list_children(&parent).await {
-                    Ok(names) => names,
-                    Err(err) => return Err(map_err("enqueue: listing the queue", err)),
-                },
+                _ => retry(|| client.list_children(&parent))
+                    .await
+                    .map_err(|e| map_err("enqueue: listing the queue", e))?,
             };
             return build_enqueued(names, mine, &stat, data);
         }
@@ -282,7 +314,7 @@ impl ZkBackend {
     /// `creatingParentContainersIfNeeded` does, so the server reaps them once empty.
     async fn make_parent(&self, client: &zk::Client, parent: &str) -> Result<()> {
         let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
-        match client.mkdir(parent, &container).await {
+        match retry(|| client.mkdir(parent, &container)).await {
             Ok(()) | Err(zk::Error::NodeExists) => Ok(()),
             Err(zk::Error::NoNode) => Err(Error::backend(
                 "enqueue: creating the queue's parents",
@@ -300,7 +332,7 @@ impl ZkBackend {
         ticket: &Ticket,
         kind: EntryKind,
     ) -> Result<Option<(zk::Stat, String)>> {
-        let names = match client.list_children(parent).await {
+        let names = match retry(|| client.list_children(parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(None),
             Err(err) => return Err(map_err("enqueue: looking for a lost create", err)),
@@ -309,7 +341,8 @@ impl ZkBackend {
         let Some(name) = names.into_iter().find(|n| n.starts_with(&prefix)) else {
             return Ok(None);
         };
-        match client.get_data(&format!("{parent}/{name}")).await {
+        let path = format!("{parent}/{name}");
+        match retry(|| client.get_data(&path)).await {
             Ok((_, stat)) => Ok(Some((stat, name))),
             Err(zk::Error::NoNode) => Ok(None),
             Err(err) => Err(map_err("enqueue: reading a recovered entry", err)),
@@ -318,7 +351,8 @@ impl ZkBackend {
 
     async fn queue_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         let client = self.handle()?;
-        match client.list_children(&znode(q)).await {
+        let parent = znode(q);
+        match retry(|| client.list_children(&parent)).await {
             Ok(names) => Ok(parse_queue(names)),
             Err(zk::Error::NoNode) => Ok(Vec::new()),
             Err(err) => Err(map_err("listing the queue", err)),
@@ -331,7 +365,7 @@ impl ZkBackend {
         loop {
             // A data watch, not an exists watch: on a node already gone an exists watch
             // would wait for a creation that never comes (pitfall Z4).
-            let watcher = match client.get_and_watch_data(&path).await {
+            let watcher = match retry(|| client.get_and_watch_data(&path)).await {
                 Ok((_, _, watcher)) => watcher,
                 Err(zk::Error::NoNode) => return Ok(()),
                 Err(err) => return Err(map_err("waiting for an entry to go", err)),
@@ -351,7 +385,7 @@ impl ZkBackend {
         let parent = znode(q);
         let seen: BTreeSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
         loop {
-            match client.get_and_watch_children(&parent).await {
+            match retry(|| client.get_and_watch_children(&parent)).await {
                 Ok((names, _, watcher)) => {
                     let now: BTreeSet<&str> = names
                         .iter()
@@ -371,7 +405,7 @@ impl ZkBackend {
                         return Ok(());
                     }
                     // An empty queue whose parent is missing: wait for it to appear.
-                    match client.check_and_watch_stat(&parent).await {
+                    match retry(|| client.check_and_watch_stat(&parent)).await {
                         Ok((Some(_), _)) => {}
                         Ok((None, watcher)) => {
                             let event = watcher.changed().await;
@@ -390,7 +424,7 @@ impl ZkBackend {
     async fn remove_inner(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
         let client = self.handle()?;
         let path = format!("{}/{}", znode(q), entry.name);
-        match client.delete(&path, None).await {
+        match retry(|| client.delete(&path, None)).await {
             Ok(()) | Err(zk::Error::NoNode) => Ok(()),
             Err(err) => Err(map_err("removing an entry", err)),
         }
@@ -400,7 +434,7 @@ impl ZkBackend {
         let client = self.handle()?;
         let parent = znode(q);
         // Listed after any create a dropped enqueue sent on this session, so it sees it.
-        let names = match client.list_children(&parent).await {
+        let names = match retry(|| client.list_children(&parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(()),
             Err(err) => return Err(map_err("abandoning an entry: listing", err)),
@@ -410,7 +444,9 @@ impl ZkBackend {
             .filter(|n| dlock_core::entry::protected_id(n).as_deref() == Some(ticket.as_str()))
             .map(|n| {
                 tracing::debug!(entry = %n, "abandoning entry");
-                client.delete(&format!("{parent}/{n}"), None)
+                let path = format!("{parent}/{n}");
+                let client = &client;
+                async move { retry(|| client.delete(&path, None)).await }
             })
             .collect();
         for result in futures::future::join_all(deletes).await {
@@ -425,7 +461,7 @@ impl ZkBackend {
     async fn participants_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         let client = self.handle()?;
         let parent = znode(q);
-        let names = match client.list_children(&parent).await {
+        let names = match retry(|| client.list_children(&parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(Vec::new()),
             Err(err) => return Err(map_err("listing participants", err)),
@@ -433,7 +469,11 @@ impl ZkBackend {
         let entries = parse_queue(names);
         let reads: Vec<_> = entries
             .iter()
-            .map(|e| client.get_data(&format!("{parent}/{}", e.name)))
+            .map(|e| {
+                let path = format!("{parent}/{}", e.name);
+                let client = &client;
+                async move { retry(|| client.get_data(&path)).await }
+            })
             .collect();
         let mut out = Vec::with_capacity(entries.len());
         for (mut entry, read) in entries
@@ -455,9 +495,44 @@ impl ZkBackend {
         Ok(out)
     }
 
+    async fn set_data_inner(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
+        let client = self.handle()?;
+        let path = format!("{}/{}", znode(q), entry.name);
+        match retry(|| client.set_data(&path, data, None)).await {
+            Ok(_) | Err(zk::Error::NoNode) => Ok(()),
+            Err(err) => Err(map_err("writing an entry's payload", err)),
+        }
+    }
+
+    async fn wait_data_changed_inner(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> Result<Option<Vec<u8>>> {
+        let client = self.handle()?;
+        let path = format!("{}/{}", znode(q), entry.name);
+        loop {
+            // Read and arm in one request: a change after the read fires the watch.
+            let watcher = match retry(|| client.get_and_watch_data(&path)).await {
+                Ok((data, _, _)) if data != seen => return Ok(Some(data)),
+                Ok((_, _, watcher)) => watcher,
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(err) => return Err(map_err("watching an entry's payload", err)),
+            };
+            let event = watcher.changed().await;
+            match event.event_type {
+                zk::EventType::NodeDeleted => return Ok(None),
+                zk::EventType::Session => session_event_result(event.session_state)?,
+                _ => {}
+            }
+        }
+    }
+
     async fn read_value_inner(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
         let client = self.handle()?;
-        match client.get_data(&znode(q)).await {
+        let path = znode(q);
+        match retry(|| client.get_data(&path)).await {
             Ok((data, _)) if data.is_empty() => Ok(None),
             Ok((data, _)) => Ok(Some(data)),
             Err(zk::Error::NoNode) => Ok(None),
@@ -574,6 +649,32 @@ impl Backend for ZkBackend {
 
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(self.guarded(self.participants_inner(q)))
+    }
+
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("zk.set_data", queue = %q, entry = %entry.name);
+        Box::pin(
+            self.guarded(self.set_data_inner(q, entry, data))
+                .instrument(span),
+        )
+    }
+
+    fn wait_data_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        seen: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        let span = tracing::debug_span!("zk.wait_data_changed", queue = %q, entry = %entry.name);
+        Box::pin(
+            self.guarded(self.wait_data_changed_inner(q, entry, seen))
+                .instrument(span),
+        )
     }
 
     fn close(&self) -> BoxFuture<'_, Result<()>> {

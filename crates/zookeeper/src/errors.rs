@@ -3,6 +3,15 @@
 use dlock_core::Error;
 use zookeeper_client as zk;
 
+/// True if `err` means the connection dropped before the reply came, so the request may or
+/// may not have run. zookeeper-client fails in-flight requests with the error that broke
+/// the connection: `ConnectionLoss` on a clean close, but a `Custom` error wrapping the
+/// I/O error on a reset (a killed server) or its own "no response" timeout. Without the
+/// TLS and SASL features, which this crate does not enable, `Custom` has no other source.
+pub(crate) fn is_connection_loss(err: &zk::Error) -> bool {
+    matches!(err, zk::Error::ConnectionLoss | zk::Error::Custom(_))
+}
+
 /// Maps an error of an operation on an established session. `context` says what dlock
 /// was doing.
 ///
@@ -17,9 +26,8 @@ pub(crate) fn map_err(context: &str, err: zk::Error) -> Error {
             Error::LockLost(format!("{context}: ZooKeeper authentication failed"))
         }
         zk::Error::ClientClosed => Error::Closed,
-        zk::Error::ConnectionLoss | zk::Error::Timeout | zk::Error::NoHosts => {
-            Error::Unreachable(format!("{context}: {err}"))
-        }
+        zk::Error::Timeout | zk::Error::NoHosts => Error::Unreachable(format!("{context}: {err}")),
+        err if is_connection_loss(&err) => Error::Unreachable(format!("{context}: {err}")),
         other => Error::backend(context.to_owned(), other),
     }
 }

@@ -1,4 +1,96 @@
-//! tmp
+//! The ZooKeeper backend of dlock: [`dlock_core::Backend`] on one ZooKeeper session,
+//! laid out exactly as Apache Curator 5 lays out its locks, so Java services using Curator
+//! and Rust services using dlock can share the same locks.
+//!
+//! Most users reach this crate through the `dlock` facade (a `zk://` URL); use it directly
+//! when you build on the `Backend` trait yourself.
+//!
+//! # Where to start
+//! - [`ZkBackend::connect`] opens a session (`"host:port,host:port/chroot"`) and returns an
+//!   `Arc<ZkBackend>` that any number of locks and tasks share.
+//! - [`ZkOptions`] holds the adapter's own settings; [`DEFAULT_SESSION_TIMEOUT`] (10 s) is
+//!   used when [`dlock_core::SessionOptions`] does not set one.
+//! - [`ZkBackend::client`] hands out the underlying [`zk::Client`] for guarded writes or
+//!   inspection.
+//!
+//! # Layout (Curator-compatible)
+//! Lock `orders/42` is the znode `/orders/42` under the chroot; a semaphore's queues are
+//! `/orders/42/leases` and `/orders/42/locks`. Each contender is an `EPHEMERAL_SEQUENTIAL`
+//! child named `_c_<uuid>-lock-0000000007` (`__READ__`, `__WRIT__`, `lease-` for the other
+//! kinds); parents are created on demand as `CONTAINER` nodes, which the server deletes
+//! once empty. A write holder's read entry (downgrade) is an `EPHEMERAL` node carrying the
+//! writer's sequence number. The fencing token is the entry's `czxid`: the zxid of the
+//! transaction that created it, which only grows across the whole ensemble.
+//!
+//! Enqueue is one round trip: the `create` and the `get_children` of the parent are written
+//! back to back without waiting (zookeeper-client fixes request order at call time), and
+//! the connection runs with `TCP_NODELAY` so the second request is not held back by Nagle
+//! (zookeeper-client never sets it; see [`ZkOptions::tcp_nodelay`]).
+//!
+//! # The design decision: the adapter declares loss itself, before the server can
+//! The server expires a session a session timeout `t` after it last heard from the
+//! client, and another contender may take the lock at once. The client hears of it only
+//! when a server tells it, or (zookeeper-client) when it gives up reconnecting 1.4·`t`
+//! after the last reply: during a partition, both come too late.
+//! So one task per session watches the connection state, and when the connection has been
+//! down for 0.4·`t` (the client itself needs 0.4·`t` to notice, so that is about 0.8·`t`
+//! after the last reply) it declares every entry of the session lost: `lost()` futures
+//! complete with [`dlock_core::Error::LockLost`], in-flight and later operations fail with
+//! it instead of hanging, and the session is closed so it cannot come back holding entries.
+//! Curator waits a full `t` after SUSPENDED, which can be 0.4·`t` after the server already
+//! gave the lock away.
+//!
+//! # Example
+//! ```no_run
+//! use dlock_core::{decide, Backend, Decision, EntryKind, LockName, NameRules, Position, QueuePath,
+//!                  SessionOptions, Ticket};
+//! use dlock_zookeeper::ZkBackend;
+//!
+//! # async fn demo() -> dlock_core::Result<()> {
+//! let zk = ZkBackend::connect("127.0.0.1:2181/myapp", SessionOptions::default()).await?;
+//! let q = QueuePath::root(LockName::new("orders/42", NameRules::ZooKeeper)?);
+//! let ticket = Ticket::new();
+//! let mut done = zk.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"worker-1").await?;
+//! loop {
+//!     match decide(&done.queue, &done.mine.name) {
+//!         Decision::Acquired => break,
+//!         Decision::Wait(ahead) => {
+//!             let ahead = ahead.clone();
+//!             zk.wait_gone(&q, &ahead).await?;
+//!             done.queue = zk.queue(&q).await?;
+//!         }
+//!         Decision::Missing => return Err(dlock_core::Error::LockLost("entry vanished".into())),
+//!     }
+//! }
+//! println!("holding orders/42 with fencing token {:?}", done.mine.token);
+//! zk.remove(&q, &done.mine).await?;
+//! zk.close().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Errors and retries
+//! - A request cut off by a dropped or reset connection is sent again once the
+//!   client has reconnected, when doing so is safe: every read, `remove`, `abandon`, and
+//!   enqueue's `create`, which first looks for its entry by ticket (Curator's protected
+//!   mode) so a create whose reply was lost is never duplicated.
+//! - Once the session is lost (expired, closed by someone else, or disconnected past the
+//!   local limit above) every operation, including ones already waiting, fails with
+//!   [`dlock_core::Error::LockLost`]; after [`dlock_core::Backend::close`] they fail with
+//!   [`dlock_core::Error::Closed`].
+//! - A server that stays unreachable gives [`dlock_core::Error::Unreachable`]; anything
+//!   else the server refuses is [`dlock_core::Error::Backend`] with the client's error as
+//!   its source.
+//! - `read_value` reads the data of the lock's own znode; empty data counts as "not set"
+//!   (`None`), since the container node created on demand carries none.
+//!
+//! # Feature flags
+//! None. The crate always builds zookeeper-client with its `tokio` feature (without it,
+//! connecting panics at run time) and needs a tokio runtime.
+//!
+//! # Cancel safety
+//! Every future may be dropped. A dropped `enqueue` may still create its entry (the request
+//! is on the wire once the future was first polled); `abandon` with the same ticket removes
+//! it, since it lists the queue after that create on the same session.
 #![deny(missing_docs)]
 mod backend;
 mod errors;
@@ -14,6 +106,10 @@ pub use zookeeper_client as zk;
 pub struct ZkOptions {
     /// Set `TCP_NODELAY` on the session's connections (Linux only; a no-op elsewhere).
     /// Default `true`. Turning it off only makes sense to measure what it buys.
+    ///
+    /// The option is found and set per process, not per session: the adapter sets it on
+    /// every socket of the process connected to one of the session's servers, so `false`
+    /// here does not keep another session to the same servers from switching it on.
     pub tcp_nodelay: bool,
 }
 

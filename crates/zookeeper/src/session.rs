@@ -89,15 +89,16 @@ impl Shared {
 /// How long the session may stay `Disconnected` before the adapter declares it lost,
 /// given the negotiated session timeout `t`.
 ///
-/// The server expires a session `t` after it last heard from the client. The client
-/// reports `Disconnected` only after its connection timeout (2/5 of `t` in
-/// zookeeper-client) without a reply, so by then up to 0.4·t of the server's budget is
-/// spent. Waiting the full `t` after `Disconnected`, as Curator does, would declare the
-/// loss up to 0.4·t *after* another client may already hold the lock. Waiting `t / 2`
-/// declares it at about 0.9·t after the last reply: before the server can expire the
-/// session, with a margin for one round trip and scheduling delay.
+/// The server expires a session `t` after it last heard from the client. zookeeper-client
+/// reports `Disconnected` only after 0.4·`t` without a reply (checked every `t`/20), so by
+/// then 0.40–0.45·`t` of the server's budget is spent. Waiting the full `t` after
+/// `Disconnected`, as Curator does, would declare the loss up to 0.45·`t` *after* another
+/// client may already hold the lock; the crate's own expiry (1.4·`t` after the last reply)
+/// is later still. Waiting 0.4·`t` declares it 0.80–0.85·`t` after the last reply: before
+/// the server can expire the session, with 0.15·`t` left for the last round trip and
+/// scheduling delay.
 pub(crate) fn local_expiry_after(t: Duration) -> Duration {
-    t / 2
+    t * 2 / 5
 }
 
 /// Watches `states` until the session ends, recording the verdict in `shared`.
@@ -110,16 +111,21 @@ pub(crate) async fn watch_session(
 ) {
     let grace = local_expiry_after(session_timeout);
     let mut suspended_until: Option<Instant> = None;
+    // The state the session is in now counts as the first change: it may already have
+    // dropped its connection between connect and this task's start.
+    let mut pending = Some(states.peek_state());
     loop {
-        let state = match suspended_until {
-            None => states.changed().await,
-            Some(deadline) => {
+        let state = match (pending.take(), suspended_until) {
+            (Some(state), _) => state,
+            (None, None) => states.changed().await,
+            (None, Some(deadline)) => {
                 tokio::select! {
                     state = states.changed() => state,
                     () = tokio::time::sleep_until(deadline) => {
                         let reason = format!(
-                            "disconnected from ZooKeeper for {grace:?}, half the {session_timeout:?} \
-                             session timeout: the server may expire the session at any moment"
+                            "disconnected from ZooKeeper for {grace:?} (0.4 of the \
+                             {session_timeout:?} session timeout): the server may expire the \
+                             session at any moment"
                         );
                         if let Some(shared) = shared.upgrade() {
                             shared.conclude(Health::Lost(reason));

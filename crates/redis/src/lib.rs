@@ -1,0 +1,120 @@
+//! The Redis adapter of dlock: [`RedisBackend`] implements [`dlock_core::Backend`] on
+//! [fred](https://docs.rs/fred) 10, over one Redis master or, in Redlock mode, over N
+//! independent masters.
+//!
+//! You usually reach it through the `dlock` facade (`redis://host:port` or
+//! `redlock://h1:p1,h2:p2,...`) and the recipes; use this crate directly only to build a
+//! backend by hand: [`RedisBackend::connect`], [`RedisBackend::connect_redlock`] or
+//! [`RedisBackend::connect_url`].
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use dlock_core::{decide, Backend, Decision, EntryKind, LockName, NameRules, Position,
+//!                  QueuePath, SessionOptions, Ticket};
+//! use dlock_redis::RedisBackend;
+//!
+//! # async fn demo() -> Result<(), dlock_core::Error> {
+//! let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
+//! let redis = RedisBackend::connect("127.0.0.1:6379", opts).await?;
+//! let q = QueuePath::root(LockName::new("orders/42", NameRules::Redis)?);
+//! let ticket = Ticket::new();
+//! let added = redis.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"me").await?;
+//! if let Decision::Wait(ahead) = decide(&added.queue, &added.mine.name) {
+//!     redis.wait_gone(&q, ahead).await?; // then decide again on a fresh `queue`
+//! }
+//! redis.remove(&q, &added.mine).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Data model
+//! Every key of a lock `L` carries the hash tag `{L}`, so all of them live in one Redis
+//! Cluster slot and one Lua script can touch them all. For a queue (the lock itself, or
+//! one of its sub-queues `:<sub>` such as the semaphore's `leases`):
+//!
+//! | key | type | what |
+//! | --- | --- | --- |
+//! | `dlock:{L}:q[:<sub>]` | sorted set | entry names scored by their sequence |
+//! | `dlock:{L}:seq[:<sub>]` | string | the queue's sequence counter (`INCR`) |
+//! | `dlock:{L}:e[:<sub>]:<entry name>` | hash, `PX` = lease | `t` token, `c` creation ms (server clock), `d` data |
+//! | `dlock:{L}:token` | string | the lock's fencing-token counter |
+//!
+//! Entry names follow Curator: `_c_<ticket uuid>-<marker><10-digit sequence>` (markers
+//! `lock-`, `__READ__`, `__WRIT__`, `lease-`), so `dlock_core`'s parsing and ordering work
+//! unchanged and a dropped enqueue is found again by its ticket. Channels:
+//! `dlock:{L}:gone[:<sub>]:<entry name>` carries one message when that entry is removed
+//! (only the waiter watching it wakes), `dlock:{L}:chg[:<sub>]` one per add or removal
+//! (for the one semaphore contender that waits for any change).
+//!
+//! Every state change is one Lua script (enqueue, list, remove, abandon, renew), sent with
+//! `EVALSHA` and loaded on `NOSCRIPT`. The scripts build entry keys from prefixes instead
+//! of declaring each key: they share the hash tag, so they are on the script's slot. Every
+//! key gets a TTL of at least the longest lease renewed through it, and the counters are
+//! deleted when their queue empties, so neither an idle lock nor a crashed client leaves
+//! keys behind for longer than a lease.
+//!
+//! The layout is Cluster-ready (one slot per lock), but the client connects to one master
+//! per address: pointing it at a Redis Cluster node is not supported yet.
+//!
+//! # Lifetime of an entry: the watchdog
+//! An entry key expires one lease after its last renewal (the lease is
+//! [`dlock_core::SessionOptions::session_timeout`], default 30 s). A background task,
+//! like Redisson's watchdog, renews every live entry of this client every lease/3 with a
+//! script that only extends entries that still exist. A renewal that finds its entry gone,
+//! or no successful renewal for a whole lease (minus a drift allowance), fires that entry's
+//! [`dlock_core::Backend::lost`]. After every reconnect the watchdog runs a round at once:
+//! a Redis restarted without persistence has silently forgotten every key. Removing or
+//! abandoning an entry stops its renewal before the delete is sent, and dropping the
+//! backend aborts the task, so no renewal outlives a release. A dead client's entries
+//! expire by themselves; every listing drops members whose key has expired.
+//!
+//! # Wake-ups
+//! `wait_gone` subscribes to the watched entry's channel first (a fred `SubscriberClient`
+//! that re-subscribes after reconnects), then checks that the entry still exists, then
+//! waits for the message or a re-check timer (min(lease/3, 1 s)), so a lost message or an
+//! unpublished expiry only delays a waiter. Concurrent waiters on one channel share one
+//! subscription.
+//!
+//! # Fencing tokens
+//! Each entry gets `INCR dlock:{L}:token` from the enqueue script, floored at the server
+//! clock in microseconds. The floor keeps tokens growing after the counter is deleted with
+//! an idle lock or lost in a restart without persistence, *provided the server clock does
+//! not step back*. On one master tokens are as safe as the master's persistence and clock;
+//! see Redlock for the multi-master case.
+//!
+//! # Redlock
+//! In Redlock mode (the algorithm of the Redis docs, as in redsync) an entry is written
+//! with the same name on every master, and the enqueue succeeds once a majority took it
+//! within its validity time (lease − elapsed − drift, measured with a monotonic clock);
+//! otherwise it is taken back everywhere and the call fails with a typed error
+//! ([`dlock_core::Error::Unreachable`] when masters are down), never hangs.
+//!
+//! Queue order is kept consistent across masters by agreeing on the sequence: the client
+//! proposes one, and a master accepts it only if it is above every sequence it has handed
+//! out (else the client proposes a higher one). Every entry therefore has the same
+//! sequence on every master that holds it, and any two majorities share a master, so a
+//! later entry always sorts behind an earlier live one. A client's view of a queue is the
+//! union of the live entries reported by a majority of masters; an entry left on a
+//! minority only makes later entries wait until it expires, it never lets two in. The
+//! watchdog renews on all masters and fires `lost()` once a majority no longer holds the
+//! entry or none was renewed for a lease.
+//!
+//! **Redlock tokens are not safe fencing tokens.** The token returned is the highest of
+//! the per-master counters, which is not linearizable: after a master restart or a
+//! partition a later holder can receive a smaller token (Kleppmann, "How to do distributed
+//! locking"). Use the ZooKeeper or etcd backend, or one Redis master, where fencing matters.
+//!
+//! # Failure model in short
+//! Commands are never replayed after a reconnect (`max_command_attempts = 1`) and time out
+//! after clamp(lease/2, 1 s, 5 s); connection trouble maps to
+//! [`dlock_core::Error::Unreachable`], anything else the server says to
+//! [`dlock_core::Error::Backend`].
+
+#![deny(missing_docs)]
+
+mod backend;
+mod keys;
+mod node;
+mod reply;
+mod scripts;
+
+pub use backend::{RedisBackend, Stats, DEFAULT_LEASE, MIN_LEASE};

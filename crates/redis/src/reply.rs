@@ -1,0 +1,97 @@
+//! Parsing script replies into core types. A reply of an unexpected shape is an
+//! [`Error::Backend`] (someone else's keys under our prefix, or a script/version mismatch),
+//! never a panic.
+
+use dlock_core::{Entry, Error, FencingToken};
+use fred::prelude::Value;
+
+fn malformed(what: &str) -> Error {
+    Error::backend("parsing a script reply", format!("malformed reply: {what}"))
+}
+
+fn text(v: &Value) -> Option<String> {
+    v.as_str().map(|s| s.into_owned())
+}
+
+fn number(v: &Value) -> Option<u64> {
+    v.as_u64()
+}
+
+/// Parses `{name, seq, token[, created, data]...}`.
+pub(crate) fn entries(v: Value, detail: bool) -> Result<Vec<Entry>, Error> {
+    let items = match v {
+        Value::Array(items) => items,
+        Value::Null => Vec::new(),
+        _ => return Err(malformed("queue listing is not an array")),
+    };
+    let width = if detail { 5 } else { 3 };
+    if items.len() % width != 0 {
+        return Err(malformed("queue listing has a ragged length"));
+    }
+    let mut out = Vec::with_capacity(items.len() / width);
+    for chunk in items.chunks(width) {
+        let name = text(&chunk[0]).ok_or_else(|| malformed("entry name"))?;
+        // A member that does not parse as an entry name is not ours: skip it, as core
+        // skips foreign children on ZooKeeper.
+        let Some(mut e) = Entry::from_name(name) else {
+            continue;
+        };
+        e.token = number(&chunk[2]).map(FencingToken::new);
+        if detail {
+            e.created_ms = chunk[3].as_i64();
+            e.data = chunk[4].as_bytes().map(<[u8]>::to_vec).unwrap_or_default();
+        }
+        out.push(e);
+    }
+    Ok(out)
+}
+
+/// The reply of the enqueue script.
+#[derive(Debug)]
+pub(crate) enum Enqueue {
+    /// Added: the new entry (without data) and the live queue.
+    Added { mine: Entry, queue: Vec<Entry> },
+    /// Redlock: the proposed sequence is not above this master's counter.
+    Rejected { counter: u64 },
+    /// The writer beside which a read entry was asked for is gone.
+    Missing,
+}
+
+pub(crate) fn enqueue(v: Value) -> Result<Enqueue, Error> {
+    let Value::Array(mut items) = v else {
+        return Err(malformed("enqueue reply is not an array"));
+    };
+    let status = items.first().and_then(text).unwrap_or_default();
+    match status.as_str() {
+        "OK" if items.len() == 6 => {
+            let list = items.pop().unwrap_or(Value::Null);
+            let name = text(&items[1]).ok_or_else(|| malformed("entry name"))?;
+            let mut mine = Entry::from_name(name.clone())
+                .ok_or_else(|| malformed("created entry name does not parse"))?;
+            mine.token = number(&items[3]).map(FencingToken::new);
+            mine.created_ms = items[4].as_i64();
+            Ok(Enqueue::Added {
+                mine,
+                queue: entries(list, false)?,
+            })
+        }
+        "REJECT" if items.len() == 2 => Ok(Enqueue::Rejected {
+            counter: number(&items[1]).ok_or_else(|| malformed("counter"))?,
+        }),
+        "MISSING" => Ok(Enqueue::Missing),
+        _ => Err(malformed("unknown enqueue status")),
+    }
+}
+
+/// Parses the renew script's `{0|1, ...}`.
+pub(crate) fn renewed(v: Value, n: usize) -> Result<Vec<bool>, Error> {
+    let items = match v {
+        Value::Array(items) => items,
+        Value::Null => Vec::new(),
+        other => vec![other],
+    };
+    if items.len() != n {
+        return Err(malformed("renew reply has the wrong length"));
+    }
+    Ok(items.iter().map(|v| v.as_i64() == Some(1)).collect())
+}

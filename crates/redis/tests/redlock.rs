@@ -1,0 +1,234 @@
+//! Redlock mode against independent masters (`DLOCK_TEST_REDLOCK=h:p,h:p,...`), plus a
+//! fault test on five private redis-server processes this test starts and kills itself
+//! (run when `DLOCK_TEST_REDLOCK` is set).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, Ticket};
+use dlock_redis::RedisBackend;
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn masters(var: &str) -> Vec<String> {
+    var.split(',').map(|s| s.trim().to_owned()).collect()
+}
+
+async fn connect_redlock(addrs: &[String], lease: Duration) -> Arc<RedisBackend> {
+    RedisBackend::connect_redlock(addrs, opts(lease))
+        .await
+        .expect("connect to the redlock masters")
+}
+
+#[tokio::test]
+async fn redlock_fifo_and_clean_up_on_every_master() {
+    init_tracing();
+    let Some(list) = endpoint("DLOCK_TEST_REDLOCK", "redlock_fifo") else {
+        return;
+    };
+    let addrs = masters(&list);
+    let a = connect_redlock(&addrs, LONG).await;
+    let b = connect_redlock(&addrs, LONG).await;
+    assert_eq!(a.kind(), "redlock");
+    let q = fresh_queue("redlock-fifo");
+    let ea = a
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"a")
+        .await
+        .expect("a enqueues");
+    assert_eq!(decide(&ea.queue, &ea.mine.name), Decision::Acquired);
+    assert!(ea.mine.token.is_some());
+    let eb = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"b")
+        .await
+        .expect("b enqueues");
+    assert!(eb.mine.seq > ea.mine.seq, "b behind a");
+    assert!(
+        matches!(decide(&eb.queue, &eb.mine.name), Decision::Wait(e) if e.name == ea.mine.name)
+    );
+    // The same entry name exists on every master.
+    for addr in &addrs {
+        let insp = inspector(addr).await;
+        let key = format!("dlock:{{{}}}:e:{}", q.lock, ea.mine.name);
+        assert!(key_exists(&insp, &key).await, "a's entry on {addr}");
+    }
+    let (b2, q2, blocker) = (b.clone(), q.clone(), ea.mine.clone());
+    let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &blocker).await });
+    a.remove(&q, &ea.mine).await.expect("a releases");
+    tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("b wakes")
+        .expect("join")
+        .expect("wait_gone");
+    let now = b.queue(&q).await.expect("queue");
+    assert_eq!(decide(&now, &eb.mine.name), Decision::Acquired);
+    b.close().await.expect("close");
+    a.close().await.expect("close");
+    for addr in &addrs {
+        let insp = inspector(addr).await;
+        let left = scan_keys(
+            &insp,
+            &format!("dlock:{{{}}}*", glob_escape(q.lock.as_str())),
+        )
+        .await;
+        assert!(left.is_empty(), "keys left on {addr}: {left:?}");
+    }
+}
+
+#[tokio::test]
+async fn redlock_concurrent_enqueues_agree_on_one_order() {
+    init_tracing();
+    let Some(list) = endpoint("DLOCK_TEST_REDLOCK", "redlock_concurrent_enqueues") else {
+        return;
+    };
+    let addrs = masters(&list);
+    let q = fresh_queue("redlock-race");
+    let mut clients = Vec::new();
+    for _ in 0..6 {
+        clients.push(connect_redlock(&addrs, LONG).await);
+    }
+    let results = futures::future::join_all(clients.iter().map(|c| {
+        let q = q.clone();
+        async move {
+            c.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                .await
+        }
+    }))
+    .await;
+    let mine: Vec<_> = results
+        .into_iter()
+        .map(|r| r.expect("every concurrent enqueue succeeds").mine)
+        .collect();
+    let mut seqs: Vec<u64> = mine.iter().map(|e| e.seq).collect();
+    seqs.sort_unstable();
+    seqs.dedup();
+    assert_eq!(seqs.len(), 6, "distinct sequences: {seqs:?}");
+    // Every client sees the same order, and exactly one entry holds.
+    let first = clients[0].queue(&q).await.expect("queue");
+    assert_eq!(first.len(), 6);
+    for c in &clients[1..] {
+        let view = c.queue(&q).await.expect("queue");
+        assert_eq!(
+            view.iter().map(|e| &e.name).collect::<Vec<_>>(),
+            first.iter().map(|e| &e.name).collect::<Vec<_>>()
+        );
+    }
+    let holders = mine
+        .iter()
+        .filter(|e| decide(&first, &e.name) == Decision::Acquired)
+        .count();
+    assert_eq!(holders, 1);
+    for c in clients {
+        c.close().await.expect("close");
+    }
+}
+
+#[tokio::test]
+async fn redlock_works_with_two_masters_down_and_fails_typed_with_three() {
+    init_tracing();
+    if endpoint("DLOCK_TEST_REDLOCK", "redlock_two_down_three_down").is_none() {
+        return;
+    }
+    let mut servers: Vec<TestServer> = (0..5).map(|_| TestServer::start()).collect();
+    let addrs: Vec<String> = servers.iter().map(TestServer::addr).collect();
+    let a = connect_redlock(&addrs, Duration::from_secs(3)).await;
+    let b = connect_redlock(&addrs, Duration::from_secs(3)).await;
+    let q = fresh_queue("redlock-faults");
+    let ea = a
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("a enqueues with all masters up");
+    servers[0].kill();
+    servers[1].kill();
+    let eb = tokio::time::timeout(
+        Duration::from_secs(30),
+        b.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""),
+    )
+    .await
+    .expect("no hang")
+    .expect("b enqueues with 3 of 5 masters");
+    assert!(
+        matches!(decide(&eb.queue, &eb.mine.name), Decision::Wait(e) if e.name == ea.mine.name)
+    );
+    // a still holds: its watchdog keeps a majority renewed past the 3 s lease.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let view = b.queue(&q).await.expect("queue with 3 masters");
+    assert_eq!(decide(&view, &ea.mine.name), Decision::Acquired);
+    a.remove(&q, &ea.mine)
+        .await
+        .expect("a releases with 3 masters");
+    tokio::time::timeout(Duration::from_secs(30), b.wait_gone(&q, &ea.mine))
+        .await
+        .expect("no hang")
+        .expect("wait_gone");
+    let view = b.queue(&q).await.expect("queue");
+    assert_eq!(decide(&view, &eb.mine.name), Decision::Acquired);
+    let lost = b.lost(&q, &eb.mine);
+
+    servers[2].kill();
+    let err = tokio::time::timeout(
+        Duration::from_secs(60),
+        a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""),
+    )
+    .await
+    .expect("enqueue with 2 of 5 masters returns instead of hanging")
+    .expect_err("no majority");
+    eprintln!("redlock with 3 of 5 down: enqueue said: {err}");
+    assert!(matches!(err, Error::Unreachable(_)), "{err:?}");
+    let err = tokio::time::timeout(Duration::from_secs(60), a.queue(&q))
+        .await
+        .expect("no hang")
+        .expect_err("no majority to list");
+    assert!(matches!(err, Error::Unreachable(_)), "{err:?}");
+    // b's held entry can no longer be renewed on a majority: lost() fires.
+    let reason = tokio::time::timeout(Duration::from_secs(60), lost)
+        .await
+        .expect("lost() fires without a majority");
+    eprintln!("redlock with 3 of 5 down: lost() said: {reason}");
+    assert!(matches!(reason, Error::LockLost(_)), "{reason:?}");
+    let _ = tokio::time::timeout(Duration::from_secs(30), a.close()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(30), b.close()).await;
+}
+
+#[tokio::test]
+async fn redlock_connects_with_a_master_down_and_uses_it_once_it_is_back() {
+    init_tracing();
+    if endpoint("DLOCK_TEST_REDLOCK", "redlock_master_down_at_connect").is_none() {
+        return;
+    }
+    let mut servers: Vec<TestServer> = (0..3).map(|_| TestServer::start()).collect();
+    let addrs: Vec<String> = servers.iter().map(TestServer::addr).collect();
+    servers[2].kill();
+    let b = tokio::time::timeout(
+        Duration::from_secs(30),
+        RedisBackend::connect_redlock(
+            &addrs,
+            opts(LONG).with_connect_timeout(Duration::from_secs(2)),
+        ),
+    )
+    .await
+    .expect("no hang")
+    .expect("2 of 3 masters are a majority");
+    servers[2].restart();
+    let insp = inspector(&addrs[2]).await;
+    let q = fresh_queue("redlock-late-master");
+    // Once the late master is connected, new entries land on it too.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            let e = b
+                .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                .await
+                .expect("enqueue with a majority")
+                .mine;
+            let key = format!("dlock:{{{}}}:e:{}", q.lock, e.name);
+            let there = key_exists(&insp, &key).await;
+            b.remove(&q, &e).await.expect("remove");
+            there
+        })
+        .await,
+        "the master that was down at connect time is used once it is back"
+    );
+    b.close().await.expect("close");
+}

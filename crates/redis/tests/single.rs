@@ -1,0 +1,593 @@
+//! Integration tests against one real Redis master (`DLOCK_TEST_REDIS=host:port`), plus
+//! fault tests on private redis-server processes this test starts and kills itself (they
+//! run when `DLOCK_TEST_REDIS` is set, so that one switch turns on every Redis test).
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, SessionOptions, Ticket};
+use dlock_redis::RedisBackend;
+use futures::FutureExt;
+
+const LONG: Duration = Duration::from_secs(30);
+
+#[tokio::test]
+async fn enqueue_returns_the_ordered_queue_with_mine_and_a_token() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "enqueue_returns_ordered_queue") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let q = fresh_queue("enqueue");
+    let mut tokens = Vec::new();
+    let mut names = Vec::new();
+    for i in 0..3 {
+        let t = Ticket::new();
+        let got = b
+            .enqueue(
+                &q,
+                &t,
+                EntryKind::Lock,
+                Position::Tail,
+                format!("me-{i}").as_bytes(),
+            )
+            .await
+            .expect("enqueue");
+        assert!(got.mine.is_from(&t));
+        assert_eq!(got.mine.kind, EntryKind::Lock);
+        assert_eq!(got.mine.data, format!("me-{i}").into_bytes());
+        assert!(got.mine.name.starts_with(&t.name_prefix(EntryKind::Lock)));
+        assert_eq!(got.queue.len(), i + 1, "queue right after the add");
+        assert_eq!(got.queue.last().map(|e| &e.name), Some(&got.mine.name));
+        assert!(got.queue.windows(2).all(|w| w[0].seq < w[1].seq), "ordered");
+        tokens.push(got.mine.token.expect("a token"));
+        names.push(got.mine.name.clone());
+    }
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens grow: {tokens:?}"
+    );
+    let listed = b.queue(&q).await.expect("queue");
+    assert_eq!(
+        listed.iter().map(|e| e.name.clone()).collect::<Vec<_>>(),
+        names
+    );
+    let detail = b.participants(&q).await.expect("participants");
+    assert_eq!(detail[1].data, b"me-1".to_vec());
+    assert!(detail[1].created_ms.unwrap_or(0) > 1_600_000_000_000);
+    b.close().await.expect("close");
+    let other = connect(&addr, LONG).await;
+    assert!(
+        other.queue(&q).await.expect("queue").is_empty(),
+        "close removed them"
+    );
+    other.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn fifo_across_two_clients() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "fifo_across_two_clients") else {
+        return;
+    };
+    let a = connect(&addr, LONG).await;
+    let b = connect(&addr, LONG).await;
+    let q = fresh_queue("fifo");
+    let ea = a
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"a")
+        .await
+        .expect("a enqueues");
+    assert_eq!(decide(&ea.queue, &ea.mine.name), Decision::Acquired);
+    let eb = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"b")
+        .await
+        .expect("b enqueues");
+    let blocker = match decide(&eb.queue, &eb.mine.name) {
+        Decision::Wait(e) => e.clone(),
+        other => panic!("b must wait for a, got {other:?}"),
+    };
+    assert_eq!(blocker.name, ea.mine.name);
+    assert!(eb.mine.token > ea.mine.token);
+
+    let (q2, b2, blocker2) = (q.clone(), b.clone(), blocker.clone());
+    let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &blocker2).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiter.is_finished(), "b must not wake while a holds");
+    a.remove(&q, &ea.mine).await.expect("a releases");
+    tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("b wakes after a's release")
+        .expect("join")
+        .expect("wait_gone");
+    let now = b.queue(&q).await.expect("queue");
+    assert_eq!(decide(&now, &eb.mine.name), Decision::Acquired);
+    // Removal is idempotent, and wait_gone on a gone entry returns at once.
+    a.remove(&q, &ea.mine)
+        .await
+        .expect("second remove succeeds");
+    tokio::time::timeout(Duration::from_secs(10), b.wait_gone(&q, &ea.mine))
+        .await
+        .expect("returns at once")
+        .expect("wait_gone");
+    b.remove(&q, &eb.mine).await.expect("b releases");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn a_removal_wakes_only_its_watcher() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "a_removal_wakes_only_its_watcher") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let q = fresh_queue("herd");
+    let mut entries = Vec::new();
+    for _ in 0..21 {
+        let e = b
+            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .await
+            .expect("enqueue");
+        entries.push(e.mine);
+    }
+    let woken = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for i in 1..21 {
+        let (b, q, watched, woken) = (b.clone(), q.clone(), entries[i - 1].clone(), woken.clone());
+        tasks.push(tokio::spawn(async move {
+            b.wait_gone(&q, &watched).await.expect("wait_gone");
+            woken.fetch_add(1, Ordering::SeqCst);
+        }));
+    }
+    // Every waiter is subscribed once each of the 20 channels is.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            b.stats().subscribes >= 20
+        })
+        .await,
+        "20 subscriptions"
+    );
+    let before = b.stats();
+    b.remove(&q, &entries[0]).await.expect("remove the head");
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            woken.load(Ordering::SeqCst) >= 1
+        })
+        .await,
+        "the head's watcher wakes"
+    );
+    // Give any wrongly woken waiter several re-check periods to show up.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = b.stats();
+    eprintln!(
+        "herd test: woken={} messages={} subscribes={}",
+        woken.load(Ordering::SeqCst),
+        after.messages - before.messages,
+        after.subscribes
+    );
+    assert_eq!(woken.load(Ordering::SeqCst), 1, "exactly one waiter woke");
+    assert_eq!(after.messages - before.messages, 1, "one message delivered");
+    assert!(tasks[0].is_finished());
+    assert!(tasks[1..].iter().all(|t| !t.is_finished()));
+    for t in tasks {
+        t.abort();
+    }
+    b.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn watchdog_keeps_an_entry_alive_past_its_lease() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "watchdog_keeps_an_entry_alive") else {
+        return;
+    };
+    let b = connect(&addr, Duration::from_secs(1)).await;
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("watchdog");
+    let e = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let lost = b.lost(&q, &e);
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let key = format!("dlock:{{{}}}:e:{}", q.lock, e.name);
+    assert!(
+        key_exists(&insp, &key).await,
+        "entry alive after 3.5 leases"
+    );
+    let pttl: i64 = fred::prelude::KeysInterface::pttl(&insp, &key)
+        .await
+        .expect("pttl");
+    assert!(pttl > 0 && pttl <= 1000, "lease re-armed, pttl={pttl}");
+    assert!(
+        lost.now_or_never().is_none(),
+        "lost() must not fire while held"
+    );
+    assert!(b.stats().renewals >= 3, "renewed: {:?}", b.stats());
+    // Release stops the renewal: the entry is gone and stays gone.
+    b.remove(&q, &e).await.expect("remove");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(!key_exists(&insp, &key).await, "no renewal after release");
+    let lost_after = b.lost(&q, &e).await;
+    assert!(matches!(lost_after, Error::LockLost(_)), "{lost_after:?}");
+    b.close().await.expect("close");
+}
+
+/// The child half of `a_killed_client_s_entry_expires`: holds an entry until killed.
+#[tokio::test]
+async fn child_holder() {
+    let (Ok(addr), Ok(lock)) = (
+        std::env::var("DLOCK_REDIS_CHILD_ADDR"),
+        std::env::var("DLOCK_REDIS_CHILD_LOCK"),
+    ) else {
+        return; // Only meaningful when spawned by the parent test.
+    };
+    let b = connect(&addr, Duration::from_secs(1)).await;
+    let q = dlock_core::QueuePath::root(
+        dlock_core::LockName::new(&lock, dlock_core::NameRules::Redis).expect("name"),
+    );
+    let e = b
+        .enqueue(
+            &q,
+            &Ticket::new(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"child",
+        )
+        .await
+        .expect("child enqueues");
+    println!("DLOCK_ENTRY={}", e.mine.name);
+    tokio::time::sleep(Duration::from_secs(120)).await;
+}
+
+#[tokio::test]
+async fn a_killed_client_s_entry_expires() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "a_killed_client_s_entry_expires") else {
+        return;
+    };
+    use std::io::BufRead;
+    let q = fresh_queue("crash");
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test exe"))
+        .args(["--exact", "child_holder", "--nocapture", "--test-threads=1"])
+        .env("DLOCK_REDIS_CHILD_ADDR", &addr)
+        .env("DLOCK_REDIS_CHILD_LOCK", q.lock.as_str())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn child");
+    let stdout = child.stdout.take().expect("child stdout");
+    let name = tokio::task::spawn_blocking(move || {
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| {
+                l.split_once("DLOCK_ENTRY=")
+                    .map(|(_, n)| n.trim().to_owned())
+            })
+    })
+    .await
+    .expect("join")
+    .expect("child printed its entry");
+    let observer = connect(&addr, LONG).await;
+    // The child's watchdog keeps it alive past its 1 s lease...
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let listed = observer.queue(&q).await.expect("queue");
+    assert!(
+        listed.iter().any(|e| e.name == name),
+        "alive while the child runs"
+    );
+    // ...until the process dies without a word.
+    child.kill().expect("SIGKILL the child");
+    let _ = child.wait();
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            observer
+                .queue(&q)
+                .await
+                .map(|l| l.is_empty())
+                .unwrap_or(false)
+        })
+        .await,
+        "the dead client's entry expired"
+    );
+    let insp = inspector(&addr).await;
+    let left = scan_keys(
+        &insp,
+        &format!("dlock:{{{}}}*", glob_escape(q.lock.as_str())),
+    )
+    .await;
+    assert!(left.is_empty(), "keys left: {left:?}");
+    observer.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn dropped_enqueues_then_abandon_leave_no_keys() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "dropped_enqueues_then_abandon") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("dropped");
+    let mut completed = 0;
+    for i in 0..200 {
+        let t = Ticket::new();
+        {
+            let mut fut = b.enqueue(&q, &t, EntryKind::Lock, Position::Tail, b"x");
+            // Drop after 0, 1 or a few polls: before sending, in flight, or done.
+            for _ in 0..(i % 4) {
+                if futures::poll!(fut.as_mut()).is_ready() {
+                    completed += 1;
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        }
+        b.abandon(&q, &t).await.expect("abandon");
+    }
+    let left = scan_keys(
+        &insp,
+        &format!("dlock:{{{}}}*", glob_escape(q.lock.as_str())),
+    )
+    .await;
+    eprintln!(
+        "dropped enqueues: {completed} of 200 completed before the drop; keys left: {}",
+        left.len()
+    );
+    assert!(left.is_empty(), "keys left: {left:?}");
+    assert_eq!(b.stats().live, 0, "nothing left to renew");
+    b.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn beside_and_wait_changed() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "beside_and_wait_changed") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let q = fresh_queue("beside");
+    let w = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Write, Position::Tail, b"")
+        .await
+        .expect("writer")
+        .mine;
+    let w2 = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Write, Position::Tail, b"")
+        .await
+        .expect("second writer")
+        .mine;
+    let seen = b.queue(&q).await.expect("queue");
+    let (b2, q2, seen2) = (b.clone(), q.clone(), seen.clone());
+    let changed = tokio::spawn(async move { b2.wait_changed(&q2, &seen2).await });
+    let r = b
+        .enqueue(
+            &q,
+            &Ticket::new(),
+            EntryKind::Read,
+            Position::Beside(&w),
+            b"",
+        )
+        .await
+        .expect("read beside");
+    assert_eq!(r.mine.seq, w.seq);
+    assert_eq!(decide(&r.queue, &r.mine.name), Decision::Acquired);
+    assert!(matches!(decide(&r.queue, &w2.name), Decision::Wait(_)));
+    tokio::time::timeout(Duration::from_secs(20), changed)
+        .await
+        .expect("wait_changed returns on an add")
+        .expect("join")
+        .expect("wait_changed");
+    b.remove(&q, &w).await.expect("remove writer");
+    let err = b
+        .enqueue(
+            &q,
+            &Ticket::new(),
+            EntryKind::Read,
+            Position::Beside(&w),
+            b"",
+        )
+        .await
+        .expect_err("beside a gone writer");
+    assert!(matches!(err, Error::LockLost(_)), "{err:?}");
+    b.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn bad_input_gets_typed_errors() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "bad_input_gets_typed_errors") else {
+        return;
+    };
+    for bad in ["nohost", "h:0", "h:99999", ":6379", "a/b:1"] {
+        let e = RedisBackend::connect(bad, SessionOptions::default())
+            .await
+            .expect_err(bad);
+        assert!(matches!(e, Error::InvalidUrl { .. }), "{bad}: {e:?}");
+    }
+    let e = RedisBackend::connect(&addr, opts(Duration::from_millis(10)))
+        .await
+        .expect_err("tiny lease");
+    assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
+    let e = RedisBackend::connect_url("http://x:1", SessionOptions::default())
+        .await
+        .expect_err("scheme");
+    assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
+    // A closed port: Unreachable within the connect timeout, not a hang.
+    let free = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let e = tokio::time::timeout(
+        Duration::from_secs(30),
+        RedisBackend::connect(
+            &format!("127.0.0.1:{free}"),
+            SessionOptions::default().with_connect_timeout(Duration::from_secs(1)),
+        ),
+    )
+    .await
+    .expect("connect gives up")
+    .expect_err("nobody listens");
+    assert!(matches!(e, Error::Unreachable(_)), "{e:?}");
+    // After close every call is Closed.
+    let b = RedisBackend::connect_url(&format!("redis://{addr}"), opts(LONG))
+        .await
+        .expect("connect");
+    let q = fresh_queue("closed");
+    let e = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let lost = b.lost(&q, &e);
+    b.close().await.expect("close");
+    b.close().await.expect("close is idempotent");
+    assert!(matches!(lost.await, Error::Closed));
+    let err = b.queue(&q).await.expect_err("closed");
+    assert!(matches!(err, Error::Closed), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_restart_without_persistence_fires_lost() {
+    init_tracing();
+    if endpoint(
+        "DLOCK_TEST_REDIS",
+        "a_restart_without_persistence_fires_lost",
+    )
+    .is_none()
+    {
+        return;
+    }
+    let mut server = TestServer::start();
+    let b = connect(&server.addr(), Duration::from_secs(3)).await;
+    let q = fresh_queue("restart");
+    let e = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let lost = b.lost(&q, &e);
+    server.kill();
+    server.restart();
+    let reason = tokio::time::timeout(Duration::from_secs(30), lost)
+        .await
+        .expect("lost() fires after the restart");
+    eprintln!("restart: lost() said: {reason}");
+    assert!(matches!(reason, Error::LockLost(_)), "{reason:?}");
+    // The backend works again on the restarted server.
+    let again = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue after restart");
+    assert_eq!(decide(&again.queue, &again.mine.name), Decision::Acquired);
+    assert!(
+        again.mine.token > e.token,
+        "token kept growing across the restart"
+    );
+    b.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn dropping_the_backend_stops_renewal_and_removes_its_entries() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "dropping_the_backend") else {
+        return;
+    };
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("drop");
+    let b = connect(&addr, Duration::from_secs(1)).await;
+    let e = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let lost = b.lost(&q, &e);
+    drop(b);
+    assert!(matches!(lost.await, Error::Closed));
+    let pattern = format!("dlock:{{{}}}*", glob_escape(q.lock.as_str()));
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            scan_keys(&insp, &pattern).await.is_empty()
+        })
+        .await,
+        "dropping the backend removed its keys"
+    );
+    // And nothing renews or re-creates them afterwards.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(scan_keys(&insp, &pattern).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_silent_client_s_entry_expires_and_wakes_its_watcher() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "a_silent_client_s_entry_expires") else {
+        return;
+    };
+    let q = fresh_queue("silent");
+    let dead = connect(&addr, Duration::from_secs(1)).await;
+    let e = dead
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let waiter = connect(&addr, LONG).await;
+    let w = waiter
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue");
+    assert!(matches!(decide(&w.queue, &w.mine.name), Decision::Wait(x) if x.name == e.name));
+    // The watchdog dies without removing anything, as in a crash.
+    dead.simulate_crash();
+    tokio::time::timeout(Duration::from_secs(20), waiter.wait_gone(&q, &e))
+        .await
+        .expect("the expired entry's watcher wakes (re-check timer)")
+        .expect("wait_gone");
+    let now = waiter.queue(&q).await.expect("queue");
+    assert_eq!(decide(&now, &w.mine.name), Decision::Acquired);
+    waiter.close().await.expect("close");
+}
+
+#[tokio::test]
+async fn a_stalled_server_fires_lost_after_one_lease() {
+    init_tracing();
+    if endpoint("DLOCK_TEST_REDIS", "a_stalled_server_fires_lost").is_none() {
+        return;
+    }
+    let server = TestServer::start();
+    let b = connect(&server.addr(), Duration::from_secs(1)).await;
+    let q = fresh_queue("stall");
+    let e = b
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let lost = b.lost(&q, &e);
+    server.signal("STOP");
+    let reason = tokio::time::timeout(Duration::from_secs(30), lost)
+        .await
+        .expect("lost() fires while the server is stalled");
+    server.signal("CONT");
+    eprintln!("stall: lost() said: {reason}");
+    assert!(
+        matches!(&reason, Error::LockLost(r) if r.contains("no successful renewal")),
+        "{reason:?}"
+    );
+    // The entry is not renewed after it was given up: it expires on the server.
+    let insp = inspector(&server.addr()).await;
+    let key = format!("dlock:{{{}}}:e:{}", q.lock, e.name);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            !key_exists(&insp, &key).await
+        })
+        .await,
+        "the given-up entry is gone"
+    );
+    b.close().await.expect("close");
+}
