@@ -35,10 +35,8 @@
 //! # Feature flags
 //! - `zookeeper` (default): the ZooKeeper backend, `dlock-zookeeper`.
 //! - `etcd` (default): the etcd backend, `dlock-etcd`.
+//! - `redis` (default): the Redis and Redlock backends, `dlock-redis`.
 //! - `cli` (default): the `dlock` command line tool (`src/bin/dlock.rs`).
-//! - `redis`: the Redis and Redlock backends. Their adapter (`dlock-redis`) is not in
-//!   this tree yet, so this feature does not build today; it is the switch the adapter
-//!   will plug into.
 //!
 //! Turn off the backends you do not use with `default-features = false`.
 //!
