@@ -54,10 +54,16 @@ pub struct Common {
 /// # Errors
 /// [`dlock::Error::InvalidUrl`] for a malformed URL.
 pub fn compiled_in(url: &str) -> Result<bool, dlock::Error> {
+    // Bound to names: with every feature on, `cfg!` arms would all be `true` literals.
+    let (zookeeper, etcd, redis) = (
+        cfg!(feature = "zookeeper"),
+        cfg!(feature = "etcd"),
+        cfg!(feature = "redis"),
+    );
     Ok(match BackendUrl::parse(url)? {
-        BackendUrl::ZooKeeper { .. } => cfg!(feature = "zookeeper"),
-        BackendUrl::Etcd { .. } => cfg!(feature = "etcd"),
-        BackendUrl::Redis { .. } | BackendUrl::Redlock { .. } => cfg!(feature = "redis"),
+        BackendUrl::ZooKeeper { .. } => zookeeper,
+        BackendUrl::Etcd { .. } => etcd,
+        BackendUrl::Redis { .. } | BackendUrl::Redlock { .. } => redis,
         _ => false,
     })
 }
