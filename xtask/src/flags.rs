@@ -19,8 +19,12 @@ pub(crate) enum Task {
     Cluster(ClusterCmd),
     /// Start servers, export DLOCK_TEST_*, run every workspace test, tear down.
     Integration(IntegrationArgs),
-    /// What CI runs: fmt check, clippy -D warnings, then integration.
+    /// What CI runs: fmt check, clippy -D warnings, rustdoc -D warnings, then integration
+    /// (which also runs the examples).
     Ci(IntegrationArgs),
+    /// Run every example of examples/ once against real servers (its own single-node
+    /// cluster, or the given URLs).
+    Examples(ExamplesArgs),
     /// The stock-deduction demo: 8 processes sell 300 items with and without dlock.
     Demo(DemoArgs),
     /// Benchmark: dlock-bench (and with --peers the peer harness) to a markdown table of
@@ -88,7 +92,7 @@ fn redis_count(s: &str) -> Result<u32, String> {
 
 #[derive(Debug, Args)]
 pub(crate) struct StateArg {
-    /// State file (default: <workspace>/target/dlock-cluster/state.json).
+    /// State file (default: `<workspace>/target/dlock-cluster/state.json`).
     #[arg(long = "state", env = "DLOCK_CLUSTER_STATE")]
     pub(crate) path: Option<PathBuf>,
 }
@@ -140,6 +144,15 @@ pub(crate) struct BenchArgs {
     /// Title of the chart.
     #[arg(long, default_value = "dlock vs peers, same invocation")]
     pub(crate) title: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ExamplesArgs {
+    /// Run against these backend URLs (repeatable) instead of starting a cluster.
+    #[arg(long)]
+    pub(crate) url: Vec<String>,
+    #[command(flatten)]
+    pub(crate) offset: PortOffset,
 }
 
 #[derive(Debug, Args)]

@@ -1,5 +1,5 @@
-//! `cargo xtask integration`: servers up, `DLOCK_TEST_*` exported, every test run, servers
-//! down, whatever happens.
+//! `cargo xtask integration`: servers up, `DLOCK_TEST_*` exported, every test run, then every
+//! example of `examples/` on every backend, servers down, whatever happens.
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::os::unix::process::CommandExt as _;
@@ -58,7 +58,20 @@ pub(crate) fn run_with(
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");
     }
-    let mut outcome = run_all(root, &endpoints, &cluster_dir);
+    let mut outcome = run_all(root, &endpoints, &cluster_dir).and_then(|mut counts| {
+        // The examples assert their own invariants; run them once per backend, in the
+        // same cluster, once the tests are green.
+        if counts.exit_code == 0 && counts.failed == 0 {
+            let ex = crate::examples::run_with(root, &endpoints.urls())?;
+            counts.passed += ex.passed;
+            counts.failed += ex.failed;
+            counts.ignored += ex.skipped;
+            if ex.failed > 0 {
+                counts.exit_code = 1;
+            }
+        }
+        Ok(counts)
+    });
     if bench_smoke {
         if let Ok(counts) = &mut outcome {
             if counts.exit_code == 0 && counts.failed == 0 {

@@ -156,10 +156,14 @@ impl<B: Backend + ?Sized> Client<B> {
     }
 
     /// Closes the session: every lock and permit held through this client is released
-    /// at once (their guards' lost signals fire).
+    /// at once (their guards' lost signals fire), and every acquire still waiting on it
+    /// fails with [`Error::Closed`] or [`Error::LockLost`].
     ///
     /// # Errors
     /// A backend error if the close request failed (the session then ends by timeout).
+    ///
+    /// # Upstream
+    /// Curator `CuratorFramework.close()`; etcd `Session.Close()` (revokes the lease).
     pub async fn close(&self) -> Result<()> {
         self.backend.close().await
     }

@@ -146,6 +146,16 @@ impl<B: Backend + ?Sized> LockGuard<B> {
     /// # Cancel safety
     /// If the future is dropped before it completes, the guard counts as released and the
     /// entry is removed in the background.
+    ///
+    /// # Session loss
+    /// Releasing a lost lock returns [`Error::LockLost`] (or [`Error::Closed`]): its
+    /// entry went with the session, and the caller learns that its critical section may
+    /// have overlapped another holder's.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMutex.release()` / `Lease.close()`; etcd `Mutex.Unlock`
+    /// (whose retry can delete a newer lock of the same session, etcd#22082; a guard
+    /// releases once); Redisson `unlock()`.
     pub async fn release(&mut self) -> Result<()> {
         if self.released {
             return Err(Error::NotHeld(format!(
