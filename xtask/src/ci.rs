@@ -1,12 +1,13 @@
 //! `cargo xtask ci`: the whole gate, fail fast: fmt, clippy, rustdoc (warnings denied),
 //! then integration (tests, doc tests, the examples, a dlock-bench smoke pass whose
-//! figures are never asserted). `.ci/run` calls exactly this.
+//! figures are never asserted), the demo, then the short chaos run. `.ci/run` calls
+//! exactly this.
 
 use std::path::Path;
 
 use anyhow::Context as _;
 
-use crate::flags::IntegrationArgs;
+use crate::flags::{ChaosArgs, IntegrationArgs};
 
 pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     let steps: [(&str, &[&str]); 2] = [
@@ -64,5 +65,22 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         workers: 8,
         offset: args.offset.clone(),
     };
-    crate::demo::run(root, &demo)
+    let code = crate::demo::run(root, &demo)?;
+    if code != 0 {
+        return Ok(code);
+    }
+    // The short chaos run: holder SIGKILL and holder pause on every backend this build
+    // has, on its own servers far from the integration ports.
+    crate::header("cargo xtask chaos --short");
+    crate::chaos::run(
+        root,
+        &ChaosArgs {
+            backends: Vec::new(),
+            scenarios: Vec::new(),
+            list: false,
+            short: true,
+            no_docs: true,
+            port_offset: args.offset.value.saturating_add(45_000),
+        },
+    )
 }

@@ -111,7 +111,7 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
     crate::cluster::start_with_progress(&spec)
 }
 
-fn build_dlock(root: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn build_dlock(root: &Path) -> anyhow::Result<PathBuf> {
     crate::header("cargo build -p dlock --bin dlock");
     let status = crate::cargo()
         .current_dir(root)

@@ -36,6 +36,15 @@ pub(crate) enum Task {
     /// One purchase: read the counter, decrement it, log the sale (internal).
     #[command(hide = true)]
     DemoBuy(BuyArgs),
+    /// Fault injection on real servers and processes: holder SIGKILL, holder pause,
+    /// leader SIGKILL, server restart, client cut off; prints the scenario x backend table.
+    Chaos(ChaosArgs),
+    /// One chaos worker process: takes the lock again and again (internal).
+    #[command(hide = true)]
+    ChaosWorker(ChaosWorkerArgs),
+    /// One chaos critical section, run by `dlock exec` (internal).
+    #[command(hide = true)]
+    ChaosSection(ChaosSectionArgs),
 }
 
 /// Port offset shared by every task that starts servers.
@@ -187,6 +196,76 @@ pub(crate) struct WorkerArgs {
 pub(crate) struct BuyArgs {
     /// The shop directory (counter and sales log).
     pub(crate) dir: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ChaosArgs {
+    /// Backends to run (zk, etcd, redis, redlock; repeat or comma-separate). Default: all
+    /// this build of dlock supports.
+    #[arg(long = "backend", value_delimiter = ',')]
+    pub(crate) backends: Vec<String>,
+    /// Scenarios to run (repeat or comma-separate). Default: all. See `--list`.
+    #[arg(long = "scenario", value_delimiter = ',')]
+    pub(crate) scenarios: Vec<String>,
+    /// List the scenarios and exit.
+    #[arg(long)]
+    pub(crate) list: bool,
+    /// The CI version: holder kill and holder pause only, one fault each.
+    #[arg(long)]
+    pub(crate) short: bool,
+    /// Leave docs/safety.md alone (the short run never touches it).
+    #[arg(long)]
+    pub(crate) no_docs: bool,
+    /// Added to every default server port; far from the integration suite's by default.
+    #[arg(long = "port-offset", default_value_t = 45_000)]
+    pub(crate) port_offset: u16,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ChaosWorkerArgs {
+    /// `cli` (every section is a `dlock exec` process) or `lib` (one process, the library).
+    #[arg(long)]
+    pub(crate) via: String,
+    /// Path of the `dlock` binary, for `--via cli`.
+    #[arg(long)]
+    pub(crate) dlock: Option<PathBuf>,
+    /// Lock service URL.
+    #[arg(long)]
+    pub(crate) url: String,
+    /// Lock name.
+    #[arg(long)]
+    pub(crate) name: String,
+    /// Session timeout, e.g. 2s.
+    #[arg(long)]
+    pub(crate) session_timeout: String,
+    #[command(flatten)]
+    pub(crate) section: SectionParams,
+    /// The worker stops before its next section once this file exists.
+    #[arg(long)]
+    pub(crate) stop: PathBuf,
+}
+
+/// What one critical section does: log, work, write to the fenced store, log.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct SectionParams {
+    /// Worker number.
+    #[arg(long = "worker")]
+    pub(crate) worker: u32,
+    /// `127.0.0.1:PORT` of the fenced store.
+    #[arg(long)]
+    pub(crate) store: String,
+    /// The history file every section appends to.
+    #[arg(long)]
+    pub(crate) history: PathBuf,
+    /// How long the section works before it writes.
+    #[arg(long)]
+    pub(crate) work_ms: u64,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ChaosSectionArgs {
+    #[command(flatten)]
+    pub(crate) section: SectionParams,
 }
 
 #[cfg(test)]

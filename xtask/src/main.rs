@@ -7,8 +7,10 @@
 //! - `examples`: every example of `examples/` once against real servers.
 //! - `demo`: the stock-deduction scenario, with and without the lock.
 //! - `bench`: dlock-bench beside the peers; markdown table, JSON, SVG chart.
+//! - `chaos`: faults on real servers and processes, the safety table (docs/safety.md).
 
 mod bench;
+mod chaos;
 mod ci;
 mod cluster;
 mod demo;
@@ -34,6 +36,9 @@ fn main() -> anyhow::Result<()> {
         flags::Task::Examples(args) => examples::run(&root, &args)?,
         flags::Task::DemoWorker(args) => demo::worker(&args)?,
         flags::Task::DemoBuy(args) => demo::buy(&args.dir)?,
+        flags::Task::Chaos(args) => chaos::run(&root, &args)?,
+        flags::Task::ChaosWorker(args) => chaos::worker::worker(&args)?,
+        flags::Task::ChaosSection(args) => chaos::worker::chaos_section(&args)?,
     };
     std::process::exit(code)
 }

@@ -439,4 +439,48 @@ mod tests {
             prop_assert!(lease_wakeups <= next as usize);
         }
     }
+
+    mod fuzz {
+        use super::*;
+        use crate::entry::{format_seq, sort_queue, Ticket};
+
+        /// An entry name: mostly well-formed (any kind, any sequence, shared sequences
+        /// included), sometimes garbage that `Entry::from_name` must refuse.
+        fn name() -> impl Strategy<Value = String> {
+            prop_oneof![
+                4 => (0usize..4, 0u64..20).prop_map(|(k, seq)| {
+                    format!("{}{}", Ticket::new().name_prefix(EntryKind::ALL[k]), format_seq(seq))
+                }),
+                1 => any::<String>(),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(1000))]
+
+            /// Whatever a server lists (duplicates, shared sequence numbers, foreign
+            /// names) and whatever entry the caller asks about, the driver answers without
+            /// panicking, and a `Wait` always names an entry ahead of mine.
+            #[test]
+            fn driver_never_panics_on_any_queue(
+                names in prop::collection::vec(name(), 0..30),
+                pick in any::<prop::sample::Index>(),
+                foreign in any::<String>(),
+            ) {
+                let mut queue: Vec<Entry> = names.into_iter().filter_map(Entry::from_name).collect();
+                sort_queue(&mut queue);
+                let mine = if queue.is_empty() { foreign } else { queue[pick.index(queue.len())].name.clone() };
+                match decide(&queue, &mine) {
+                    Decision::Acquired => prop_assert!(queue.iter().any(|e| e.name == mine)),
+                    Decision::Wait(b) => {
+                        let me = queue.iter().position(|e| e.name == mine).expect("mine is queued");
+                        let at = queue.iter().position(|e| std::ptr::eq(e, b)).expect("blocker is queued");
+                        prop_assert!(at < me);
+                    }
+                    Decision::Missing => prop_assert!(!queue.iter().any(|e| e.name == mine)),
+                }
+                let _ = holders(&queue);
+            }
+        }
+    }
 }

@@ -189,4 +189,61 @@ mod tests {
         assert_eq!(QueuePath::root(n.clone()).relative(), "s");
         assert_eq!(QueuePath::sub(n, "leases").relative(), "s/leases");
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        const RULES: [NameRules; 3] = [NameRules::ZooKeeper, NameRules::Etcd, NameRules::Redis];
+
+        /// Names built from the characters validation cares about, so the interesting
+        /// branches (segments, reserved prefix, braces, control bytes) are hit often.
+        fn tricky_name() -> impl Strategy<Value = String> {
+            prop::collection::vec(
+                prop_oneof![
+                    Just("/".to_string()),
+                    Just(".".to_string()),
+                    Just("..".to_string()),
+                    Just("zookeeper".to_string()),
+                    Just("{".to_string()),
+                    Just("}".to_string()),
+                    Just("\0".to_string()),
+                    Just("\u{7f}".to_string()),
+                    Just("é".to_string()),
+                    "[a-z0-9_-]{1,8}",
+                    any::<char>().prop_map(String::from),
+                ],
+                0..40,
+            )
+            .prop_map(|parts| parts.concat())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Any input gets `Ok` or a typed `InvalidName`, never a panic; an accepted
+            /// name is normalised, within the limit, and valid again as it stands.
+            #[test]
+            fn any_name_is_accepted_normalised_or_refused(
+                name in prop_oneof![any::<String>(), tricky_name()],
+                r in 0usize..3,
+            ) {
+                let rules = RULES[r];
+                match LockName::new(&name, rules) {
+                    Ok(n) => {
+                        let s = n.as_str();
+                        prop_assert!(!s.is_empty());
+                        prop_assert!(!s.starts_with('/') && !s.ends_with('/'));
+                        prop_assert!(s.len() <= NameRules::MAX_LEN);
+                        prop_assert!(!s.chars().any(char::is_control));
+                        prop_assert!(s.split('/').all(|seg| !seg.is_empty() && seg != "." && seg != ".."));
+                        let again = LockName::new(s, rules).ok();
+                        prop_assert_eq!(again, Some(n.clone()));
+                    }
+                    Err(Error::InvalidName { name: given, .. }) => prop_assert_eq!(given, name),
+                    Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+                }
+            }
+        }
+    }
 }

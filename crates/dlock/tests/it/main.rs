@@ -15,6 +15,7 @@ mod cli;
 mod curator;
 #[cfg(feature = "zookeeper")]
 mod curator_peer;
+mod fuzz;
 mod recipes;
 mod support;
 #[cfg(feature = "zookeeper")]
