@@ -7,7 +7,7 @@
 //! the leader kill take [`ETCD_FAULTS`] and never overlap.
 
 // The etcd-only tests are not instantiated without the etcd feature.
-#![cfg_attr(not(feature = "etcd"), allow(dead_code))]
+#![cfg_attr(not(feature = "etcd"), allow(dead_code, unused_imports))]
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -100,7 +100,12 @@ pub async fn cli_paused_holder_exits_70(kind: Kind, url: &str) {
     let holder = dlock()
         .args(["--url", url, "--session-timeout", "2s", "exec", &name, "--"])
         // The command records its PID, then becomes `sleep` under that same PID.
-        .args(["sh", "-c", "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600", "sh"])
+        .args([
+            "sh",
+            "-c",
+            "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+            "sh",
+        ])
         .arg(&pidfile)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&errfile).expect("stderr file"))
@@ -149,14 +154,18 @@ pub async fn cli_paused_holder_exits_70(kind: Kind, url: &str) {
 
     let status = wait_exit(&mut holder.0, GENEROUS).await;
     let err = std::fs::read_to_string(&errfile).unwrap_or_default();
-    let status = status.unwrap_or_else(|| panic!("dlock did not exit after SIGCONT; stderr: {err}"));
+    let status =
+        status.unwrap_or_else(|| panic!("dlock did not exit after SIGCONT; stderr: {err}"));
     assert_eq!(
         status.code(),
         Some(70),
         "dlock must exit 70 when the lock is lost under its command; stderr: {err}"
     );
     assert!(
-        eventually(GENEROUS, || async { start_time(child_pid) != Some(child_start) }).await,
+        eventually(GENEROUS, || async {
+            start_time(child_pid) != Some(child_start)
+        })
+        .await,
         "the command (pid {child_pid}) outlived the lost lock"
     );
     // The new holder was never disturbed by the old one waking up.
@@ -181,7 +190,8 @@ fn etcdctl_lock(url: &str, name: &str, cmd: &[&str]) -> Reap {
     let child = Command::new("etcdctl")
         .env("ETCDCTL_API", "3")
         .arg(format!("--endpoints={}", first_endpoint(url)))
-        .args(["lock", name])
+        // `--`: etcdctl would read the command's own flags (`sh -c`) as its flags.
+        .args(["lock", name, "--"])
         .args(cmd)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -238,7 +248,16 @@ pub async fn etcdctl_lock_blocks_dlock(kind: Kind, url: &str) {
     assert!(parts[0].holds, "{parts:?}");
 
     let out = dlock()
-        .args(["--url", url, "exec", &name, "--timeout", "500ms", "--", "true"])
+        .args([
+            "--url",
+            url,
+            "exec",
+            &name,
+            "--timeout",
+            "500ms",
+            "--",
+            "true",
+        ])
         .output()
         .expect("run dlock");
     assert_eq!(
@@ -262,10 +281,23 @@ pub async fn etcdctl_lock_blocks_dlock(kind: Kind, url: &str) {
         "etcdctl lock failed: {err}"
     );
     let st = dlock()
-        .args(["--url", url, "exec", &name, "--timeout", "60s", "--", "true"])
+        .args([
+            "--url",
+            url,
+            "exec",
+            &name,
+            "--timeout",
+            "60s",
+            "--",
+            "true",
+        ])
         .status()
         .expect("run dlock");
-    assert_eq!(st.code(), Some(0), "dlock must get the lock etcdctl released");
+    assert_eq!(
+        st.code(),
+        Some(0),
+        "dlock must get the lock etcdctl released"
+    );
     assert!(eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await);
     c.close().await.expect("close");
     let _ = std::fs::remove_dir_all(&dir);
@@ -326,7 +358,10 @@ pub async fn dlock_blocks_etcdctl_lock(kind: Kind, url: &str) {
     let st = wait_exit(&mut etcdctl.0, GENEROUS).await;
     let (out, err) = output_of(&mut etcdctl);
     assert_eq!(st.and_then(|s| s.code()), Some(0), "etcdctl failed: {err}");
-    assert!(out.contains("got"), "etcdctl's command did not run: {out:?} {err}");
+    assert!(
+        out.contains("got"),
+        "etcdctl's command did not run: {out:?} {err}"
+    );
     assert_eq!(
         std::fs::read_to_string(&log).expect("log"),
         "dlock-start\ndlock-end\netcdctl\n",
@@ -343,7 +378,9 @@ fn state() -> Option<State> {
         Ok(p) if !p.is_empty() => p,
         _ => {
             if std::env::var_os("CI").is_some() {
-                panic!("DLOCK_TEST_STATE is not set but CI is: run through `cargo xtask integration`");
+                panic!(
+                    "DLOCK_TEST_STATE is not set but CI is: run through `cargo xtask integration`"
+                );
             }
             skip("DLOCK_TEST_STATE not set (run through `cargo xtask integration`)");
             return None;
@@ -400,8 +437,12 @@ pub async fn etcd_leader_kill_keeps_the_lock(_kind: Kind, url: &str) {
     let _one = ETCD_FAULTS.lock().await;
     let name = unique("leader-kill");
     let opts = || SessionOptions::default().with_session_timeout(Duration::from_secs(10));
-    let a = dlock::connect_with(url, opts()).await.expect("connect holder");
-    let b = dlock::connect_with(url, opts()).await.expect("connect waiter");
+    let a = dlock::connect_with(url, opts())
+        .await
+        .expect("connect holder");
+    let b = dlock::connect_with(url, opts())
+        .await
+        .expect("connect waiter");
     let mut g = a.mutex(&name).expect("name").lock().await.expect("lock");
     let holder_token = g.token();
     let mb = b.mutex(&name).expect("name");
@@ -423,15 +464,19 @@ pub async fn etcd_leader_kill_keeps_the_lock(_kind: Kind, url: &str) {
     };
     tokio::task::block_in_place(|| revive.state().kill(Backend::Etcd, leader))
         .expect("kill the etcd leader");
-    let new_leader = tokio::task::block_in_place(|| revive.state().wait_leader(Backend::Etcd, GENEROUS))
-        .expect("the survivors elect a leader");
+    let new_leader =
+        tokio::task::block_in_place(|| revive.state().wait_leader(Backend::Etcd, GENEROUS))
+            .expect("the survivors elect a leader");
     assert_ne!(new_leader, leader);
     // The survivors serve this client again.
     assert!(
         eventually(GENEROUS, || async { leftovers(&a, &name).await == 2 }).await,
         "the queue is not readable after the failover"
     );
-    assert!(!g.is_lost(), "the holder's lost signal fired on a leader change");
+    assert!(
+        !g.is_lost(),
+        "the holder's lost signal fired on a leader change"
+    );
     assert!(
         !waiter.is_finished(),
         "the waiter must not get the lock while the holder holds it"
