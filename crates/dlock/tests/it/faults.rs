@@ -76,13 +76,17 @@ async fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::E
     }
 }
 
-/// Kills a child this test started if it is still running (on any exit path).
+/// A child this test started as the leader of its own process group; if it still runs
+/// when this is dropped (a failed assertion), the whole group is killed, so no command it
+/// started (a shell polling for a gate file, `sleep 600`) outlives the test.
 struct Reap(Child);
 
 impl Drop for Reap {
     fn drop(&mut self) {
         if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.0.id())])
+                .status();
             let _ = self.0.wait();
         }
     }
@@ -162,6 +166,10 @@ pub async fn cli_paused_holder_exits_70(kind: Kind, url: &str) {
         "dlock must exit 70 when the lock is lost under its command; stderr: {err}"
     );
     assert!(
+        err.contains("stopping the command"),
+        "the exit must come from the lost signal: {err}"
+    );
+    assert!(
         eventually(GENEROUS, || async {
             start_time(child_pid) != Some(child_start)
         })
@@ -196,6 +204,7 @@ fn etcdctl_lock(url: &str, name: &str, cmd: &[&str]) -> Reap {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .process_group(0)
         .spawn()
         .expect("spawn etcdctl (Debian package etcd-client)");
     Reap(child)
@@ -320,6 +329,7 @@ pub async fn dlock_blocks_etcdctl_lock(kind: Kind, url: &str) {
         .arg(&log)
         .arg(&go)
         .stdout(Stdio::null())
+        .process_group(0)
         .spawn()
         .expect("spawn dlock");
     let mut holder = Reap(holder);
