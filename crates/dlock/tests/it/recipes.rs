@@ -266,9 +266,15 @@ pub async fn semaphore_peak_equals_permits(kind: Kind, url: &str) {
     let name = unique("sem");
     let live = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
-    let mut tasks = Vec::new();
+    // Every session connects before any contends: connecting one at a time while the
+    // first ones already cycle (a Redis connect takes longer than a hold) would let the
+    // early sessions finish before the late ones arrive, and the peak would stay below 3.
+    let mut sessions = Vec::new();
     for _ in 0..8 {
-        let c = client(kind, url).await;
+        sessions.push(client(kind, url).await);
+    }
+    let mut tasks = Vec::new();
+    for c in sessions {
         let (name, live, peak) = (name.clone(), live.clone(), peak.clone());
         tasks.push(tokio::spawn(async move {
             let s = c.semaphore(&name, 3).expect("sem");
