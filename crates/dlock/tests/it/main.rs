@@ -15,6 +15,7 @@ mod cli;
 mod curator;
 #[cfg(feature = "zookeeper")]
 mod curator_peer;
+mod faults;
 mod fuzz;
 mod recipes;
 mod support;
@@ -81,6 +82,18 @@ all_backends! {
     cli_exit_codes => crate::cli::cli_exit_codes,
     cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
     cli_status_shows_queue => crate::cli::cli_status_shows_queue,
+    cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
+}
+
+// etcd only: interop with etcd's own lock, and leader failover.
+mod etcdctl_lock_blocks_dlock {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcdctl_lock_blocks_dlock);
+}
+mod dlock_blocks_etcdctl_lock {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::dlock_blocks_etcdctl_lock);
+}
+mod etcd_leader_kill_keeps_the_lock {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);
 }
 
 /// ZooKeeper-only tests: Curator interop, herd counting, faults. `shared` tests run
