@@ -38,8 +38,9 @@ pub async fn mutex_excludes_and_tokens_grow(kind: Kind, url: &str) {
     }
     let seen = tokens.take();
     assert_eq!(seen.len(), 40);
+    // Redlock's tokens are documented as not safe fencing tokens: no total order.
     assert!(
-        seen.windows(2).all(|w| w[0] < w[1]),
+        matches!(kind, Kind::Redlock) || seen.windows(2).all(|w| w[0] < w[1]),
         "tokens must strictly increase in acquisition order: {seen:?}"
     );
 }
