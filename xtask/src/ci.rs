@@ -1,5 +1,7 @@
-//! `cargo xtask ci`: the whole gate, fail fast. `.ci/run` calls exactly this: fmt, clippy,
-//! the integration suite, the demo, then the short chaos run.
+//! `cargo xtask ci`: the whole gate, fail fast: fmt, clippy, rustdoc (warnings denied),
+//! then integration (tests, doc tests, the examples, a dlock-bench smoke pass whose
+//! figures are never asserted), the demo, then the short chaos run. `.ci/run` calls
+//! exactly this.
 
 use std::path::Path;
 
@@ -37,7 +39,20 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
             return Ok(status.code().unwrap_or(1));
         }
     }
-    let code = crate::integration::run(root, args)?;
+    // Rustdoc with warnings denied: broken intra-doc links and bad doc markup fail CI.
+    let title = "RUSTDOCFLAGS=-D warnings cargo doc --workspace --no-deps";
+    crate::header(title);
+    let status = crate::cargo()
+        .current_dir(root)
+        .args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .status()
+        .with_context(|| format!("running {title}"))?;
+    if !status.success() {
+        eprintln!("xtask ci: `{title}` failed ({status})");
+        return Ok(status.code().unwrap_or(1));
+    }
+    let code = crate::integration::run_with(root, args, true)?;
     if code != 0 {
         return Ok(code);
     }

@@ -19,10 +19,17 @@ pub(crate) enum Task {
     Cluster(ClusterCmd),
     /// Start servers, export DLOCK_TEST_*, run every workspace test, tear down.
     Integration(IntegrationArgs),
-    /// What CI runs: fmt check, clippy -D warnings, then integration.
+    /// What CI runs: fmt check, clippy -D warnings, rustdoc -D warnings, then integration
+    /// (which also runs the examples).
     Ci(IntegrationArgs),
+    /// Run every example of examples/ once against real servers (its own single-node
+    /// cluster, or the given URLs).
+    Examples(ExamplesArgs),
     /// The stock-deduction demo: 8 processes sell 300 items with and without dlock.
     Demo(DemoArgs),
+    /// Benchmark: dlock-bench (and with --peers the peer harness) to a markdown table of
+    /// ratios, JSON under target/bench/ and an SVG chart.
+    Bench(BenchArgs),
     /// One demo worker process: buys until sold out (internal).
     #[command(hide = true)]
     DemoWorker(WorkerArgs),
@@ -94,7 +101,7 @@ fn redis_count(s: &str) -> Result<u32, String> {
 
 #[derive(Debug, Args)]
 pub(crate) struct StateArg {
-    /// State file (default: <workspace>/target/dlock-cluster/state.json).
+    /// State file (default: `<workspace>/target/dlock-cluster/state.json`).
     #[arg(long = "state", env = "DLOCK_CLUSTER_STATE")]
     pub(crate) path: Option<PathBuf>,
 }
@@ -104,6 +111,55 @@ pub(crate) struct IntegrationArgs {
     /// One node of each backend instead of ZooKeeper 3 + etcd 3 + Redis 5.
     #[arg(long)]
     pub(crate) single: bool,
+    #[command(flatten)]
+    pub(crate) offset: PortOffset,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// Run this peer harness folder's run.sh (e.g. /work/shared/peers) with dlock-bench
+    /// as its RUST_BENCH_CMD, instead of starting servers here.
+    #[arg(long)]
+    pub(crate) peers: Option<PathBuf>,
+    /// With --peers: run run.sh in a fresh network namespace (`unshare -n`, needs root),
+    /// so its fixed ports cannot clash with servers already running on this machine.
+    #[arg(long, requires = "peers")]
+    pub(crate) netns: bool,
+    /// With --peers: only these peers of run.sh (space or comma separated, e.g.
+    /// "curator kazoo redis-py rust-peers rust"); default all.
+    #[arg(long, requires = "peers")]
+    pub(crate) peer_list: Option<String>,
+    /// Summarise a saved file of result lines instead of running anything.
+    #[arg(long, conflicts_with = "peers")]
+    pub(crate) from: Option<PathBuf>,
+    /// Seconds per workload.
+    #[arg(long, default_value_t = 3.0)]
+    pub(crate) duration: f64,
+    /// Workers of W2-W5.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) workers: u32,
+    /// Semaphore permits of W4.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) leases: u32,
+    /// Interleaved repeats; the report takes medians.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) repeats: u32,
+    /// Also run the scale checks (S1 waiters, S2 held locks).
+    #[arg(long)]
+    pub(crate) scale: bool,
+    /// Where to write the SVG chart (default target/bench/bench.svg).
+    #[arg(long)]
+    pub(crate) svg: Option<PathBuf>,
+    /// Title of the chart.
+    #[arg(long, default_value = "dlock vs peers, same invocation")]
+    pub(crate) title: String,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ExamplesArgs {
+    /// Run against these backend URLs (repeatable) instead of starting a cluster.
+    #[arg(long)]
+    pub(crate) url: Vec<String>,
     #[command(flatten)]
     pub(crate) offset: PortOffset,
 }

@@ -1,5 +1,5 @@
-//! `cargo xtask integration`: servers up, `DLOCK_TEST_*` exported, every test run, servers
-//! down, whatever happens.
+//! `cargo xtask integration`: servers up, `DLOCK_TEST_*` exported, every test run, then every
+//! example of `examples/` on every backend, servers down, whatever happens.
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::os::unix::process::CommandExt as _;
@@ -12,6 +12,16 @@ use dlock_testkit::{ClusterSpec, Endpoints, State, ENV_CLUSTER_DIR};
 use crate::flags::IntegrationArgs;
 
 pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
+    run_with(root, args, false)
+}
+
+/// As [`run`]; with `bench_smoke`, a passing test run is followed by the dlock-bench
+/// smoke pass against the same servers (what `cargo xtask ci` does).
+pub(crate) fn run_with(
+    root: &Path,
+    args: &IntegrationArgs,
+    bench_smoke: bool,
+) -> anyhow::Result<i32> {
     let cluster_dir = crate::target_dir(root).join("dlock-cluster");
     let state_path = cluster_dir.join("integration.json");
     // Servers of tests that a signal killed last time, then the same on our way out.
@@ -33,7 +43,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         etcd,
         redis,
         port_offset: args.offset.value,
-        state_path: Some(state_path),
+        state_path: Some(state_path.clone()),
         base_dir: None,
     };
     // A CI machine may run a distribution-started server on a default port.
@@ -48,7 +58,34 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");
     }
-    let outcome = run_all(root, &endpoints, &cluster_dir);
+    let mut outcome = run_all(root, &endpoints, &cluster_dir).and_then(|mut counts| {
+        // The examples assert their own invariants; run them once per backend, in the
+        // same cluster, once the tests are green.
+        if counts.exit_code == 0 && counts.failed == 0 {
+            let ex = crate::examples::run_with(root, &endpoints.urls())?;
+            counts.passed += ex.passed;
+            counts.failed += ex.failed;
+            counts.ignored += ex.skipped;
+            if ex.failed > 0 {
+                counts.exit_code = 1;
+            }
+        }
+        Ok(counts)
+    });
+    if bench_smoke {
+        if let Ok(counts) = &mut outcome {
+            if counts.exit_code == 0 && counts.failed == 0 {
+                match crate::bench::smoke(root, &endpoints) {
+                    Ok(true) => {}
+                    Ok(false) => counts.exit_code = 1,
+                    Err(e) => {
+                        eprintln!("xtask: bench smoke pass could not run: {e:#}");
+                        counts.exit_code = 1;
+                    }
+                }
+            }
+        }
+    }
     dlock_testkit::reap_scratch_clusters(&cluster_dir);
     cluster.down().context("tearing the cluster down")?;
     let counts = outcome?;

@@ -3,14 +3,18 @@
 //!
 //! - `cluster up|down|status`: real ZooKeeper / etcd / Redis servers on 127.0.0.1.
 //! - `integration`: start servers, export `DLOCK_TEST_*`, run every test, tear down.
-//! - `ci`: fmt check, clippy, integration. What `.ci/run` calls.
+//! - `ci`: fmt check, clippy, rustdoc, integration (with the examples), a dlock-bench smoke pass. What `.ci/run` calls.
+//! - `examples`: every example of `examples/` once against real servers.
 //! - `demo`: the stock-deduction scenario, with and without the lock.
+//! - `bench`: dlock-bench beside the peers; markdown table, JSON, SVG chart.
 //! - `chaos`: faults on real servers and processes, the safety table (docs/safety.md).
 
+mod bench;
 mod chaos;
 mod ci;
 mod cluster;
 mod demo;
+mod examples;
 mod flags;
 mod integration;
 mod teardown;
@@ -28,6 +32,8 @@ fn main() -> anyhow::Result<()> {
         flags::Task::Integration(args) => integration::run(&root, &args)?,
         flags::Task::Ci(args) => ci::run(&root, &args)?,
         flags::Task::Demo(args) => demo::run(&root, &args)?,
+        flags::Task::Bench(args) => bench::run(&root, &args)?,
+        flags::Task::Examples(args) => examples::run(&root, &args)?,
         flags::Task::DemoWorker(args) => demo::worker(&args)?,
         flags::Task::DemoBuy(args) => demo::buy(&args.dir)?,
         flags::Task::Chaos(args) => chaos::run(&root, &args)?,

@@ -141,6 +141,38 @@ pub trait Backend: Send + Sync + 'static {
         Box::pin(async { Ok(None) })
     }
 
+    /// Replaces the payload of `entry` in `q` with `data`: how a revocation request is
+    /// delivered (Curator's `Revoker.attemptRevoke` writes [`crate::entry::REVOKE_MESSAGE`]
+    /// into the holder's node). Succeeds if the entry is already gone, as Curator's does.
+    ///
+    /// The default returns an [`Error::Backend`] saying the backend does not support it;
+    /// backends that can watch an entry's payload override it together with
+    /// [`Backend::wait_data_changed`].
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = (q, entry, data);
+        Box::pin(async move { Err(unsupported(self.kind(), "setting an entry's payload")) })
+    }
+
+    /// Completes with the payload of `entry` once it differs from `seen` (at once if it
+    /// already does), or with `None` once the entry is gone. Arms its watch before it
+    /// reads, so no change is missed.
+    ///
+    /// The default returns an [`Error::Backend`] saying the backend does not support it.
+    fn wait_data_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        seen: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        let _ = (q, entry, seen);
+        Box::pin(async move { Err(unsupported(self.kind(), "watching an entry's payload")) })
+    }
+
     /// The queue `q` with every detail the backend can give (tokens, data, creation
     /// time), for status output. May cost more round trips than [`Backend::queue`].
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
@@ -149,4 +181,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Closes the session: every entry on it goes at once. Idempotent.
     fn close(&self) -> BoxFuture<'_, Result<()>>;
+}
+
+/// The error of a trait method a backend does not implement.
+fn unsupported(kind: &str, what: &str) -> Error {
+    Error::backend(
+        what.to_owned(),
+        format!("the {kind} backend does not support {what} (needed for revocation)"),
+    )
 }

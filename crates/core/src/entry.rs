@@ -102,6 +102,11 @@ impl Default for Ticket {
     }
 }
 
+/// The payload Curator's `Revoker.attemptRevoke` writes into a holder's entry to ask it
+/// to release. Revocation is cooperative: a holder that does not watch its entry never
+/// notices.
+pub const REVOKE_MESSAGE: &[u8] = b"__REVOKE__";
+
 /// The start of every protected name.
 pub const PROTECTED_PREFIX: &str = "_c_";
 

@@ -15,6 +15,33 @@
 //!   held, invalid input, unreachable backend.
 //! - [`HoldCounts`], [`FencingToken`], [`LockName`].
 //!
+//! ```
+//! use dlock_core::{decide, Decision, Entry, FenceGate};
+//!
+//! // A queue as a backend lists it: two mutex contenders, in sequence order.
+//! let queue: Vec<Entry> = [
+//!     "_c_1fbf573b-3050-4ba4-a162-7ea7e63924ae-lock-0000000007",
+//!     "_c_ae920474-0000-4000-8000-000000000000-lock-0000000008",
+//! ]
+//! .into_iter()
+//! .filter_map(Entry::from_name)
+//! .collect();
+//! assert_eq!(decide(&queue, &queue[0].name), Decision::Acquired);
+//! // The second waits for exactly one entry: the first.
+//! assert_eq!(decide(&queue, &queue[1].name), Decision::Wait(&queue[0]));
+//!
+//! // The storage side of fencing: a stale token is refused.
+//! let gate = FenceGate::new();
+//! assert!(gate.admit(dlock_core::FencingToken::new(42)));
+//! assert!(!gate.admit(dlock_core::FencingToken::new(41)));
+//! ```
+//!
+//! Most users want the `dlock` facade crate, which re-exports this crate's public types
+//! and connects to a backend from a URL.
+//!
+//! # Feature flags
+//! None. The crate depends on no async runtime and no client library.
+//!
 //! # The design decision
 //! A waiter watches exactly one entry: the nearest one ahead of it that conflicts with
 //! it. That one choice gives fairness, no thundering herd and no missed release; the

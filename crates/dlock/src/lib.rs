@@ -25,19 +25,39 @@
 //! | URL | backend | feature |
 //! |---|---|---|
 //! | `zk://h:p[,h:p...][/chroot]` | ZooKeeper, wire-compatible with Curator | `zookeeper` |
-//! | `etcd://h:p[,h:p...]` | etcd, wire-compatible with etcd's lock | `etcd` |
+//! | `etcd://h:p[,h:p...]` | etcd, layout shared with etcd's lock | `etcd` |
 //! | `redis://h:p` | one Redis server, watchdog leases | `redis` |
 //! | `redlock://h:p,h:p,h:p[,...]` | Redlock over independent Redis masters | `redis` |
 //!
+//! A URL whose backend this build leaves out gives [`Error::InvalidUrl`] saying which
+//! feature is missing. [`connect_env`] reads the URL from `DLOCK_URL`.
+//!
 //! # Feature flags
-//! - `zookeeper`, `etcd`, `redis`: one per backend (all on by default); turn off the
-//!   ones you do not use with `default-features = false`.
-//! - `cli`: the `dlock` command line tool.
+//! - `zookeeper` (default): the ZooKeeper backend, `dlock-zookeeper`.
+//! - `etcd` (default): the etcd backend, `dlock-etcd`.
+//! - `redis` (default): the Redis and Redlock backends, `dlock-redis`.
+//! - `cli` (default): the `dlock` command line tool (`src/bin/dlock.rs`).
+//!
+//! Turn off the backends you do not use with `default-features = false`.
+//!
+//! # Cancel safety and session loss
+//! Every acquire may be dropped at any await point: its queue entry is removed (in the
+//! background if need be). Every lock lives as long as the client's session; when the
+//! session ends, a waiting acquire returns [`Error::LockLost`] and a held guard's
+//! [`LockGuard::lost`] fires. The methods of [`dlock_recipes::Mutex`] and the other
+//! recipes say so one by one, with the Curator / etcd / Redisson call each matches.
+//!
+//! # Errors and exit codes
+//! One error enum, [`Error`], for every backend: lost, timeout, would-block, invalid input
+//! and unreachable are distinct variants. [`exit_code`] maps them to the CLI's exit codes
+//! (75 timeout, 69 unreachable, 64 bad usage, 70 lock lost).
 //!
 //! # The design decision
 //! The protocol (naming, ordering, which entry to watch) lives in one sans-I/O crate,
-//! `dlock-core`; adapters only move bytes; recipes are written once. See
-//! `docs/ARCHITECTURE.md`.
+//! `dlock-core`; adapters only move bytes; recipes are written once over the `Backend`
+//! trait. So every recipe has the same semantics on every backend, and the facade can
+//! pick the backend at run time from a URL (`Arc<dyn Backend>`). See
+//! `docs/ARCHITECTURE.md`; for choosing a backend, `docs/choosing-a-backend.md`.
 
 #![deny(missing_docs)]
 
@@ -50,7 +70,8 @@ pub use dlock_core::{
     Backend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName, Result, SessionOptions,
 };
 pub use dlock_recipes::{
-    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, Semaphore, SemaphoreMutex,
+    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
+    SemaphoreMutex,
 };
 pub use url::BackendUrl;
 
@@ -163,3 +184,8 @@ pub fn exit_code(e: &Error) -> i32 {
         _ => 1,
     }
 }
+
+// The README's Rust example is compiled as a doc test, so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;

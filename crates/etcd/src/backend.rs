@@ -462,6 +462,20 @@ impl EtcdBackend {
         Ok(r)
     }
 
+    /// The queue as the cluster's quorum sees it now. Status output must show every
+    /// entry that exists, even to a fresh client whose first serializable read could be
+    /// served by a lagging member.
+    async fn read_queue_linearizable(&self, prefix: &str) -> Result<Vec<Entry>> {
+        let resp: GetResponse = retrying(self.request_timeout, move || {
+            let mut kv = self.kv.clone();
+            async move { kv.get(prefix, Some(queue_read())).await }
+        })
+        .await
+        .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
+        self.observe(header_rev(resp.header()));
+        Ok(layout::queue_from_kvs(prefix, resp.kvs().iter().map(raw)))
+    }
+
     async fn read_queue(&self, prefix: &str) -> Result<(Vec<Entry>, i64)> {
         let resp: GetResponse = self
             .fresh_get(prefix, queue_read(), 0)
@@ -722,6 +736,13 @@ impl Backend for EtcdBackend {
         Box::pin(async move {
             let prefix = layout::queue_prefix(q);
             Ok(self.read_queue(&prefix).await?.0)
+        })
+    }
+
+    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(async move {
+            let prefix = layout::queue_prefix(q);
+            self.read_queue_linearizable(&prefix).await
         })
     }
 

@@ -13,6 +13,15 @@
 //! - `session`: the lease and its keep-alive task, and the lost signal;
 //! - `errors`: how etcd-client's errors map to [`dlock_core::Error`].
 //!
+//! # The design decision: etcd's own mutex keys
+//! A dlock mutex entry is the very key etcd's `concurrency.Mutex` writes, so dlock,
+//! `etcdctl lock` and Go services wait in one FIFO queue on the same name: teams can move
+//! to dlock one service at a time. Everything below (the key layout, the ticketed key of a
+//! second local contender, depth-limited queues) follows from keeping that promise.
+//!
+//! # Feature flags
+//! None. etcd-client needs `protoc` at build time (`apt-get install protobuf-compiler`).
+//!
 //! # Layout: shared with etcd's own lock
 //! A lock named `NAME` lives under the key prefix `NAME/`. A mutex entry is exactly the
 //! key etcd's `concurrency.Mutex` (and so `etcdctl lock NAME` and the server's v3lock

@@ -156,12 +156,49 @@ impl<B: Backend + ?Sized> Client<B> {
     }
 
     /// Closes the session: every lock and permit held through this client is released
-    /// at once (their guards' lost signals fire).
+    /// at once (their guards' lost signals fire), and every acquire still waiting on it
+    /// fails with [`Error::Closed`] or [`Error::LockLost`].
     ///
     /// # Errors
     /// A backend error if the close request failed (the session then ends by timeout).
+    ///
+    /// # Upstream
+    /// Curator `CuratorFramework.close()`; etcd `Session.Close()` (revokes the lease).
     pub async fn close(&self) -> Result<()> {
         self.backend.close().await
+    }
+
+    /// Asks every current holder of `name` to release it: writes Curator's revocation
+    /// message ([`dlock_core::entry::REVOKE_MESSAGE`]) into each holding entry, as
+    /// Curator's `Revoker.attemptRevoke` does. Holders that took the lock with
+    /// [`Mutex::lock_revocable`] (or Curator's `makeRevocable`) are told; others never
+    /// notice. Revocation is cooperative: nothing is released by force.
+    ///
+    /// Returns how many holding entries were asked (0 if the lock is free).
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`]; a backend error, including "unsupported" on backends
+    /// without entry payload watches.
+    pub async fn revoke(&self, name: &str) -> Result<usize> {
+        let parts = self.participants(name).await?;
+        let lock = self.lock_name(name)?;
+        let mut asked = 0;
+        // The semaphore's internal lock is held only while acquiring: not a holder.
+        for p in parts
+            .iter()
+            .filter(|p| p.holds && p.queue != crate::semaphore::LOCKS)
+        {
+            let q = QueuePath {
+                lock: lock.clone(),
+                sub: (!p.queue.is_empty()).then_some(p.queue),
+            };
+            tracing::debug!(lock = %lock, entry = %p.entry.name, "asking the holder to release");
+            self.backend
+                .set_data(&q, &p.entry, dlock_core::entry::REVOKE_MESSAGE)
+                .await?;
+            asked += 1;
+        }
+        Ok(asked)
     }
 
     /// The reentrant acquire shared by the mutex, the read and the write lock.
@@ -171,6 +208,21 @@ impl<B: Backend + ?Sized> Client<B> {
         recipe: Recipe,
         kind: EntryKind,
         wait: Wait,
+    ) -> Result<LockGuard<B>> {
+        let data = self.data.clone();
+        self.acquire_reentrant_with(lock, recipe, kind, wait, &data)
+            .await
+    }
+
+    /// [`Client::acquire_reentrant`] with the entry's payload given (a revocable lock
+    /// writes an empty one, as Curator does).
+    pub(crate) async fn acquire_reentrant_with(
+        &self,
+        lock: &LockName,
+        recipe: Recipe,
+        kind: EntryKind,
+        wait: Wait,
+        data: &[u8],
     ) -> Result<LockGuard<B>> {
         let owner = current_owner();
         let key: HoldKey = (lock.clone(), recipe);
@@ -196,7 +248,7 @@ impl<B: Backend + ?Sized> Client<B> {
             Some(w) => Position::Beside(&w.entry),
             None => Position::Tail,
         };
-        let entry = queue::acquire(&self.backend, &q, kind, at, &self.data, wait)
+        let entry = queue::acquire(&self.backend, &q, kind, at, data, wait)
             .instrument(span.clone())
             .await?;
         let held = match Held::new(self.backend.clone(), q.clone(), entry.clone()) {

@@ -146,6 +146,16 @@ impl<B: Backend + ?Sized> LockGuard<B> {
     /// # Cancel safety
     /// If the future is dropped before it completes, the guard counts as released and the
     /// entry is removed in the background.
+    ///
+    /// # Session loss
+    /// Releasing a lost lock returns [`Error::LockLost`] (or [`Error::Closed`]): its
+    /// entry went with the session, and the caller learns that its critical section may
+    /// have overlapped another holder's.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMutex.release()` / `Lease.close()`; etcd `Mutex.Unlock`
+    /// (whose retry can delete a newer lock of the same session, etcd#22082; a guard
+    /// releases once); Redisson `unlock()`.
     pub async fn release(&mut self) -> Result<()> {
         if self.released {
             return Err(Error::NotHeld(format!(
@@ -191,6 +201,84 @@ impl<B: Backend + ?Sized> LockGuard<B> {
                 ))),
             },
         }
+    }
+}
+
+/// A [`LockGuard`] whose holder can be asked to release by anyone: by
+/// [`crate::Client::revoke`], the `dlock revoke` command, or Curator's
+/// `Revoker.attemptRevoke` on its node. Made by [`crate::Mutex::lock_revocable`].
+///
+/// Revocation is cooperative, as in Curator: the request only completes
+/// [`RevocableGuard::revoke_requested`]; the holder decides when to release. Everything
+/// else is the inner guard's, through `Deref`.
+#[must_use = "the lock is released as soon as the guard is dropped"]
+pub struct RevocableGuard<B: Backend + ?Sized = dyn Backend> {
+    guard: LockGuard<B>,
+}
+
+impl<B: Backend + ?Sized> RevocableGuard<B> {
+    pub(crate) fn new(guard: LockGuard<B>) -> Self {
+        RevocableGuard { guard }
+    }
+
+    /// Completes with `Ok(())` once someone asked this holder to release (the entry's
+    /// payload became Curator's `__REVOKE__`), at once if that already happened.
+    ///
+    /// # Errors
+    /// [`Error::LockLost`] if the session ends first; [`Error::NotHeld`] if the entry is
+    /// gone (released); a backend error on backends without entry payload watches.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, and it borrows nothing: it may be raced against the work in a
+    /// `select!` or moved to another task.
+    pub fn revoke_requested(&self) -> impl Future<Output = Result<()>> + Send + 'static {
+        let held = self.guard.held.clone();
+        async move {
+            let mut seen = held.entry.data.clone();
+            loop {
+                if seen == dlock_core::entry::REVOKE_MESSAGE {
+                    tracing::debug!(lock = %held.q.lock, token = %held.token, "revocation requested");
+                    return Ok(());
+                }
+                match held
+                    .backend
+                    .wait_data_changed(&held.q, &held.entry, &seen)
+                    .await?
+                {
+                    Some(data) => seen = data,
+                    None => {
+                        return Err(Error::NotHeld(format!(
+                            "{}: the entry is gone (released, or its session ended)",
+                            held.q.lock
+                        )))
+                    }
+                }
+            }
+        }
+    }
+
+    /// The plain guard, for code that takes a [`LockGuard`].
+    pub fn into_inner(self) -> LockGuard<B> {
+        self.guard
+    }
+}
+
+impl<B: Backend + ?Sized> std::ops::Deref for RevocableGuard<B> {
+    type Target = LockGuard<B>;
+    fn deref(&self) -> &LockGuard<B> {
+        &self.guard
+    }
+}
+
+impl<B: Backend + ?Sized> std::ops::DerefMut for RevocableGuard<B> {
+    fn deref_mut(&mut self) -> &mut LockGuard<B> {
+        &mut self.guard
+    }
+}
+
+impl<B: Backend + ?Sized> fmt::Debug for RevocableGuard<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RevocableGuard").field(&self.guard).finish()
     }
 }
 

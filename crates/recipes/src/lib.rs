@@ -10,7 +10,31 @@
 //! - [`MultiLock`]: any mix of the above, all-or-nothing.
 //!
 //! Every acquire returns a [`LockGuard`] with a fencing token ([`LockGuard::token`]) and a
-//! lost signal ([`LockGuard::lost`]).
+//! lost signal ([`LockGuard::lost`]). [`Mutex::lock_revocable`] returns a
+//! [`RevocableGuard`] that others can ask to release ([`Client::revoke`], Curator's
+//! revocation).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use dlock_core::{Backend, Result};
+//! use dlock_recipes::Client;
+//!
+//! // Works on any backend; the `dlock` facade builds the client from a URL.
+//! async fn nightly_report<B: Backend + ?Sized>(client: &Client<B>) -> Result<()> {
+//!     let mutex = client.mutex("reports/nightly")?;
+//!     let mut guard = mutex.lock_timeout(Duration::from_secs(5)).await?;
+//!     println!("holding {} with fencing token {}", guard.name(), guard.token());
+//!     tokio::select! {
+//!         () = make_report() => {}
+//!         lost = guard.lost() => return Err(lost), // session gone: stop now
+//!     }
+//!     guard.release().await
+//! }
+//! # async fn make_report() {}
+//! ```
+//!
+//! # Feature flags
+//! None: the recipes need only `dlock-core` and tokio.
 //!
 //! # The design decision
 //! Recipes never know which backend they run on: they add an entry, ask the core's
@@ -21,6 +45,14 @@
 //! # Cancel safety
 //! Every acquire is cancel-safe: dropping its future removes its queue entry (in the
 //! background, on the current tokio runtime). Dropping a guard releases it the same way.
+//!
+//! # Session loss
+//! Every entry lives as long as its client's session (ZooKeeper session, etcd lease,
+//! Redis lease). An acquire waiting when the session ends returns
+//! [`dlock_core::Error::LockLost`]; a guard held when it ends fires
+//! [`LockGuard::lost`], after which another client may hold the lock. Each method's
+//! docs say the same for its case, and name the Curator / etcd / Redisson call it
+//! matches.
 
 #![deny(missing_docs)]
 
@@ -33,8 +65,23 @@ mod rwlock;
 pub mod semaphore;
 
 pub use client::{Client, Participant};
-pub use guard::LockGuard;
+pub use guard::{LockGuard, RevocableGuard};
 pub use multi::{MultiGuard, MultiLock, Part};
 pub use mutex::Mutex;
 pub use rwlock::RwLock;
 pub use semaphore::{Semaphore, SemaphoreMutex};
+
+// Handles over `dyn Backend` (what the facade hands out) must be cloneable and printable,
+// so they can be shared between tasks.
+const _: () = {
+    fn clone_debug<T: Clone + std::fmt::Debug>() {}
+    #[allow(dead_code)]
+    fn handles_over_dyn_backend() {
+        clone_debug::<Client>();
+        clone_debug::<Mutex>();
+        clone_debug::<RwLock>();
+        clone_debug::<Semaphore>();
+        clone_debug::<SemaphoreMutex>();
+        clone_debug::<MultiLock>();
+    }
+};

@@ -44,10 +44,27 @@ impl Part {
 /// overlapping names cannot deadlock each other, whatever order their callers listed the
 /// names in. One deadline covers the whole acquire. A failure or timeout part way
 /// releases what was taken, in reverse order.
-#[derive(Debug, Clone)]
 pub struct MultiLock<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     parts: Vec<Part>,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for MultiLock<B> {
+    fn clone(&self) -> Self {
+        MultiLock {
+            client: self.client.clone(),
+            parts: self.parts.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for MultiLock<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultiLock")
+            .field("parts", &self.parts)
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> MultiLock<B> {
@@ -137,7 +154,8 @@ impl<B: Backend + ?Sized> MultiLock<B> {
         Ok(parts)
     }
 
-    /// Takes every part, or none; `timeout` of `None` waits forever.
+    /// Takes every part, or none; `timeout` of `None` waits forever. One deadline covers
+    /// all parts (Curator gives each part the whole timeout).
     ///
     /// # Errors
     /// [`Error::WouldDeadlock`] for a name given twice; the first part's error
@@ -147,6 +165,15 @@ impl<B: Backend + ?Sized> MultiLock<B> {
     /// # Cancel safety
     /// Cancel-safe: the parts taken so far are released in the background, the pending
     /// part's entry is removed.
+    ///
+    /// # Session loss
+    /// A session that ends while a part is awaited fails the acquire with
+    /// [`Error::LockLost`] after the parts taken are released. Once held,
+    /// [`MultiGuard::lost`] fires when *any* part is lost.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMultiLock.acquire(time, unit)` (which takes the parts in the
+    /// caller's order); Redisson `RedissonMultiLock.lock()`.
     pub async fn acquire(&self, timeout: Option<Duration>) -> Result<MultiGuard<B>> {
         let parts = self.ordered_parts()?;
         let deadline = timeout.map(|d| Instant::now() + d);
@@ -211,7 +238,9 @@ impl<B: Backend + ?Sized> MultiGuard<B> {
             .collect()
     }
 
-    /// Completes once any part is lost.
+    /// Completes once any part is lost (its session ended, or it could not be renewed):
+    /// stop the critical section, since another client may hold that part from then on.
+    /// Cancel-safe: dropping it loses nothing.
     pub fn lost(&self) -> impl Future<Output = Error> + Send + 'static {
         let all: Vec<_> = self.guards.iter().map(|g| g.lost().boxed()).collect();
         futures::future::select_all(all).map(|(e, _, _)| e)
@@ -220,7 +249,16 @@ impl<B: Backend + ?Sized> MultiGuard<B> {
     /// Releases every part, in reverse order, even if some release fails.
     ///
     /// # Errors
-    /// The first error met; every other part was still released.
+    /// The first error met; every other part was still released. A part lost before the
+    /// release gives [`Error::LockLost`], as [`LockGuard::release`] does.
+    ///
+    /// # Cancel safety
+    /// If the future is dropped, the parts not yet released are released in the
+    /// background when the guard is dropped.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMultiLock.release()` (also reverse order, also keeps going
+    /// after a failure and reports the first).
     pub async fn release(&mut self) -> Result<()> {
         let mut first = None;
         for g in self.guards.iter_mut().rev() {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use dlock_core::{Backend, EntryKind, LockName, Result};
 
-use crate::guard::{LockGuard, Recipe};
+use crate::guard::{LockGuard, Recipe, RevocableGuard};
 use crate::queue::Wait;
 use crate::Client;
 
@@ -18,10 +18,27 @@ use crate::Client;
 /// # Session loss
 /// If the session ends (crash, partition past the session timeout, lease not renewed)
 /// the lock frees itself on the server and the guard's [`LockGuard::lost`] fires.
-#[derive(Debug, Clone)]
 pub struct Mutex<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     name: LockName,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for Mutex<B> {
+    fn clone(&self) -> Self {
+        Mutex {
+            client: self.client.clone(),
+            name: self.name.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for Mutex<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mutex")
+            .field("name", &self.name.as_str())
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> Mutex<B> {
@@ -34,7 +51,10 @@ impl<B: Backend + ?Sized> Mutex<B> {
         &self.name
     }
 
-    /// Waits until the lock is held.
+    /// Waits until the lock is held, however long that takes.
+    ///
+    /// If the current task already holds this lock, counts one more hold and returns at
+    /// once (no round trip); each guard must be released.
     ///
     /// # Errors
     /// [`dlock_core::Error::LockLost`] if the session ends while waiting; backend errors.
@@ -42,19 +62,44 @@ impl<B: Backend + ?Sized> Mutex<B> {
     /// # Cancel safety
     /// Cancel-safe: dropping the future (a `select!`, a timeout) removes this attempt's
     /// entry from the queue, in the background if need be. Nothing is left behind.
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMutex.acquire()`; etcd `concurrency.Mutex.Lock`; Redisson
+    /// `RLock.lock()` (but fair, like `RFairLock`).
     pub async fn lock(&self) -> Result<LockGuard<B>> {
         self.client
             .acquire_reentrant(&self.name, Recipe::Mutex, EntryKind::Lock, Wait::Forever)
             .await
     }
 
-    /// Takes the lock only if nobody holds it or waits ahead.
+    /// Takes the lock only if nobody holds it or waits ahead; never waits.
     ///
     /// # Errors
-    /// [`dlock_core::Error::WouldBlock`] if it is taken; the attempt's entry is removed.
+    /// [`dlock_core::Error::WouldBlock`] if it is taken; the attempt's entry is removed
+    /// before this returns.
     ///
     /// # Cancel safety
     /// As [`Mutex::lock`].
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the lock from then on.
+    ///
+    /// # Upstream
+    /// etcd `concurrency.Mutex.TryLock`; Curator `acquire(0, unit)`; Redisson
+    /// `tryLock()`.
     pub async fn try_lock(&self) -> Result<LockGuard<B>> {
         self.client
             .acquire_reentrant(&self.name, Recipe::Mutex, EntryKind::Lock, Wait::No)
@@ -68,6 +113,18 @@ impl<B: Backend + ?Sized> Mutex<B> {
     ///
     /// # Cancel safety
     /// As [`Mutex::lock`].
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMutex.acquire(time, unit)` (which returns `false` where dlock
+    /// returns [`dlock_core::Error::Timeout`]); Redisson `tryLock(waitTime, unit)`.
     pub async fn lock_timeout(&self, timeout: Duration) -> Result<LockGuard<B>> {
         self.client
             .acquire_reentrant(
@@ -79,7 +136,38 @@ impl<B: Backend + ?Sized> Mutex<B> {
             .await
     }
 
-    /// How many times the current task holds this lock (0 if not at all).
+    /// Waits (at most `timeout`, or forever for `None`) for the lock, taken so that
+    /// others can ask this holder to release it: the guard's
+    /// [`RevocableGuard::revoke_requested`] completes when [`Client::revoke`], `dlock
+    /// revoke` or Curator's `Revoker.attemptRevoke` targets it. The entry is written with
+    /// an empty payload, as Curator's `makeRevocable` does.
+    ///
+    /// # Errors
+    /// As [`Mutex::lock_timeout`]; a backend without entry payload watches fails only
+    /// when `revoke_requested` is awaited.
+    ///
+    /// # Cancel safety
+    /// As [`Mutex::lock`].
+    ///
+    /// # Session loss
+    /// As [`Mutex::lock`]: the guard's [`crate::LockGuard::lost`] fires once the session
+    /// is gone.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMutex.makeRevocable(listener)` + `acquire()`.
+    pub async fn lock_revocable(&self, timeout: Option<Duration>) -> Result<RevocableGuard<B>> {
+        let wait = timeout.map_or(Wait::Forever, Wait::timeout);
+        let guard = self
+            .client
+            .acquire_reentrant_with(&self.name, Recipe::Mutex, EntryKind::Lock, wait, &[])
+            .await?;
+        Ok(RevocableGuard::new(guard))
+    }
+
+    /// How many times the current task holds this lock (0 if not at all). Local: no
+    /// round trip, and it does not notice a lost session (use [`crate::LockGuard::lost`]).
+    ///
+    /// Redisson `getHoldCount()`; Curator `isOwnedByCurrentThread()` is `hold_count() > 0`.
     pub fn hold_count(&self) -> usize {
         self.client.holds.count(
             &(self.name.clone(), Recipe::Mutex),

@@ -17,10 +17,27 @@ use crate::Client;
 /// the write lock (downgrade): its read entry is placed beside its write entry, so no
 /// queued writer gets in between. A read holder asking for the write lock gets
 /// [`dlock_core::Error::WouldDeadlock`] instead of waiting forever (Curator hangs).
-#[derive(Debug, Clone)]
 pub struct RwLock<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     name: LockName,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for RwLock<B> {
+    fn clone(&self) -> Self {
+        RwLock {
+            client: self.client.clone(),
+            name: self.name.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for RwLock<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RwLock")
+            .field("name", &self.name.as_str())
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> RwLock<B> {
@@ -33,30 +50,59 @@ impl<B: Backend + ?Sized> RwLock<B> {
         &self.name
     }
 
-    /// Waits for the read lock; `timeout` of `None` waits forever.
+    /// Waits for the read lock; `timeout` of `None` waits forever. Shared with other
+    /// readers, granted once no writer holds or waits ahead. Re-entering from the task
+    /// that holds it, or taking it while holding the write lock (downgrade), returns at once.
     ///
     /// # Errors
     /// [`dlock_core::Error::Timeout`], [`dlock_core::Error::LockLost`], backend errors.
     ///
     /// # Cancel safety
     /// Cancel-safe: a dropped attempt's entry is removed.
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the read lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the read lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessReadWriteLock.readLock().acquire()` (and `acquire(time,
+    /// unit)`); Redisson `RReadWriteLock.readLock().lock()`.
     pub async fn read(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
         self.client
             .acquire_reentrant(&self.name, Recipe::Read, EntryKind::Read, wait(timeout))
             .await
     }
 
-    /// Takes the read lock only if no writer holds or waits ahead.
+    /// Takes the read lock only if no writer holds or waits ahead; never waits.
     ///
     /// # Errors
-    /// [`dlock_core::Error::WouldBlock`].
+    /// [`dlock_core::Error::WouldBlock`]; the attempt's entry is removed.
+    ///
+    /// # Cancel safety
+    /// As [`RwLock::read`].
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the read lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the read lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `readLock().acquire(0, unit)`; Redisson `readLock().tryLock()`.
     pub async fn try_read(&self) -> Result<LockGuard<B>> {
         self.client
             .acquire_reentrant(&self.name, Recipe::Read, EntryKind::Read, Wait::No)
             .await
     }
 
-    /// Waits for the write lock; `timeout` of `None` waits forever.
+    /// Waits for the write lock; `timeout` of `None` waits forever. Exclusive; granted
+    /// once every entry ahead (reader or writer) is gone. Re-entrant per task.
     ///
     /// # Errors
     /// [`dlock_core::Error::WouldDeadlock`] if the current task holds the read lock
@@ -64,16 +110,42 @@ impl<B: Backend + ?Sized> RwLock<B> {
     ///
     /// # Cancel safety
     /// Cancel-safe: a dropped attempt's entry is removed.
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the write lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the write lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessReadWriteLock.writeLock().acquire()` (which hangs on an
+    /// upgrade where dlock returns an error); Redisson `writeLock().lock()`.
     pub async fn write(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
         self.client
             .acquire_reentrant(&self.name, Recipe::Write, EntryKind::Write, wait(timeout))
             .await
     }
 
-    /// Takes the write lock only if nobody holds or waits ahead.
+    /// Takes the write lock only if nobody holds or waits ahead; never waits.
     ///
     /// # Errors
     /// [`dlock_core::Error::WouldBlock`], [`dlock_core::Error::WouldDeadlock`].
+    ///
+    /// # Cancel safety
+    /// As [`RwLock::write`].
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the write lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the write lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `writeLock().acquire(0, unit)`; Redisson `writeLock().tryLock()`.
     pub async fn try_write(&self) -> Result<LockGuard<B>> {
         self.client
             .acquire_reentrant(&self.name, Recipe::Write, EntryKind::Write, Wait::No)

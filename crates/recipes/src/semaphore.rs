@@ -39,11 +39,30 @@ enum Permits {
 /// Each permit is its own [`LockGuard`], with its own fencing token and lost signal.
 /// Matches Curator's `InterProcessSemaphoreV2` on the wire, so Java and dlock holders
 /// share the same permits.
-#[derive(Debug, Clone)]
 pub struct Semaphore<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     name: LockName,
     permits: Permits,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for Semaphore<B> {
+    fn clone(&self) -> Self {
+        Semaphore {
+            client: self.client.clone(),
+            name: self.name.clone(),
+            permits: self.permits.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for Semaphore<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Semaphore")
+            .field("name", &self.name.as_str())
+            .field("permits", &self.permits)
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> Semaphore<B> {
@@ -101,33 +120,79 @@ impl<B: Backend + ?Sized> Semaphore<B> {
         }
     }
 
-    /// Waits for one permit; `timeout` of `None` waits forever.
+    /// Waits for one permit; `timeout` of `None` waits forever. Permits are granted in
+    /// arrival order. Each permit is its own guard (not reentrant: the same task asking
+    /// twice takes two permits).
     ///
     /// # Errors
     /// [`Error::Timeout`], [`Error::LockLost`], [`Error::InvalidPermits`], backend errors.
     ///
     /// # Cancel safety
     /// Cancel-safe: a dropped attempt removes its internal-mutex entry and its lease.
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the permit is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the permit from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessSemaphoreV2.acquire()` / `acquire(time, unit)` (same
+    /// algorithm and layout); Redisson `RPermitExpirableSemaphore.acquire()`, but the
+    /// permit is bound to the session rather than to a client-clock expiry.
     pub async fn acquire(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
         let held = self.acquire_lease(wait(timeout)).await?;
         Ok(LockGuard::new(held, None))
     }
 
-    /// Takes a permit only if one is free now.
+    /// Takes a permit only if one is free now; never waits. Also returns
+    /// [`Error::WouldBlock`] while another contender is in the middle of taking a permit
+    /// (it holds the semaphore's internal mutex for one round trip or two).
     ///
     /// # Errors
-    /// [`Error::WouldBlock`] if none is free.
+    /// [`Error::WouldBlock`] if none is free; the attempt's entries are removed.
+    ///
+    /// # Cancel safety
+    /// As [`Semaphore::acquire`].
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the permit is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the permit from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessSemaphoreV2.acquire(0, unit)`; Redisson `tryAcquire()`.
     pub async fn try_acquire(&self) -> Result<LockGuard<B>> {
         let held = self.acquire_lease(Wait::No).await?;
         Ok(LockGuard::new(held, None))
     }
 
-    /// Waits for `n` permits, all or none: on timeout or error the permits already taken
-    /// are returned.
+    /// Waits for `n` permits, all or none, under one deadline: on timeout or error the
+    /// permits already taken are returned before this returns.
     ///
     /// # Errors
     /// [`Error::InvalidPermits`] if `n` is 0 or more than the semaphore has; as
     /// [`Semaphore::acquire`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: permits already taken are released in the background (their guards
+    /// are dropped), the pending attempt's entries are removed.
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the permit is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the permit from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessSemaphoreV2.acquire(qty, time, unit)`.
     pub async fn acquire_many(
         &self,
         n: u32,
@@ -276,9 +341,25 @@ impl<B: Backend + ?Sized> Drop for RemoveInner<B> {
 ///
 /// Where Curator deadlocks when the same owner acquires it twice, dlock returns
 /// [`Error::WouldDeadlock`]. The guard may be released from any task.
-#[derive(Debug, Clone)]
 pub struct SemaphoreMutex<B: Backend + ?Sized = dyn Backend> {
     sem: Semaphore<B>,
+}
+
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
+impl<B: Backend + ?Sized> Clone for SemaphoreMutex<B> {
+    fn clone(&self) -> Self {
+        SemaphoreMutex {
+            sem: self.sem.clone(),
+        }
+    }
+}
+
+impl<B: Backend + ?Sized> std::fmt::Debug for SemaphoreMutex<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SemaphoreMutex")
+            .field("name", &self.sem.name.as_str())
+            .finish()
+    }
 }
 
 impl<B: Backend + ?Sized> SemaphoreMutex<B> {
@@ -301,14 +382,40 @@ impl<B: Backend + ?Sized> SemaphoreMutex<B> {
     ///
     /// # Cancel safety
     /// Cancel-safe, as [`Semaphore::acquire`].
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessSemaphoreMutex.acquire()` / `acquire(time, unit)` (which
+    /// self-deadlocks on re-entry); Redisson's non-reentrant lock.
     pub async fn lock(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
         self.lock_with(wait(timeout)).await
     }
 
-    /// Takes the lock only if it is free now.
+    /// Takes the lock only if it is free now; never waits.
     ///
     /// # Errors
     /// [`Error::WouldBlock`], [`Error::WouldDeadlock`].
+    ///
+    /// # Cancel safety
+    /// As [`SemaphoreMutex::lock`].
+    ///
+    /// # Session loss
+    /// If the session ends while this call waits (expiry, a partition longer than the
+    /// session timeout, a lease that could not be renewed), it returns
+    /// [`dlock_core::Error::LockLost`] ([`dlock_core::Error::Closed`] if this client was
+    /// closed) and its entry is gone with the session. Once the lock is held, the
+    /// guard's [`crate::LockGuard::lost`] fires instead: stop the critical section, since
+    /// another client may hold the lock from then on.
+    ///
+    /// # Upstream
+    /// Curator `InterProcessSemaphoreMutex.acquire(0, unit)`.
     pub async fn try_lock(&self) -> Result<LockGuard<B>> {
         self.lock_with(Wait::No).await
     }

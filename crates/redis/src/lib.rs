@@ -26,6 +26,16 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # The design decision: one Lua script per state change, one hash tag per lock
+//! Redis has no sessions, sequential nodes or watches, so each is built from keys and
+//! scripts: every change of a queue (enqueue with its sequence and token, remove, abandon,
+//! renew) is one script over keys that share the lock's hash tag. A script runs atomically
+//! on the server, so there is no check-then-act race and no `WATCH`/retry loop, and the
+//! shared tag keeps every key of a lock in one Cluster slot.
+//!
+//! # Feature flags
+//! None. fred is built with the features the scripts and subscriptions need.
+//!
 //! # Data model
 //! Every key of a lock `L` carries the hash tag `{L}`, so all of them live in one Redis
 //! Cluster slot and one Lua script can touch them all. For a queue (the lock itself, or

@@ -19,8 +19,10 @@ pub const APT_PACKAGES: &[&str] = &[
     "libslf4j-java",
 ];
 
+// `javac`: the Curator interop tests compile their Curator peer at run time.
 const PROGRAMS: &[&str] = &[
     "java",
+    "javac",
     "etcd",
     "etcdctl",
     "redis-server",
@@ -79,7 +81,7 @@ fn run(program: &str, args: &[&str]) -> Result<()> {
 ///
 /// Returns `Ok(false)` when everything was already there (no command run), `Ok(true)` after
 /// one `apt-get update` and one `apt-get install -y` of [`APT_PACKAGES`] (plus
-/// `default-jre-headless` when `java` is missing). Fails when apt-get fails or something is
+/// `default-jdk-headless` when `java` or `javac` is missing). Fails when apt-get fails or something is
 /// still missing afterwards.
 pub fn ensure_installed() -> Result<bool> {
     let missing = missing_prerequisites();
@@ -90,8 +92,8 @@ pub fn ensure_installed() -> Result<bool> {
     run("apt-get", &["update"])?;
     let mut args = vec!["install", "-y"];
     args.extend_from_slice(APT_PACKAGES);
-    if missing.iter().any(|m| m == "java") {
-        args.push("default-jre-headless");
+    if missing.iter().any(|m| m == "java" || m == "javac") {
+        args.push("default-jdk-headless");
     }
     run("apt-get", &args)?;
     let still = missing_prerequisites();

@@ -18,6 +18,20 @@
 //!   [`Cluster::start`]. The returned [`Cluster`] kills its servers when dropped unless you
 //!   [`Cluster::detach`] it.
 //!
+//! ```no_run
+//! // A test that needs ZooKeeper: skips loudly without `DLOCK_TEST_ZK`, fails under `CI`.
+//! let Some(zk) = dlock_testkit::require_zk() else { return };
+//! println!("testing against {zk}");
+//!
+//! // A fault test loads the running cluster (then kills, stops or restarts its nodes).
+//! if let Some(state) = dlock_testkit::require_state() {
+//!     println!("{} servers recorded", state.servers.len());
+//! }
+//! ```
+//!
+//! # Feature flags
+//! None. The crate is `publish = false`: it serves dlock's tests and `cargo xtask`.
+//!
 //! # The design decision
 //! Servers are identified by PID *and* process start time (from `/proc/PID/stat`), never by
 //! name: other sessions on the same machine run the same servers on other ports, and a PID

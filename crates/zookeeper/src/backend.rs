@@ -495,6 +495,40 @@ impl ZkBackend {
         Ok(out)
     }
 
+    async fn set_data_inner(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
+        let client = self.handle()?;
+        let path = format!("{}/{}", znode(q), entry.name);
+        match retry(|| client.set_data(&path, data, None)).await {
+            Ok(_) | Err(zk::Error::NoNode) => Ok(()),
+            Err(err) => Err(map_err("writing an entry's payload", err)),
+        }
+    }
+
+    async fn wait_data_changed_inner(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> Result<Option<Vec<u8>>> {
+        let client = self.handle()?;
+        let path = format!("{}/{}", znode(q), entry.name);
+        loop {
+            // Read and arm in one request: a change after the read fires the watch.
+            let watcher = match retry(|| client.get_and_watch_data(&path)).await {
+                Ok((data, _, _)) if data != seen => return Ok(Some(data)),
+                Ok((_, _, watcher)) => watcher,
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(err) => return Err(map_err("watching an entry's payload", err)),
+            };
+            let event = watcher.changed().await;
+            match event.event_type {
+                zk::EventType::NodeDeleted => return Ok(None),
+                zk::EventType::Session => session_event_result(event.session_state)?,
+                _ => {}
+            }
+        }
+    }
+
     async fn read_value_inner(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
         let client = self.handle()?;
         let path = znode(q);
@@ -615,6 +649,32 @@ impl Backend for ZkBackend {
 
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(self.guarded(self.participants_inner(q)))
+    }
+
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        let span = tracing::debug_span!("zk.set_data", queue = %q, entry = %entry.name);
+        Box::pin(
+            self.guarded(self.set_data_inner(q, entry, data))
+                .instrument(span),
+        )
+    }
+
+    fn wait_data_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        seen: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        let span = tracing::debug_span!("zk.wait_data_changed", queue = %q, entry = %entry.name);
+        Box::pin(
+            self.guarded(self.wait_data_changed_inner(q, entry, seen))
+                .instrument(span),
+        )
     }
 
     fn close(&self) -> BoxFuture<'_, Result<()>> {

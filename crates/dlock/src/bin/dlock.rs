@@ -40,6 +40,15 @@ enum Command {
     Multi(MultiArgs),
     /// Show the holders and waiters of NAME in queue order.
     Status(StatusArgs),
+    /// Ask the holders of NAME to release it (cooperative, Curator's Revoker): only
+    /// holders that took it revocably (`exec --revocable`, Curator's makeRevocable) react.
+    Revoke(RevokeArgs),
+}
+
+#[derive(Debug, Args)]
+struct RevokeArgs {
+    /// The lock name.
+    name: String,
 }
 
 #[derive(Debug, Args)]
@@ -61,6 +70,10 @@ struct ExecArgs {
     /// Use the non-reentrant semaphore-mutex recipe.
     #[arg(long)]
     non_reentrant: bool,
+    /// Let others ask for the lock (`dlock revoke NAME`, Curator's Revoker): on such a
+    /// request the command gets SIGTERM, and dlock exits with its code once it ended.
+    #[arg(long, conflicts_with_all = ["read", "write", "permits", "non_reentrant"])]
+    revocable: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true, num_args = 1..)]
     cmd: Vec<String>,
@@ -167,6 +180,7 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
         Command::Exec(a) => exec(&client, a).await,
         Command::Multi(a) => multi(&client, a).await,
         Command::Status(a) => status(&client, a).await,
+        Command::Revoke(a) => revoke(&client, a).await,
     };
     let _ = client.close().await;
     code
@@ -174,6 +188,9 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
 
 async fn exec(client: &Client, a: ExecArgs) -> Result<u8, Error> {
     let name = client.lock_name(&a.name)?;
+    if a.revocable {
+        return exec_revocable(client, a, name).await;
+    }
     let mut guard: LockGuard = if a.read {
         client.rwlock(name.as_str())?.read(a.timeout).await?
     } else if a.write {
@@ -205,6 +222,51 @@ async fn exec(client: &Client, a: ExecArgs) -> Result<u8, Error> {
     .await;
     let released = guard.release().await;
     finish(outcome, released)
+}
+
+async fn exec_revocable(client: &Client, a: ExecArgs, name: dlock::LockName) -> Result<u8, Error> {
+    let mut guard = client
+        .mutex(name.as_str())?
+        .lock_revocable(a.timeout)
+        .await?;
+    let token = guard.token().to_string();
+    let lost = guard.lost();
+    let revoked = guard.revoke_requested();
+    let outcome = run_child_revocable(
+        &a.cmd,
+        &[("DLOCK_TOKEN", token), ("DLOCK_NAME", name.to_string())],
+        lost,
+        revoked,
+    )
+    .await;
+    let released = guard.release().await;
+    finish(outcome, released)
+}
+
+/// [`run_child`], and on a revocation request SIGTERM the command and wait for it: its
+/// exit code is dlock's.
+async fn run_child_revocable(
+    cmd: &[String],
+    env: &[(&str, String)],
+    lost: impl std::future::Future<Output = Error>,
+    revoked: impl std::future::Future<Output = Result<(), Error>>,
+) -> Outcome {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let watch = async move {
+        match revoked.await {
+            Ok(()) => {
+                eprintln!("dlock: revocation requested; stopping the command");
+                let _ = tx.send(());
+            }
+            // The lock ended another way (lost, released): the lost signal covers it.
+            Err(e) => tracing::debug!(error = %e, "revocation watch ended"),
+        }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        outcome = run_child_with(cmd, env, lost, Some(rx)) => outcome,
+        () = watch => unreachable!("the watch never completes"),
+    }
 }
 
 async fn multi(client: &Client, a: MultiArgs) -> Result<u8, Error> {
@@ -266,6 +328,17 @@ async fn run_child(
     env: &[(&str, String)],
     lost: impl std::future::Future<Output = Error>,
 ) -> Outcome {
+    run_child_with(cmd, env, lost, None).await
+}
+
+/// Runs the command until it exits; stops it on `lost`; forwards SIGTERM/SIGINT; and
+/// sends it SIGTERM once when `stop` fires (a revocation request).
+async fn run_child_with(
+    cmd: &[String],
+    env: &[(&str, String)],
+    lost: impl std::future::Future<Output = Error>,
+    stop: Option<tokio::sync::oneshot::Receiver<()>>,
+) -> Outcome {
     let Some((prog, args)) = cmd.split_first() else {
         return Outcome::SpawnFailed(EX_USAGE, "no command given".into());
     };
@@ -289,8 +362,20 @@ async fn run_child(
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
     tokio::pin!(lost);
+    let mut stop = stop;
     loop {
         tokio::select! {
+            r = async {
+                match stop.as_mut() {
+                    Some(rx) => rx.await,
+                    None => std::future::pending().await,
+                }
+            }, if stop.is_some() => {
+                stop = None;
+                if r.is_ok() {
+                    forward(&child, libc::SIGTERM);
+                }
+            }
             status = child.wait() => {
                 return Outcome::Exited(match status {
                     Ok(s) => status_code(s),
@@ -355,6 +440,16 @@ fn status_code(s: std::process::ExitStatus) -> u8 {
         (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(1),
         (None, None) => 1,
     }
+}
+
+async fn revoke(client: &Client, a: RevokeArgs) -> Result<u8, Error> {
+    let asked = client.revoke(&a.name).await?;
+    if asked == 0 {
+        println!("{}: free (nobody to ask)", a.name);
+    } else {
+        println!("{}: asked {asked} holder(s) to release", a.name);
+    }
+    Ok(0)
 }
 
 async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {

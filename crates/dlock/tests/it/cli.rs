@@ -76,7 +76,11 @@ pub async fn cli_processes_never_overlap(kind: Kind, url: &str) {
             "a section ended by another holder: {pair:?}"
         );
         let t: u64 = s[1].parse().expect("token");
-        assert!(t > last_token, "token {t} after {last_token}");
+        // Redlock's tokens are documented as not safe fencing tokens (independent masters
+        // agree on no total order of grants); every other backend's must grow.
+        if !matches!(kind, Kind::Redlock) {
+            assert!(t > last_token, "token {t} after {last_token}");
+        }
         last_token = t;
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -11,9 +11,22 @@
 )]
 
 mod cli;
+#[cfg(feature = "zookeeper")]
+mod curator;
+#[cfg(feature = "zookeeper")]
+mod curator_peer;
+mod faults;
 mod fuzz;
 mod recipes;
 mod support;
+#[cfg(feature = "zookeeper")]
+mod zk_faults;
+#[cfg(feature = "zookeeper")]
+mod zk_herd;
+#[cfg(feature = "zookeeper")]
+mod zk_revoke;
+#[cfg(feature = "zookeeper")]
+mod zk_scenarios;
 
 /// Instantiates every shared test for one backend.
 macro_rules! backend_tests {
@@ -33,6 +46,7 @@ macro_rules! paste_test {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         #[allow(non_snake_case)]
         async fn run() {
+            let _cluster = crate::support::cluster_shared().await;
             if let Some(url) = crate::support::url($kind) {
                 $test($kind, &url).await;
             }
@@ -68,4 +82,55 @@ all_backends! {
     cli_exit_codes => crate::cli::cli_exit_codes,
     cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
     cli_status_shows_queue => crate::cli::cli_status_shows_queue,
+    cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
+}
+
+// etcd only: interop with etcd's own lock, and leader failover.
+mod etcdctl_lock_blocks_dlock {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcdctl_lock_blocks_dlock);
+}
+mod dlock_blocks_etcdctl_lock {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::dlock_blocks_etcdctl_lock);
+}
+mod etcd_leader_kill_keeps_the_lock {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);
+}
+
+/// ZooKeeper-only tests: Curator interop, herd counting, faults. `shared` tests run
+/// beside others; `exclusive` ones take servers down and run alone.
+macro_rules! zk_only {
+    ($($mode:ident $test:ident => $path:path),* $(,)?) => {
+        #[cfg(feature = "zookeeper")]
+        mod zk_only {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let _cluster = zk_only!(@lock $mode);
+                    if let Some(url) = crate::support::url(crate::support::Kind::Zk) {
+                        $path(&url).await;
+                    }
+                }
+            )*
+        }
+    };
+    (@lock shared) => { crate::support::cluster_shared().await };
+    (@lock exclusive) => { crate::support::cluster_exclusive().await };
+}
+
+zk_only! {
+    shared curator_mutex_interop => crate::curator::mutex_interop,
+    shared curator_rwlock_interop => crate::curator::rwlock_interop,
+    shared curator_semaphore_interop => crate::curator::semaphore_interop,
+    shared curator_shared_count_interop => crate::curator::shared_count_interop,
+    shared no_herd_mutex_queue_of_50 => crate::zk_herd::mutex_queue_of_50,
+    shared no_herd_readers_behind_writer => crate::zk_herd::readers_behind_writer,
+    shared container_parents_are_reaped => crate::zk_scenarios::container_parents_are_reaped,
+    shared semaphore_interrupted_acquire_leaves_no_orphans => crate::zk_scenarios::semaphore_interrupted_acquire_leaves_no_orphans,
+    shared semaphore_deleted_lease_is_a_typed_error => crate::zk_scenarios::semaphore_deleted_lease_is_a_typed_error,
+    shared guard_lost_fires_on_session_expiry => crate::zk_faults::guard_lost_fires_on_session_expiry,
+    shared cli_sigstop_past_session_exits_70 => crate::zk_faults::cli_sigstop_past_session_exits_70,
+    shared revoke_between_dlock_clients => crate::zk_revoke::revoke_between_dlock_clients,
+    shared revoke_interop_with_curator => crate::zk_revoke::revoke_interop_with_curator,
+    shared cli_revoke => crate::zk_revoke::cli_revoke,
+    exclusive locks_survive_leader_kill => crate::zk_faults::locks_survive_leader_kill,
 }

@@ -6,8 +6,11 @@ use std::time::Duration;
 use dlock::{Client, SessionOptions};
 
 /// Which backend a test instance runs on.
-// Variants of backends whose feature is off are never built.
-#[allow(dead_code)]
+// A build without some backend feature never constructs that backend's variant.
+#[cfg_attr(
+    not(all(feature = "zookeeper", feature = "etcd", feature = "redis")),
+    allow(dead_code)
+)]
 #[derive(Debug, Clone, Copy)]
 pub enum Kind {
     Zk,
@@ -122,4 +125,36 @@ pub async fn leftovers(c: &Client, name: &str) -> usize {
         .await
         .map(|p| p.len())
         .unwrap_or(usize::MAX)
+}
+
+/// Tests that take servers down (fault tests) must not run while other tests use the
+/// same cluster: every test holds this shared, a fault test holds it exclusively. The
+/// harness runs tests on several threads of one process, each with its own runtime;
+/// tokio's lock is runtime-agnostic.
+static CLUSTER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Held by every ordinary test for its whole run.
+pub async fn cluster_shared() -> tokio::sync::RwLockReadGuard<'static, ()> {
+    CLUSTER.read().await
+}
+
+/// Held by a fault test for its whole run: no other test runs meanwhile.
+pub async fn cluster_exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    CLUSTER.write().await
+}
+
+/// The skip/fail rule for a prerequisite other than an endpoint (a JDK, a jar, a
+/// three-node ensemble): under CI a missing prerequisite fails the test, otherwise the
+/// test prints a loud `SKIPPED` line and returns.
+pub fn skip_or_fail(what: &str) {
+    if std::env::var_os("CI").is_some() {
+        panic!("{what}, but CI is set: CI must run this test");
+    }
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {what}");
+}
+
+/// The ZooKeeper connect string (`h:p,h:p,...`) without the `zk://` scheme.
+pub fn zk_hosts(url: &str) -> &str {
+    url.strip_prefix("zk://").unwrap_or(url)
 }

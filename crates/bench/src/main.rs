@@ -1,0 +1,511 @@
+//! `dlock-bench`: dlock's recipes under the peers' workloads, beside each backend's raw
+//! protocol ceiling, against servers you give it. Prints one line per result in the
+//! format of the peer harness (`/work/shared/peers`, `docs/benchmarks.md`), so its
+//! output can be pooled with Curator's, kazoo's, redis-py's, rslock's and etcd's.
+//!
+//! ```text
+//! dlock-bench --zk 127.0.0.1:22181 --etcd 127.0.0.1:22379 --redis 127.0.0.1:23379 \
+//!             --duration 3 --workers 8 --leases 3 --prefix lockbench-rust-r1
+//! ```
+//!
+//! Every backend flag may be omitted. Peers: `dlock-zk`, `dlock-etcd`, `dlock-redis`,
+//! `dlock-redlock` (with `--redlock h:p,h:p,h:p`), `ceiling-zk`, `ceiling-etcd`,
+//! `ceiling-redis`. A backend this build of the facade leaves out prints
+//! `status=skipped`; a workload that fails prints `status=failed` and the exit code is 1.
+//!
+//! Workloads (identical to the peers'): W1 one client, one name; W2 N workers on one
+//! name with an in-memory holder flag and unlocked counter; W3 N workers, one name each;
+//! W4 N workers on a semaphore of `--leases` permits; W5 N workers on a read/write lock,
+//! 90 % reads (`peak_readers` = most readers inside at once). `--scale` adds S1 (server
+//! operations per release with 10..1000 waiters queued) and S2 (memory per held lock).
+
+mod ceiling;
+mod harness;
+mod resp;
+mod scale;
+mod workloads;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::harness::{line, run_workers, status_line, Outcome, Shared, Worker};
+use crate::scale::OpCounter;
+use crate::workloads::{DlockWorker, Recipe};
+
+/// Command-line flags: the contract the peer harness and outside comparisons rely on.
+#[derive(Debug, Parser)]
+#[command(
+    name = "dlock-bench",
+    about = "dlock's lock benchmark against given servers"
+)]
+struct Args {
+    /// ZooKeeper `host:port[,host:port...]`.
+    #[arg(long)]
+    zk: Option<String>,
+    /// etcd `host:port[,host:port...]`.
+    #[arg(long)]
+    etcd: Option<String>,
+    /// One Redis master `host:port`.
+    #[arg(long)]
+    redis: Option<String>,
+    /// Independent Redis masters for Redlock, `h:p,h:p,h:p` (at least 3).
+    #[arg(long)]
+    redlock: Option<String>,
+    /// Seconds per workload.
+    #[arg(long, default_value_t = 3.0)]
+    duration: f64,
+    /// Workers of W2-W5.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Semaphore permits of W4.
+    #[arg(long, default_value_t = 3)]
+    leases: u32,
+    /// Prefix of every lock name and key, so runs do not meet.
+    #[arg(long, default_value = "lockbench")]
+    prefix: String,
+    /// Only these workloads, comma separated (W0 = the ceilings, W1..W5, S1, S2).
+    #[arg(long, value_delimiter = ',')]
+    only: Option<Vec<String>>,
+    /// Also run the scale checks S1 and S2.
+    #[arg(long)]
+    scale: bool,
+    /// S1: queue lengths to measure.
+    #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
+    waiters: Vec<usize>,
+    /// S2: locks held at once by one client.
+    #[arg(long, default_value_t = 10_000)]
+    held: usize,
+}
+
+impl Args {
+    fn wants(&self, w: &str) -> bool {
+        match &self.only {
+            Some(only) => only.iter().any(|o| o == w),
+            None => !w.starts_with('S') || self.scale,
+        }
+    }
+}
+
+/// Prints result lines as they come and remembers whether any workload failed.
+#[derive(Default)]
+struct Sink {
+    failed: bool,
+}
+
+impl Sink {
+    fn emit(&mut self, l: String) {
+        if l.contains(" status=failed ") {
+            self.failed = true;
+        }
+        println!("{l}");
+    }
+
+    fn fail(&mut self, peer: &str, workload: &str, err: &str) {
+        eprintln!("dlock-bench: {peer} {workload}: {err}");
+        self.emit(status_line(peer, workload, "failed", err));
+    }
+}
+
+/// Extra result fields computed from an outcome (violations, counters, ...).
+type Check<'a> = dyn Fn(&Outcome) -> Vec<(&'static str, String)> + 'a;
+
+/// One dlock backend under test.
+struct Target {
+    peer: &'static str,
+    url: String,
+    session: Duration,
+    counter: Option<OpCounter>,
+}
+
+fn first_host(list: &str) -> String {
+    list.split(',').next().unwrap_or(list).to_owned()
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if !(args.duration > 0.0 && args.duration.is_finite()) || args.workers == 0 {
+        eprintln!("dlock-bench: --duration must be > 0 and --workers >= 1");
+        return ExitCode::from(2);
+    }
+    if args.zk.is_none() && args.etcd.is_none() && args.redis.is_none() && args.redlock.is_none() {
+        eprintln!("dlock-bench: give at least one of --zk, --etcd, --redis, --redlock");
+        return ExitCode::from(2);
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("dlock-bench: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let failed = rt.block_on(run(args));
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+async fn run(args: Args) -> bool {
+    let mut sink = Sink::default();
+    let duration = Duration::from_secs_f64(args.duration);
+    let prefix = args.prefix.trim_matches('/').to_owned();
+
+    // ZooKeeper session 30 s (Curator's), etcd lease 60 s (the peers'), Redis 10 s (redis-py's TTL).
+    let mut targets = Vec::new();
+    if let Some(zk) = &args.zk {
+        if args.wants("W0") {
+            let w = ceiling::ZkRaw::connect(&first_host(zk), &format!("{prefix}-ceiling-zk")).await;
+            run_one(
+                &mut sink,
+                "ceiling-zk",
+                ceiling::ZK_WORKLOAD,
+                vec![w],
+                duration,
+                None,
+                None,
+            )
+            .await;
+        }
+        targets.push(Target {
+            peer: "dlock-zk",
+            url: format!("zk://{zk}"),
+            session: Duration::from_secs(30),
+            counter: Some(OpCounter::Zk(first_host(zk))),
+        });
+    }
+    if let Some(etcd) = &args.etcd {
+        if args.wants("W0") {
+            let w = ceiling::EtcdRaw::connect(&first_host(etcd), &format!("{prefix}/ceiling-etcd"))
+                .await;
+            run_one(
+                &mut sink,
+                "ceiling-etcd",
+                ceiling::ETCD_WORKLOAD,
+                vec![w],
+                duration,
+                None,
+                None,
+            )
+            .await;
+        }
+        targets.push(Target {
+            peer: "dlock-etcd",
+            url: format!("etcd://{etcd}"),
+            session: Duration::from_secs(60),
+            counter: Some(OpCounter::Etcd(first_host(etcd))),
+        });
+    }
+    if let Some(redis) = &args.redis {
+        if args.wants("W0") {
+            let w = ceiling::RedisRaw::connect(redis, &format!("{prefix}:ceiling-redis")).await;
+            run_one(
+                &mut sink,
+                "ceiling-redis",
+                ceiling::REDIS_WORKLOAD,
+                vec![w],
+                duration,
+                None,
+                None,
+            )
+            .await;
+        }
+        targets.push(Target {
+            peer: "dlock-redis",
+            url: format!("redis://{redis}"),
+            session: Duration::from_secs(10),
+            counter: Some(OpCounter::Redis(redis.clone())),
+        });
+    }
+    match &args.redlock {
+        Some(masters) => targets.push(Target {
+            peer: "dlock-redlock",
+            url: format!("redlock://{masters}"),
+            session: Duration::from_secs(10),
+            counter: None,
+        }),
+        None if args.redis.is_some() => sink.emit(status_line(
+            "dlock-redlock",
+            "all",
+            "skipped",
+            "Redlock needs --redlock with 3 or more independent masters",
+        )),
+        None => {}
+    }
+    for t in &targets {
+        run_target(&mut sink, &args, &prefix, t, duration).await;
+    }
+    sink.failed
+}
+
+/// Runs one workload whose workers were built (or failed to build) beforehand; closes
+/// the built ones if another failed.
+async fn run_one<W: Worker>(
+    sink: &mut Sink,
+    peer: &str,
+    workload: &str,
+    built: Vec<Result<W, String>>,
+    duration: Duration,
+    check: Option<&Check<'_>>,
+    counter: Option<&OpCounter>,
+) {
+    let mut workers: Vec<Box<dyn Worker>> = Vec::with_capacity(built.len());
+    let mut err = None;
+    for w in built {
+        match w {
+            Ok(w) => workers.push(Box::new(w)),
+            Err(e) => err = err.or(Some(e)),
+        }
+    }
+    if let Some(e) = err {
+        for w in workers {
+            w.close().await;
+        }
+        sink.fail(peer, workload, &e);
+        return;
+    }
+    // Server requests per iteration say where the time goes (round trips per acquire +
+    // release); the few made by closing the sessions are counted too.
+    let before = match counter {
+        Some(c) => c.read().await.ok(),
+        None => None,
+    };
+    match run_workers(workers, duration).await {
+        Ok(o) => {
+            let mut extra = check.map(|c| c(&o)).unwrap_or_default();
+            if let (Some(c), Some(b)) = (counter, before) {
+                if let Ok(a) = c.read().await {
+                    extra.push((
+                        "server_ops_per_op",
+                        format!("{:.2}", a.saturating_sub(b) as f64 / o.ops().max(1) as f64),
+                    ));
+                }
+            }
+            sink.emit(line(peer, workload, &o, &extra));
+        }
+        Err(e) => sink.fail(peer, workload, &e),
+    }
+}
+
+fn mutex_check(shared: &Shared, o: &Outcome) -> Vec<(&'static str, String)> {
+    let counter = shared.counter();
+    let counter_ok = counter == o.ops() as u64;
+    vec![
+        (
+            "violations",
+            (shared.violations() + u64::from(!counter_ok)).to_string(),
+        ),
+        ("counter", counter.to_string()),
+        ("counter_ok", counter_ok.to_string()),
+    ]
+}
+
+async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, duration: Duration) {
+    let peer = t.peer;
+    // A backend the facade was built without is skipped, not failed.
+    match workloads::connect(&t.url, t.session).await {
+        Ok(c) => {
+            let _ = c.close().await;
+        }
+        Err(e @ dlock::Error::InvalidUrl { .. }) => {
+            sink.emit(status_line(peer, "all", "skipped", &e.to_string()));
+            return;
+        }
+        Err(e) => {
+            sink.fail(peer, "all", &format!("connect {}: {e}", t.url));
+            return;
+        }
+    }
+    let base = format!("{prefix}/{peer}");
+    let n = args.workers;
+    let build =
+        |count: usize, name: Box<dyn Fn(usize) -> String>, recipe: Box<dyn Fn(usize) -> Recipe>| {
+            let url = t.url.clone();
+            let session = t.session;
+            async move {
+                let mut out = Vec::with_capacity(count);
+                for i in 0..count {
+                    out.push(DlockWorker::new(&url, session, &name(i), recipe(i)).await);
+                }
+                out
+            }
+        };
+
+    if args.wants("W1") {
+        let n1 = format!("{base}/w1");
+        let ws = build(
+            1,
+            Box::new(move |_| n1.clone()),
+            Box::new(|_| Recipe::Mutex { shared: None }),
+        )
+        .await;
+        run_one(sink, peer, "W1", ws, duration, None, t.counter.as_ref()).await;
+    }
+    if args.wants("W2") {
+        let shared = Arc::new(Shared::default());
+        let (s, n2) = (shared.clone(), format!("{base}/w2"));
+        let ws = build(
+            n,
+            Box::new(move |_| n2.clone()),
+            Box::new(move |_| Recipe::Mutex {
+                shared: Some(s.clone()),
+            }),
+        )
+        .await;
+        let check = |o: &Outcome| mutex_check(&shared, o);
+        run_one(
+            sink,
+            peer,
+            "W2",
+            ws,
+            duration,
+            Some(&check),
+            t.counter.as_ref(),
+        )
+        .await;
+    }
+    if args.wants("W3") {
+        let b = base.clone();
+        let ws = build(
+            n,
+            Box::new(move |i| format!("{b}/w3-{i}")),
+            Box::new(|_| Recipe::Mutex { shared: None }),
+        )
+        .await;
+        run_one(sink, peer, "W3", ws, duration, None, t.counter.as_ref()).await;
+    }
+    if args.wants("W4") {
+        let shared = Arc::new(Shared::default());
+        let (s, n4, leases) = (shared.clone(), format!("{base}/w4"), args.leases);
+        let ws = build(
+            n,
+            Box::new(move |_| n4.clone()),
+            Box::new(move |_| Recipe::Semaphore {
+                shared: s.clone(),
+                leases,
+            }),
+        )
+        .await;
+        let check = |_: &Outcome| {
+            vec![
+                ("leases", leases.to_string()),
+                ("violations", shared.violations().to_string()),
+                ("max_holders", shared.max_holders().to_string()),
+            ]
+        };
+        run_one(
+            sink,
+            peer,
+            "W4",
+            ws,
+            duration,
+            Some(&check),
+            t.counter.as_ref(),
+        )
+        .await;
+    }
+    if args.wants("W5") {
+        let shared = Arc::new(Shared::default());
+        let (s, n5) = (shared.clone(), format!("{base}/w5"));
+        let ws = build(
+            n,
+            Box::new(move |_| n5.clone()),
+            Box::new(move |i| Recipe::RwLock {
+                shared: s.clone(),
+                seed: 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1),
+            }),
+        )
+        .await;
+        let check = |_: &Outcome| {
+            vec![
+                ("read_pct", workloads::W5_READ_PERCENT.to_string()),
+                ("violations", shared.violations().to_string()),
+                ("peak_readers", shared.peak_readers().to_string()),
+            ]
+        };
+        run_one(
+            sink,
+            peer,
+            "W5",
+            ws,
+            duration,
+            Some(&check),
+            t.counter.as_ref(),
+        )
+        .await;
+    }
+    if args.wants("S1") {
+        run_s1(sink, args, t, &base).await;
+    }
+    if args.wants("S2") {
+        run_s2(sink, args, t, &base).await;
+    }
+}
+
+async fn run_s1(sink: &mut Sink, args: &Args, t: &Target, base: &str) {
+    let Some(counter) = &t.counter else {
+        sink.emit(status_line(
+            t.peer,
+            "S1-waiters",
+            "skipped",
+            "no server counter for this backend",
+        ));
+        return;
+    };
+    let clients = (
+        workloads::connect(&t.url, t.session).await,
+        workloads::connect(&t.url, t.session).await,
+    );
+    let (holder, waiter) = match clients {
+        (Ok(h), Ok(w)) => (h, w),
+        (h, w) => {
+            for c in [h, w].into_iter().flatten() {
+                let _ = c.close().await;
+            }
+            sink.fail(t.peer, "S1-waiters", "connect failed");
+            return;
+        }
+    };
+    for &n in &args.waiters {
+        let name = format!("{base}/s1-{n}");
+        match scale::waiters(&holder, &waiter, &name, n, counter).await {
+            Ok((ops, releases, secs)) => sink.emit(format!(
+                "peer={} workload=S1-waiters waiters={n} releases={releases} server_ops={ops} \
+                 server_ops_per_release={:.2} secs={secs:.2} handoffs_s={:.1}",
+                t.peer,
+                ops as f64 / releases as f64,
+                releases as f64 / secs.max(1e-9),
+            )),
+            Err(e) => sink.fail(t.peer, "S1-waiters", &format!("{n} waiters: {e}")),
+        }
+    }
+    let _ = holder.close().await;
+    let _ = waiter.close().await;
+}
+
+async fn run_s2(sink: &mut Sink, args: &Args, t: &Target, base: &str) {
+    let client = match workloads::connect(&t.url, t.session).await {
+        Ok(c) => c,
+        Err(e) => {
+            sink.fail(t.peer, "S2-held-locks", &format!("connect: {e}"));
+            return;
+        }
+    };
+    match scale::held_locks(&client, &format!("{base}/s2"), args.held).await {
+        Ok((before, held, secs)) => sink.emit(format!(
+            "peer={} workload=S2-held-locks locks={} rss_before_kib={before} rss_held_kib={held} \
+             bytes_per_lock={:.0} acquire_secs={secs:.2}",
+            t.peer,
+            args.held,
+            held.saturating_sub(before) as f64 * 1024.0 / args.held.max(1) as f64,
+        )),
+        Err(e) => sink.fail(t.peer, "S2-held-locks", &e),
+    }
+    let _ = client.close().await;
+}

@@ -1,0 +1,504 @@
+//! Faults seen from outside: a paused holder process, etcd's own `etcdctl lock` on the
+//! same names, an etcd leader killed under a held lock.
+//!
+//! The leader-kill test changes the shared cluster that other tests in this binary use at
+//! the same time, so it keeps its window short and always restarts the node (also when it
+//! fails, through [`Revive`]). The `etcdctl` tests talk to one endpoint only, so they and
+//! the leader kill take [`ETCD_FAULTS`] and never overlap.
+
+// The etcd-only tests are not instantiated without the etcd feature.
+#![cfg_attr(not(feature = "etcd"), allow(dead_code, unused_imports))]
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use dlock::SessionOptions;
+use dlock_testkit::{Backend, State};
+
+use crate::support::{client, eventually, leftovers, unique, Kind};
+
+const GENEROUS: Duration = Duration::from_secs(60);
+
+/// Held by the tests that kill an etcd member and by those that use one etcd endpoint.
+static ETCD_FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn dlock() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
+    c.env_remove("DLOCK_URL").stdin(Stdio::null());
+    c
+}
+
+fn tempdir(prefix: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(unique(prefix).replace('/', "-"));
+    std::fs::create_dir_all(&d).expect("tempdir");
+    d
+}
+
+/// Sends `sig` (e.g. `STOP`) to every process of the group `pgid`.
+fn signal_group(pgid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), "--", &format!("-{pgid}")])
+        .status()
+        .expect("run kill");
+    assert!(st.success(), "kill -{sig} -{pgid} failed: {st}");
+}
+
+/// Start time (clock ticks since boot) of `pid`, or `None` if no such process runs. Compared
+/// with an earlier reading, it tells "the same process" from "a new one that got the PID".
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may contain spaces and parentheses; fields after the
+    // last ')' are plain. Start time is field 22, the 20th after the name.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // fields[0] is the state (field 3); a zombie has exited already.
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Waits (polling, up to `limit`) for `child` to exit and returns its status, or `None`.
+async fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) => return Some(st),
+            Ok(None) => {}
+            Err(e) => panic!("waiting for a child: {e}"),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A child this test started as the leader of its own process group; if it still runs
+/// when this is dropped (a failed assertion), the whole group is killed, so no command it
+/// started (a shell polling for a gate file, `sleep 600`) outlives the test.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.0.id())])
+                .status();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// A `dlock exec` whose process group is SIGSTOPped far past its session timeout loses the
+/// lock to another client meanwhile; once continued, its lost signal fires, it SIGTERMs
+/// its command and exits 70, and the command is gone.
+pub async fn cli_paused_holder_exits_70(kind: Kind, url: &str) {
+    let name = unique("paused");
+    let dir = tempdir("paused");
+    let pidfile = dir.join("child.pid");
+    let errfile = dir.join("dlock.err");
+    let session = Duration::from_secs(2);
+    let holder = dlock()
+        .args(["--url", url, "--session-timeout", "2s", "exec", &name, "--"])
+        // The command records its PID, then becomes `sleep` under that same PID.
+        .args([
+            "sh",
+            "-c",
+            "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+            "sh",
+        ])
+        .arg(&pidfile)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&errfile).expect("stderr file"))
+        .process_group(0)
+        .spawn()
+        .expect("spawn holder");
+    let mut holder = Reap(holder);
+    let pgid = holder.0.id();
+    assert!(
+        eventually(GENEROUS, || async { pidfile.exists() }).await,
+        "the holder never ran its command"
+    );
+    let child_pid: u32 = std::fs::read_to_string(&pidfile)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    let child_start = start_time(child_pid).expect("the command runs");
+    // Connected before the pause, so the only slow thing while paused is the lock.
+    let c = client(kind, url).await;
+    let m = c.mutex(&name).expect("name");
+    assert!(
+        matches!(m.try_lock().await, Err(dlock::Error::WouldBlock)),
+        "the lock must be held by the dlock process before the pause"
+    );
+
+    signal_group(pgid, "STOP");
+    let paused_at = tokio::time::Instant::now();
+    // Whatever happens below, the group must not stay stopped.
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .args(["-CONT", "--", &format!("-{}", self.0)])
+                .status();
+        }
+    }
+    let cont = Cont(pgid);
+    let got = m.lock_timeout(GENEROUS).await;
+    let mut g = got.unwrap_or_else(|e| {
+        panic!("another client must get the lock of a paused holder after its session: {e}")
+    });
+    // Keep the holder paused well past its timeout (3x), so its own clock also says so.
+    tokio::time::sleep_until(paused_at + 3 * session).await;
+    drop(cont);
+
+    let status = wait_exit(&mut holder.0, GENEROUS).await;
+    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
+    let status =
+        status.unwrap_or_else(|| panic!("dlock did not exit after SIGCONT; stderr: {err}"));
+    assert_eq!(
+        status.code(),
+        Some(70),
+        "dlock must exit 70 when the lock is lost under its command; stderr: {err}"
+    );
+    assert!(
+        err.contains("stopping the command"),
+        "the exit must come from the lost signal: {err}"
+    );
+    assert!(
+        eventually(GENEROUS, || async {
+            start_time(child_pid) != Some(child_start)
+        })
+        .await,
+        "the command (pid {child_pid}) outlived the lost lock"
+    );
+    // The new holder was never disturbed by the old one waking up.
+    assert!(!g.is_lost(), "the second client's hold must survive");
+    g.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left under {name}"
+    );
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The first endpoint of an `etcd://a,b,c` URL, for `etcdctl`.
+fn first_endpoint(url: &str) -> String {
+    let hosts = url.strip_prefix("etcd://").expect("an etcd URL");
+    hosts.split(',').next().expect("an endpoint").to_owned()
+}
+
+/// `etcdctl lock NAME CMD...` on the first endpoint, stdout piped.
+fn etcdctl_lock(url: &str, name: &str, cmd: &[&str]) -> Reap {
+    let child = Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={}", first_endpoint(url)))
+        // `--`: etcdctl would read the command's own flags (`sh -c`) as its flags.
+        .args(["lock", name, "--"])
+        .args(cmd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .expect("spawn etcdctl (Debian package etcd-client)");
+    Reap(child)
+}
+
+/// Waits until `path` exists.
+async fn wait_file(path: &Path) -> bool {
+    eventually(GENEROUS, || async { path.exists() }).await
+}
+
+/// Output of a finished child whose stdout and stderr were piped.
+fn output_of(child: &mut Reap) -> (String, String) {
+    use std::io::Read;
+    let mut out = String::new();
+    let mut err = String::new();
+    if let Some(mut s) = child.0.stdout.take() {
+        let _ = s.read_to_string(&mut out);
+    }
+    if let Some(mut s) = child.0.stderr.take() {
+        let _ = s.read_to_string(&mut err);
+    }
+    (out, err)
+}
+
+/// etcd's own lock and dlock exclude each other on one name: while `etcdctl lock NAME`
+/// runs its command, `dlock exec NAME --timeout 500ms` exits 75; once etcdctl's command
+/// ends, dlock gets the lock.
+pub async fn etcdctl_lock_blocks_dlock(kind: Kind, url: &str) {
+    let _one = ETCD_FAULTS.lock().await;
+    let name = unique("etcdctl-first");
+    let dir = tempdir("etcdctl-first");
+    let (held, go) = (dir.join("held"), dir.join("go"));
+    let script = "touch \"$0\"; while [ ! -e \"$1\" ]; do sleep 0.1; done";
+    let mut etcdctl = etcdctl_lock(
+        url,
+        &name,
+        &[
+            "sh",
+            "-c",
+            script,
+            held.to_str().expect("utf-8 path"),
+            go.to_str().expect("utf-8 path"),
+        ],
+    );
+    assert!(wait_file(&held).await, "etcdctl never got the lock");
+    // dlock sees etcd's key as the one holder of the name.
+    let c = client(kind, url).await;
+    let parts = c.participants(&name).await.expect("participants");
+    assert_eq!(parts.len(), 1, "{parts:?}");
+    assert!(parts[0].holds, "{parts:?}");
+
+    let out = dlock()
+        .args([
+            "--url",
+            url,
+            "exec",
+            &name,
+            "--timeout",
+            "500ms",
+            "--",
+            "true",
+        ])
+        .output()
+        .expect("run dlock");
+    assert_eq!(
+        out.status.code(),
+        Some(75),
+        "dlock must time out while etcdctl holds the lock; stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The timed-out dlock left nothing in etcd's queue.
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 1 }).await,
+        "the timed-out dlock left an entry behind"
+    );
+
+    std::fs::write(&go, "").expect("open the gate");
+    let st = wait_exit(&mut etcdctl.0, GENEROUS).await;
+    let (_, err) = output_of(&mut etcdctl);
+    assert_eq!(
+        st.and_then(|s| s.code()),
+        Some(0),
+        "etcdctl lock failed: {err}"
+    );
+    let st = dlock()
+        .args([
+            "--url",
+            url,
+            "exec",
+            &name,
+            "--timeout",
+            "60s",
+            "--",
+            "true",
+        ])
+        .status()
+        .expect("run dlock");
+    assert_eq!(
+        st.code(),
+        Some(0),
+        "dlock must get the lock etcdctl released"
+    );
+    assert!(eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await);
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The reverse: while `dlock exec NAME` runs its command, `etcdctl lock NAME` queues behind
+/// it and runs its own command only after dlock's has ended. The order is read from one
+/// file both commands append to.
+pub async fn dlock_blocks_etcdctl_lock(kind: Kind, url: &str) {
+    let _one = ETCD_FAULTS.lock().await;
+    let name = unique("dlock-first");
+    let dir = tempdir("dlock-first");
+    let (log, go) = (dir.join("log"), dir.join("go"));
+    let holder = dlock()
+        .args(["--url", url, "exec", &name, "--", "sh", "-c"])
+        .arg(
+            "echo dlock-start >> \"$0\"; while [ ! -e \"$1\" ]; do sleep 0.1; done; \
+             echo dlock-end >> \"$0\"",
+        )
+        .arg(&log)
+        .arg(&go)
+        .stdout(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("spawn dlock");
+    let mut holder = Reap(holder);
+    assert!(wait_file(&log).await, "dlock never got the lock");
+
+    let c = client(kind, url).await;
+    let log_s = log.to_str().expect("utf-8 path");
+    let mut etcdctl = etcdctl_lock(
+        url,
+        &name,
+        &["sh", "-c", "echo got; echo etcdctl >> \"$0\"", log_s],
+    );
+    // etcdctl's key is queued behind dlock's.
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 2 }).await,
+        "etcdctl never queued on {name}"
+    );
+    let parts = c.participants(&name).await.expect("participants");
+    assert!(
+        parts[0].holds && !parts[1].holds,
+        "dlock holds, etcdctl waits: {parts:?}"
+    );
+    assert!(
+        matches!(etcdctl.0.try_wait(), Ok(None)),
+        "etcdctl must wait while dlock holds the lock"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).expect("log"),
+        "dlock-start\n",
+        "etcdctl ran its command while dlock held the lock"
+    );
+
+    std::fs::write(&go, "").expect("open the gate");
+    let st = wait_exit(&mut holder.0, GENEROUS).await;
+    assert_eq!(st.and_then(|s| s.code()), Some(0), "dlock exec failed");
+    let st = wait_exit(&mut etcdctl.0, GENEROUS).await;
+    let (out, err) = output_of(&mut etcdctl);
+    assert_eq!(st.and_then(|s| s.code()), Some(0), "etcdctl failed: {err}");
+    assert!(
+        out.contains("got"),
+        "etcdctl's command did not run: {out:?} {err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&log).expect("log"),
+        "dlock-start\ndlock-end\netcdctl\n",
+        "etcdctl's command must run after dlock's has ended"
+    );
+    assert!(eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await);
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The cluster state for fault tests, or `None` (loudly; a failure under `CI`).
+fn state() -> Option<State> {
+    let path = match std::env::var("DLOCK_TEST_STATE") {
+        Ok(p) if !p.is_empty() => p,
+        _ => {
+            if std::env::var_os("CI").is_some() {
+                panic!(
+                    "DLOCK_TEST_STATE is not set but CI is: run through `cargo xtask integration`"
+                );
+            }
+            skip("DLOCK_TEST_STATE not set (run through `cargo xtask integration`)");
+            return None;
+        }
+    };
+    Some(State::load(&path).unwrap_or_else(|e| panic!("loading {path}: {e}")))
+}
+
+/// A loud skip line, written past libtest's output capture.
+fn skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
+}
+
+/// Restarts a killed node when dropped, so a failing test never leaves the shared cluster
+/// one member short.
+struct Revive {
+    state: Option<State>,
+    backend: Backend,
+    id: u32,
+}
+
+impl Revive {
+    fn state(&mut self) -> &mut State {
+        self.state.as_mut().expect("state present until revived")
+    }
+
+    /// Restarts the node and waits until it answers its readiness probe.
+    fn revive(mut self) -> dlock_testkit::Result<()> {
+        let mut state = self.state.take().expect("state present until revived");
+        state.restart(self.backend, self.id)
+    }
+}
+
+impl Drop for Revive {
+    fn drop(&mut self) {
+        if let Some(mut state) = self.state.take() {
+            if let Err(e) = state.restart(self.backend, self.id) {
+                eprintln!("restarting {} node {} failed: {e}", self.backend, self.id);
+            }
+        }
+    }
+}
+
+/// SIGKILL of the etcd leader while a lock is held with a 10 s lease and another client
+/// waits: the holder's lost signal does not fire, its release succeeds, the waiter gets
+/// the lock with a larger token; then the node is restarted and rejoins.
+pub async fn etcd_leader_kill_keeps_the_lock(_kind: Kind, url: &str) {
+    let Some(state) = state() else { return };
+    if state.servers_of(Backend::Etcd).count() < 3 {
+        skip("etcd leader kill needs a 3-member cluster");
+        return;
+    }
+    let _one = ETCD_FAULTS.lock().await;
+    let name = unique("leader-kill");
+    let opts = || SessionOptions::default().with_session_timeout(Duration::from_secs(10));
+    let a = dlock::connect_with(url, opts())
+        .await
+        .expect("connect holder");
+    let b = dlock::connect_with(url, opts())
+        .await
+        .expect("connect waiter");
+    let mut g = a.mutex(&name).expect("name").lock().await.expect("lock");
+    let holder_token = g.token();
+    let mb = b.mutex(&name).expect("name");
+    let waiter = tokio::spawn(async move {
+        let r = mb.lock_timeout(GENEROUS).await;
+        (r, b)
+    });
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&a, &name).await == 2 }).await,
+        "the waiter never queued"
+    );
+
+    let leader = tokio::task::block_in_place(|| state.wait_leader(Backend::Etcd, GENEROUS))
+        .expect("an etcd leader");
+    let mut revive = Revive {
+        state: Some(state),
+        backend: Backend::Etcd,
+        id: leader,
+    };
+    tokio::task::block_in_place(|| revive.state().kill(Backend::Etcd, leader))
+        .expect("kill the etcd leader");
+    let new_leader =
+        tokio::task::block_in_place(|| revive.state().wait_leader(Backend::Etcd, GENEROUS))
+            .expect("the survivors elect a leader");
+    assert_ne!(new_leader, leader);
+    // The survivors serve this client again.
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&a, &name).await == 2 }).await,
+        "the queue is not readable after the failover"
+    );
+    assert!(
+        !g.is_lost(),
+        "the holder's lost signal fired on a leader change"
+    );
+    assert!(
+        !waiter.is_finished(),
+        "the waiter must not get the lock while the holder holds it"
+    );
+    g.release().await.expect("release after the failover");
+    let (r, b) = waiter.await.expect("waiter task");
+    let mut gb = r.expect("the waiter proceeds after the release");
+    assert!(gb.token() > holder_token);
+    gb.release().await.expect("waiter release");
+
+    tokio::task::block_in_place(|| revive.revive()).expect("restart the killed member");
+    assert!(eventually(GENEROUS, || async { leftovers(&a, &name).await == 0 }).await);
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}

@@ -1,0 +1,347 @@
+//! No herd, counted: every waiter runs on its own counting wrapper around one real
+//! ZooKeeper session, so the test knows exactly how many times each waiter was woken
+//! (`wait_gone` completed) and re-read the queue (`queue` called). Counts, not timing.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock::core::entry::{Entry, EntryKind, Ticket};
+use dlock::core::{Enqueued, NameRules, Position, QueuePath};
+use dlock::{Backend, Error, LockGuard, Result};
+use futures::future::BoxFuture;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::support::{client, eventually, leftovers, unique, Kind};
+
+const GENEROUS: Duration = Duration::from_secs(60);
+
+/// A [`Backend`] that delegates to a real one and counts what one waiter does.
+pub struct Counting {
+    inner: Arc<dyn Backend>,
+    /// `queue()` calls: re-checks after a wake-up.
+    pub queue_calls: AtomicUsize,
+    /// `wait_gone()` calls: watches armed.
+    pub waits_begun: AtomicUsize,
+    /// `wait_gone()` completions: wake-ups.
+    pub waits_done: AtomicUsize,
+    /// `wait_changed()` calls (the semaphore's lease wait; a mutex never uses it).
+    pub changed_calls: AtomicUsize,
+}
+
+impl Counting {
+    pub fn new(inner: Arc<dyn Backend>) -> Arc<Self> {
+        Arc::new(Counting {
+            inner,
+            queue_calls: AtomicUsize::new(0),
+            waits_begun: AtomicUsize::new(0),
+            waits_done: AtomicUsize::new(0),
+            changed_calls: AtomicUsize::new(0),
+        })
+    }
+
+    fn snapshot(&self) -> (usize, usize, usize, usize) {
+        (
+            self.queue_calls.load(Ordering::SeqCst),
+            self.waits_begun.load(Ordering::SeqCst),
+            self.waits_done.load(Ordering::SeqCst),
+            self.changed_calls.load(Ordering::SeqCst),
+        )
+    }
+}
+
+impl Backend for Counting {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn name_rules(&self) -> NameRules {
+        self.inner.name_rules()
+    }
+    fn session_timeout(&self) -> Duration {
+        self.inner.session_timeout()
+    }
+    fn enqueue<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        at: Position<'a>,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<Enqueued>> {
+        self.inner.enqueue(q, ticket, kind, at, data)
+    }
+    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        self.queue_calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.queue(q)
+    }
+    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        self.waits_begun.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            let r = self.inner.wait_gone(q, entry).await;
+            self.waits_done.fetch_add(1, Ordering::SeqCst);
+            r
+        })
+    }
+    fn wait_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        seen: &'a [Entry],
+    ) -> BoxFuture<'a, Result<()>> {
+        self.changed_calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.wait_changed(q, seen)
+    }
+    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        self.inner.remove(q, entry)
+    }
+    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+        self.inner.abandon(q, ticket)
+    }
+    fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
+        self.inner.lost(q, entry)
+    }
+    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        self.inner.read_value(q)
+    }
+    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        self.inner.participants(q)
+    }
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        self.inner.set_data(q, entry, data)
+    }
+    fn wait_data_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        seen: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        self.inner.wait_data_changed(q, entry, seen)
+    }
+    fn close(&self) -> BoxFuture<'_, Result<()>> {
+        self.inner.close()
+    }
+}
+
+/// One waiter: its counters, the channel that tells it to release, and its task.
+struct Waiter {
+    counts: Arc<Counting>,
+    release: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// What a waiter wants.
+#[derive(Clone, Copy)]
+enum Want {
+    Lock,
+    Read,
+    Write,
+}
+
+/// Starts a waiter on its own counting wrapper over `inner`, and waits until its entry
+/// is in the queue (so queue order is spawn order). It reports its index on `acquired`
+/// once it holds, and releases when told.
+async fn spawn_waiter(
+    inner: &Arc<dyn Backend>,
+    observer: &dlock::Client,
+    name: &str,
+    want: Want,
+    index: usize,
+    acquired: &mpsc::UnboundedSender<usize>,
+) -> Waiter {
+    let before = observer
+        .participants(name)
+        .await
+        .expect("participants")
+        .len();
+    let counts = Counting::new(inner.clone());
+    let c = dlock::Client::new(counts.clone() as Arc<dyn Backend>);
+    let (release, released) = oneshot::channel::<()>();
+    let (name2, acquired) = (name.to_owned(), acquired.clone());
+    let task = tokio::spawn(async move {
+        let g: Result<LockGuard> = match want {
+            Want::Lock => c.mutex(&name2).expect("name").lock_timeout(GENEROUS).await,
+            Want::Read => c.rwlock(&name2).expect("name").read(Some(GENEROUS)).await,
+            Want::Write => c.rwlock(&name2).expect("name").write(Some(GENEROUS)).await,
+        };
+        let mut g = g.unwrap_or_else(|e| panic!("waiter {index}: {e}"));
+        let _ = acquired.send(index);
+        let _ = released.await;
+        g.release().await.expect("release");
+    });
+    assert!(
+        eventually(GENEROUS, || async {
+            observer
+                .participants(name)
+                .await
+                .map(|p| p.len())
+                .unwrap_or(0)
+                == before + 1
+        })
+        .await,
+        "waiter {index} never queued"
+    );
+    Waiter {
+        counts,
+        release: Some(release),
+        task,
+    }
+}
+
+fn total_woken(ws: &[Waiter]) -> usize {
+    ws.iter()
+        .map(|w| w.counts.waits_done.load(Ordering::SeqCst))
+        .sum()
+}
+
+/// 50 waiters queue on one mutex behind a holder. Each release wakes exactly one
+/// waiter, the next in line: after the k-th release exactly k waiters have been woken,
+/// and at the end every waiter armed exactly one watch, was woken once and re-read the
+/// queue once (a herd would wake every waiter on every release: 1 275 wake-ups).
+pub async fn mutex_queue_of_50(url: &str) {
+    const N: usize = 50;
+    let name = unique("herd");
+    let base = client(Kind::Zk, url).await;
+    let inner = base.backend().clone();
+    let mut holder = base.mutex(&name).expect("name").lock().await.expect("lock");
+    let (tx, mut acquired) = mpsc::unbounded_channel();
+    let mut ws = Vec::with_capacity(N);
+    for i in 0..N {
+        ws.push(spawn_waiter(&inner, &base, &name, Want::Lock, i, &tx).await);
+    }
+    assert_eq!(total_woken(&ws), 0, "a waiter woke while the holder held");
+    holder.release().await.expect("release");
+    for k in 0..N {
+        let next = tokio::time::timeout(GENEROUS, acquired.recv())
+            .await
+            .expect("the queue stalled")
+            .expect("waiters alive");
+        assert_eq!(next, k, "FIFO: waiter {k} must be next");
+        assert_eq!(
+            total_woken(&ws),
+            k + 1,
+            "after release {k}, exactly {} waiters may have been woken",
+            k + 1
+        );
+        if let Some(r) = ws[k].release.take() {
+            let _ = r.send(());
+        }
+    }
+    for (i, w) in ws.iter_mut().enumerate() {
+        (&mut w.task).await.expect("waiter task");
+        let (queue, begun, done, changed) = w.counts.snapshot();
+        assert_eq!(
+            (begun, done, queue, changed),
+            (1, 1, 1, 0),
+            "waiter {i}: watches armed, wake-ups, queue re-reads, lease waits"
+        );
+    }
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&base, &name).await == 0 }).await,
+        "entries left"
+    );
+    base.close().await.expect("close");
+}
+
+/// A writer holds; 10 readers queue behind it, then a writer, then 5 more readers.
+/// Releasing the first writer lets all 10 readers in and wakes only them; the queued
+/// writer wakes once, when the last reader ahead of it goes; the 5 late readers wake
+/// once, when that writer goes.
+pub async fn readers_behind_writer(url: &str) {
+    let name = unique("herd-rw");
+    let base = client(Kind::Zk, url).await;
+    let inner = base.backend().clone();
+    let mut w1 = base
+        .rwlock(&name)
+        .expect("name")
+        .write(None)
+        .await
+        .expect("write");
+    let (tx, mut acquired) = mpsc::unbounded_channel();
+    let mut ws = Vec::new();
+    for i in 0..10 {
+        ws.push(spawn_waiter(&inner, &base, &name, Want::Read, i, &tx).await);
+    }
+    ws.push(spawn_waiter(&inner, &base, &name, Want::Write, 10, &tx).await);
+    for i in 11..16 {
+        ws.push(spawn_waiter(&inner, &base, &name, Want::Read, i, &tx).await);
+    }
+
+    w1.release().await.expect("release");
+    let mut first: Vec<usize> = Vec::new();
+    for _ in 0..10 {
+        first.push(recv(&mut acquired).await);
+    }
+    first.sort_unstable();
+    assert_eq!(first, (0..10).collect::<Vec<_>>(), "the 10 readers get in");
+    for (i, w) in ws.iter().enumerate() {
+        let (queue, begun, done, _) = w.counts.snapshot();
+        if i < 10 {
+            assert_eq!((begun, done, queue), (1, 1, 1), "reader {i}");
+        } else {
+            assert_eq!(
+                (done, queue),
+                (0, 0),
+                "waiter {i} woken by the writer's release"
+            );
+        }
+    }
+
+    // Release the readers oldest first: the writer watches the youngest reader ahead of
+    // it, so only the last of these releases wakes it.
+    for w in ws.iter_mut().take(10) {
+        if let Some(r) = w.release.take() {
+            let _ = r.send(());
+        }
+        (&mut w.task).await.expect("reader task");
+    }
+    assert_eq!(recv(&mut acquired).await, 10, "the queued writer is next");
+    assert_eq!(
+        ws[10].counts.snapshot().2,
+        1,
+        "the writer woke once for ten reader releases"
+    );
+    for (i, w) in ws.iter().enumerate().skip(11) {
+        assert_eq!(w.counts.snapshot().2, 0, "late reader {i} woken early");
+    }
+
+    if let Some(r) = ws[10].release.take() {
+        let _ = r.send(());
+    }
+    let mut late: Vec<usize> = Vec::new();
+    for _ in 11..16 {
+        late.push(recv(&mut acquired).await);
+    }
+    late.sort_unstable();
+    assert_eq!(late, (11..16).collect::<Vec<_>>());
+    for w in ws.iter_mut().skip(10) {
+        if let Some(r) = w.release.take() {
+            let _ = r.send(());
+        }
+        (&mut w.task).await.expect("task");
+    }
+    for (i, w) in ws.iter().enumerate() {
+        let (queue, begun, done, changed) = w.counts.snapshot();
+        assert_eq!(
+            (begun, done, queue, changed),
+            (1, 1, 1, 0),
+            "waiter {i}: one watch, one wake-up, one re-read"
+        );
+    }
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&base, &name).await == 0 }).await,
+        "entries left"
+    );
+    base.close().await.expect("close");
+}
+
+/// The next waiter index reported as acquired.
+async fn recv(rx: &mut mpsc::UnboundedReceiver<usize>) -> usize {
+    tokio::time::timeout(GENEROUS, rx.recv())
+        .await
+        .expect("the queue stalled")
+        .expect("waiters alive")
+}

@@ -1,0 +1,174 @@
+//! Curator's own lock-test scenarios that the shared suite does not cover, on ZooKeeper:
+//! container parents reaped after use (`testContainerCleanup`), no orphaned semaphore
+//! nodes after an interrupted acquire (`testInterruptAcquire`, CURATOR-462) or after a
+//! waiter's lease node is deleted under it (`testNoOrphanedNodes`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock::{Backend, Error, SessionOptions};
+use dlock_zookeeper::{zk, ZkBackend};
+
+use crate::support::{eventually, leftovers, unique, zk_hosts, Kind};
+
+const GENEROUS: Duration = Duration::from_secs(60);
+
+/// A dlock client on its own ZooKeeper session, plus the raw ZooKeeper handle of that
+/// session for looking at the tree.
+pub async fn zk_client(
+    url: &str,
+    session: Duration,
+) -> (dlock::Client, Arc<ZkBackend>, zk::Client) {
+    let b = ZkBackend::connect(
+        zk_hosts(url),
+        SessionOptions::default().with_session_timeout(session),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("connect {url}: {e}"));
+    let raw = b.client().expect("session open");
+    (dlock::Client::new(b.clone() as Arc<dyn Backend>), b, raw)
+}
+
+async fn exists(raw: &zk::Client, path: &str) -> bool {
+    raw.check_stat(path).await.expect("exists").is_some()
+}
+
+/// Lease and internal-lock entries of semaphore `name`: `(leases, locks)`.
+async fn sem_counts(c: &dlock::Client, name: &str) -> (usize, usize) {
+    let parts = c.participants(name).await.expect("participants");
+    let count = |q: &str| parts.iter().filter(|p| p.queue == q).count();
+    (count("leases"), count("locks"))
+}
+
+/// Ten tasks lock and unlock a mutex; a semaphore and a read/write lock are used once.
+/// Afterwards ZooKeeper's container manager (1 s interval in the test servers) removes
+/// every parent dlock created, level by level, up to the lock's top node: dlock creates
+/// parents as CONTAINER nodes, as Curator does.
+pub async fn container_parents_are_reaped(url: &str) {
+    let top = unique("containers");
+    let (c, _b, raw) = zk_client(url, Kind::Zk.session_timeout()).await;
+    let m = format!("{top}/m");
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let mutex = c.mutex(&m).expect("name");
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..3 {
+                let mut g = mutex.lock_timeout(GENEROUS).await.expect("lock");
+                g.release().await.expect("release");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let mut p = c
+        .semaphore(&format!("{top}/s"), 2)
+        .expect("name")
+        .acquire(Some(GENEROUS))
+        .await
+        .expect("permit");
+    assert!(exists(&raw, &format!("/{top}/s/leases")).await);
+    p.release().await.expect("release");
+    let rw = c.rwlock(&format!("{top}/rw")).expect("name");
+    let mut r = rw.read(Some(GENEROUS)).await.expect("read");
+    r.release().await.expect("release");
+    let mut w = rw.write(Some(GENEROUS)).await.expect("write");
+    w.release().await.expect("release");
+    let top_path = format!("/{top}");
+    assert!(
+        eventually(GENEROUS, || async { !exists(&raw, &top_path).await }).await,
+        "the lock's parents were never reaped: is ZooKeeper running with \
+         -Dznode.container.checkIntervalMs=1000 and are they containers?"
+    );
+    // The raw handle shares the session; close waits for the last handle to go.
+    drop(raw);
+    c.close().await.expect("close");
+}
+
+/// A semaphore of one permit is held; one waiter holds the internal lock and has its
+/// lease node, a second waits on the internal lock. Both acquires are dropped (task
+/// aborted): their lease and lock nodes go, the holder's stays, and the semaphore keeps
+/// working.
+pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
+    let name = unique("sem-interrupt");
+    let (c, _b, _) = zk_client(url, Kind::Zk.session_timeout()).await;
+    let sem = c.semaphore(&name, 1).expect("name");
+    let mut held = sem.acquire(Some(GENEROUS)).await.expect("permit");
+    let (s1, s2) = (
+        c.semaphore(&name, 1).expect("name"),
+        c.semaphore(&name, 1).expect("name"),
+    );
+    let w1 = tokio::spawn(async move { s1.acquire(None).await });
+    assert!(
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (2, 1) }).await,
+        "first waiter never reached its lease wait: {:?}",
+        sem_counts(&c, &name).await
+    );
+    let w2 = tokio::spawn(async move { s2.acquire(None).await });
+    assert!(
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (2, 2) }).await,
+        "second waiter never queued on the internal lock: {:?}",
+        sem_counts(&c, &name).await
+    );
+    w2.abort();
+    w1.abort();
+    assert!(w1.await.is_err_and(|e| e.is_cancelled()));
+    assert!(w2.await.is_err_and(|e| e.is_cancelled()));
+    assert!(
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 0) }).await,
+        "interrupted acquires left nodes: {:?}",
+        sem_counts(&c, &name).await
+    );
+    held.release().await.expect("release");
+    let mut again = sem.try_acquire().await.expect("the semaphore still works");
+    again.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left"
+    );
+    c.close().await.expect("close");
+}
+
+/// A waiter's lease node is deleted by someone else while it waits for a permit.
+/// Curator retries the acquire; dlock reports it as a typed error ([`Error::LockLost`])
+/// instead of hanging, and leaves nothing behind: no internal-lock node, no lease.
+pub async fn semaphore_deleted_lease_is_a_typed_error(url: &str) {
+    let name = unique("sem-deleted");
+    let (c, _b, raw) = zk_client(url, Kind::Zk.session_timeout()).await;
+    let sem = c.semaphore(&name, 1).expect("name");
+    let mut held = sem.acquire(Some(GENEROUS)).await.expect("permit");
+    let s1 = c.semaphore(&name, 1).expect("name");
+    let waiter = tokio::spawn(async move { s1.acquire(Some(GENEROUS)).await });
+    assert!(
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (2, 1) }).await,
+        "the waiter never reached its lease wait"
+    );
+    let victim = c
+        .participants(&name)
+        .await
+        .expect("participants")
+        .into_iter()
+        .find(|p| p.queue == "leases" && p.entry.name != held.entry().name)
+        .expect("the waiter's lease");
+    raw.delete(&format!("/{name}/leases/{}", victim.entry.name), None)
+        .await
+        .expect("delete the waiter's lease");
+    match waiter.await.expect("task") {
+        Err(Error::LockLost(_)) => {}
+        other => panic!("expected LockLost for a deleted lease, got {other:?}"),
+    }
+    assert!(
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 0) }).await,
+        "orphaned nodes: {:?}",
+        sem_counts(&c, &name).await
+    );
+    held.release().await.expect("release");
+    let mut again = sem.acquire(Some(GENEROUS)).await.expect("still works");
+    again.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left"
+    );
+    drop(raw);
+    c.close().await.expect("close");
+}
