@@ -158,7 +158,7 @@ async fn enqueue_returns_the_queue_with_mine_in_order() {
         client.remove(&q, e).await.expect("remove");
         client.remove(&q, e).await.expect("remove is idempotent");
     }
-    assert!(a.queue(&q).await.expect("queue").is_empty());
+    assert!(a.participants(&q).await.expect("queue").is_empty());
     a.close().await.expect("close a");
     b.close().await.expect("close b");
 }
@@ -541,7 +541,9 @@ async fn read_write_beside_and_sub_queues() {
     b.remove(&leases, &l2).await.expect("remove");
     a.remove(&root, &w).await.expect("remove");
     b.remove(&root, &w2).await.expect("remove");
-    assert!(a.queue(&root).await.expect("queue").is_empty());
+    // `queue()` may be served by a member that has not yet applied b's delete (it can
+    // only show entries already gone, never miss one); status reads are linearizable.
+    assert!(a.participants(&root).await.expect("queue").is_empty());
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
