@@ -261,11 +261,11 @@ async fn run_child_revocable(
             // The lock ended another way (lost, released): the lost signal covers it.
             Err(e) => tracing::debug!(error = %e, "revocation watch ended"),
         }
-        std::future::pending::<()>().await
+        std::future::pending::<std::convert::Infallible>().await
     };
     tokio::select! {
         outcome = run_child_with(cmd, env, lost, Some(rx)) => outcome,
-        () = watch => unreachable!("the watch never completes"),
+        never = watch => match never {},
     }
 }
 
