@@ -129,7 +129,7 @@ async fn redlock_concurrent_enqueues_agree_on_one_order() {
 /// enqueue at the same moment, round after round, so that their sequence proposals
 /// collide on the masters. Every enqueue must succeed, and every round must end with one
 /// order all clients agree on.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redlock_eight_contending_enqueuers_agree_every_round() {
     init_tracing();
     let Some(list) = endpoint("DLOCK_TEST_REDLOCK", "redlock_eight_contending_enqueuers") else {
@@ -137,12 +137,35 @@ async fn redlock_eight_contending_enqueuers_agree_every_round() {
     };
     let addrs = masters(&list);
     const CLIENTS: usize = 8;
-    const ROUNDS: usize = 30;
+    const ROUNDS: usize = 40;
     let q = fresh_queue("redlock-contend");
     let mut clients = Vec::new();
     for _ in 0..CLIENTS {
         clients.push(connect_redlock(&addrs, LONG).await);
     }
+    // Free-running first, as the benchmark's workers: enqueue and remove in a loop.
+    let mut tasks = Vec::new();
+    for c in &clients {
+        let (c, q) = (c.clone(), q.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..ROUNDS {
+                let added = c
+                    .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                    .await
+                    .map_err(|e| format!("enqueue {i}: {e}"))?;
+                c.remove(&q, &added.mine)
+                    .await
+                    .map_err(|e| format!("remove {i}: {e}"))?;
+            }
+            Ok::<(), String>(())
+        }));
+    }
+    for t in tasks {
+        if let Err(e) = t.await.expect("join") {
+            panic!("a free-running contender failed: {e}");
+        }
+    }
+    // Then in lockstep rounds, checking the order every client sees.
     for round in 0..ROUNDS {
         let results = futures::future::join_all(clients.iter().map(|c| {
             let q = q.clone();
