@@ -31,9 +31,14 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// loaded machine's scheduling jitter.
 pub const MIN_LEASE: Duration = Duration::from_millis(300);
 
-/// How many times a Redlock enqueue proposes a new sequence after masters refused the
-/// previous one, before it gives up with an error.
-const REDLOCK_ATTEMPTS: usize = 8;
+/// At most this many Redlock sequence proposals per enqueue, before it gives up with an
+/// error. Proposals are also bounded in time: no new one once a third of the lease has
+/// passed (the entry must still be valid when a majority took it).
+const REDLOCK_ATTEMPTS: usize = 64;
+
+/// Longest random pause between two refused Redlock proposals. Contenders that proposed
+/// the same sequence and split the masters would otherwise collide again in lockstep.
+const REDLOCK_MAX_BACKOFF: Duration = Duration::from_millis(25);
 
 /// How long a Redlock call waits for the remaining masters once a majority answered.
 const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
@@ -79,6 +84,8 @@ struct Counters {
     subscribes: AtomicU64,
     renewals: AtomicU64,
     lost: AtomicU64,
+    timer_rechecks: AtomicU64,
+    missed_wakeups: AtomicU64,
 }
 
 /// A snapshot of a backend's counters.
@@ -95,6 +102,14 @@ pub struct Stats {
     pub lost: u64,
     /// Entries live (renewed by the watchdog) right now.
     pub live: usize,
+    /// Times a waiter (`wait_gone`, `wait_changed`) was woken by its re-check timer
+    /// rather than by a message or a reconnect. A long hold makes these legitimately.
+    pub timer_rechecks: u64,
+    /// Timer re-checks that found the watched entry gone (or the queue changed): a
+    /// wake-up whose message never reached the waiter. With a healthy connection every
+    /// removal is published, so this stays 0; anything else is a missed wake-up that
+    /// cost the waiter up to a whole re-check period.
+    pub missed_wakeups: u64,
 }
 
 struct Shared {
@@ -303,6 +318,8 @@ impl RedisBackend {
             renewals: c.renewals.load(Ordering::Relaxed),
             lost: c.lost.load(Ordering::Relaxed),
             live: self.shared.live.lock().len(),
+            timer_rechecks: c.timer_rechecks.load(Ordering::Relaxed),
+            missed_wakeups: c.missed_wakeups.load(Ordering::Relaxed),
         }
     }
 
@@ -419,6 +436,26 @@ impl Shared {
         if let Some(n) = notify {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
             n.notify_waiters();
+        }
+    }
+
+    /// Waits for a message on the waiter's channel or the re-check timer; true if the
+    /// timer ended the wait.
+    async fn wait_notified(
+        &self,
+        notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+    ) -> bool {
+        tokio::select! {
+            _ = notified => false,
+            _ = tokio::time::sleep(self.recheck) => true,
+        }
+    }
+
+    /// Counts a wait that ended on a timer re-check as a missed wake-up.
+    fn count_recheck(&self, by_timer: bool) {
+        if by_timer {
+            self.counters.missed_wakeups.fetch_add(1, Ordering::Relaxed);
+            debug!("a waiter's message never came; its re-check timer found the change");
         }
     }
 
@@ -938,6 +975,7 @@ impl Backend for RedisBackend {
                 // Subscribe first, then check: a removal between the two is seen by the
                 // check, one after it by the message.
                 let listener = s.listen(&keys.gone_channel(&entry.name)).await;
+                let mut by_timer = false;
                 loop {
                     let notified = listener.notify.notified();
                     tokio::pin!(notified);
@@ -946,13 +984,14 @@ impl Backend for RedisBackend {
                     let results = s.gather(s.nodes.iter().map(|n| n.exists(&key))).await;
                     let present = s.quorum(results)?;
                     if !present.iter().any(|p| *p) {
+                        s.count_recheck(by_timer);
                         return Ok(());
                     }
                     // A lost message (reconnect) or an expiry nobody published only delays
                     // the wake-up to the re-check timer.
-                    tokio::select! {
-                        _ = notified => {}
-                        _ = tokio::time::sleep(s.recheck) => {}
+                    by_timer = s.wait_notified(notified).await;
+                    if by_timer {
+                        s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
@@ -973,6 +1012,7 @@ impl Backend for RedisBackend {
                 let keys = QueueKeys::new(q);
                 let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
                 let listener = s.listen(&keys.changed).await;
+                let mut by_timer = false;
                 loop {
                     let notified = listener.notify.notified();
                     tokio::pin!(notified);
@@ -982,11 +1022,12 @@ impl Backend for RedisBackend {
                     let same = now.len() == seen.len()
                         && now.iter().all(|e| seen.contains(e.name.as_str()));
                     if !same {
+                        s.count_recheck(by_timer);
                         return Ok(());
                     }
-                    tokio::select! {
-                        _ = notified => {}
-                        _ = tokio::time::sleep(s.recheck) => {}
+                    by_timer = s.wait_notified(notified).await;
+                    if by_timer {
+                        s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
@@ -1104,21 +1145,21 @@ impl RedisBackend {
         let started = Instant::now();
         let lease_ms = s.lease.as_millis().to_string();
         let prefix = ticket.name_prefix(kind);
-        // Spread concurrent Redlock proposals so that two contenders rarely propose the
-        // same sequence: a small per-ticket offset.
-        let jitter = ticket
-            .as_str()
-            .bytes()
-            .fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64))
-            % 4;
+        // Redlock proposals: each is above every counter a master reported and every
+        // sequence seen, plus a random offset that widens with each refusal, so that
+        // contenders stop proposing the same sequence and splitting the masters.
+        let mut rng = Jitter::new(ticket.as_str());
         let mut proposal = 0u64;
+        let mut attempts = 0usize;
         for attempt in 0..REDLOCK_ATTEMPTS {
+            attempts = attempt + 1;
             let (mode, p, writer) = match (at, s.mode) {
                 (Position::Beside(w), _) => ("beside", w.seq, w.name.as_str()),
                 (Position::Tail, Mode::Single) => ("tail", 0, ""),
                 (Position::Tail, Mode::Redlock) => {
                     let hint = s.seq_hint.lock().get(&keys.queue).copied().unwrap_or(0);
-                    proposal = proposal.max(hint) + 1 + jitter;
+                    let spread = 1u64 << attempt.min(5);
+                    proposal = proposal.max(hint) + 1 + rng.below(spread);
                     ("cas", proposal, "")
                 }
             };
@@ -1210,15 +1251,57 @@ impl RedisBackend {
                 attempt,
                 proposal, rejected, "redlock: sequence refused, proposing a higher one"
             );
-            let mut hints = s.seq_hint.lock();
-            let h = hints.entry(keys.queue.clone()).or_insert(0);
-            *h = (*h).max(proposal);
+            {
+                let mut hints = s.seq_hint.lock();
+                let h = hints.entry(keys.queue.clone()).or_insert(0);
+                *h = (*h).max(proposal);
+            }
+            if started.elapsed() + s.drift >= s.lease / 3 {
+                break;
+            }
+            // Contenders that split the masters retry at random moments, not in lockstep.
+            let cap = REDLOCK_MAX_BACKOFF.as_micros() as u64;
+            let pause = rng.below((250u64 << attempt.min(7)).min(cap));
+            tokio::time::sleep(Duration::from_micros(pause)).await;
         }
         Err(Error::backend(
             "adding an entry",
             format!(
-                "redlock: the masters did not agree on a sequence after {REDLOCK_ATTEMPTS} proposals"
+                "redlock: the masters did not agree on a sequence after {attempts} proposals in {:?}",
+                started.elapsed()
             ),
         ))
+    }
+}
+
+/// A small xorshift generator for Redlock proposal offsets and pauses: seeded from the
+/// ticket and the clock, so that contenders (even in one process) draw differently. Not
+/// for anything security related.
+struct Jitter(u64);
+
+impl Jitter {
+    fn new(ticket: &str) -> Self {
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let seed = ticket.bytes().fold(clock ^ 0x9E37_79B9_7F4A_7C15, |a, b| {
+            a.wrapping_mul(0x100_0000_01B3).wrapping_add(u64::from(b))
+        });
+        Jitter(seed | 1)
+    }
+
+    /// A number in `0..n` (0 when `n` is 0).
+    fn below(&mut self, n: u64) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        if n == 0 {
+            0
+        } else {
+            x % n
+        }
     }
 }

@@ -79,10 +79,13 @@
 //!
 //! # Wake-ups
 //! `wait_gone` subscribes to the watched entry's channel first (a fred `SubscriberClient`
-//! that re-subscribes after reconnects), then checks that the entry still exists, then
+//! that re-subscribes after reconnects) and confirms the subscription with a PING on the
+//! subscriber connection (fred resolves SUBSCRIBE once it is written, so without the PING
+//! the check below could reach the server first and a removal in between went unheard),
+//! then checks that the entry still exists, then
 //! waits for the message or a re-check timer (min(lease/3, 1 s)), so a lost message or an
 //! unpublished expiry only delays a waiter. Concurrent waiters on one channel share one
-//! subscription.
+//! subscription. [`Stats::missed_wakeups`] counts the waits that only the timer ended.
 //!
 //! # Fencing tokens
 //! Each entry gets `INCR dlock:{L}:token` from the enqueue script, floored at the server
@@ -100,7 +103,10 @@
 //!
 //! Queue order is kept consistent across masters by agreeing on the sequence: the client
 //! proposes one, and a master accepts it only if it is above every sequence it has handed
-//! out (else the client proposes a higher one). Every entry therefore has the same
+//! out (else it refuses and reports its counter, and the client proposes above every
+//! counter reported, plus a random offset, after a short random pause, so that contenders
+//! that split the masters do not collide again in lockstep; it gives up with
+//! [`dlock_core::Error::Backend`] only after 64 proposals or a third of the lease). Every entry therefore has the same
 //! sequence on every master that holds it, and any two majorities share a master, so a
 //! later entry always sorts behind an earlier live one. A client's view of a queue is the
 //! union of the live entries reported by a majority of masters; an entry left on a

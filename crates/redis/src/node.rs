@@ -165,11 +165,24 @@ impl Node {
         Ok(n > 0)
     }
 
+    /// Subscribes to `channel` and returns once the server has processed the SUBSCRIBE.
+    ///
+    /// fred resolves `subscribe` as soon as the command is *written* (its confirmation
+    /// arrives out of band and is dropped), so a command sent next on the other
+    /// connection, such as the waiter's existence check, could reach the server first,
+    /// and a removal published between the two was never delivered (the benchmark's 1 s
+    /// stalls). A PING on the subscriber connection is answered only after everything
+    /// sent before it on that connection, the SUBSCRIBE included.
     pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
         self.sub
             .subscribe(channel)
             .await
-            .map_err(|e| self.map_err("subscribing", e))
+            .map_err(|e| self.map_err("subscribing", e))?;
+        self.sub
+            .ping::<Value>(None)
+            .await
+            .map(|_| ())
+            .map_err(|e| self.map_err("confirming a subscription", e))
     }
 
     pub async fn unsubscribe(&self, channel: &str) -> Result<(), Error> {

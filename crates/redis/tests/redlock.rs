@@ -125,6 +125,107 @@ async fn redlock_concurrent_enqueues_agree_on_one_order() {
     }
 }
 
+/// Regression (benchmark W5 on Redlock: `backend error: adding an entry`): eight clients
+/// enqueue at the same moment, round after round, so that their sequence proposals
+/// collide on the masters. Every enqueue must succeed, and every round must end with one
+/// order all clients agree on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redlock_eight_contending_enqueuers_agree_every_round() {
+    init_tracing();
+    let Some(list) = endpoint("DLOCK_TEST_REDLOCK", "redlock_eight_contending_enqueuers") else {
+        return;
+    };
+    let addrs = masters(&list);
+    const CLIENTS: usize = 8;
+    const ROUNDS: usize = 40;
+    let q = fresh_queue("redlock-contend");
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        clients.push(connect_redlock(&addrs, LONG).await);
+    }
+    // Free-running first, as the benchmark's workers: enqueue and remove in a loop.
+    let mut tasks = Vec::new();
+    for c in &clients {
+        let (c, q) = (c.clone(), q.clone());
+        tasks.push(tokio::spawn(async move {
+            for i in 0..ROUNDS {
+                let added = c
+                    .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                    .await
+                    .map_err(|e| format!("enqueue {i}: {e}"))?;
+                c.remove(&q, &added.mine)
+                    .await
+                    .map_err(|e| format!("remove {i}: {e}"))?;
+            }
+            Ok::<(), String>(())
+        }));
+    }
+    for t in tasks {
+        if let Err(e) = t.await.expect("join") {
+            panic!("a free-running contender failed: {e}");
+        }
+    }
+    // Then in lockstep rounds, checking the order every client sees.
+    for round in 0..ROUNDS {
+        let results = futures::future::join_all(clients.iter().map(|c| {
+            let q = q.clone();
+            async move {
+                c.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                    .await
+            }
+        }))
+        .await;
+        let mine: Vec<_> = results
+            .into_iter()
+            .map(|r| match r {
+                Ok(e) => e.mine,
+                Err(e) => panic!("round {round}: a contending enqueue failed: {e}"),
+            })
+            .collect();
+        let mut seqs: Vec<u64> = mine.iter().map(|e| e.seq).collect();
+        seqs.sort_unstable();
+        seqs.dedup();
+        assert_eq!(
+            seqs.len(),
+            CLIENTS,
+            "round {round}: distinct sequences {seqs:?}"
+        );
+        let first = clients[0].queue(&q).await.expect("queue");
+        assert_eq!(first.len(), CLIENTS, "round {round}: every entry listed");
+        for c in &clients[1..] {
+            let view = c.queue(&q).await.expect("queue");
+            assert_eq!(
+                view.iter().map(|e| &e.name).collect::<Vec<_>>(),
+                first.iter().map(|e| &e.name).collect::<Vec<_>>(),
+                "round {round}: one order for every client"
+            );
+        }
+        let holders = mine
+            .iter()
+            .filter(|e| decide(&first, &e.name) == Decision::Acquired)
+            .count();
+        assert_eq!(holders, 1, "round {round}: exactly one holder");
+        futures::future::join_all(clients.iter().zip(&mine).map(|(c, e)| {
+            let q = q.clone();
+            async move { c.remove(&q, e).await.expect("remove") }
+        }))
+        .await;
+    }
+    for c in clients {
+        c.close().await.expect("close");
+    }
+    // Nothing is left behind by the refused proposals on any master.
+    for addr in &addrs {
+        let insp = inspector(addr).await;
+        let left = scan_keys(
+            &insp,
+            &format!("dlock:{{{}}}*", glob_escape(q.lock.as_str())),
+        )
+        .await;
+        assert!(left.is_empty(), "keys left on {addr}: {left:?}");
+    }
+}
+
 #[tokio::test]
 async fn redlock_works_with_two_masters_down_and_fails_typed_with_three() {
     init_tracing();

@@ -591,3 +591,111 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
     );
     b.close().await.expect("close");
 }
+
+/// Takes `kind` on `q` through the backend protocol (enqueue, watch the blocker the driver
+/// names, re-list), as the recipes do.
+async fn acquire_raw(
+    b: &RedisBackend,
+    q: &dlock_core::QueuePath,
+    kind: EntryKind,
+) -> dlock_core::Entry {
+    let added = b
+        .enqueue(q, &Ticket::new(), kind, Position::Tail, b"")
+        .await
+        .expect("enqueue");
+    let mine = added.mine;
+    let mut queue = added.queue;
+    loop {
+        let blocker = match decide(&queue, &mine.name) {
+            Decision::Acquired => return mine,
+            Decision::Missing => panic!("entry {} vanished while waiting", mine.name),
+            Decision::Wait(blocker) => blocker.clone(),
+        };
+        b.wait_gone(q, &blocker).await.expect("wait_gone");
+        queue = b.queue(q).await.expect("queue");
+    }
+}
+
+/// Regression (benchmark W5: p99 of about 1 s): readers and writers with short holds on
+/// one read/write queue, each on its own client. Every wait must end by a message, never
+/// by the re-check timer finding the entry already gone: fred's SUBSCRIBE resolves once
+/// written, so without a round trip on the subscriber connection the existence check
+/// could overtake the SUBSCRIBE and the removal's message was lost.
+// Several runtime threads, as in an application: the subscriber's and the command
+// client's writes then really race.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rwlock_waits_end_by_message_not_by_the_recheck_timer() {
+    init_tracing();
+    let Some(addr) = endpoint(
+        "DLOCK_TEST_REDIS",
+        "rwlock_waits_end_by_message_not_by_the_recheck_timer",
+    ) else {
+        return;
+    };
+    const WORKERS: u64 = 8;
+    const ROUNDS: u64 = 300;
+    let q = fresh_queue("rw-wakeups");
+    // Readers inside (low bits) and writers inside (<< 32): a reader beside a writer or
+    // two writers is a violation.
+    let inside = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let violations = Arc::new(AtomicUsize::new(0));
+    let mut backends = Vec::new();
+    for _ in 0..WORKERS {
+        backends.push(connect(&addr, LONG).await);
+    }
+    let mut tasks = Vec::new();
+    for (i, b) in backends.iter().enumerate() {
+        let (b, q, inside, violations) = (b.clone(), q.clone(), inside.clone(), violations.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (i as u64 + 1);
+            for _ in 0..ROUNDS {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let write = x % 100 < 25;
+                let kind = if write {
+                    EntryKind::Write
+                } else {
+                    EntryKind::Read
+                };
+                let mine = acquire_raw(&b, &q, kind).await;
+                let unit = if write { 1u64 << 32 } else { 1 };
+                let now = inside.fetch_add(unit, Ordering::SeqCst) + unit;
+                let (writers, readers) = (now >> 32, now & 0xFFFF_FFFF);
+                if writers > 1 || (writers == 1 && readers > 0) {
+                    violations.fetch_add(1, Ordering::SeqCst);
+                }
+                tokio::task::yield_now().await;
+                inside.fetch_sub(unit, Ordering::SeqCst);
+                b.remove(&q, &mine).await.expect("remove");
+            }
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(600), t)
+            .await
+            .expect("workers finish")
+            .expect("worker ok");
+    }
+    let (mut messages, mut rechecks, mut missed) = (0, 0, 0);
+    for b in &backends {
+        let s = b.stats();
+        messages += s.messages;
+        rechecks += s.timer_rechecks;
+        missed += s.missed_wakeups;
+        b.close().await.expect("close");
+    }
+    eprintln!(
+        "rw wake-ups: {} acquires, messages={messages} timer_rechecks={rechecks} missed_wakeups={missed}",
+        WORKERS * ROUNDS
+    );
+    assert_eq!(violations.load(Ordering::SeqCst), 0, "rw exclusion");
+    assert!(
+        messages > 0,
+        "the workers contended and were woken by messages"
+    );
+    assert_eq!(
+        missed, 0,
+        "waits the re-check timer had to rescue (a removal's message never arrived)"
+    );
+}
