@@ -26,6 +26,20 @@ impl Wait {
     }
 }
 
+/// Runs `fut` under the deadline of `wait`: [`Error::Timeout`] with the caller's duration
+/// once it passes.
+pub(crate) async fn within<T>(
+    wait: Wait,
+    fut: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    match wait {
+        Wait::Until(deadline, d) => tokio::time::timeout_at(deadline, fut)
+            .await
+            .unwrap_or(Err(Error::Timeout(d))),
+        Wait::Forever | Wait::No => fut.await,
+    }
+}
+
 /// Removes a ticket's entry when dropped while armed. An acquire future that is dropped
 /// at any await point (a `select!`, a timeout, an aborted task) thereby still removes
 /// whatever its enqueue may have created, in the background.
@@ -156,14 +170,7 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
             queue = backend.queue(q).await?;
         }
     };
-    let result = match wait {
-        Wait::Until(deadline, d) => match tokio::time::timeout_at(deadline, attempt).await {
-            Ok(r) => r,
-            Err(_) => Err(Error::Timeout(d)),
-        },
-        Wait::Forever | Wait::No => attempt.await,
-    };
-    match result {
+    match within(wait, attempt).await {
         Ok(entry) => {
             cleanup.disarm();
             Ok(entry)

@@ -283,13 +283,7 @@ impl<B: Backend + ?Sized> Semaphore<B> {
                 seen = backend.queue(&leases).await?;
             }
         };
-        let result = match w {
-            Wait::Until(deadline, d) => match tokio::time::timeout_at(deadline, attempt).await {
-                Ok(r) => r,
-                Err(_) => Err(Error::Timeout(d)),
-            },
-            Wait::Forever | Wait::No => attempt.await,
-        };
+        let result = queue::within(w, attempt).await;
         inner_guard.release().await;
         match result {
             Ok(entry) => {
