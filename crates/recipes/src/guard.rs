@@ -134,6 +134,37 @@ impl<B: Backend + ?Sized> LockGuard<B> {
         self.held.lost.clone().now_or_never().is_some()
     }
 
+    /// Asks the server whether this hold's entry is still there, and fails if it is not.
+    ///
+    /// [`LockGuard::lost`] fires only once the client has learned of a loss, and a loss
+    /// can go unseen for a while: a pause past the session, or an entry deleted on the
+    /// server, is noticed at the next keep-alive. Call `verify` when a critical section
+    /// ends and before its effects are committed, to learn whether it may have overlapped
+    /// another holder's. Costs one read of the lock's queue.
+    ///
+    /// # Errors
+    /// - [`Error::LockLost`] if the lost signal has fired, or the entry is gone;
+    /// - the backend's error if the server could not be asked (the hold is then
+    ///   unconfirmed, not known lost).
+    pub async fn verify(&self) -> Result<()> {
+        let held = &self.held;
+        if let Some(reason) = held.lost.clone().now_or_never() {
+            return Err(Error::LockLost(reason));
+        }
+        let queue = held.backend.queue(&held.q).await?;
+        if let Some(reason) = held.lost.clone().now_or_never() {
+            return Err(Error::LockLost(reason));
+        }
+        if queue.iter().any(|e| e.name == held.entry.name) {
+            Ok(())
+        } else {
+            Err(Error::LockLost(format!(
+                "{}: entry {} is no longer on the server",
+                held.q.lock, held.entry.name
+            )))
+        }
+    }
+
     /// Releases this hold. For a reentrant lock, the entry is removed when the owner's
     /// last hold is released.
     ///

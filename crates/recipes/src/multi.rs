@@ -246,6 +246,17 @@ impl<B: Backend + ?Sized> MultiGuard<B> {
         futures::future::select_all(all).map(|(e, _, _)| e)
     }
 
+    /// Asks the server whether every part is still held: [`LockGuard::verify`] for each.
+    ///
+    /// # Errors
+    /// The first part that is lost or could not be confirmed.
+    pub async fn verify(&self) -> Result<()> {
+        for g in &self.guards {
+            g.verify().await?;
+        }
+        Ok(())
+    }
+
     /// Releases every part, in reverse order, even if some release fails.
     ///
     /// # Errors

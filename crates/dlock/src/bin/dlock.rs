@@ -3,7 +3,8 @@
 //!
 //! Exit codes (a contract for scripts): the command's own exit code when it ran;
 //! 75 timed out; 69 backend unreachable; 64 bad usage, name or URL; 70 lock lost while
-//! the command ran (the command got SIGTERM); 126/127 command not executable / not found.
+//! the command ran (the command got SIGTERM, or the hold could not be confirmed on the
+//! server once the command had exited); 126/127 command not executable / not found.
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -220,8 +221,9 @@ async fn exec(client: &Client, a: ExecArgs) -> Result<u8, Error> {
         lost,
     )
     .await;
+    let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
-    finish(outcome, released)
+    finish(outcome, verified, released)
 }
 
 async fn exec_revocable(client: &Client, a: ExecArgs, name: dlock::LockName) -> Result<u8, Error> {
@@ -239,8 +241,9 @@ async fn exec_revocable(client: &Client, a: ExecArgs, name: dlock::LockName) -> 
         revoked,
     )
     .await;
+    let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
-    finish(outcome, released)
+    finish(outcome, verified, released)
 }
 
 /// [`run_child`], and on a revocation request SIGTERM the command and wait for it: its
@@ -294,8 +297,9 @@ async fn multi(client: &Client, a: MultiArgs) -> Result<u8, Error> {
         lost,
     )
     .await;
+    let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
-    finish(outcome, released)
+    finish(outcome, verified, released)
 }
 
 /// How the child ended.
@@ -305,14 +309,39 @@ enum Outcome {
     SpawnFailed(u8, String),
 }
 
-fn finish(outcome: Outcome, released: Result<(), Error>) -> Result<u8, Error> {
+/// After the command exited on its own, asks the server whether the lock is still held:
+/// a loss the client had not noticed yet (a pause past the session, an entry deleted on
+/// the server) must still turn into exit code 70, or a script would trust a critical
+/// section that may have overlapped another holder's.
+async fn confirm(
+    outcome: &Outcome,
+    verify: impl std::future::Future<Output = Result<(), Error>>,
+) -> Result<(), Error> {
+    match outcome {
+        Outcome::Exited(_) => verify.await,
+        Outcome::Lost(_) | Outcome::SpawnFailed(..) => Ok(()),
+    }
+}
+
+fn finish(
+    outcome: Outcome,
+    verified: Result<(), Error>,
+    released: Result<(), Error>,
+) -> Result<u8, Error> {
     match outcome {
         Outcome::Lost(e) => Err(e),
+
         Outcome::SpawnFailed(code, msg) => {
             eprintln!("dlock: {msg}");
             Ok(code)
         }
         Outcome::Exited(code) => {
+            if let Err(e) = verified {
+                eprintln!(
+                    "dlock: the command exited with {code}, but the lock was not held to the end: {e}"
+                );
+                return Err(lost_while_running(e));
+            }
             if let Err(e) = released {
                 // The command ran under the lock; a failed release only delays the next
                 // holder until the session ends, so report it but keep the command's code.
@@ -320,6 +349,16 @@ fn finish(outcome: Outcome, released: Result<(), Error>) -> Result<u8, Error> {
             }
             Ok(code)
         }
+    }
+}
+
+/// Exit code 70 for any failed confirmation: a hold the server could not confirm is not
+/// one a script may trust.
+fn lost_while_running(e: Error) -> Error {
+    if e.is_lost() {
+        e
+    } else {
+        Error::LockLost(format!("the hold could not be confirmed: {e}"))
     }
 }
 

@@ -502,3 +502,71 @@ pub async fn etcd_leader_kill_keeps_the_lock(_kind: Kind, url: &str) {
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
+
+/// A loss the holder has not noticed yet when its command ends still gives exit code 70:
+/// here another client deletes the holder's entry on the server while the command runs,
+/// and the command exits at once, well before any keep-alive could tell the holder.
+/// Without the check at the end, dlock would exit 0 and the script would trust a critical
+/// section that another holder may have overlapped.
+pub async fn cli_unnoticed_loss_exits_70(kind: Kind, url: &str) {
+    let name = unique("vanish");
+    let dir = tempdir("vanish");
+    let started = dir.join("started");
+    let go = dir.join("go");
+    let errfile = dir.join("dlock.err");
+    let holder = dlock()
+        .args(["--url", url, "exec", &name, "--"])
+        .args([
+            "sh",
+            "-c",
+            "touch \"$1\"; while [ ! -e \"$2\" ]; do sleep 0.05; done",
+            "sh",
+        ])
+        .arg(&started)
+        .arg(&go)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&errfile).expect("stderr file"))
+        .process_group(0)
+        .spawn()
+        .expect("spawn holder");
+    let mut holder = Reap(holder);
+    assert!(
+        eventually(GENEROUS, || async { started.exists() }).await,
+        "the holder never ran its command"
+    );
+    let c = client(kind, url).await;
+    let held: Vec<_> = c
+        .participants(&name)
+        .await
+        .expect("participants")
+        .into_iter()
+        .filter(|p| p.holds)
+        .collect();
+    assert_eq!(held.len(), 1, "one holder expected: {held:?}");
+    let q = dlock::core::QueuePath::root(c.lock_name(&name).expect("name"));
+    c.backend()
+        .remove(&q, &held[0].entry)
+        .await
+        .expect("delete the holder's entry from outside");
+    std::fs::write(&go, b"").expect("gate");
+
+    let status = wait_exit(&mut holder.0, GENEROUS).await;
+    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {err}"));
+    assert_eq!(
+        status.code(),
+        Some(70),
+        "a hold that vanished under the command must exit 70; stderr: {err}"
+    );
+    // Another client gets the lock at once: nothing of the old hold is left.
+    let mut g = c
+        .mutex(&name)
+        .expect("name")
+        .lock_timeout(GENEROUS)
+        .await
+        .expect("lock after the vanished hold");
+    g.release().await.expect("release");
+    assert_eq!(leftovers(&c, &name).await, 0, "entries left under {name}");
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}

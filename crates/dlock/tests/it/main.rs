@@ -83,6 +83,7 @@ all_backends! {
     cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
     cli_status_shows_queue => crate::cli::cli_status_shows_queue,
     cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
+    cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
 }
 
 // etcd only: interop with etcd's own lock, and leader failover.
