@@ -6,7 +6,7 @@ use dlock_core::Error;
 use fred::clients::SubscriberClient;
 use fred::prelude::{
     Builder, ClientLike, Config, ErrorKind, EventInterface, KeysInterface, PubsubInterface,
-    ReconnectPolicy, Value,
+    ReconnectPolicy, ServerConfig, Value,
 };
 use fred::types::scripts::Script;
 use fred::types::ConnectHandle;
@@ -59,13 +59,54 @@ impl Node {
     /// Builds the clients and starts connecting them; does not wait for the connection.
     pub fn start(addr: &str, tuning: Tuning) -> Result<Node, Error> {
         let addr = check_addr(addr)?;
-        let mut config =
+        let config =
             Config::from_url(&format!("redis://{addr}")).map_err(|e| Error::InvalidUrl {
                 url: addr.to_owned(),
                 reason: e.to_string(),
             })?;
+        Self::start_with(addr.to_owned(), config, tuning)
+    }
+
+    /// Builds clients that find the primary of `service` through the Sentinels at
+    /// `sentinels` (`host:port` each) and starts connecting them; does not wait.
+    ///
+    /// fred asks the Sentinels (in order, the first that answers) for the primary's
+    /// address and checks its `ROLE` on every (re)connection, so after a failover both
+    /// clients reconnect to the promoted replica: when the old primary dies its
+    /// connections drop; when it is demoted instead, its first `READONLY` reply makes the
+    /// client reconnect (fred's `custom-reconnect-errors`).
+    pub fn start_sentinel(
+        sentinels: &[String],
+        service: &str,
+        tuning: Tuning,
+    ) -> Result<Node, Error> {
+        let label = format!("{}/{service}", sentinels.join(","));
+        let mut hosts = Vec::with_capacity(sentinels.len());
+        for s in sentinels {
+            let (host, port) =
+                check_addr(s)?
+                    .rsplit_once(':')
+                    .ok_or_else(|| Error::InvalidUrl {
+                        url: s.clone(),
+                        reason: "expected host:port".into(),
+                    })?;
+            let port = port.parse::<u16>().map_err(|e| Error::InvalidUrl {
+                url: s.clone(),
+                reason: e.to_string(),
+            })?;
+            hosts.push((host.to_owned(), port));
+        }
+        let config = Config {
+            server: ServerConfig::new_sentinel(hosts, service),
+            ..Config::default()
+        };
+        Self::start_with(format!("sentinel {label}"), config, tuning)
+    }
+
+    fn start_with(addr: String, mut config: Config, tuning: Tuning) -> Result<Node, Error> {
         // Keep retrying a server that is down at start-up too: a Redlock minority may come
-        // back later. The caller bounds the wait with the connect timeout.
+        // back later, and a Sentinel group may be between primaries. The caller bounds the
+        // wait with the connect timeout.
         config.fail_fast = false;
         let mut b = Builder::from_config(config);
         b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
@@ -86,7 +127,7 @@ impl Node {
         // reconnect. The handle ends when the client quits.
         let resubscriber = sub.manage_subscriptions().abort_handle();
         Ok(Node {
-            addr: addr.to_owned(),
+            addr,
             client,
             sub,
             conn_tasks,
@@ -194,7 +235,16 @@ impl Node {
 
     /// Maps a fred error: connection trouble and timeouts are [`Error::Unreachable`],
     /// everything else (a script error, a protocol surprise) is [`Error::Backend`].
+    ///
+    /// A server that is not (or not yet) a writable primary also counts as unreachable:
+    /// `READONLY` (a demoted primary, before the client reconnected to the promoted
+    /// replica), `LOADING` (a restart reading its data), `MASTERDOWN` (a replica cut off
+    /// from its primary). Each is transient; the command was not applied.
     pub fn map_err(&self, what: &str, e: fred::error::Error) -> Error {
+        let transient = ["READONLY", "LOADING", "MASTERDOWN"];
+        if transient.iter().any(|p| e.details().starts_with(p)) {
+            return Error::Unreachable(format!("redis at {} while {what}: {e}", self.addr));
+        }
         match e.kind() {
             ErrorKind::IO
             | ErrorKind::Timeout
