@@ -366,7 +366,8 @@ impl RedisBackend {
         self.shared.lease
     }
 
-    /// The addresses of the masters, in the order given.
+    /// The addresses of the masters, in the order given; through Sentinel, one label
+    /// `sentinel <sentinels>/<service>` (the primary itself may change at any time).
     pub fn masters(&self) -> Vec<String> {
         self.shared.nodes.iter().map(|n| n.addr.clone()).collect()
     }

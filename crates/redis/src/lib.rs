@@ -1,11 +1,13 @@
 //! The Redis adapter of dlock: [`RedisBackend`] implements [`dlock_core::Backend`] on
-//! [fred](https://docs.rs/fred) 10, over one Redis master or, in Redlock mode, over N
+//! [fred](https://docs.rs/fred) 10, over one Redis master (given directly, or found
+//! through Redis Sentinel and followed across failovers) or, in Redlock mode, over N
 //! independent masters.
 //!
-//! You usually reach it through the `dlock` facade (`redis://host:port` or
-//! `redlock://h1:p1,h2:p2,...`) and the recipes; use this crate directly only to build a
-//! backend by hand: [`RedisBackend::connect`], [`RedisBackend::connect_redlock`] or
-//! [`RedisBackend::connect_url`].
+//! You usually reach it through the `dlock` facade (`redis://host:port`,
+//! `redis+sentinel://s1:p1,s2:p2,s3:p3/mymaster` or `redlock://h1:p1,h2:p2,...`) and the
+//! recipes; use this crate directly only to build a backend by hand:
+//! [`RedisBackend::connect`], [`RedisBackend::connect_sentinel`],
+//! [`RedisBackend::connect_redlock`] or [`RedisBackend::connect_url`].
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -93,6 +95,17 @@
 //! an idle lock or lost in a restart without persistence, *provided the server clock does
 //! not step back*. On one master tokens are as safe as the master's persistence and clock;
 //! see Redlock for the multi-master case.
+//!
+//! # Sentinel
+//! With [`RedisBackend::connect_sentinel`] the one master is whichever node the Sentinels
+//! name: every (re)connection of the command and the subscriber client asks them and
+//! checks `ROLE`, and a `READONLY` reply (a demoted primary) forces a reconnection, so the
+//! commands, the watchdog and the pub/sub wake-ups all move to a promoted replica. The
+//! watchdog's round right after the reconnection fires `lost()` for any held entry the
+//! replica never received (replication is asynchronous); a replicated entry keeps its
+//! lock. Tokens stay monotonic across the failover through the clock floor, provided the
+//! new primary's clock is not behind the old one's by more than the failover took
+//! (`docs/safety.md`).
 //!
 //! # Redlock
 //! In Redlock mode (the algorithm of the Redis docs, as in redsync) an entry is written

@@ -898,7 +898,8 @@ fn inject(
             Ok(Fault {
                 at_us: t,
                 victim: Some(victim),
-                signal_from_us: None,
+                // The lost signal is measured from the kill.
+                signal_from_us: Some(t),
             })
         }
         Scenario::ClientCut => {
