@@ -133,6 +133,10 @@
 //! locking"). Use the ZooKeeper or etcd backend, or one Redis master, where fencing matters.
 //!
 //! # Failure model in short
+//! Clients reconnect forever, at once and then backing off to every 200 ms (10, 20, 40,
+//! 80, 160, 200 ms, 10 ms of jitter), so after a restart or failover every client is back
+//! within milliseconds and a holder's watchdog check usually fires `lost()` before a
+//! waiter is granted the forgotten lock.
 //! Commands are never replayed after a reconnect (`max_command_attempts = 1`) and time out
 //! after clamp(lease/2, 1 s, 5 s); connection trouble maps to
 //! [`dlock_core::Error::Unreachable`], anything else the server says to
