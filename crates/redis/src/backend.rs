@@ -110,6 +110,9 @@ pub struct Stats {
     /// removal is published, so this stays 0; anything else is a missed wake-up that
     /// cost the waiter up to a whole re-check period.
     pub missed_wakeups: u64,
+    /// Through Sentinel: times a `+switch-master` announcement for the service made the
+    /// clients reconnect to a new primary (0 otherwise).
+    pub primary_switches: u64,
 }
 
 struct Shared {
@@ -181,8 +184,10 @@ impl RedisBackend {
     /// Behaves as [`RedisBackend::connect`] against that primary, and follows failovers:
     /// on every reconnection both the command and the subscriber connection ask the
     /// Sentinels again and check that the server they name answers `ROLE` with
-    /// `master`, so after the Sentinels promote a replica the clients, the watchdog and
-    /// the pub/sub wake-ups all move to it. The watchdog runs a round right after the
+    /// `master`, and every Sentinel's `+switch-master` announcement for `service`
+    /// forces that reconnection at once (also when the old primary is still up), so after
+    /// the Sentinels promote a replica the clients, the watchdog and the pub/sub
+    /// wake-ups all move to it. The watchdog runs a round right after the
     /// reconnection: an entry the failover lost (Redis replicates asynchronously, so a
     /// write acknowledged just before the primary died may never have reached the
     /// replica) fires `lost()` then, and an entry that survived keeps being renewed.
@@ -383,6 +388,12 @@ impl RedisBackend {
             live: self.shared.live.lock().len(),
             timer_rechecks: c.timer_rechecks.load(Ordering::Relaxed),
             missed_wakeups: c.missed_wakeups.load(Ordering::Relaxed),
+            primary_switches: self
+                .shared
+                .nodes
+                .iter()
+                .map(|n| n.switches.load(Ordering::Relaxed))
+                .sum(),
         }
     }
 

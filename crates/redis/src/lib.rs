@@ -99,8 +99,10 @@
 //! # Sentinel
 //! With [`RedisBackend::connect_sentinel`] the one master is whichever node the Sentinels
 //! name: every (re)connection of the command and the subscriber client asks them and
-//! checks `ROLE`, and a `READONLY` reply (a demoted primary) forces a reconnection, so the
-//! commands, the watchdog and the pub/sub wake-ups all move to a promoted replica. The
+//! checks `ROLE`; a `+switch-master` announcement from any Sentinel (a watcher connection
+//! per Sentinel) and a `READONLY` reply (a demoted primary) force a reconnection, so the
+//! commands, the watchdog and the pub/sub wake-ups all move to a promoted replica, also
+//! when the old primary is still up. [`Stats::primary_switches`] counts the switches. The
 //! watchdog's round right after the reconnection fires `lost()` for any held entry the
 //! replica never received (replication is asynchronous); a replicated entry keeps its
 //! lock. Tokens stay monotonic across the failover through the clock floor, provided the

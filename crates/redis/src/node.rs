@@ -12,6 +12,9 @@ use fred::types::scripts::Script;
 use fred::types::ConnectHandle;
 use tokio::time::Instant;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 /// Client settings derived from the session options.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Tuning {
@@ -28,6 +31,11 @@ pub(crate) struct Node {
     pub sub: SubscriberClient,
     conn_tasks: Vec<ConnectHandle>,
     resubscriber: tokio::task::AbortHandle,
+    /// Sentinel mode: one pub/sub client per Sentinel, listening for `+switch-master`.
+    watchers: Vec<SubscriberClient>,
+    watcher_tasks: Vec<tokio::task::AbortHandle>,
+    /// How many times a `+switch-master` for our service moved the clients.
+    pub switches: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Node {
@@ -90,8 +98,9 @@ impl Node {
     /// fred asks the Sentinels (in order, the first that answers) for the primary's
     /// address and checks its `ROLE` on every (re)connection, so after a failover both
     /// clients reconnect to the promoted replica: when the old primary dies its
-    /// connections drop; when it is demoted instead, its first `READONLY` reply makes the
-    /// client reconnect (fred's `custom-reconnect-errors`).
+    /// connections drop; when it stays up, the Sentinels' `+switch-master` announcement
+    /// (see [`Node::watch_sentinel`]) or its first `READONLY` reply once demoted makes
+    /// the clients reconnect (fred's `custom-reconnect-errors`).
     pub fn start_sentinel(
         sentinels: &[String],
         service: &str,
@@ -114,10 +123,98 @@ impl Node {
             hosts.push((host.to_owned(), port));
         }
         let config = Config {
-            server: ServerConfig::new_sentinel(hosts, service),
+            server: ServerConfig::new_sentinel(hosts.clone(), service),
             ..Config::default()
         };
-        Self::start_with(format!("sentinel {label}"), config, tuning)
+        let mut node = Self::start_with(format!("sentinel {label}"), config, tuning)?;
+        let last = Arc::new(parking_lot::Mutex::new(None::<String>));
+        for (host, port) in hosts {
+            node.watch_sentinel(host, port, service, tuning, last.clone())?;
+        }
+        Ok(node)
+    }
+
+    /// Subscribes to `+switch-master` on one Sentinel and, when it announces a new
+    /// primary for `service`, makes both clients reconnect (through the Sentinels, so to
+    /// the new primary) at once.
+    ///
+    /// Without this a client stays on a primary that the Sentinels replaced but that is
+    /// still up (a manual `SENTINEL FAILOVER`, or a primary cut off from the Sentinels):
+    /// it keeps answering as a master until the Sentinels demote it, about 10 s later,
+    /// and meanwhile new clients are sent to the new primary — two holders of one lock.
+    /// Every Sentinel publishes the switch; `last` keeps the three from reconnecting
+    /// three times for one switch.
+    fn watch_sentinel(
+        &mut self,
+        host: String,
+        port: u16,
+        service: &str,
+        tuning: Tuning,
+        last: Arc<parking_lot::Mutex<Option<String>>>,
+    ) -> Result<(), Error> {
+        let config = Config {
+            server: ServerConfig::new_centralized(host.clone(), port),
+            fail_fast: false,
+            ..Config::default()
+        };
+        let mut b = Builder::from_config(config);
+        b.with_connection_config(|c| {
+            c.connection_timeout = tuning.connect_timeout;
+            c.internal_command_timeout = tuning.command_timeout;
+            c.max_command_attempts = 1;
+        })
+        .set_policy(reconnect_policy());
+        let watcher = b.build_subscriber_client().map_err(|e| {
+            Error::backend(
+                format!("configuring a Sentinel watcher for {host}:{port}"),
+                e,
+            )
+        })?;
+        self.watcher_tasks.push(watcher.connect().abort_handle());
+        self.watcher_tasks
+            .push(watcher.manage_subscriptions().abort_handle());
+        let mut rx = watcher.message_rx();
+        let (w, client, sub) = (watcher.clone(), self.client.clone(), self.sub.clone());
+        let (service, switches) = (service.to_owned(), self.switches.clone());
+        let task = tokio::spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            // Subscribe once connected; the managed subscription is renewed after every
+            // reconnection of the watcher.
+            while !w.is_connected() {
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(100), w.wait_for_connect()).await;
+            }
+            if let Err(e) = w.subscribe("+switch-master").await {
+                tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers");
+            }
+            loop {
+                let msg = match rx.recv().await {
+                    Ok(m) => m,
+                    Err(RecvError::Lagged(_)) => continue,
+                    Err(RecvError::Closed) => return,
+                };
+                // "<service> <old ip> <old port> <new ip> <new port>"
+                let text = msg.value.as_string().unwrap_or_default();
+                let mut words = text.split(' ');
+                if words.next() != Some(service.as_str()) {
+                    continue;
+                }
+                let new_primary = words.skip(2).collect::<Vec<_>>().join(":");
+                {
+                    let mut seen = last.lock();
+                    if seen.as_deref() == Some(new_primary.as_str()) {
+                        continue;
+                    }
+                    *seen = Some(new_primary.clone());
+                }
+                switches.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%service, primary = %new_primary, "Sentinel switched the primary; reconnecting");
+                let _ = futures::join!(client.force_reconnection(), sub.force_reconnection());
+            }
+        });
+        self.watcher_tasks.push(task.abort_handle());
+        self.watchers.push(watcher);
+        Ok(())
     }
 
     fn start_with(addr: String, mut config: Config, tuning: Tuning) -> Result<Node, Error> {
@@ -149,6 +246,9 @@ impl Node {
             sub,
             conn_tasks,
             resubscriber,
+            watchers: Vec::new(),
+            watcher_tasks: Vec::new(),
+            switches: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -186,7 +286,11 @@ impl Node {
     /// client of an unreachable server stops reconnecting.
     pub async fn shutdown(&self) {
         let quit = async {
-            let _ = futures::join!(self.client.quit(), self.sub.quit());
+            let _ = futures::join!(
+                self.client.quit(),
+                self.sub.quit(),
+                futures::future::join_all(self.watchers.iter().map(|w| w.quit()))
+            );
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), quit).await;
         self.abort_tasks();
@@ -197,6 +301,9 @@ impl Node {
             t.abort();
         }
         self.resubscriber.abort();
+        for t in &self.watcher_tasks {
+            t.abort();
+        }
     }
 
     /// Runs `script` with EVALSHA, loading it on NOSCRIPT.

@@ -281,3 +281,103 @@ async fn primary_kill_fails_over_and_clients_follow() {
         "the old primary rejoins as a replica"
     );
 }
+
+/// `SENTINEL FAILOVER`: the old primary stays up, and answers as a master until the
+/// Sentinels demote it (about 10 s later). A client must not stay there meanwhile, or it
+/// and a client that connects to the new primary could both hold one lock: the
+/// `+switch-master` announcement moves it at once. Its replicated lock survives, and a
+/// new client queues behind it on the new primary.
+#[tokio::test]
+async fn manual_failover_moves_clients_off_the_live_old_primary() {
+    init_tracing();
+    let Some(group) = dlock_testkit::require_redis_sentinel() else {
+        return;
+    };
+    let Some(state) = dlock_testkit::require_state() else {
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    let lease = Duration::from_secs(15);
+    let old = state
+        .wait_sentinel_group(WAIT)
+        .expect("a whole Sentinel group");
+    let old_addr = state
+        .server(Server::RedisHa, old)
+        .expect("primary")
+        .addr
+        .clone();
+    let a = connect_sentinel(&group, lease).await;
+    let q = fresh_queue("manual-failover");
+    let held = lock(&a, &q).await.mine;
+    let held_lost = a.lost(&q, &held);
+    let t = Duration::from_secs(5);
+    assert_eq!(
+        redis_query(&old_addr, &["WAIT", "1", "5000"], t * 2).as_deref(),
+        Some("1"),
+        "the replica has the entry"
+    );
+    let sentinel = state
+        .servers_of(Server::Sentinel)
+        .next()
+        .expect("a Sentinel")
+        .addr
+        .clone();
+    let service = group.rsplit_once('/').expect("service").1.to_owned();
+    assert_eq!(
+        redis_query(&sentinel, &["SENTINEL", "FAILOVER", &service], t).as_deref(),
+        Some("OK")
+    );
+    let new = state
+        .wait_failover(old, WAIT)
+        .expect("the Sentinels fail over");
+    let new_addr = state
+        .server(Server::RedisHa, new)
+        .expect("new")
+        .addr
+        .clone();
+    eprintln!("manual failover: node {old} -> node {new}");
+    assert!(
+        eventually(WAIT, || async { a.stats().primary_switches >= 1 }).await,
+        "the +switch-master announcement reached the client"
+    );
+    // `a` now writes to the new primary: a fresh entry of its lands there.
+    let q2 = fresh_queue("manual-failover-after");
+    let after = loop {
+        match a
+            .enqueue(&q2, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .await
+        {
+            Ok(e) => break e.mine,
+            Err(Error::Unreachable(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => panic!("enqueue after the failover: {e}"),
+        }
+    };
+    let key = format!("dlock:{{{}}}:e:{}", q2.lock.as_str(), after.name);
+    assert_eq!(
+        redis_query(&new_addr, &["EXISTS", &key], t).as_deref(),
+        Some("1"),
+        "the client's write went to the new primary"
+    );
+    // The replicated hold survived; a new client (on the new primary) queues behind it.
+    let b = connect_sentinel(&group, lease).await;
+    let behind = lock(&b, &q).await;
+    assert!(
+        matches!(decide(&behind.queue, &behind.mine.name), Decision::Wait(_)),
+        "the hold survived the failover: {:?}",
+        behind.queue
+    );
+    assert!(behind.mine.token > held.token);
+    assert!(futures::FutureExt::now_or_never(held_lost).is_none());
+    a.remove(&q, &held).await.expect("unlock");
+    a.remove(&q2, &after).await.expect("unlock");
+    let behind_name = behind.mine.name.clone();
+    let next = wait_turn(&b, &q, behind.mine, behind.queue).await;
+    assert_eq!(next.name, behind_name);
+    b.remove(&q, &next).await.expect("unlock");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+    // Whole again (the old primary demoted to a replica) for whoever runs next.
+    state
+        .wait_sentinel_group(WAIT)
+        .expect("the old primary rejoins as a replica");
+}
