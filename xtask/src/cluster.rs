@@ -30,9 +30,14 @@ pub(crate) fn start_with_progress(spec: &ClusterSpec) -> anyhow::Result<Cluster>
     if let Some(path) = &spec.state_path {
         crate::teardown::on_signal_tear_down(path)?;
     }
-    let n = spec.zk + spec.etcd + spec.redis;
+    let group = if spec.sentinel_replicas > 0 {
+        1 + spec.sentinel_replicas + dlock_testkit::SENTINELS
+    } else {
+        0
+    };
+    let n = spec.zk + spec.etcd + spec.redis + group;
     let spinner = ProgressBar::new_spinner().with_message(format!(
-        "starting {n} servers (ZooKeeper {}, etcd {}, Redis {}) at port offset {}",
+        "starting {n} servers (ZooKeeper {}, etcd {}, Redis {}, Sentinel group {group}) at port offset {}",
         spec.zk, spec.etcd, spec.redis, spec.port_offset
     ));
     spinner.enable_steady_tick(Duration::from_millis(100));
@@ -64,13 +69,14 @@ fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {
         zk: args.zk,
         etcd: args.etcd,
         redis: args.redis,
+        sentinel_replicas: u32::from(args.sentinel),
         port_offset: args.offset.value,
         state_path: Some(path.clone()),
         base_dir: None,
     };
     let state = start_with_progress(&spec)?.detach();
     let endpoints = state.endpoints();
-    for url in endpoints.urls() {
+    for url in endpoints.urls().into_iter().chain(endpoints.sentinel_url()) {
         println!("{url}");
     }
     eprintln!(
@@ -130,6 +136,13 @@ fn status(path: &Path) -> anyhow::Result<i32> {
             Backend::Etcd if etcd_leader == Some(s.id) => "leader".into(),
             Backend::Etcd if ready => "follower".into(),
             Backend::Redis if ready => "master".into(),
+            Backend::RedisHa if ready => {
+                dlock_testkit::redis_query(&s.addr, &["ROLE"], Duration::from_secs(1))
+                    .and_then(|r| r.lines().next().map(str::to_owned))
+                    .map(|r| if r == "slave" { "replica".into() } else { r })
+                    .unwrap_or_else(|| "-".into())
+            }
+            Backend::Sentinel if ready => "sentinel".into(),
             _ => "-".into(),
         };
         println!(
@@ -143,7 +156,8 @@ fn status(path: &Path) -> anyhow::Result<i32> {
         );
     }
     println!();
-    for url in state.endpoints().urls() {
+    let endpoints = state.endpoints();
+    for url in endpoints.urls().into_iter().chain(endpoints.sentinel_url()) {
         println!("{url}");
     }
     Ok(if all_ready { 0 } else { 1 })

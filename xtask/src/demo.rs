@@ -99,6 +99,7 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
         zk: 1,
         etcd: 0,
         redis: 0,
+        sentinel_replicas: 0,
         port_offset: offset,
         state_path: Some(
             crate::target_dir(root)

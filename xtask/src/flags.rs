@@ -77,6 +77,10 @@ pub(crate) struct UpArgs {
     /// Independent Redis masters (5 = a Redlock set).
     #[arg(long, default_value_t = 1, value_parser = redis_count)]
     pub(crate) redis: u32,
+    /// Also a Sentinel group: a Redis primary, one replica and three Sentinels
+    /// (`redis+sentinel://.../mymaster`, `DLOCK_TEST_REDIS_SENTINEL`).
+    #[arg(long)]
+    pub(crate) sentinel: bool,
     #[command(flatten)]
     pub(crate) offset: PortOffset,
     #[command(flatten)]

@@ -42,6 +42,8 @@ pub(crate) fn run_with(
         zk,
         etcd,
         redis,
+        // Always: the Sentinel failover tests need it, and a CI run must not skip them.
+        sentinel_replicas: 1,
         port_offset: args.offset.value,
         state_path: Some(state_path.clone()),
         base_dir: None,
@@ -49,7 +51,7 @@ pub(crate) fn run_with(
     // A CI machine may run a distribution-started server on a default port.
     crate::cluster::shift_if_busy(&mut spec)?;
     crate::header(&format!(
-        "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, port offset {}",
+        "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, Sentinel group (primary, replica, 3 Sentinels), port offset {}",
         spec.port_offset
     ));
     // Dropped on every way out of this function, panics included: kills the servers.

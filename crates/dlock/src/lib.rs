@@ -28,6 +28,7 @@
 //! | `etcd://h:p[,h:p...]` | etcd, layout shared with etcd's lock | `etcd` |
 //! | `redis://h:p` | one Redis server, watchdog leases | `redis` |
 //! | `redlock://h:p,h:p,h:p[,...]` | Redlock over independent Redis masters | `redis` |
+//! | `redis+sentinel://h:p[,h:p...]/service` | the primary of a Sentinel-monitored Redis, followed across failovers | `redis` |
 //!
 //! A URL whose backend this build leaves out gives [`Error::InvalidUrl`] saying which
 //! feature is missing. [`connect_env`] reads the URL from `DLOCK_URL`.
@@ -35,7 +36,8 @@
 //! # Feature flags
 //! - `zookeeper` (default): the ZooKeeper backend, `dlock-zookeeper`.
 //! - `etcd` (default): the etcd backend, `dlock-etcd`.
-//! - `redis` (default): the Redis and Redlock backends, `dlock-redis`.
+//! - `redis` (default): the Redis (single master or Sentinel) and Redlock backends,
+//!   `dlock-redis`.
 //! - `cli` (default): the `dlock` command line tool (`src/bin/dlock.rs`).
 //!
 //! Turn off the backends you do not use with `default-features = false`.
@@ -160,6 +162,16 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             {
                 let b: Arc<dyn Backend> =
                     dlock_redis::RedisBackend::connect_redlock(&hosts, opts).await?;
+                Ok(b)
+            }
+            #[cfg(not(feature = "redis"))]
+            Err(missing("redis"))
+        }
+        BackendUrl::RedisSentinel { sentinels, service } => {
+            #[cfg(feature = "redis")]
+            {
+                let b: Arc<dyn Backend> =
+                    dlock_redis::RedisBackend::connect_sentinel(&sentinels, &service, opts).await?;
                 Ok(b)
             }
             #[cfg(not(feature = "redis"))]

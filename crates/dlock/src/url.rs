@@ -1,4 +1,4 @@
-//! Backend URLs: `zk://`, `etcd://`, `redis://`, `redlock://`.
+//! Backend URLs: `zk://`, `etcd://`, `redis://`, `redlock://`, `redis+sentinel://`.
 
 use dlock_core::Error;
 
@@ -27,6 +27,15 @@ pub enum BackendUrl {
     Redlock {
         /// `host:port` of each master.
         hosts: Vec<String>,
+    },
+    /// `redis+sentinel://host:port[,host:port...]/service`: the primary of the Redis
+    /// group the Sentinels at these addresses monitor as `service`, followed across
+    /// failovers.
+    RedisSentinel {
+        /// `host:port` of each Sentinel.
+        sentinels: Vec<String>,
+        /// The monitored service (master) name, e.g. `mymaster`.
+        service: String,
     },
 }
 
@@ -96,8 +105,25 @@ impl BackendUrl {
                 }
                 Ok(BackendUrl::Redlock { hosts })
             }
+            "redis+sentinel" => {
+                let service = path
+                    .map(|p| p.trim_matches('/'))
+                    .ok_or_else(|| bad("redis+sentinel:// needs the service name: redis+sentinel://h:p,h:p,h:p/mymaster"))?;
+                if !service
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                {
+                    return Err(bad(
+                        "the Sentinel service name takes letters, digits, '-', '_' and '.' only",
+                    ));
+                }
+                Ok(BackendUrl::RedisSentinel {
+                    sentinels: hosts,
+                    service: service.to_owned(),
+                })
+            }
             other => Err(bad(&format!(
-                "unknown scheme {other:?}: use zk://, etcd://, redis:// or redlock://"
+                "unknown scheme {other:?}: use zk://, etcd://, redis://, redlock:// or redis+sentinel://"
             ))),
         }
     }
@@ -152,6 +178,26 @@ mod tests {
             BackendUrl::parse("redlock://a:1,b:2,c:3"),
             Ok(BackendUrl::Redlock { .. })
         ));
+        assert_eq!(
+            BackendUrl::parse("redis+sentinel://127.0.0.1:6393,127.0.0.1:6394/mymaster")
+                .expect("sentinel"),
+            BackendUrl::RedisSentinel {
+                sentinels: vec!["127.0.0.1:6393".into(), "127.0.0.1:6394".into()],
+                service: "mymaster".into()
+            }
+        );
+        for bad in [
+            "redis+sentinel://127.0.0.1:6393",
+            "redis+sentinel://127.0.0.1:6393/",
+            "redis+sentinel://127.0.0.1:6393/a/b",
+            "redis+sentinel://127.0.0.1:6393/my master",
+            "redis+sentinel://127.0.0.1/mymaster",
+        ] {
+            assert!(
+                matches!(BackendUrl::parse(bad), Err(Error::InvalidUrl { .. })),
+                "{bad} must be rejected"
+            );
+        }
     }
 
     #[test]

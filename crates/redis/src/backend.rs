@@ -110,6 +110,9 @@ pub struct Stats {
     /// removal is published, so this stays 0; anything else is a missed wake-up that
     /// cost the waiter up to a whole re-check period.
     pub missed_wakeups: u64,
+    /// Through Sentinel: times a `+switch-master` announcement for the service made the
+    /// clients reconnect to a new primary (0 otherwise).
+    pub primary_switches: u64,
 }
 
 struct Shared {
@@ -172,7 +175,48 @@ impl RedisBackend {
     /// [`Error::Unreachable`] if the server does not accept a connection within
     /// `opts.connect_timeout`.
     pub async fn connect(addr: &str, opts: SessionOptions) -> Result<Arc<RedisBackend>> {
-        Self::connect_mode(Mode::Single, &[addr.to_owned()], opts).await
+        Self::connect_mode(Mode::Single, &[addr.to_owned()], None, opts).await
+    }
+
+    /// Connects to the primary of the Sentinel-monitored `service`, found through the
+    /// Sentinels at `sentinels` (`host:port` each; the first that answers is asked).
+    ///
+    /// Behaves as [`RedisBackend::connect`] against that primary, and follows failovers:
+    /// on every reconnection both the command and the subscriber connection ask the
+    /// Sentinels again and check that the server they name answers `ROLE` with
+    /// `master`, and every Sentinel's `+switch-master` announcement for `service`
+    /// forces that reconnection at once (also when the old primary is still up), so after
+    /// the Sentinels promote a replica the clients, the watchdog and the pub/sub
+    /// wake-ups all move to it. The watchdog runs a round right after the
+    /// reconnection: an entry the failover lost (Redis replicates asynchronously, so a
+    /// write acknowledged just before the primary died may never have reached the
+    /// replica) fires `lost()` then, and an entry that survived keeps being renewed.
+    /// Fencing tokens stay monotonic across a failover as long as the servers' clocks do
+    /// (see the crate docs).
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for an empty or repeated Sentinel list, a malformed address,
+    /// an empty service name or a lease below [`MIN_LEASE`]; [`Error::Unreachable`] if no
+    /// primary accepts a connection within `opts.connect_timeout` (Sentinels down, the
+    /// service unknown to them, or a failover still under way).
+    pub async fn connect_sentinel(
+        sentinels: &[String],
+        service: &str,
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        if service.is_empty()
+            || !service
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            return Err(Error::InvalidUrl {
+                url: format!("{}/{service}", sentinels.join(",")),
+                reason:
+                    "the Sentinel service name must be non-empty letters, digits, '-', '_' or '.'"
+                        .into(),
+            });
+        }
+        Self::connect_mode(Mode::Single, sentinels, Some(service), opts).await
     }
 
     /// Connects to N independent masters for Redlock (see the crate docs for what that
@@ -186,15 +230,17 @@ impl RedisBackend {
         addrs: &[String],
         opts: SessionOptions,
     ) -> Result<Arc<RedisBackend>> {
-        Self::connect_mode(Mode::Redlock, addrs, opts).await
+        Self::connect_mode(Mode::Redlock, addrs, None, opts).await
     }
 
-    /// Connects from a URL: `redis://host:port` (one master) or
-    /// `redlock://h1:p1,h2:p2,...` (independent masters).
+    /// Connects from a URL: `redis://host:port` (one master),
+    /// `redlock://h1:p1,h2:p2,...` (independent masters) or
+    /// `redis+sentinel://s1:p1,s2:p2,.../service` (the primary of a Sentinel group).
     ///
     /// # Errors
-    /// As [`RedisBackend::connect`] and [`RedisBackend::connect_redlock`]; a URL with
-    /// another scheme, a path, or credentials is [`Error::InvalidUrl`].
+    /// As [`RedisBackend::connect`], [`RedisBackend::connect_redlock`] and
+    /// [`RedisBackend::connect_sentinel`]; a URL with another scheme, a path (other than
+    /// the Sentinel service), or credentials is [`Error::InvalidUrl`].
     pub async fn connect_url(url: &str, opts: SessionOptions) -> Result<Arc<RedisBackend>> {
         let bad = |reason: &str| Error::InvalidUrl {
             url: url.to_owned(),
@@ -202,6 +248,18 @@ impl RedisBackend {
         };
         let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("missing scheme"))?;
         let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if scheme == "redis+sentinel" {
+            let (hosts, service) = rest
+                .split_once('/')
+                .ok_or_else(|| bad("expected redis+sentinel://host:port,.../service-name"))?;
+            if hosts.contains(['@', '?']) || service.contains(['/', '@', '?']) {
+                return Err(bad(
+                    "only a host:port list and a service name are supported (no credentials or query)",
+                ));
+            }
+            let sentinels: Vec<String> = hosts.split(',').map(str::to_owned).collect();
+            return Self::connect_sentinel(&sentinels, service, opts).await;
+        }
         if rest.contains(['/', '@', '?']) {
             return Err(bad(
                 "only host:port lists are supported (no path, credentials or query)",
@@ -213,17 +271,23 @@ impl RedisBackend {
                 let addrs: Vec<String> = rest.split(',').map(str::to_owned).collect();
                 Self::connect_redlock(&addrs, opts).await
             }
-            _ => Err(bad("scheme must be redis or redlock")),
+            _ => Err(bad("scheme must be redis, redlock or redis+sentinel")),
         }
     }
 
+    /// `addrs` are the masters, or with `sentinel_service` the Sentinels of that service
+    /// (one node: the primary they name).
     async fn connect_mode(
         mode: Mode,
         addrs: &[String],
+        sentinel_service: Option<&str>,
         opts: SessionOptions,
     ) -> Result<Arc<RedisBackend>> {
         let lease = opts.session_timeout.unwrap_or(DEFAULT_LEASE);
-        let what = addrs.join(",");
+        let what = match sentinel_service {
+            Some(service) => format!("{}/{service}", addrs.join(",")),
+            None => addrs.join(","),
+        };
         if lease < MIN_LEASE {
             return Err(Error::InvalidUrl {
                 url: what,
@@ -233,14 +297,14 @@ impl RedisBackend {
         if addrs.is_empty() {
             return Err(Error::InvalidUrl {
                 url: what,
-                reason: "no master given".into(),
+                reason: "no server given".into(),
             });
         }
         let distinct: HashSet<&String> = addrs.iter().collect();
         if distinct.len() != addrs.len() {
             return Err(Error::InvalidUrl {
                 url: what,
-                reason: "a master is listed twice".into(),
+                reason: "a server is listed twice".into(),
             });
         }
         for a in addrs {
@@ -250,10 +314,13 @@ impl RedisBackend {
             connect_timeout: opts.connect_timeout,
             command_timeout: (lease / 2).clamp(Duration::from_secs(1), Duration::from_secs(5)),
         };
-        let nodes = addrs
-            .iter()
-            .map(|a| Node::start(a, tuning))
-            .collect::<Result<Vec<_>>>()?;
+        let nodes = match sentinel_service {
+            Some(service) => vec![Node::start_sentinel(addrs, service, tuning)?],
+            None => addrs
+                .iter()
+                .map(|a| Node::start(a, tuning))
+                .collect::<Result<Vec<_>>>()?,
+        };
         let majority = nodes.len() / 2 + 1;
         let deadline = Instant::now() + opts.connect_timeout;
         let results = join_all(nodes.iter().map(|n| n.wait_connected(deadline))).await;
@@ -304,7 +371,8 @@ impl RedisBackend {
         self.shared.lease
     }
 
-    /// The addresses of the masters, in the order given.
+    /// The addresses of the masters, in the order given; through Sentinel, one label
+    /// `sentinel <sentinels>/<service>` (the primary itself may change at any time).
     pub fn masters(&self) -> Vec<String> {
         self.shared.nodes.iter().map(|n| n.addr.clone()).collect()
     }
@@ -320,6 +388,12 @@ impl RedisBackend {
             live: self.shared.live.lock().len(),
             timer_rechecks: c.timer_rechecks.load(Ordering::Relaxed),
             missed_wakeups: c.missed_wakeups.load(Ordering::Relaxed),
+            primary_switches: self
+                .shared
+                .nodes
+                .iter()
+                .map(|n| n.switches.load(Ordering::Relaxed))
+                .sum(),
         }
     }
 

@@ -1,11 +1,13 @@
 //! The Redis adapter of dlock: [`RedisBackend`] implements [`dlock_core::Backend`] on
-//! [fred](https://docs.rs/fred) 10, over one Redis master or, in Redlock mode, over N
+//! [fred](https://docs.rs/fred) 10, over one Redis master (given directly, or found
+//! through Redis Sentinel and followed across failovers) or, in Redlock mode, over N
 //! independent masters.
 //!
-//! You usually reach it through the `dlock` facade (`redis://host:port` or
-//! `redlock://h1:p1,h2:p2,...`) and the recipes; use this crate directly only to build a
-//! backend by hand: [`RedisBackend::connect`], [`RedisBackend::connect_redlock`] or
-//! [`RedisBackend::connect_url`].
+//! You usually reach it through the `dlock` facade (`redis://host:port`,
+//! `redis+sentinel://s1:p1,s2:p2,s3:p3/mymaster` or `redlock://h1:p1,h2:p2,...`) and the
+//! recipes; use this crate directly only to build a backend by hand:
+//! [`RedisBackend::connect`], [`RedisBackend::connect_sentinel`],
+//! [`RedisBackend::connect_redlock`] or [`RedisBackend::connect_url`].
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -94,6 +96,19 @@
 //! not step back*. On one master tokens are as safe as the master's persistence and clock;
 //! see Redlock for the multi-master case.
 //!
+//! # Sentinel
+//! With [`RedisBackend::connect_sentinel`] the one master is whichever node the Sentinels
+//! name: every (re)connection of the command and the subscriber client asks them and
+//! checks `ROLE`; a `+switch-master` announcement from any Sentinel (a watcher connection
+//! per Sentinel) and a `READONLY` reply (a demoted primary) force a reconnection, so the
+//! commands, the watchdog and the pub/sub wake-ups all move to a promoted replica, also
+//! when the old primary is still up. [`Stats::primary_switches`] counts the switches. The
+//! watchdog's round right after the reconnection fires `lost()` for any held entry the
+//! replica never received (replication is asynchronous); a replicated entry keeps its
+//! lock. Tokens stay monotonic across the failover through the clock floor, provided the
+//! new primary's clock is not behind the old one's by more than the failover took
+//! (`docs/safety.md`).
+//!
 //! # Redlock
 //! In Redlock mode (the algorithm of the Redis docs, as in redsync) an entry is written
 //! with the same name on every master, and the enqueue succeeds once a majority took it
@@ -120,6 +135,10 @@
 //! locking"). Use the ZooKeeper or etcd backend, or one Redis master, where fencing matters.
 //!
 //! # Failure model in short
+//! Clients reconnect forever, at once and then backing off to every 200 ms (10, 20, 40,
+//! 80, 160, 200 ms, 10 ms of jitter), so after a restart or failover every client is back
+//! within milliseconds and a holder's watchdog check usually fires `lost()` before a
+//! waiter is granted the forgotten lock.
 //! Commands are never replayed after a reconnect (`max_command_attempts = 1`) and time out
 //! after clamp(lease/2, 1 s, 5 s); connection trouble maps to
 //! [`dlock_core::Error::Unreachable`], anything else the server says to

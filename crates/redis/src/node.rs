@@ -6,11 +6,14 @@ use dlock_core::Error;
 use fred::clients::SubscriberClient;
 use fred::prelude::{
     Builder, ClientLike, Config, ErrorKind, EventInterface, KeysInterface, PubsubInterface,
-    ReconnectPolicy, Value,
+    ReconnectPolicy, ServerConfig, Value,
 };
 use fred::types::scripts::Script;
 use fred::types::ConnectHandle;
 use tokio::time::Instant;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Client settings derived from the session options.
 #[derive(Debug, Clone, Copy)]
@@ -19,7 +22,7 @@ pub(crate) struct Tuning {
     pub command_timeout: Duration,
 }
 
-/// One master. Both clients reconnect forever (constant 200 ms policy); commands are never
+/// One master. Both clients reconnect forever ([`reconnect_policy`]); commands are never
 /// replayed after a reconnect (`max_command_attempts = 1`, pitfall R1), and every command
 /// times out after [`Tuning::command_timeout`] (fred's default is no timeout at all).
 pub(crate) struct Node {
@@ -28,12 +31,34 @@ pub(crate) struct Node {
     pub sub: SubscriberClient,
     conn_tasks: Vec<ConnectHandle>,
     resubscriber: tokio::task::AbortHandle,
+    /// Sentinel mode: one pub/sub client per Sentinel, listening for `+switch-master`.
+    watchers: Vec<SubscriberClient>,
+    watcher_tasks: Vec<tokio::task::AbortHandle>,
+    /// How many times a `+switch-master` for our service moved the clients.
+    pub switches: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node").field("addr", &self.addr).finish()
     }
+}
+
+/// Reconnect at once and often, then every 200 ms: 10, 20, 40, 80, 160, then 200 ms
+/// between attempts, plus up to 10 ms of jitter, forever.
+///
+/// A Redis restart or failover drops every client's connection at the same instant; with
+/// this schedule they all come back within a few milliseconds of each other once the
+/// server answers (fred's default jitter of 100 ms on a 200 ms period spread them over
+/// 300 ms). Then what decides who acts first is the work each does: a holder's first
+/// round trip after the reconnection is its watchdog's check, while a waiter needs a few
+/// (existence check, listing, enqueue), so a holder whose entry the server forgot usually
+/// fires `lost()` before another client is granted the lock. Usually, not always: the
+/// clients are separate processes.
+pub(crate) fn reconnect_policy() -> ReconnectPolicy {
+    let mut policy = ReconnectPolicy::new_exponential(0, 10, 200, 2);
+    policy.set_jitter(10);
+    policy
 }
 
 /// Checks `host:port` and returns it unchanged.
@@ -59,13 +84,143 @@ impl Node {
     /// Builds the clients and starts connecting them; does not wait for the connection.
     pub fn start(addr: &str, tuning: Tuning) -> Result<Node, Error> {
         let addr = check_addr(addr)?;
-        let mut config =
+        let config =
             Config::from_url(&format!("redis://{addr}")).map_err(|e| Error::InvalidUrl {
                 url: addr.to_owned(),
                 reason: e.to_string(),
             })?;
+        Self::start_with(addr.to_owned(), config, tuning)
+    }
+
+    /// Builds clients that find the primary of `service` through the Sentinels at
+    /// `sentinels` (`host:port` each) and starts connecting them; does not wait.
+    ///
+    /// fred asks the Sentinels (in order, the first that answers) for the primary's
+    /// address and checks its `ROLE` on every (re)connection, so after a failover both
+    /// clients reconnect to the promoted replica: when the old primary dies its
+    /// connections drop; when it stays up, the Sentinels' `+switch-master` announcement
+    /// (see [`Node::watch_sentinel`]) or its first `READONLY` reply once demoted makes
+    /// the clients reconnect (fred's `custom-reconnect-errors`).
+    pub fn start_sentinel(
+        sentinels: &[String],
+        service: &str,
+        tuning: Tuning,
+    ) -> Result<Node, Error> {
+        let label = format!("{}/{service}", sentinels.join(","));
+        let mut hosts = Vec::with_capacity(sentinels.len());
+        for s in sentinels {
+            let (host, port) =
+                check_addr(s)?
+                    .rsplit_once(':')
+                    .ok_or_else(|| Error::InvalidUrl {
+                        url: s.clone(),
+                        reason: "expected host:port".into(),
+                    })?;
+            let port = port.parse::<u16>().map_err(|e| Error::InvalidUrl {
+                url: s.clone(),
+                reason: e.to_string(),
+            })?;
+            hosts.push((host.to_owned(), port));
+        }
+        let config = Config {
+            server: ServerConfig::new_sentinel(hosts.clone(), service),
+            ..Config::default()
+        };
+        let mut node = Self::start_with(format!("sentinel {label}"), config, tuning)?;
+        let last = Arc::new(parking_lot::Mutex::new(None::<String>));
+        for (host, port) in hosts {
+            node.watch_sentinel(host, port, service, tuning, last.clone())?;
+        }
+        Ok(node)
+    }
+
+    /// Subscribes to `+switch-master` on one Sentinel and, when it announces a new
+    /// primary for `service`, makes both clients reconnect (through the Sentinels, so to
+    /// the new primary) at once.
+    ///
+    /// Without this a client stays on a primary that the Sentinels replaced but that is
+    /// still up (a manual `SENTINEL FAILOVER`, or a primary cut off from the Sentinels):
+    /// it keeps answering as a master until the Sentinels demote it, about 10 s later,
+    /// and meanwhile new clients are sent to the new primary — two holders of one lock.
+    /// Every Sentinel publishes the switch; `last` keeps the three from reconnecting
+    /// three times for one switch.
+    fn watch_sentinel(
+        &mut self,
+        host: String,
+        port: u16,
+        service: &str,
+        tuning: Tuning,
+        last: Arc<parking_lot::Mutex<Option<String>>>,
+    ) -> Result<(), Error> {
+        let config = Config {
+            server: ServerConfig::new_centralized(host.clone(), port),
+            fail_fast: false,
+            ..Config::default()
+        };
+        let mut b = Builder::from_config(config);
+        b.with_connection_config(|c| {
+            c.connection_timeout = tuning.connect_timeout;
+            c.internal_command_timeout = tuning.command_timeout;
+            c.max_command_attempts = 1;
+        })
+        .set_policy(reconnect_policy());
+        let watcher = b.build_subscriber_client().map_err(|e| {
+            Error::backend(
+                format!("configuring a Sentinel watcher for {host}:{port}"),
+                e,
+            )
+        })?;
+        self.watcher_tasks.push(watcher.connect().abort_handle());
+        self.watcher_tasks
+            .push(watcher.manage_subscriptions().abort_handle());
+        let mut rx = watcher.message_rx();
+        let (w, client, sub) = (watcher.clone(), self.client.clone(), self.sub.clone());
+        let (service, switches) = (service.to_owned(), self.switches.clone());
+        let task = tokio::spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            // Subscribe once connected; the managed subscription is renewed after every
+            // reconnection of the watcher.
+            while !w.is_connected() {
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(100), w.wait_for_connect()).await;
+            }
+            if let Err(e) = w.subscribe("+switch-master").await {
+                tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers");
+            }
+            loop {
+                let msg = match rx.recv().await {
+                    Ok(m) => m,
+                    Err(RecvError::Lagged(_)) => continue,
+                    Err(RecvError::Closed) => return,
+                };
+                // "<service> <old ip> <old port> <new ip> <new port>"
+                let text = msg.value.as_string().unwrap_or_default();
+                let mut words = text.split(' ');
+                if words.next() != Some(service.as_str()) {
+                    continue;
+                }
+                let new_primary = words.skip(2).collect::<Vec<_>>().join(":");
+                {
+                    let mut seen = last.lock();
+                    if seen.as_deref() == Some(new_primary.as_str()) {
+                        continue;
+                    }
+                    *seen = Some(new_primary.clone());
+                }
+                switches.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%service, primary = %new_primary, "Sentinel switched the primary; reconnecting");
+                let _ = futures::join!(client.force_reconnection(), sub.force_reconnection());
+            }
+        });
+        self.watcher_tasks.push(task.abort_handle());
+        self.watchers.push(watcher);
+        Ok(())
+    }
+
+    fn start_with(addr: String, mut config: Config, tuning: Tuning) -> Result<Node, Error> {
         // Keep retrying a server that is down at start-up too: a Redlock minority may come
-        // back later. The caller bounds the wait with the connect timeout.
+        // back later, and a Sentinel group may be between primaries. The caller bounds the
+        // wait with the connect timeout.
         config.fail_fast = false;
         let mut b = Builder::from_config(config);
         b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
@@ -74,7 +229,7 @@ impl Node {
                 c.internal_command_timeout = tuning.command_timeout;
                 c.max_command_attempts = 1;
             })
-            .set_policy(ReconnectPolicy::new_constant(0, 200));
+            .set_policy(reconnect_policy());
         let client = b
             .build()
             .map_err(|e| Error::backend(format!("configuring client for {addr}"), e))?;
@@ -86,11 +241,14 @@ impl Node {
         // reconnect. The handle ends when the client quits.
         let resubscriber = sub.manage_subscriptions().abort_handle();
         Ok(Node {
-            addr: addr.to_owned(),
+            addr,
             client,
             sub,
             conn_tasks,
             resubscriber,
+            watchers: Vec::new(),
+            watcher_tasks: Vec::new(),
+            switches: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -128,7 +286,11 @@ impl Node {
     /// client of an unreachable server stops reconnecting.
     pub async fn shutdown(&self) {
         let quit = async {
-            let _ = futures::join!(self.client.quit(), self.sub.quit());
+            let _ = futures::join!(
+                self.client.quit(),
+                self.sub.quit(),
+                futures::future::join_all(self.watchers.iter().map(|w| w.quit()))
+            );
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), quit).await;
         self.abort_tasks();
@@ -139,6 +301,9 @@ impl Node {
             t.abort();
         }
         self.resubscriber.abort();
+        for t in &self.watcher_tasks {
+            t.abort();
+        }
     }
 
     /// Runs `script` with EVALSHA, loading it on NOSCRIPT.
@@ -194,7 +359,16 @@ impl Node {
 
     /// Maps a fred error: connection trouble and timeouts are [`Error::Unreachable`],
     /// everything else (a script error, a protocol surprise) is [`Error::Backend`].
+    ///
+    /// A server that is not (or not yet) a writable primary also counts as unreachable:
+    /// `READONLY` (a demoted primary, before the client reconnected to the promoted
+    /// replica), `LOADING` (a restart reading its data), `MASTERDOWN` (a replica cut off
+    /// from its primary). Each is transient; the command was not applied.
     pub fn map_err(&self, what: &str, e: fred::error::Error) -> Error {
+        let transient = ["READONLY", "LOADING", "MASTERDOWN"];
+        if transient.iter().any(|p| e.details().starts_with(p)) {
+            return Error::Unreachable(format!("redis at {} while {what}: {e}", self.addr));
+        }
         match e.kind() {
             ErrorKind::IO
             | ErrorKind::Timeout

@@ -5,9 +5,13 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::config::{etcd_argv, redis_argv, zk_argv, zoo_cfg};
+use crate::config::{
+    etcd_argv, redis_argv, redis_ha_argv, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg,
+    SENTINELS, SENTINEL_SERVICE,
+};
 use crate::error::io_ctx;
 use crate::ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
+use crate::probe::redis_query;
 use crate::{Backend, Error, Result, Server, State};
 
 /// How long a fresh cluster may take to become ready. Measured: 3–4 s for 11 servers under
@@ -36,6 +40,10 @@ pub struct ClusterSpec {
     pub etcd: u32,
     /// Independent Redis masters: 0 to 10.
     pub redis: u32,
+    /// Replicas of the Sentinel group: 0 (no group) to 2. With 1 or more the cluster also
+    /// runs a Redis primary ([`Backend::RedisHa`] node 1), these replicas (nodes 2..) and
+    /// three Sentinels ([`Backend::Sentinel`], quorum 2) that fail over in seconds.
+    pub sentinel_replicas: u32,
     /// Added to every port of the default layout (see [`crate::client_port`]).
     pub port_offset: u16,
     /// Where to write the state file; `None` keeps the state in memory only.
@@ -51,6 +59,7 @@ impl Default for ClusterSpec {
             zk: 1,
             etcd: 1,
             redis: 1,
+            sentinel_replicas: 0,
             port_offset: 0,
             state_path: None,
             base_dir: None,
@@ -60,10 +69,10 @@ impl Default for ClusterSpec {
 
 impl ClusterSpec {
     fn validate(&self) -> Result<()> {
-        if self.zk > 5 || self.etcd > 5 || self.redis > 10 {
+        if self.zk > 5 || self.etcd > 5 || self.redis > 10 || self.sentinel_replicas > 2 {
             return Err(Error::InvalidSpec(format!(
-                "at most 5 ZooKeeper, 5 etcd and 10 Redis nodes (asked {}/{}/{})",
-                self.zk, self.etcd, self.redis
+                "at most 5 ZooKeeper, 5 etcd, 10 Redis nodes and 2 Sentinel-group replicas (asked {}/{}/{}/{})",
+                self.zk, self.etcd, self.redis, self.sentinel_replicas
             )));
         }
         if self.port_offset > MAX_PORT_OFFSET {
@@ -134,7 +143,90 @@ impl Cluster {
                 cluster.state.wait_ready(backend, id, START_TIMEOUT)?;
             }
         }
+        if spec.sentinel_replicas > 0 {
+            cluster.start_sentinel_group(spec)?;
+        }
         Ok(cluster)
+    }
+
+    /// Starts the primary, then its replicas, then the Sentinels, each step once the
+    /// previous one is ready: Sentinels learn of replicas from the primary's `INFO`, which
+    /// they poll every 10 s, so Sentinels started before the replicas are in sync would
+    /// not know them for 10 s (and a failover meanwhile finds no replica to promote).
+    /// Returns once every Sentinel lists every replica and reports a usable quorum.
+    fn start_sentinel_group(&mut self, spec: &ClusterSpec) -> Result<()> {
+        let off = spec.port_offset;
+        let primary_port = client_port(Backend::RedisHa, 1, off);
+        let nodes = 1 + spec.sentinel_replicas;
+        for id in 1..=nodes {
+            let dir = self.node_dir(Backend::RedisHa, id)?;
+            let primary = (id > 1).then_some(primary_port);
+            let argv = redis_ha_argv(id, primary, off, &dir);
+            self.spawn(Backend::RedisHa, id, dir, argv)?;
+            self.state.wait_ready(Backend::RedisHa, id, START_TIMEOUT)?;
+        }
+        for id in 2..=nodes {
+            let addr = self.state.server(Backend::RedisHa, id)?.addr.clone();
+            self.wait_group(&format!("replica {addr} in sync"), || {
+                redis_query(&addr, &["INFO", "replication"], Duration::from_secs(1))
+                    .is_some_and(|info| info.contains("master_link_status:up"))
+            })?;
+        }
+        for id in 1..=SENTINELS {
+            let dir = self.node_dir(Backend::Sentinel, id)?;
+            let cfg = dir.join("sentinel.conf");
+            std::fs::write(&cfg, sentinel_conf(id, primary_port, off, &dir))
+                .map_err(io_ctx(format!("writing {}", cfg.display())))?;
+            self.spawn(Backend::Sentinel, id, dir, sentinel_argv(&cfg))?;
+        }
+        let replica_ports: Vec<String> = (2..=nodes)
+            .map(|id| client_port(Backend::RedisHa, id, off).to_string())
+            .collect();
+        for id in 1..=SENTINELS {
+            self.state
+                .wait_ready(Backend::Sentinel, id, START_TIMEOUT)?;
+            let addr = self.state.server(Backend::Sentinel, id)?.addr.clone();
+            let t = Duration::from_secs(1);
+            self.wait_group(
+                &format!("Sentinel {addr} to know every replica and a quorum"),
+                || {
+                    let replicas =
+                        redis_query(&addr, &["SENTINEL", "REPLICAS", SENTINEL_SERVICE], t)
+                            .unwrap_or_default();
+                    let known = replica_ports
+                        .iter()
+                        .all(|p| replicas.lines().any(|l| l == p.as_str()));
+                    known
+                        && redis_query(&addr, &["SENTINEL", "CKQUORUM", SENTINEL_SERVICE], t)
+                            .is_some_and(|r| r.starts_with(&format!("OK {SENTINELS} usable")))
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Polls `ready` every 100 ms until it holds, failing with the group's log tails
+    /// after [`START_TIMEOUT`].
+    fn wait_group(&self, what: &str, mut ready: impl FnMut() -> bool) -> Result<()> {
+        let started = std::time::Instant::now();
+        while !ready() {
+            if started.elapsed() > START_TIMEOUT {
+                let logs = self
+                    .state
+                    .servers
+                    .iter()
+                    .filter(|s| matches!(s.backend, Backend::RedisHa | Backend::Sentinel))
+                    .map(|s| format!("--- {} {}:\n{}", s.backend, s.id, s.log_tail(10)))
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                return Err(Error::Command {
+                    command: format!("wait for {what}"),
+                    detail: format!("not after {} s\n{logs}", START_TIMEOUT.as_secs()),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
     }
 
     fn spawn_all(&mut self, spec: &ClusterSpec) -> Result<()> {

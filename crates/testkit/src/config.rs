@@ -130,6 +130,65 @@ pub fn redis_argv(id: u32, offset: u16, dir: &Path) -> Vec<String> {
     ]
 }
 
+/// How many Sentinels watch the Sentinel group (quorum [`SENTINEL_QUORUM`]).
+pub const SENTINELS: u32 = 3;
+
+/// Sentinels that must agree the primary is down before a failover starts.
+pub const SENTINEL_QUORUM: u32 = 2;
+
+/// The service (master) name the Sentinels monitor, as clients name it in
+/// `redis+sentinel://h:p,h:p,h:p/mymaster`.
+pub const SENTINEL_SERVICE: &str = "mymaster";
+
+/// The command line of node `id` of the Sentinel-monitored group: like [`redis_argv`]
+/// (no persistence, `DEBUG` on), plus `--repl-diskless-sync-delay 0` so a replica's first
+/// full sync does not wait 5 s, and `--replicaof` the primary's port for a replica.
+///
+/// A restarted node runs this same argv: node 1 comes back as an empty master, so restart
+/// it only after the Sentinels promoted another node (they then turn it into a replica);
+/// brought back earlier, an empty master would be kept and its replicas would resync to
+/// nothing.
+pub fn redis_ha_argv(id: u32, primary_port: Option<u16>, offset: u16, dir: &Path) -> Vec<String> {
+    let mut argv = redis_argv(id, offset, dir);
+    argv[2] = client_port(Backend::RedisHa, id, offset).to_string();
+    argv.extend(["--repl-diskless-sync-delay".into(), "0".into()]);
+    if let Some(p) = primary_port {
+        argv.extend(["--replicaof".into(), "127.0.0.1".into(), p.to_string()]);
+    }
+    argv
+}
+
+/// The config file of Sentinel `id` watching the primary at `primary_port`. Sentinel
+/// rewrites this file (it records what it learns), so each Sentinel needs its own
+/// writable copy.
+///
+/// Timings are cut for tests: the primary counts as down after 1 s without an answer,
+/// and a failover that stalls is retried after 2 × 5 s; a SIGKILLed primary is replaced
+/// in about 1.5–3 s.
+pub fn sentinel_conf(id: u32, primary_port: u16, offset: u16, dir: &Path) -> String {
+    let port = client_port(Backend::Sentinel, id, offset);
+    format!(
+        "port {port}\n\
+         bind 127.0.0.1\n\
+         dir {dir}\n\
+         sentinel resolve-hostnames no\n\
+         sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {primary_port} {SENTINEL_QUORUM}\n\
+         sentinel down-after-milliseconds {SENTINEL_SERVICE} 1000\n\
+         sentinel failover-timeout {SENTINEL_SERVICE} 5000\n",
+        dir = dir.display()
+    )
+}
+
+/// The command line of a Sentinel reading (and rewriting) `cfg_path`. Debian's
+/// `redis-server` binary is also the Sentinel; no separate package is needed.
+pub fn sentinel_argv(cfg_path: &Path) -> Vec<String> {
+    vec![
+        "redis-server".into(),
+        cfg_path.display().to_string(),
+        "--sentinel".into(),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,6 +245,26 @@ mod tests {
             "--initial-cluster e1=http://127.0.0.1:2380,e2=http://127.0.0.1:2480,e3=http://127.0.0.1:2580 "
         ));
         assert!(joined.contains("--heartbeat-interval=20 --election-timeout=200"));
+    }
+
+    #[test]
+    fn sentinel_group_configs_point_at_the_primary_with_short_timings() {
+        let primary = redis_ha_argv(1, None, 400, Path::new("/d/redis-ha1"));
+        assert_eq!(primary[2], "6790");
+        assert!(!primary.contains(&"--replicaof".to_string()));
+        let replica = redis_ha_argv(2, Some(6790), 400, Path::new("/d/redis-ha2"));
+        assert_eq!(replica[2], "6791");
+        assert!(replica.join(" ").ends_with("--replicaof 127.0.0.1 6790"));
+        assert!(replica.join(" ").contains("--repl-diskless-sync-delay 0"));
+        let conf = sentinel_conf(3, 6790, 400, Path::new("/d/sentinel3"));
+        assert!(conf.contains("port 6795\n"), "{conf}");
+        assert!(conf.contains("sentinel monitor mymaster 127.0.0.1 6790 2\n"));
+        assert!(conf.contains("sentinel down-after-milliseconds mymaster 1000\n"));
+        assert!(conf.contains("dir /d/sentinel3\n"));
+        assert_eq!(
+            sentinel_argv(Path::new("/d/s.conf")),
+            vec!["redis-server", "/d/s.conf", "--sentinel"]
+        );
     }
 
     #[test]

@@ -12,6 +12,10 @@ pub const ENV_ETCD: &str = "DLOCK_TEST_ETCD";
 pub const ENV_REDIS: &str = "DLOCK_TEST_REDIS";
 /// Comma list of independent Redis masters for Redlock.
 pub const ENV_REDLOCK: &str = "DLOCK_TEST_REDLOCK";
+/// The Sentinel group: its Sentinels and the service name,
+/// `127.0.0.1:6393,127.0.0.1:6394,127.0.0.1:6395/mymaster` (the facade URL is
+/// `redis+sentinel://` followed by this).
+pub const ENV_REDIS_SENTINEL: &str = "DLOCK_TEST_REDIS_SENTINEL";
 /// Path of the cluster state JSON, for fault tests.
 pub const ENV_STATE: &str = "DLOCK_TEST_STATE";
 
@@ -73,6 +77,8 @@ pub struct Endpoints {
     pub redis: Option<String>,
     /// [`ENV_REDLOCK`].
     pub redlock: Option<String>,
+    /// [`ENV_REDIS_SENTINEL`].
+    pub redis_sentinel: Option<String>,
     /// [`ENV_STATE`].
     pub state: Option<PathBuf>,
 }
@@ -89,6 +95,7 @@ impl Endpoints {
             etcd: var(ENV_ETCD),
             redis: var(ENV_REDIS),
             redlock: var(ENV_REDLOCK),
+            redis_sentinel: var(ENV_REDIS_SENTINEL),
             state: var(ENV_STATE).map(PathBuf::from),
         }
     }
@@ -101,6 +108,7 @@ impl Endpoints {
             (ENV_ETCD, &self.etcd),
             (ENV_REDIS, &self.redis),
             (ENV_REDLOCK, &self.redlock),
+            (ENV_REDIS_SENTINEL, &self.redis_sentinel),
         ];
         for (name, value) in pairs {
             if let Some(v) = value {
@@ -111,6 +119,16 @@ impl Endpoints {
             vars.push((ENV_STATE, p.display().to_string()));
         }
         vars
+    }
+
+    /// The Sentinel group as a facade URL, `redis+sentinel://a,b,c/mymaster`.
+    ///
+    /// Not part of [`Endpoints::urls`]: the examples and the benchmark smoke pass run on
+    /// those, and the Sentinel group is there for failover tests.
+    pub fn sentinel_url(&self) -> Option<String> {
+        self.redis_sentinel
+            .as_ref()
+            .map(|v| format!("redis+sentinel://{v}"))
     }
 
     /// The endpoints as URLs for the `dlock` CLI and humans: `zk://a,b,c`, `etcd://a,b,c`,
@@ -195,6 +213,15 @@ pub fn require_redlock() -> Option<String> {
     require(ENV_REDLOCK)
 }
 
+/// The Sentinel group from [`ENV_REDIS_SENTINEL`] (`h:p,h:p,h:p/<service>`); same
+/// skip/fail rule as [`require_zk`].
+///
+/// # Panics
+/// When the variable is missing and env `CI` is set.
+pub fn require_redis_sentinel() -> Option<String> {
+    require(ENV_REDIS_SENTINEL)
+}
+
 /// The loaded cluster [`State`] from [`ENV_STATE`], for fault tests; same skip/fail rule
 /// as [`require_zk`].
 ///
@@ -220,6 +247,7 @@ mod tests {
             etcd: None,
             redis: Some("127.0.0.1:6379".into()),
             redlock: Some("127.0.0.1:6379,127.0.0.1:6380".into()),
+            redis_sentinel: Some("127.0.0.1:6393,127.0.0.1:6394/mymaster".into()),
             state: Some(PathBuf::from("/t/state.json")),
         };
         assert_eq!(
@@ -230,8 +258,16 @@ mod tests {
                 "redlock://127.0.0.1:6379,127.0.0.1:6380".to_string(),
             ]
         );
+        assert_eq!(
+            e.sentinel_url().as_deref(),
+            Some("redis+sentinel://127.0.0.1:6393,127.0.0.1:6394/mymaster")
+        );
         let env = e.to_env();
-        assert_eq!(env.len(), 4);
+        assert_eq!(env.len(), 5);
+        assert!(env.contains(&(
+            ENV_REDIS_SENTINEL,
+            "127.0.0.1:6393,127.0.0.1:6394/mymaster".to_string()
+        )));
         assert!(env.contains(&(ENV_STATE, "/t/state.json".to_string())));
         assert!(!env.iter().any(|(k, _)| *k == ENV_ETCD));
     }

@@ -8,11 +8,12 @@
 //!
 //! # Where to start
 //! - Writing a test that needs a server: call [`require_zk`], [`require_etcd`],
-//!   [`require_redis`] or [`require_redlock`] at the top. They return the endpoint that
+//!   [`require_redis`], [`require_redlock`] or [`require_redis_sentinel`] at the top. They return the endpoint that
 //!   `cargo xtask integration` exported, or skip loudly (fail under `CI`) when it is missing.
 //! - Writing a fault test: [`require_state`] loads the [`State`] of the running cluster;
 //!   [`State::kill`], [`State::stop`], [`State::cont`], [`State::restart`],
-//!   [`State::zk_leader`] and [`State::etcd_leader`] act on single nodes.
+//!   [`State::zk_leader`], [`State::etcd_leader`] and [`State::sentinel_primary`] act on
+//!   single nodes; [`State::wait_failover`] waits for the Sentinels to promote a replica.
 //! - Starting servers yourself: build a [`ClusterSpec`] (port offset from
 //!   [`find_free_offset`], state file from [`scratch_state_path`]) and call
 //!   [`Cluster::start`]. The returned [`Cluster`] kills its servers when dropped unless you
@@ -51,14 +52,17 @@ mod process;
 mod state;
 
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
-pub use config::{etcd_argv, redis_argv, zk_argv, zoo_cfg, ZK_JAR};
+pub use config::{
+    etcd_argv, redis_argv, redis_ha_argv, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg,
+    SENTINELS, SENTINEL_QUORUM, SENTINEL_SERVICE, ZK_JAR,
+};
 pub use env::{
-    reap_scratch_clusters, require_etcd, require_redis, require_redlock, require_state, require_zk,
-    scratch_state_path, Endpoints, ENV_CLUSTER_DIR, ENV_ETCD, ENV_REDIS, ENV_REDLOCK, ENV_STATE,
-    ENV_ZK,
+    reap_scratch_clusters, require_etcd, require_redis, require_redis_sentinel, require_redlock,
+    require_state, require_zk, scratch_state_path, Endpoints, ENV_CLUSTER_DIR, ENV_ETCD, ENV_REDIS,
+    ENV_REDIS_SENTINEL, ENV_REDLOCK, ENV_STATE, ENV_ZK,
 };
 pub use error::{Error, Result};
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
 pub use ports::{client_port, find_free_offset, ports_in_use, MAX_PORT_OFFSET};
-pub use probe::{etcd_healthy, redis_ping, zk_mode, ZkMode};
+pub use probe::{etcd_healthy, redis_ping, redis_query, zk_mode, ZkMode};
 pub use state::{default_state_path, Backend, Server, State};

@@ -2,13 +2,15 @@
 //!
 //! Node ids start at 1. Layout at offset 0 (the servers' usual defaults):
 //! ZooKeeper client 2181.., quorum 2888.., election 3888..; etcd client 2379/2479/2579,
-//! peer 2380/2480/2580; Redis 6379...
+//! peer 2380/2480/2580; Redis 6379..6388; the Sentinel group's primary and replicas
+//! 6390..6392, its three Sentinels 6393..6395 (not 26379: every port stays below 6400 so
+//! the same offsets fit).
 
 use std::net::TcpListener;
 
 use crate::{Backend, ClusterSpec};
 
-/// The largest accepted port offset: the highest port of the layout (6383) plus this stays
+/// The largest accepted port offset: the highest port of the layout (6395) plus this stays
 /// below 65536.
 pub const MAX_PORT_OFFSET: u16 = 59_000;
 
@@ -19,6 +21,8 @@ pub fn client_port(backend: Backend, id: u32, offset: u16) -> u16 {
         Backend::Zookeeper => 2181 + i + offset,
         Backend::Etcd => 2379 + 100 * i + offset,
         Backend::Redis => 6379 + i + offset,
+        Backend::RedisHa => 6390 + i + offset,
+        Backend::Sentinel => 6393 + i + offset,
     }
 }
 
@@ -52,6 +56,14 @@ pub(crate) fn spec_ports(spec: &ClusterSpec) -> Vec<u16> {
     }
     for id in 1..=spec.redis {
         ports.push(client_port(Backend::Redis, id, off));
+    }
+    if spec.sentinel_replicas > 0 {
+        for id in 1..=1 + spec.sentinel_replicas {
+            ports.push(client_port(Backend::RedisHa, id, off));
+        }
+        for id in 1..=crate::config::SENTINELS {
+            ports.push(client_port(Backend::Sentinel, id, off));
+        }
     }
     ports
 }
@@ -105,14 +117,16 @@ mod tests {
         let spec = ClusterSpec {
             zk: 3,
             etcd: 3,
-            redis: 5,
+            redis: 10,
+            sentinel_replicas: 2,
             ..ClusterSpec::default()
         };
         let mut ports = spec_ports(&spec);
-        assert_eq!(ports.len(), 9 + 6 + 5);
+        assert_eq!(ports.len(), 9 + 6 + 10 + 3 + 3);
         ports.sort_unstable();
         ports.dedup();
-        assert_eq!(ports.len(), 20);
+        assert_eq!(ports.len(), 31);
+        assert_eq!(client_port(Backend::Sentinel, 3, MAX_PORT_OFFSET), 65_395);
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! Readiness probes over plain TCP: ZooKeeper `srvr`, etcd `GET /health`, Redis `PING`.
+//! Readiness probes over plain TCP: ZooKeeper `srvr`, etcd `GET /health`, Redis `PING`,
+//! and one-shot Redis commands for the Sentinel group.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
@@ -90,6 +91,64 @@ pub fn redis_ping(addr: &str, timeout: Duration) -> bool {
         .unwrap_or(false)
 }
 
+/// Sends one Redis command (`args` as a RESP array) to `addr` and returns the reply
+/// flattened to lines: a simple or bulk string as its text (a bulk string may span several
+/// lines, as `INFO` does), an integer as its digits, an array as its elements' lines in
+/// order, nil as nothing. A Redis error reply is `-ERR ...`. `None` when the server is
+/// unreachable or the reply is cut or malformed.
+///
+/// Enough to ask a Sentinel or a replica how the group looks (`SENTINEL REPLICAS`,
+/// `INFO replication`, `ROLE`) without spawning `redis-cli`.
+pub fn redis_query(addr: &str, args: &[&str], timeout: Duration) -> Option<String> {
+    let sock: SocketAddr = addr.to_socket_addrs().ok()?.next()?;
+    let mut stream = TcpStream::connect_timeout(&sock, timeout).ok()?;
+    stream.set_read_timeout(Some(timeout)).ok()?;
+    stream.set_write_timeout(Some(timeout)).ok()?;
+    let mut request = format!("*{}\r\n", args.len());
+    for a in args {
+        request.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut reader = BufReader::new(stream);
+    let mut out = Vec::new();
+    read_reply(&mut reader, &mut out, 0)?;
+    Some(out.join("\n"))
+}
+
+/// Reads one RESP2 reply into `out` (see [`redis_query`]); `depth` bounds nesting.
+fn read_reply(r: &mut impl BufRead, out: &mut Vec<String>, depth: u32) -> Option<()> {
+    if depth > 8 {
+        return None;
+    }
+    let mut line = String::new();
+    if r.read_line(&mut line).ok()? == 0 {
+        return None;
+    }
+    let line = line.strip_suffix("\r\n")?;
+    let (kind, rest) = line.split_at_checked(1)?;
+    match kind {
+        "+" | ":" => out.push(rest.to_owned()),
+        "-" => out.push(line.to_owned()),
+        "$" => {
+            let len: i64 = rest.parse().ok()?;
+            if len >= 0 {
+                let mut buf = vec![0u8; usize::try_from(len).ok()? + 2];
+                r.read_exact(&mut buf).ok()?;
+                buf.truncate(buf.len() - 2);
+                out.push(String::from_utf8_lossy(&buf).into_owned());
+            }
+        }
+        "*" => {
+            let n: i64 = rest.parse().ok()?;
+            for _ in 0..n.max(0) {
+                read_reply(r, out, depth + 1)?;
+            }
+        }
+        _ => return None,
+    }
+    Some(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,5 +180,19 @@ mod tests {
         assert_eq!(zk_mode(&addr, t), None);
         assert!(!etcd_healthy(&addr, t));
         assert!(!redis_ping(&addr, t));
+        assert_eq!(redis_query(&addr, &["PING"], t), None);
+    }
+
+    #[test]
+    fn reads_nested_resp_replies() {
+        let wire = b"*3\r\n$6\r\nmaster\r\n:42\r\n*2\r\n$-1\r\n+OK\r\n";
+        let mut out = Vec::new();
+        read_reply(&mut &wire[..], &mut out, 0).expect("parses");
+        assert_eq!(out, vec!["master", "42", "OK"]);
+        let mut out = Vec::new();
+        assert_eq!(read_reply(&mut &b"$10\r\nshort\r\n"[..], &mut out, 0), None);
+        let mut out = Vec::new();
+        read_reply(&mut &b"-ERR no such master\r\n"[..], &mut out, 0).expect("error reply");
+        assert_eq!(out, vec!["-ERR no such master"]);
     }
 }

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use serde::{Deserialize, Serialize};
 
+use crate::config::SENTINEL_SERVICE;
 use crate::error::io_ctx;
-use crate::probe::{etcd_healthy, redis_ping, zk_mode, ZkMode};
+use crate::probe::{etcd_healthy, redis_ping, redis_query, zk_mode, ZkMode};
 use crate::process::{self, is_alive, is_stopped, proc_stat};
 use crate::{Endpoints, Error, Result};
 
@@ -24,7 +25,7 @@ const READY_TIMEOUT: Duration = Duration::from_secs(90);
 /// How long a SIGKILLed process may take to disappear.
 const DEATH_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// One of the three server kinds.
+/// One server kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
@@ -32,20 +33,36 @@ pub enum Backend {
     Zookeeper,
     /// etcd (v3 API).
     Etcd,
-    /// Redis.
+    /// Redis: an independent master (the single-master and Redlock endpoints).
     Redis,
+    /// A Redis of the Sentinel-monitored group: node 1 starts as the primary, the others
+    /// as its replicas; after a failover any of them may be the primary
+    /// ([`State::sentinel_primary`] says which).
+    #[serde(rename = "redis-ha")]
+    RedisHa,
+    /// A Redis Sentinel watching the [`Backend::RedisHa`] group.
+    Sentinel,
 }
 
 impl Backend {
-    /// All backends, in the order clusters start them.
-    pub const ALL: [Backend; 3] = [Backend::Zookeeper, Backend::Etcd, Backend::Redis];
+    /// All server kinds, in the order clusters start them.
+    pub const ALL: [Backend; 5] = [
+        Backend::Zookeeper,
+        Backend::Etcd,
+        Backend::Redis,
+        Backend::RedisHa,
+        Backend::Sentinel,
+    ];
 
-    /// The short name used in URLs, directories and messages: `zk`, `etcd`, `redis`.
+    /// The short name used in URLs, directories and messages: `zk`, `etcd`, `redis`,
+    /// `redis-ha`, `sentinel`.
     pub fn short(self) -> &'static str {
         match self {
             Backend::Zookeeper => "zk",
             Backend::Etcd => "etcd",
             Backend::Redis => "redis",
+            Backend::RedisHa => "redis-ha",
+            Backend::Sentinel => "sentinel",
         }
     }
 }
@@ -56,6 +73,8 @@ impl fmt::Display for Backend {
             Backend::Zookeeper => "zookeeper",
             Backend::Etcd => "etcd",
             Backend::Redis => "redis",
+            Backend::RedisHa => "redis-ha",
+            Backend::Sentinel => "sentinel",
         })
     }
 }
@@ -63,14 +82,16 @@ impl fmt::Display for Backend {
 impl FromStr for Backend {
     type Err = String;
 
-    /// Accepts `zk`, `zookeeper`, `etcd`, `redis` (any case).
+    /// Accepts `zk`, `zookeeper`, `etcd`, `redis`, `redis-ha`, `sentinel` (any case).
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "zk" | "zookeeper" => Ok(Backend::Zookeeper),
             "etcd" => Ok(Backend::Etcd),
             "redis" => Ok(Backend::Redis),
+            "redis-ha" => Ok(Backend::RedisHa),
+            "sentinel" => Ok(Backend::Sentinel),
             other => Err(format!(
-                "unknown backend {other:?} (expected zk, etcd or redis)"
+                "unknown backend {other:?} (expected zk, etcd, redis, redis-ha or sentinel)"
             )),
         }
     }
@@ -114,7 +135,9 @@ impl Server {
         match self.backend {
             Backend::Zookeeper => zk_mode(&self.addr, timeout).is_some(),
             Backend::Etcd => etcd_healthy(&self.addr, timeout),
-            Backend::Redis => redis_ping(&self.addr, timeout),
+            Backend::Redis | Backend::RedisHa | Backend::Sentinel => {
+                redis_ping(&self.addr, timeout)
+            }
         }
     }
 
@@ -288,7 +311,9 @@ impl State {
     /// The endpoints of this cluster, in the `DLOCK_TEST_*` format.
     ///
     /// `redis` is the first Redis node; `redlock` lists all Redis nodes when there are
-    /// more than one; `state` is this state's file.
+    /// more than one; `redis_sentinel` lists the Sentinels and the service name
+    /// (`h:p,h:p,h:p/mymaster`) when the cluster has a Sentinel group; `state` is this
+    /// state's file.
     pub fn endpoints(&self) -> Endpoints {
         let non_empty = |s: String| (!s.is_empty()).then_some(s);
         let redis: Vec<&Server> = self.servers_of(Backend::Redis).collect();
@@ -297,6 +322,8 @@ impl State {
             etcd: non_empty(self.addrs(Backend::Etcd)),
             redis: redis.first().map(|s| s.addr.clone()),
             redlock: (redis.len() > 1).then(|| self.addrs(Backend::Redis)),
+            redis_sentinel: non_empty(self.addrs(Backend::Sentinel))
+                .map(|s| format!("{s}/{SENTINEL_SERVICE}")),
             state: self.path.clone(),
         }
     }
@@ -479,17 +506,124 @@ impl State {
         }))
     }
 
-    /// Polls [`State::zk_leader`] or [`State::etcd_leader`] until a leader shows up.
+    /// The id of the [`Backend::RedisHa`] node that every live Sentinel names as the
+    /// primary (`SENTINEL GET-MASTER-ADDR-BY-NAME`) and that itself answers `ROLE` with
+    /// `master`; `None` while they disagree, during a failover, or without a Sentinel
+    /// group. Stopped and dead Sentinels are not asked.
+    pub fn sentinel_primary(&self) -> Option<u32> {
+        let t = Duration::from_secs(1);
+        let mut answer: Option<String> = None;
+        let mut asked = 0;
+        for s in self.live(Backend::Sentinel) {
+            let reply = redis_query(
+                &s.addr,
+                &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_SERVICE],
+                t,
+            )?;
+            let mut parts = reply.lines();
+            let addr = format!("{}:{}", parts.next()?, parts.next()?);
+            if answer.as_ref().is_some_and(|a| *a != addr) {
+                return None;
+            }
+            answer = Some(addr);
+            asked += 1;
+        }
+        if asked == 0 {
+            return None;
+        }
+        let addr = answer?;
+        let node = self.live(Backend::RedisHa).find(|s| s.addr == addr)?;
+        let role = redis_query(&node.addr, &["ROLE"], t)?;
+        (role.lines().next() == Some("master")).then_some(node.id)
+    }
+
+    /// Waits until the Sentinels agree on a primary other than node `old` of the
+    /// [`Backend::RedisHa`] group (see [`State::sentinel_primary`]) and returns its id:
+    /// the end of a failover.
+    pub fn wait_failover(&self, old: u32, timeout: Duration) -> Result<u32> {
+        let started = Instant::now();
+        loop {
+            if let Some(id) = self.sentinel_primary().filter(|&id| id != old) {
+                return Ok(id);
+            }
+            if started.elapsed() > timeout {
+                return Err(Error::Command {
+                    command: "wait for a Sentinel failover".into(),
+                    detail: format!(
+                        "the Sentinels did not agree on a new primary (other than node {old}) within {} s",
+                        timeout.as_secs()
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until the Sentinel group is whole: the Sentinels agree on a primary, every
+    /// other running [`Backend::RedisHa`] node is its replica with the link up, and every
+    /// live Sentinel lists each of those replicas as healthy (flags exactly `slave`), so a
+    /// next failover has a replica to promote. Returns the primary's id.
     ///
-    /// Redis has no leader; asking for one is [`Error::InvalidSpec`].
+    /// A restarted old primary comes back as an empty master; the Sentinels turn it into
+    /// a replica after their next `INFO` poll of it (up to about 10 s).
+    pub fn wait_sentinel_group(&self, timeout: Duration) -> Result<u32> {
+        let started = Instant::now();
+        let t = Duration::from_secs(1);
+        loop {
+            let whole = self.sentinel_primary().filter(|&primary| {
+                let replicas: Vec<&Server> = self
+                    .live(Backend::RedisHa)
+                    .filter(|s| s.id != primary)
+                    .collect();
+                let linked = replicas.iter().all(|r| {
+                    redis_query(&r.addr, &["INFO", "replication"], t).is_some_and(|i| {
+                        i.contains("role:slave") && i.contains("master_link_status:up")
+                    })
+                });
+                linked
+                    && self.live(Backend::Sentinel).all(|sentinel| {
+                        let listed = redis_query(
+                            &sentinel.addr,
+                            &["SENTINEL", "REPLICAS", SENTINEL_SERVICE],
+                            t,
+                        )
+                        .map(|r| healthy_replicas(&r))
+                        .unwrap_or_default();
+                        replicas.iter().all(|r| listed.contains(&r.addr))
+                    })
+            });
+            if let Some(primary) = whole {
+                return Ok(primary);
+            }
+            if started.elapsed() > timeout {
+                return Err(Error::Command {
+                    command: "wait for the Sentinel group to be whole".into(),
+                    detail: format!(
+                        "no agreed primary with every replica linked and known within {} s",
+                        timeout.as_secs()
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Polls [`State::zk_leader`], [`State::etcd_leader`] or, for [`Backend::RedisHa`],
+    /// [`State::sentinel_primary`] until a leader shows up.
+    ///
+    /// Independent Redis masters and Sentinels have no leader; asking for one is
+    /// [`Error::InvalidSpec`].
     pub fn wait_leader(&self, backend: Backend, timeout: Duration) -> Result<u32> {
         let started = Instant::now();
         loop {
             let leader = match backend {
                 Backend::Zookeeper => self.zk_leader(),
                 Backend::Etcd => self.etcd_leader()?,
-                Backend::Redis => {
-                    return Err(Error::InvalidSpec("Redis nodes have no leader".into()))
+                Backend::RedisHa => self.sentinel_primary(),
+                Backend::Redis | Backend::Sentinel => {
+                    return Err(Error::InvalidSpec(format!(
+                        "{backend} nodes have no leader"
+                    )))
                 }
             };
             if let Some(id) = leader {
@@ -586,6 +720,31 @@ impl State {
             }
         }
     }
+}
+
+/// The `ip:port` of every replica a flattened `SENTINEL REPLICAS` reply (see
+/// [`redis_query`]) lists with flags exactly `slave` (not down, not disconnected).
+fn healthy_replicas(reply: &str) -> Vec<String> {
+    let lines: Vec<&str> = reply.lines().collect();
+    let mut out = Vec::new();
+    let (mut ip, mut port, mut flags) = (None, None, None);
+    let mut flush = |ip: &mut Option<&str>, port: &mut Option<&str>, flags: &mut Option<&str>| {
+        if let (Some(i), Some(p), Some("slave")) = (ip.take(), port.take(), flags.take()) {
+            out.push(format!("{i}:{p}"));
+        }
+    };
+    for pair in lines.chunks(2) {
+        let [k, v] = pair else { break };
+        match *k {
+            "name" => flush(&mut ip, &mut port, &mut flags),
+            "ip" => ip = Some(v),
+            "port" => port = Some(v),
+            "flags" => flags = Some(v),
+            _ => {}
+        }
+    }
+    flush(&mut ip, &mut port, &mut flags);
+    out
 }
 
 /// The endpoint whose member id equals the leader id in `etcdctl endpoint status -w json`.
@@ -692,6 +851,14 @@ mod tests {
         assert_eq!(parse_etcd_leader(json).as_deref(), Some("127.0.0.1:2479"));
         assert_eq!(parse_etcd_leader("[]"), None);
         assert_eq!(parse_etcd_leader("Error: context deadline exceeded"), None);
+    }
+
+    #[test]
+    fn healthy_replicas_skips_down_ones() {
+        let reply = "name\n127.0.0.1:6791\nip\n127.0.0.1\nport\n6791\nflags\nslave\n\
+                     name\n127.0.0.1:6790\nip\n127.0.0.1\nport\n6790\nflags\ns_down,slave,disconnected";
+        assert_eq!(healthy_replicas(reply), vec!["127.0.0.1:6791".to_string()]);
+        assert!(healthy_replicas("").is_empty());
     }
 
     #[test]

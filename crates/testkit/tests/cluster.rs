@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use dlock_testkit::{
-    ensure_installed, etcd_healthy, find_free_offset, redis_ping, scratch_state_path, zk_mode,
-    Backend, Cluster, ClusterSpec, State, ZkMode,
+    ensure_installed, etcd_healthy, find_free_offset, redis_ping, redis_query, scratch_state_path,
+    zk_mode, Backend, Cluster, ClusterSpec, State, ZkMode, SENTINEL_SERVICE,
 };
 
 fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
@@ -148,5 +148,88 @@ fn shared_cluster_survives_leader_kill_and_restart() {
             reloaded.server(backend, old).expect("node").pid,
             state.server(backend, old).expect("node").pid
         );
+    }
+}
+
+/// The Sentinel group: a primary, two replicas in sync and three Sentinels that agree on
+/// the primary; SIGKILL the primary and the Sentinels promote a replica; the old primary,
+/// restarted empty, rejoins as a replica of the new one and the group is whole again.
+#[test]
+fn sentinel_group_fails_over_when_the_primary_is_killed() {
+    ensure_installed().expect("server packages installed");
+    let mut spec = ClusterSpec {
+        zk: 0,
+        etcd: 0,
+        redis: 0,
+        sentinel_replicas: 2,
+        state_path: Some(scratch_state_path("sentinel-selftest")),
+        ..ClusterSpec::default()
+    };
+    spec.port_offset =
+        find_free_offset(&spec, (0..200u16).map(|k| 21_000 + k * 150)).expect("a free port offset");
+    let mut cluster = Cluster::start(&spec).expect("sentinel group starts");
+    let limit = Duration::from_secs(60);
+    assert_eq!(cluster.servers_of(Backend::RedisHa).count(), 3);
+    assert_eq!(cluster.servers_of(Backend::Sentinel).count(), 3);
+    let sentinels = cluster.addrs(Backend::Sentinel);
+    assert_eq!(
+        cluster.endpoints().redis_sentinel,
+        Some(format!("{sentinels}/{SENTINEL_SERVICE}"))
+    );
+    assert_eq!(
+        cluster.endpoints().redis,
+        None,
+        "no independent master asked"
+    );
+    assert_eq!(
+        cluster
+            .wait_leader(Backend::RedisHa, limit)
+            .expect("primary"),
+        1
+    );
+
+    let primary = cluster.server(Backend::RedisHa, 1).expect("node 1").clone();
+    let t = Duration::from_secs(2);
+    assert_eq!(
+        redis_query(&primary.addr, &["SET", "k", "v"], t).as_deref(),
+        Some("OK")
+    );
+    assert_eq!(
+        redis_query(&primary.addr, &["WAIT", "2", "10000"], t * 6).as_deref(),
+        Some("2"),
+        "both replicas acknowledged the write"
+    );
+
+    cluster.kill(Backend::RedisHa, 1).expect("kill the primary");
+    let new = cluster.wait_failover(1, limit).expect("a failover");
+    assert_ne!(new, 1, "a replica is promoted");
+    let promoted = cluster
+        .server(Backend::RedisHa, new)
+        .expect("promoted")
+        .clone();
+    assert_eq!(
+        redis_query(&promoted.addr, &["GET", "k"], t).as_deref(),
+        Some("v"),
+        "the promoted replica kept the replicated write"
+    );
+
+    cluster
+        .restart(Backend::RedisHa, 1)
+        .expect("restart the old primary");
+    wait_until("the old primary turned into a replica", limit, || {
+        redis_query(&primary.addr, &["ROLE"], t).is_some_and(|r| r.lines().next() == Some("slave"))
+    });
+    assert_eq!(cluster.sentinel_primary(), Some(new));
+    assert_eq!(
+        cluster
+            .wait_sentinel_group(limit)
+            .expect("the group is whole again"),
+        new
+    );
+
+    let servers = cluster.servers.clone();
+    cluster.down().expect("down");
+    for s in &servers {
+        assert!(!s.is_running(), "{} {} survived down", s.backend, s.id);
     }
 }

@@ -52,10 +52,18 @@ pub(crate) enum Kind {
     Etcd,
     Redis,
     Redlock,
+    /// The primary of a Sentinel group (`redis+sentinel://`).
+    RedisSentinel,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [Kind::Zk, Kind::Etcd, Kind::Redis, Kind::Redlock];
+    const ALL: [Kind; 5] = [
+        Kind::Zk,
+        Kind::Etcd,
+        Kind::Redis,
+        Kind::Redlock,
+        Kind::RedisSentinel,
+    ];
 
     pub(crate) fn label(self) -> &'static str {
         match self {
@@ -63,6 +71,7 @@ impl Kind {
             Kind::Etcd => "etcd",
             Kind::Redis => "redis",
             Kind::Redlock => "redlock",
+            Kind::RedisSentinel => "redis-sentinel",
         }
     }
 
@@ -72,6 +81,7 @@ impl Kind {
             Kind::Etcd => "etcd",
             Kind::Redis => "redis",
             Kind::Redlock => "redlock",
+            Kind::RedisSentinel => "redis+sentinel",
         }
     }
 
@@ -81,7 +91,10 @@ impl Kind {
             "etcd" => Kind::Etcd,
             "redis" => Kind::Redis,
             "redlock" => Kind::Redlock,
-            other => bail!("unknown backend {other:?}: expected zk, etcd, redis or redlock"),
+            "redis-sentinel" | "sentinel" => Kind::RedisSentinel,
+            other => bail!(
+                "unknown backend {other:?}: expected zk, etcd, redis, redlock or redis-sentinel"
+            ),
         })
     }
 
@@ -90,6 +103,8 @@ impl Kind {
             Kind::Zk => Backend::Zookeeper,
             Kind::Etcd => Backend::Etcd,
             Kind::Redis | Kind::Redlock => Backend::Redis,
+            // Clients name the Sentinels; the data nodes are `Backend::RedisHa`.
+            Kind::RedisSentinel => Backend::Sentinel,
         }
     }
 
@@ -106,7 +121,15 @@ impl Kind {
     }
 
     fn url(self, addrs: &[String]) -> String {
-        format!("{}://{}", self.scheme(), addrs.join(","))
+        match self {
+            Kind::RedisSentinel => format!(
+                "{}://{}/{}",
+                self.scheme(),
+                addrs.join(","),
+                dlock_testkit::SENTINEL_SERVICE
+            ),
+            _ => format!("{}://{}", self.scheme(), addrs.join(",")),
+        }
     }
 
     /// Whether this build of dlock has the backend: a URL of a missing feature fails at
@@ -140,10 +163,11 @@ pub(crate) enum Scenario {
     ServerRestart,
     ReplicaPromotion,
     ClientCut,
+    SentinelFailover,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 7] = [
+    const ALL: [Scenario; 8] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::HolderPauseUnfenced,
@@ -151,6 +175,7 @@ impl Scenario {
         Scenario::ServerRestart,
         Scenario::ReplicaPromotion,
         Scenario::ClientCut,
+        Scenario::SentinelFailover,
     ];
 
     pub(crate) fn label(self) -> &'static str {
@@ -162,6 +187,7 @@ impl Scenario {
             Scenario::ServerRestart => "server-restart",
             Scenario::ReplicaPromotion => "replica-promotion",
             Scenario::ClientCut => "client-cut",
+            Scenario::SentinelFailover => "sentinel-failover",
         }
     }
 
@@ -184,6 +210,9 @@ impl Scenario {
             Scenario::ClientCut => {
                 "a loopback proxy between the holder and the servers stops forwarding past the session"
             }
+            Scenario::SentinelFailover => {
+                "SIGKILL the Sentinel group's primary while a holder is inside; Sentinels promote the replica, clients follow"
+            }
         }
     }
 
@@ -199,7 +228,11 @@ impl Scenario {
             Scenario::LeaderKill => matches!(kind, Kind::Zk | Kind::Etcd),
             Scenario::ServerRestart => matches!(kind, Kind::Redis | Kind::Redlock),
             Scenario::ReplicaPromotion => kind == Kind::Redis,
-            _ => true,
+            // The Sentinel group is there for its failover; the holder faults behave as
+            // on `redis`, and a proxy in front of the Sentinels would not cut the data
+            // connection.
+            Scenario::SentinelFailover => kind == Kind::RedisSentinel,
+            _ => kind != Kind::RedisSentinel,
         }
     }
 
@@ -211,9 +244,10 @@ impl Scenario {
     /// catch the holder inside for longer than that.
     fn slow_work_ms(self) -> u64 {
         match self {
-            Scenario::ClientCut | Scenario::ServerRestart | Scenario::ReplicaPromotion => {
-                2 * SESSION.as_millis() as u64
-            }
+            Scenario::ClientCut
+            | Scenario::ServerRestart
+            | Scenario::ReplicaPromotion
+            | Scenario::SentinelFailover => 2 * SESSION.as_millis() as u64,
             _ => SLOW_WORK_MS,
         }
     }
@@ -232,10 +266,6 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         for s in Scenario::ALL {
             println!("{:<22} {}", s.label(), s.describe());
         }
-        println!(
-            "{:<22} not implemented (testkit has no Sentinel mode yet)",
-            "sentinel-failover"
-        );
         return Ok(0);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -271,7 +301,12 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
             .map(|s| Scenario::parse(s))
             .collect::<anyhow::Result<_>>()?
     } else if args.short {
-        vec![Scenario::HolderKill, Scenario::HolderPause]
+        // The failover runs only on redis-sentinel, where nothing else does.
+        vec![
+            Scenario::HolderKill,
+            Scenario::HolderPause,
+            Scenario::SentinelFailover,
+        ]
     } else {
         Scenario::ALL.to_vec()
     };
@@ -293,6 +328,7 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         } else {
             0
         },
+        sentinel_replicas: u32::from(kinds.contains(&Kind::RedisSentinel)),
         port_offset: args.port_offset,
         state_path: Some(out_dir.join("cluster.json")),
         base_dir: None,
@@ -358,12 +394,6 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         }
     }
     cluster.down().context("tearing the cluster down")?;
-    if !scenarios.is_empty() && args.scenarios.is_empty() && !args.short {
-        notes.push(
-            "sentinel-failover: not run (testkit has no Sentinel mode); replica-promotion promotes a replica by hand instead"
-                .into(),
-        );
-    }
     let markdown = report::markdown(&rows, &notes);
     println!("{markdown}");
     report::write_summary(&out_dir.join("summary.json"), &rows)?;
@@ -844,6 +874,31 @@ fn inject(
             Ok(Fault {
                 at_us: t,
                 victim: Some(victim),
+                signal_from_us: Some(t),
+            })
+        }
+        Scenario::SentinelFailover => {
+            let primary = cluster.wait_sentinel_group(WAIT)?;
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            cluster.kill(Backend::RedisHa, primary)?;
+            let promoted = cluster.wait_failover(primary, WAIT)?;
+            eprintln!(
+                "  killed the primary (node {primary}) under worker {victim}; the Sentinels promoted node {promoted} after {} ms",
+                (now_us() - t) / 1000
+            );
+            let recovered = wait_for("another holder after the failover", WAIT, || {
+                Ok(other_began(&h()?, victim, t))
+            });
+            // Back only after the promotion (an empty master brought back earlier would
+            // be kept as the primary), and whole again before the next fault.
+            cluster.restart(Backend::RedisHa, primary)?;
+            cluster.wait_sentinel_group(WAIT)?;
+            recovered?;
+            Ok(Fault {
+                at_us: t,
+                victim: Some(victim),
+                // The lost signal is measured from the kill.
                 signal_from_us: Some(t),
             })
         }

@@ -138,6 +138,7 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
         Kind::Etcd => "etcd://127.0.0.1:1",
         Kind::Redis => "redis://127.0.0.1:1",
         Kind::Redlock => "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
+        Kind::RedisSentinel => "redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster",
     };
     assert_eq!(
         code(&[

@@ -1,7 +1,8 @@
 //! Integration tests against real servers, written once and run per backend.
 //!
 //! `cargo xtask integration` starts the servers and exports their endpoints
-//! (`DLOCK_TEST_ZK`, `DLOCK_TEST_ETCD`, `DLOCK_TEST_REDIS`, `DLOCK_TEST_REDLOCK`); a test
+//! (`DLOCK_TEST_ZK`, `DLOCK_TEST_ETCD`, `DLOCK_TEST_REDIS`, `DLOCK_TEST_REDLOCK`,
+//! `DLOCK_TEST_REDIS_SENTINEL`); a test
 //! whose endpoint is missing says so loudly, and fails under CI.
 
 // Without any backend feature there is nothing to instantiate the tests for.
@@ -62,6 +63,7 @@ macro_rules! all_backends {
                 backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; $path);
                 backend_tests!(redis, crate::support::Kind::Redis, "redis"; $path);
                 backend_tests!(redlock, crate::support::Kind::Redlock, "redis"; $path);
+                backend_tests!(redis_sentinel, crate::support::Kind::RedisSentinel, "redis"; $path);
             }
         )*
     };

@@ -17,6 +17,8 @@ pub enum Kind {
     Etcd,
     Redis,
     Redlock,
+    /// The Sentinel group's primary, `redis+sentinel://h:p,h:p,h:p/mymaster`.
+    RedisSentinel,
 }
 
 impl Kind {
@@ -26,6 +28,7 @@ impl Kind {
             Kind::Etcd => "DLOCK_TEST_ETCD",
             Kind::Redis => "DLOCK_TEST_REDIS",
             Kind::Redlock => "DLOCK_TEST_REDLOCK",
+            Kind::RedisSentinel => "DLOCK_TEST_REDIS_SENTINEL",
         }
     }
 
@@ -35,6 +38,7 @@ impl Kind {
             Kind::Etcd => "etcd",
             Kind::Redis => "redis",
             Kind::Redlock => "redlock",
+            Kind::RedisSentinel => "redis+sentinel",
         }
     }
 
@@ -44,7 +48,7 @@ impl Kind {
         match self {
             Kind::Zk => Duration::from_secs(4),
             Kind::Etcd => Duration::from_secs(4),
-            Kind::Redis | Kind::Redlock => Duration::from_secs(4),
+            Kind::Redis | Kind::Redlock | Kind::RedisSentinel => Duration::from_secs(4),
         }
     }
 }
