@@ -37,6 +37,8 @@ pub enum Position<'a> {
     Tail,
     /// Beside an entry the caller holds, with the same sequence number. Used for a write
     /// holder's read entry (downgrade), which must not queue behind waiting writers.
+    /// Only ever a read beside its owner's held write: the only way an entry can appear
+    /// ahead of one already queued, which [`crate::driver::Snapshot`] relies on.
     Beside(&'a Entry),
 }
 
@@ -111,6 +113,31 @@ pub trait Backend: Send + Sync + 'static {
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<Enqueued>>;
 
+    /// Adds an entry of `kind` for `ticket` at the tail of `q` and removes `gone` from
+    /// `gone_q`, as one atomic step where the backend allows it (ZooKeeper: one `multi`,
+    /// one synced write instead of two). Returns the added entry with its token. The
+    /// semaphore uses it to take its lease and hand its internal mutex on in one step.
+    ///
+    /// `gone` is an entry the caller holds; a backend may fail with [`Error::LockLost`]
+    /// if it is missing. On any error the caller cleans up both, as after a failed
+    /// [`Backend::enqueue`] (`abandon` with `ticket`, `remove` of `gone`). The default
+    /// enqueues, then removes: the same effect in two round trips.
+    fn enqueue_removing<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        data: &'a [u8],
+        gone_q: &'a QueuePath,
+        gone: &'a Entry,
+    ) -> BoxFuture<'a, Result<Entry>> {
+        Box::pin(async move {
+            let added = self.enqueue(q, ticket, kind, Position::Tail, data).await?;
+            self.remove(gone_q, gone).await?;
+            Ok(added.mine)
+        })
+    }
+
     /// The queue `q` in queue order (empty if it does not exist).
     fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
 
@@ -119,6 +146,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Completes once the set of entries in `q` differs from `seen` (at once if it
     /// already does). Used only by the one semaphore contender that waits on leases.
+    /// A change reported by a watch counts even if the set has changed back since: the
+    /// caller knows which changes can happen (while it holds the semaphore's internal
+    /// mutex, leases can only go).
     fn wait_changed<'a>(&'a self, q: &'a QueuePath, seen: &'a [Entry])
         -> BoxFuture<'a, Result<()>>;
 
