@@ -76,6 +76,34 @@ impl SessionOptions {
     }
 }
 
+/// What a backend tells the recipes about its costs ([`Backend::hints`]). Every choice
+/// is safe either way; only the number of round trips on a handoff and of server requests
+/// per acquire change.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Hints {
+    /// An exclusive waiter also watches the entry ahead of the one it waits on and lists
+    /// the queue again when that one goes, so the handoff to it needs no listing
+    /// ([`crate::driver::Snapshot::next_blocker`]): one more watch and one wake-up more
+    /// per waiter, one round trip less on every handoff. Pays where a listing waits behind
+    /// synced writes (ZooKeeper); not where a watch costs several commands (Redis).
+    pub watch_ahead: bool,
+    /// [`Backend::enqueue_removing`] is one atomic request here (not the default's enqueue
+    /// then remove), so the semaphore lists its leases first and takes a free permit
+    /// with it, instead of adding its lease before it looks.
+    pub atomic_enqueue_removing: bool,
+}
+
+impl Hints {
+    /// Hints with every field set as given (the struct is `#[non_exhaustive]`).
+    pub const fn new(watch_ahead: bool, atomic_enqueue_removing: bool) -> Self {
+        Hints {
+            watch_ahead,
+            atomic_enqueue_removing,
+        }
+    }
+}
+
 /// The result of [`Backend::enqueue`].
 #[derive(Debug, Clone)]
 pub struct Enqueued {
@@ -100,6 +128,12 @@ pub trait Backend: Send + Sync + 'static {
     /// How long a crashed or paused holder keeps its entries: the ZooKeeper session
     /// timeout, the etcd lease TTL, the Redis lease.
     fn session_timeout(&self) -> Duration;
+
+    /// How the recipes should trade round trips against server requests on this backend.
+    /// The default asks for nothing beyond the minimum number of requests.
+    fn hints(&self) -> Hints {
+        Hints::default()
+    }
 
     /// Adds an entry of `kind` for `ticket` to queue `q`, bound to the session, and
     /// returns it with the queue as it stands right after. Creates the queue's parents
