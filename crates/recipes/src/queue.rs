@@ -158,6 +158,7 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
         let mine = enq.mine;
         let mut view = Snapshot::new(enq.queue, &mine.name);
         let mut lost = backend.lost(q, &mine);
+        let watch_ahead = backend.hints().watch_ahead;
         // The watch on the entry this waiter waits on, kept across a re-listing that
         // names the same entry again, so it is armed once.
         let mut watch: Option<(String, BoxFuture<'static, Result<()>>)> = None;
@@ -171,7 +172,10 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
                     )))
                 }
                 Decision::Wait(blocker) => {
-                    (blocker.clone(), view.next_blocker(&mine.name).cloned())
+                    let next = watch_ahead
+                        .then(|| view.next_blocker(&mine.name).cloned())
+                        .flatten();
+                    (blocker.clone(), next)
                 }
             };
             if matches!(wait, Wait::No) {

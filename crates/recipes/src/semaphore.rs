@@ -3,16 +3,20 @@
 //!
 //! A semaphore `s` keeps two queues: `s/locks`, an internal fair mutex, and `s/leases`,
 //! one entry per permit. Only the holder of the internal mutex adds a lease (Curator's
-//! rule too), so while it holds the mutex the lease set can only shrink. It lists the
-//! leases once; if fewer than `permits` are out, it adds its lease and releases the
-//! mutex in one step ([`dlock_core::Backend::enqueue_removing`]: one ZooKeeper `multi`);
-//! otherwise it waits, still holding the mutex, until a lease goes, which frees a permit
-//! for it. So only one contender ever waits on the leases: a returned permit wakes
-//! exactly one waiter (no herd), and permits are granted in arrival order. Leases are
-//! session-bound: a crashed holder's permit comes back by itself.
+//! rule), so while it holds the mutex the lease set can only shrink. The holder adds its
+//! lease and holds a permit once there are at most `permits` leases; otherwise it waits,
+//! still holding the mutex, until a lease goes; it releases the mutex either way. So only
+//! one contender ever waits on the leases: a returned permit wakes exactly one waiter (no
+//! herd), and permits are granted in arrival order. Leases are session-bound: a crashed
+//! holder's permit comes back by itself.
 //!
-//! Curator's contender adds its lease before it looks and waits with it in place; both
-//! keep "at most `permits` leases are held" because both add leases only under the mutex.
+//! Two orders of steps, chosen by [`dlock_core::Hints::atomic_enqueue_removing`]:
+//! Curator's (add the lease, list, wait with the lease in place, then release the mutex),
+//! and, where adding an entry and removing another is one atomic request (ZooKeeper's
+//! `multi`), list first, then add the lease and release the mutex in that one request
+//! once a permit is free: one synced write less on the mutex's critical path, and the
+//! lease exists only if the mutex entry still did. Both keep "at most `permits` leases
+//! are held" because both add leases only under the mutex.
 
 use std::time::Duration;
 
@@ -259,9 +263,42 @@ impl<B: Backend + ?Sized> Semaphore<B> {
         let attempt = async {
             // While this contender holds the internal mutex nobody else adds a lease, so
             // the lease set can only shrink: one listing tells whether a permit is free,
-            // and a change reported after it means one is. The lease is then created and
-            // the mutex handed on in one step (one synced write on ZooKeeper), without
-            // a lease that has to wait.
+            // and a change reported after it means one is. Where the backend can, the
+            // lease is then created and the mutex handed on in one atomic step (one
+            // synced write on ZooKeeper), without a lease that has to wait.
+            if !backend.hints().atomic_enqueue_removing {
+                // Curator's order: add the lease, then look; wait with it in place.
+                let enq = backend
+                    .enqueue(
+                        &leases,
+                        &ticket,
+                        EntryKind::Lease,
+                        Position::Tail,
+                        &self.client.data,
+                    )
+                    .await?;
+                let mine = enq.mine;
+                let mut seen = enq.queue;
+                loop {
+                    if !seen.iter().any(|e| e.name == mine.name) {
+                        return Err(Error::LockLost(format!(
+                            "lease {} vanished from {leases}",
+                            mine.name
+                        )));
+                    }
+                    if lease_granted(seen.len(), max) {
+                        return Ok(mine);
+                    }
+                    if matches!(w, Wait::No) {
+                        return Err(Error::WouldBlock);
+                    }
+                    tokio::select! {
+                        r = backend.wait_changed(&leases, &seen) => r?,
+                        e = &mut lost => return Err(e),
+                    }
+                    seen = backend.queue(&leases).await?;
+                }
+            }
             let mut seen = backend.queue(&leases).await?;
             loop {
                 if lease_granted(seen.len() + 1, max) {

@@ -60,6 +60,9 @@ impl Backend for Counting {
     fn session_timeout(&self) -> Duration {
         self.inner.session_timeout()
     }
+    fn hints(&self) -> dlock::core::Hints {
+        self.inner.hints()
+    }
     fn enqueue<'a>(
         &'a self,
         q: &'a QueuePath,
