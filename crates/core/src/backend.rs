@@ -37,6 +37,8 @@ pub enum Position<'a> {
     Tail,
     /// Beside an entry the caller holds, with the same sequence number. Used for a write
     /// holder's read entry (downgrade), which must not queue behind waiting writers.
+    /// Only ever a read beside its owner's held write: the only way an entry can appear
+    /// ahead of one already queued, which [`crate::driver::Snapshot`] relies on.
     Beside(&'a Entry),
 }
 
@@ -74,6 +76,34 @@ impl SessionOptions {
     }
 }
 
+/// What a backend tells the recipes about its costs ([`Backend::hints`]). Every choice
+/// is safe either way; only the number of round trips on a handoff and of server requests
+/// per acquire change.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Hints {
+    /// An exclusive waiter also watches the entry ahead of the one it waits on and lists
+    /// the queue again when that one goes, so the handoff to it needs no listing
+    /// ([`crate::driver::Snapshot::next_blocker`]): one more watch and one wake-up more
+    /// per waiter, one round trip less on every handoff. Pays where a listing waits behind
+    /// synced writes (ZooKeeper); not where a watch costs several commands (Redis).
+    pub watch_ahead: bool,
+    /// [`Backend::enqueue_removing`] is one atomic request here (not the default's enqueue
+    /// then remove), so the semaphore lists its leases first and takes a free permit
+    /// with it, instead of adding its lease before it looks.
+    pub atomic_enqueue_removing: bool,
+}
+
+impl Hints {
+    /// Hints with every field set as given (the struct is `#[non_exhaustive]`).
+    pub const fn new(watch_ahead: bool, atomic_enqueue_removing: bool) -> Self {
+        Hints {
+            watch_ahead,
+            atomic_enqueue_removing,
+        }
+    }
+}
+
 /// The result of [`Backend::enqueue`].
 #[derive(Debug, Clone)]
 pub struct Enqueued {
@@ -99,6 +129,12 @@ pub trait Backend: Send + Sync + 'static {
     /// timeout, the etcd lease TTL, the Redis lease.
     fn session_timeout(&self) -> Duration;
 
+    /// How the recipes should trade round trips against server requests on this backend.
+    /// The default asks for nothing beyond the minimum number of requests.
+    fn hints(&self) -> Hints {
+        Hints::default()
+    }
+
     /// Adds an entry of `kind` for `ticket` to queue `q`, bound to the session, and
     /// returns it with the queue as it stands right after. Creates the queue's parents
     /// on demand.
@@ -111,6 +147,31 @@ pub trait Backend: Send + Sync + 'static {
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<Enqueued>>;
 
+    /// Adds an entry of `kind` for `ticket` at the tail of `q` and removes `gone` from
+    /// `gone_q`, as one atomic step where the backend allows it (ZooKeeper: one `multi`,
+    /// one synced write instead of two). Returns the added entry with its token. The
+    /// semaphore uses it to take its lease and hand its internal mutex on in one step.
+    ///
+    /// `gone` is an entry the caller holds; a backend may fail with [`Error::LockLost`]
+    /// if it is missing. On any error the caller cleans up both, as after a failed
+    /// [`Backend::enqueue`] (`abandon` with `ticket`, `remove` of `gone`). The default
+    /// enqueues, then removes: the same effect in two round trips.
+    fn enqueue_removing<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        data: &'a [u8],
+        gone_q: &'a QueuePath,
+        gone: &'a Entry,
+    ) -> BoxFuture<'a, Result<Entry>> {
+        Box::pin(async move {
+            let added = self.enqueue(q, ticket, kind, Position::Tail, data).await?;
+            self.remove(gone_q, gone).await?;
+            Ok(added.mine)
+        })
+    }
+
     /// The queue `q` in queue order (empty if it does not exist).
     fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
 
@@ -119,6 +180,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Completes once the set of entries in `q` differs from `seen` (at once if it
     /// already does). Used only by the one semaphore contender that waits on leases.
+    /// A change reported by a watch counts even if the set has changed back since: the
+    /// caller knows which changes can happen (while it holds the semaphore's internal
+    /// mutex, leases can only go).
     fn wait_changed<'a>(&'a self, q: &'a QueuePath, seen: &'a [Entry])
         -> BoxFuture<'a, Result<()>>;
 

@@ -49,6 +49,90 @@ pub fn decide<'a>(queue: &'a [Entry], mine: &str) -> Decision<'a> {
     }
 }
 
+/// A waiter's view of its queue between two listings: the last listing, minus the
+/// entries reported gone since. It lets a waiter whose watched entry went take the lock
+/// without listing the queue again, which takes a round trip off the handoff.
+///
+/// Why that is sound: the listing was taken after the waiter's own entry was added, so
+/// every entry added later went to the tail, behind it (the [`crate::Backend`] contract:
+/// sequence numbers grow in the order entries are added). The set of entries ahead of the
+/// waiter can therefore only shrink, with one exception: a read created beside its owner's
+/// held write ([`crate::Position::Beside`], the downgrade) takes that write's sequence
+/// number and so lands ahead. It conflicts only with a waiter that is not a read, and only
+/// if a write stood ahead of it. So if the watched entry was the only conflicting one
+/// ahead, its removal grants the lock, unless such a read could have appeared.
+///
+/// A listing usually names more than one entry ahead (a queue of eight), and when the
+/// watched one goes the others may or may not have gone before it (released, or
+/// cancelled while waiting): only a fresh listing tells. So an exclusive waiter also
+/// watches [`Snapshot::next_blocker`], the entry ahead of the one it waits on, and lists
+/// the queue again when that one goes: while the entry it waits on holds the lock, not
+/// after, so the handoff itself needs no read.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    queue: Vec<Entry>,
+    /// True if a downgrade read that conflicts with the waiter may since have been added
+    /// ahead of it: the waiter is not a read, and a write stood ahead of it in the listing.
+    beside_possible: bool,
+}
+
+impl Snapshot {
+    /// The waiter `mine`'s view from a fresh listing `queue` (in queue order), taken after
+    /// `mine` was added.
+    pub fn new(queue: Vec<Entry>, mine: &str) -> Self {
+        let beside_possible = match queue.iter().position(|e| e.name == mine) {
+            Some(idx) => {
+                queue[idx].kind != EntryKind::Read
+                    && queue[..idx].iter().any(|e| e.kind == EntryKind::Write)
+            }
+            None => false,
+        };
+        Snapshot {
+            queue,
+            beside_possible,
+        }
+    }
+
+    /// The queue as the waiter knows it.
+    pub fn queue(&self) -> &[Entry] {
+        &self.queue
+    }
+
+    /// [`decide`] on the queue as the waiter knows it.
+    pub fn decide(&self, mine: &str) -> Decision<'_> {
+        decide(&self.queue, mine)
+    }
+
+    /// For an exclusive waiter that waits on the entry [`Snapshot::decide`] names: the
+    /// conflicting entry ahead of that one, whose removal is the moment to list the queue
+    /// again (see the type's docs). `None` for a read (its blockers are writes, whose
+    /// removal lets many readers in at once: a second watch there would wake a crowd),
+    /// when nothing else is ahead, and when [`Snapshot::without`] could not grant the
+    /// lock anyway (a downgrade read may appear ahead).
+    pub fn next_blocker(&self, mine: &str) -> Option<&Entry> {
+        if self.beside_possible {
+            return None;
+        }
+        let idx = self.queue.iter().position(|e| e.name == mine)?;
+        let me = &self.queue[idx];
+        if me.kind == EntryKind::Read {
+            return None;
+        }
+        let mut ahead = self.queue[..idx].iter().rev().filter(|e| conflicts(e, me));
+        ahead.next()?;
+        ahead.next()
+    }
+
+    /// Records that `gone` (the entry the waiter watched) left the queue. True if `mine`
+    /// now holds the lock: `gone` was the only conflicting entry ahead of it in the
+    /// listing and no downgrade read can have appeared ahead since. False means only a
+    /// fresh listing can tell.
+    pub fn without(&mut self, gone: &str, mine: &str) -> bool {
+        self.queue.retain(|e| e.name != gone);
+        !self.beside_possible && decide(&self.queue, mine) == Decision::Acquired
+    }
+}
+
 /// The entries of `queue` (in queue order) that hold the lock now. Used for status
 /// output and by the property tests.
 pub fn holders(queue: &[Entry]) -> Vec<&Entry> {
@@ -59,8 +143,8 @@ pub fn holders(queue: &[Entry]) -> Vec<&Entry> {
 }
 
 /// The semaphore rule (Curator's InterProcessSemaphoreV2): the contender that holds the
-/// semaphore's internal mutex has created its lease and sees `lease_count` leases in all,
-/// its own included; it holds a permit once `lease_count <= max_leases`, and otherwise
+/// semaphore's internal mutex sees `lease_count` leases in all, its own included (created,
+/// or about to be); it holds a permit once `lease_count <= max_leases`, and otherwise
 /// waits for any lease to go. Only that one contender ever waits on the leases, so a
 /// returned lease wakes exactly one waiter.
 pub fn lease_granted(lease_count: usize, max_leases: u32) -> bool {
@@ -129,6 +213,53 @@ mod tests {
     }
 
     #[test]
+    fn snapshot_rereads_only_when_a_downgrade_may_sit_ahead() {
+        // Writer 1 holds, writer 2 waits on it, then writer 1 downgrades.
+        let mut sim = Sim::new();
+        sim.add(EntryKind::Write);
+        sim.add(EntryKind::Write);
+        let (w1, w2) = (sim.arrival[0].clone(), sim.arrival[1].clone());
+        assert_eq!(sim.state[&w2], Some(w1.clone()));
+        sim.downgrade(&w1);
+        sim.remove(&w1);
+        // Writer 2's listing cannot tell about the read beside writer 1: it lists again
+        // and waits on that read instead of taking the lock beside it.
+        assert_eq!(sim.blocker_rereads, 1);
+        let beside = format!("f0{}", EntryKind::Read.marker());
+        assert_eq!(sim.state[&w2], Some(beside.clone()));
+        sim.remove(&beside);
+        assert_eq!(sim.state[&w2], None);
+    }
+
+    #[test]
+    fn mutex_handoff_needs_no_listing() {
+        let q = vec![
+            entry(EntryKind::Lock, 1),
+            entry(EntryKind::Lock, 2),
+            entry(EntryKind::Lock, 3),
+        ];
+        let mut view = Snapshot::new(q.clone(), "e3lock-");
+        assert_eq!(view.decide("e3lock-"), Decision::Wait(&q[1]));
+        assert_eq!(view.next_blocker("e3lock-"), Some(&q[0]));
+        // Entry 2 went, but entry 1 may still be there (2 may have been cancelled).
+        assert!(!view.without("e2lock-", "e3lock-"));
+        // From a listing with one entry ahead, its removal is the handoff.
+        let mut view = Snapshot::new(q[1..].to_vec(), "e3lock-");
+        assert_eq!(view.next_blocker("e3lock-"), None);
+        assert!(view.without("e2lock-", "e3lock-"));
+        // Readers never take a second watch.
+        let rq = vec![
+            entry(EntryKind::Write, 1),
+            entry(EntryKind::Write, 2),
+            entry(EntryKind::Read, 3),
+        ];
+        assert_eq!(
+            Snapshot::new(rq, "e3__READ__").next_blocker("e3__READ__"),
+            None
+        );
+    }
+
+    #[test]
     fn lease_rule() {
         assert!(lease_granted(3, 3));
         assert!(!lease_granted(4, 3));
@@ -138,6 +269,8 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Step {
         Add(EntryKind),
+        /// The holder of a write at this index (mod the write holders) downgrades.
+        Downgrade(usize),
         /// Remove the holder at this index (mod the number of holders).
         Release(usize),
         /// Remove a waiter (a cancelled acquire) at this index.
@@ -150,22 +283,36 @@ mod tests {
                 .prop_map(Step::Add),
             3 => any::<usize>().prop_map(Step::Release),
             1 => any::<usize>().prop_map(Step::Cancel),
+            1 => any::<usize>().prop_map(Step::Downgrade),
         ]
     }
 
-    /// A simulated backend with watches: each waiter stores the entry it watches; a
-    /// removal wakes only the waiters watching the removed entry, which re-run the
-    /// driver. The model checks that what the waiters believe always matches a fresh
-    /// decision (no missed release), and counts wake-ups that let nobody in.
+    /// A simulated backend with watches, driven as `dlock-recipes`' acquire loop drives a
+    /// real one: each waiter keeps a [`Snapshot`] (its last listing), watches the entry
+    /// `decide` names and, if exclusive, also [`Snapshot::next_blocker`]. A removal wakes
+    /// only the waiters watching the removed entry: one whose blocker went asks
+    /// [`Snapshot::without`] and lists the queue again only if that says so; one whose
+    /// next blocker went lists the queue again. The model checks that what the waiters
+    /// believe always matches a fresh decision (no missed release, exclusion), counts
+    /// wake-ups that let nobody in, and counts listings taken after each kind of wake-up.
     struct Sim {
         queue: Vec<Entry>,
         next_seq: u64,
         /// name -> Some(watched name) while waiting, None once acquired.
         state: HashMap<String, Option<String>>,
+        /// name -> its second watch (the next blocker), while it has one.
+        second: HashMap<String, String>,
+        views: HashMap<String, Snapshot>,
         arrival: Vec<String>,
         grants: Vec<String>,
+        /// Wake-ups by the watched blocker's removal.
         wakeups: usize,
         useless_wakeups: usize,
+        /// Listings a waiter took because its blocker went and its snapshot could not
+        /// grant the lock: the read on the handoff's critical path.
+        blocker_rereads: usize,
+        /// Wake-ups (each one listing) by the next blocker's removal.
+        second_wakeups: usize,
     }
 
     impl Sim {
@@ -174,23 +321,42 @@ mod tests {
                 queue: Vec::new(),
                 next_seq: 0,
                 state: HashMap::new(),
+                second: HashMap::new(),
+                views: HashMap::new(),
                 arrival: Vec::new(),
                 grants: Vec::new(),
                 wakeups: 0,
                 useless_wakeups: 0,
+                blocker_rereads: 0,
+                second_wakeups: 0,
             }
         }
 
+        /// A fresh listing for `name`, then its decision and watches.
         fn evaluate(&mut self, name: &str) {
-            let d = match decide(&self.queue, name) {
+            let view = Snapshot::new(self.queue.clone(), name);
+            let watch = match view.decide(name) {
                 Decision::Acquired => None,
                 Decision::Wait(e) => Some(e.name.clone()),
                 Decision::Missing => unreachable!("evaluated entries are queued"),
             };
-            if d.is_none() && self.state.get(name) != Some(&None) {
+            match view.next_blocker(name) {
+                Some(e) if watch.is_some() => {
+                    self.second.insert(name.to_owned(), e.name.clone());
+                }
+                _ => {
+                    self.second.remove(name);
+                }
+            }
+            self.views.insert(name.to_owned(), view);
+            self.set(name, watch);
+        }
+
+        fn set(&mut self, name: &str, watch: Option<String>) {
+            if watch.is_none() && self.state.get(name) != Some(&None) {
                 self.grants.push(name.to_owned());
             }
-            self.state.insert(name.to_owned(), d);
+            self.state.insert(name.to_owned(), watch);
         }
 
         fn add(&mut self, kind: EntryKind) {
@@ -202,9 +368,29 @@ mod tests {
             self.evaluate(&name);
         }
 
+        /// The holder of write `w` takes a read beside it (the downgrade): same sequence
+        /// number, so it lands ahead of every waiter queued behind the write.
+        fn downgrade(&mut self, w: &str) {
+            let Some(writer) = self.queue.iter().find(|e| e.name == w).cloned() else {
+                return;
+            };
+            let mut r = entry(EntryKind::Read, writer.seq);
+            // Sorts after its writer (`e...`), so `holders` counts both as holding.
+            r.name = format!("f{}{}", writer.seq, EntryKind::Read.marker());
+            if self.queue.iter().any(|e| e.name == r.name) {
+                return;
+            }
+            let name = r.name.clone();
+            self.queue.push(r);
+            sort_queue(&mut self.queue);
+            self.evaluate(&name);
+        }
+
         fn remove(&mut self, name: &str) {
             self.queue.retain(|e| e.name != name);
             self.state.remove(name);
+            self.second.remove(name);
+            self.views.remove(name);
             let woken: Vec<String> = self
                 .state
                 .iter()
@@ -213,10 +399,28 @@ mod tests {
                 .collect();
             for n in woken {
                 self.wakeups += 1;
-                self.evaluate(&n);
+                // The acquire loop drops its second watch once its blocker went.
+                self.second.remove(&n);
+                let view = self.views.get_mut(&n).expect("waiters have a view");
+                if view.without(name, &n) {
+                    self.set(&n, None);
+                } else {
+                    self.blocker_rereads += 1;
+                    self.evaluate(&n);
+                }
                 if self.state.get(&n) != Some(&None) {
                     self.useless_wakeups += 1;
                 }
+            }
+            let second: Vec<String> = self
+                .second
+                .iter()
+                .filter(|(_, w)| w.as_str() == name)
+                .map(|(n, _)| n.clone())
+                .collect();
+            for n in second {
+                self.second_wakeups += 1;
+                self.evaluate(&n);
             }
         }
 
@@ -255,8 +459,13 @@ mod tests {
             let held: Vec<&Entry> = holders(&self.queue);
             let writers = held.iter().filter(|e| e.kind.is_exclusive()).count();
             prop_assert!(writers <= 1, "two writers hold: {:?}", held);
-            if writers == 1 {
-                prop_assert_eq!(held.len(), 1, "a reader holds beside a writer");
+            if let Some(w) = held.iter().find(|e| e.kind.is_exclusive()) {
+                // Only the writer's own downgrade read (same sequence) may hold beside it.
+                prop_assert!(
+                    held.iter().all(|e| e.name == w.name || e.seq == w.seq),
+                    "a reader holds beside a writer: {:?}",
+                    held
+                );
             }
             // No reader holds with an earlier writer still queued.
             for h in &held {
@@ -267,13 +476,22 @@ mod tests {
                     .unwrap_or(0);
                 prop_assert!(!self.queue[..idx].iter().any(|e| conflicts(e, h)));
             }
-            // Every waiter watches exactly one entry that is queued ahead of it.
+            // Every waiter watches one entry queued ahead of it, and at most one more
+            // ahead of that; only waiters have a second watch.
             for w in self.waiters() {
                 let watched = self.state[&w].clone().unwrap_or_default();
                 let wi = self.queue.iter().position(|e| e.name == w);
                 let ti = self.queue.iter().position(|e| e.name == watched);
                 prop_assert!(matches!((ti, wi), (Some(t), Some(i)) if t < i));
+                if let Some(second) = self.second.get(&w) {
+                    let si = self.queue.iter().position(|e| &e.name == second);
+                    prop_assert!(matches!((si, ti), (Some(s), Some(t)) if s < t));
+                }
             }
+            prop_assert!(self
+                .second
+                .keys()
+                .all(|n| self.state.get(n).is_some_and(Option::is_some)));
             Ok(())
         }
     }
@@ -287,6 +505,17 @@ mod tests {
             for s in steps {
                 match s {
                     Step::Add(kind) => sim.add(kind),
+                    Step::Downgrade(i) => {
+                        let writers: Vec<String> = sim
+                            .holders()
+                            .into_iter()
+                            .filter(|h| sim.queue.iter().any(|e| &e.name == h && e.kind == EntryKind::Write))
+                            .collect();
+                        if !writers.is_empty() {
+                            let w = writers[i % writers.len()].clone();
+                            sim.downgrade(&w);
+                        }
+                    }
                     Step::Release(i) => {
                         let h = sim.holders();
                         if !h.is_empty() {
@@ -341,14 +570,24 @@ mod tests {
                 sim.arrival.iter().filter(|a| sim.state.contains_key(*a)).cloned().collect();
             sim.grants.clear();
             sim.grants.push(sim.holders()[0].clone());
+            let rereads_before = sim.blocker_rereads;
+            let second_before = sim.second_wakeups;
+            let mut releases = 0;
             while !sim.queue.is_empty() {
                 let h = sim.holders();
                 prop_assert_eq!(h.len(), 1);
                 sim.remove(&h[0]);
+                releases += 1;
                 sim.check()?;
             }
+            // No handoff waited for a listing: each next holder had listed the queue
+            // while its predecessor held. And a release woke at most one waiter beside
+            // the one it let in.
+            prop_assert_eq!(sim.blocker_rereads, rereads_before);
+            prop_assert!(sim.second_wakeups - second_before <= releases);
             // Granted in arrival order.
             prop_assert_eq!(&sim.grants, &survivors);
+
             // A release wakes exactly the one waiter it lets in; a cancelled waiter's
             // successor is woken once and re-watches.
             prop_assert_eq!(sim.wakeups - sim.useless_wakeups, survivors.len() - 1);
@@ -370,6 +609,7 @@ mod tests {
             prop_assert_eq!(sim.holders().len(), readers);
             prop_assert_eq!(sim.wakeups, readers);
             prop_assert_eq!(sim.useless_wakeups, 0);
+            prop_assert_eq!((sim.blocker_rereads, sim.second_wakeups), (0, 0));
         }
     }
 

@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::driver::{decide, Decision};
+use dlock_core::driver::{Decision, Snapshot};
 use dlock_core::{Backend, Entry, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use futures::future::BoxFuture;
 use tokio::time::Instant;
 
 /// How long an acquire may wait.
@@ -128,6 +129,15 @@ pub(crate) fn spawn_remove<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, e
     });
 }
 
+/// [`Backend::wait_gone`] on owned arguments, so the watch can outlive one loop turn.
+fn watch_gone<B: Backend + ?Sized>(
+    backend: Arc<B>,
+    q: QueuePath,
+    entry: Entry,
+) -> BoxFuture<'static, Result<()>> {
+    Box::pin(async move { backend.wait_gone(&q, &entry).await })
+}
+
 /// Adds an entry of `kind` to `q` and waits until the driver grants it.
 ///
 /// On any error (timeout, would-block, lost session) the entry is removed before the
@@ -146,10 +156,14 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
     let attempt = async {
         let enq = backend.enqueue(q, &ticket, kind, at, data).await?;
         let mine = enq.mine;
-        let mut queue = enq.queue;
+        let mut view = Snapshot::new(enq.queue, &mine.name);
         let mut lost = backend.lost(q, &mine);
+        let watch_ahead = backend.hints().watch_ahead;
+        // The watch on the entry this waiter waits on, kept across a re-listing that
+        // names the same entry again, so it is armed once.
+        let mut watch: Option<(String, BoxFuture<'static, Result<()>>)> = None;
         loop {
-            let blocker = match decide(&queue, &mine.name) {
+            let (blocker, next) = match view.decide(&mine.name) {
                 Decision::Acquired => return Ok(mine),
                 Decision::Missing => {
                     return Err(Error::LockLost(format!(
@@ -157,17 +171,42 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
                         mine.name
                     )))
                 }
-                Decision::Wait(blocker) => blocker.clone(),
+                Decision::Wait(blocker) => {
+                    let next = watch_ahead
+                        .then(|| view.next_blocker(&mine.name).cloned())
+                        .flatten();
+                    (blocker.clone(), next)
+                }
             };
             if matches!(wait, Wait::No) {
                 return Err(Error::WouldBlock);
             }
-            tracing::trace!(queue = %q, mine = %mine.name, watching = %blocker.name, "waiting");
+            tracing::trace!(queue = %q, mine = %mine.name, watching = %blocker.name, next = ?next.as_ref().map(|e| &e.name), "waiting");
+            let mut gone = match watch.take() {
+                Some((name, fut)) if name == blocker.name => fut,
+                _ => watch_gone(backend.clone(), q.clone(), blocker.clone()),
+            };
+            // Both watches are armed in the same poll, so in one round trip.
+            let mut next_gone = match next {
+                Some(e) => watch_gone(backend.clone(), q.clone(), e),
+                None => Box::pin(futures::future::pending()),
+            };
             tokio::select! {
-                r = backend.wait_gone(q, &blocker) => r?,
+                r = &mut gone => {
+                    r?;
+                    if view.without(&blocker.name, &mine.name) {
+                        return Ok(mine);
+                    }
+                }
+                r = &mut next_gone => {
+                    r?;
+                    // The entry ahead of the blocker went: list again now, while the
+                    // blocker may still hold, so its release needs no listing.
+                    watch = Some((blocker.name.clone(), gone));
+                }
                 e = &mut lost => return Err(e),
             }
-            queue = backend.queue(q).await?;
+            view = Snapshot::new(backend.queue(q).await?, &mine.name);
         }
     };
     match within(wait, attempt).await {

@@ -2,12 +2,21 @@
 //! layout, over any backend.
 //!
 //! A semaphore `s` keeps two queues: `s/locks`, an internal fair mutex, and `s/leases`,
-//! one entry per permit. A contender takes the internal mutex, adds its lease, and holds
-//! a permit once there are at most `permits` leases; otherwise it waits for a lease to go,
-//! still holding the internal mutex, which it releases either way. So only one contender
-//! ever waits on the leases: a returned permit wakes exactly one waiter (no herd), and
-//! permits are granted in arrival order. Leases are session-bound: a crashed holder's
-//! permit comes back by itself.
+//! one entry per permit. Only the holder of the internal mutex adds a lease (Curator's
+//! rule), so while it holds the mutex the lease set can only shrink. The holder adds its
+//! lease and holds a permit once there are at most `permits` leases; otherwise it waits,
+//! still holding the mutex, until a lease goes; it releases the mutex either way. So only
+//! one contender ever waits on the leases: a returned permit wakes exactly one waiter (no
+//! herd), and permits are granted in arrival order. Leases are session-bound: a crashed
+//! holder's permit comes back by itself.
+//!
+//! Two orders of steps, chosen by [`dlock_core::Hints::atomic_enqueue_removing`]:
+//! Curator's (add the lease, list, wait with the lease in place, then release the mutex),
+//! and, where adding an entry and removing another is one atomic request (ZooKeeper's
+//! `multi`), list first, then add the lease and release the mutex in that one request
+//! once a permit is free: one synced write less on the mutex's critical path, and the
+//! lease exists only if the mutex entry still did. Both keep "at most `permits` leases
+//! are held" because both add leases only under the mutex.
 
 use std::time::Duration;
 
@@ -243,7 +252,8 @@ impl<B: Backend + ?Sized> Semaphore<B> {
             w,
         )
         .await?;
-        let inner_guard = RemoveInner {
+        let mut lost = backend.lost(&locks, &inner);
+        let mut inner_guard = RemoveInner {
             backend: backend.clone(),
             q: locks.clone(),
             entry: Some(inner),
@@ -251,26 +261,65 @@ impl<B: Backend + ?Sized> Semaphore<B> {
         let ticket = Ticket::new();
         let cleanup = AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone());
         let attempt = async {
-            let enq = backend
-                .enqueue(
-                    &leases,
-                    &ticket,
-                    EntryKind::Lease,
-                    Position::Tail,
-                    &self.client.data,
-                )
-                .await?;
-            let mine = enq.mine;
-            let mut seen = enq.queue;
-            let mut lost = backend.lost(&leases, &mine);
-            loop {
-                if !seen.iter().any(|e| e.name == mine.name) {
-                    return Err(Error::LockLost(format!(
-                        "lease {} vanished from {leases}",
-                        mine.name
-                    )));
+            // While this contender holds the internal mutex nobody else adds a lease, so
+            // the lease set can only shrink: one listing tells whether a permit is free,
+            // and a change reported after it means one is. Where the backend can, the
+            // lease is then created and the mutex handed on in one atomic step (one
+            // synced write on ZooKeeper), without a lease that has to wait.
+            if !backend.hints().atomic_enqueue_removing {
+                // Curator's order: add the lease, then look; wait with it in place.
+                let enq = backend
+                    .enqueue(
+                        &leases,
+                        &ticket,
+                        EntryKind::Lease,
+                        Position::Tail,
+                        &self.client.data,
+                    )
+                    .await?;
+                let mine = enq.mine;
+                let mut seen = enq.queue;
+                loop {
+                    if !seen.iter().any(|e| e.name == mine.name) {
+                        return Err(Error::LockLost(format!(
+                            "lease {} vanished from {leases}",
+                            mine.name
+                        )));
+                    }
+                    if lease_granted(seen.len(), max) {
+                        return Ok(mine);
+                    }
+                    if matches!(w, Wait::No) {
+                        return Err(Error::WouldBlock);
+                    }
+                    tokio::select! {
+                        r = backend.wait_changed(&leases, &seen) => r?,
+                        e = &mut lost => return Err(e),
+                    }
+                    seen = backend.queue(&leases).await?;
                 }
-                if lease_granted(seen.len(), max) {
+            }
+            let mut seen = backend.queue(&leases).await?;
+            loop {
+                if lease_granted(seen.len() + 1, max) {
+                    let Some(inner) = inner_guard.entry.as_ref() else {
+                        return Err(Error::LockLost(format!(
+                            "the internal mutex of {} was released while taking a lease",
+                            self.name
+                        )));
+                    };
+                    let mine = backend
+                        .enqueue_removing(
+                            &leases,
+                            &ticket,
+                            EntryKind::Lease,
+                            &self.client.data,
+                            &locks,
+                            inner,
+                        )
+                        .await?;
+                    // The mutex entry went with the lease's creation.
+                    inner_guard.entry = None;
                     return Ok(mine);
                 }
                 if matches!(w, Wait::No) {
@@ -280,7 +329,13 @@ impl<B: Backend + ?Sized> Semaphore<B> {
                     r = backend.wait_changed(&leases, &seen) => r?,
                     e = &mut lost => return Err(e),
                 }
-                seen = backend.queue(&leases).await?;
+                if lease_granted(seen.len(), max) {
+                    // At least one of the `seen` leases went and none came, so a permit
+                    // is free whichever it was: only the count matters from here on.
+                    seen.pop();
+                } else {
+                    seen = backend.queue(&leases).await?;
+                }
             }
         };
         let result = queue::within(w, attempt).await;

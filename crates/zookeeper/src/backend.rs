@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use dlock_core::entry::{format_seq, sort_queue};
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, FencingToken, NameRules, Position, QueuePath,
-    Result, SessionOptions, Ticket,
+    Backend, Enqueued, Entry, EntryKind, Error, FencingToken, Hints, NameRules, Position,
+    QueuePath, Result, SessionOptions, Ticket,
 };
 use futures::future::BoxFuture;
 use tracing::Instrument;
@@ -310,6 +310,101 @@ impl ZkBackend {
         ))
     }
 
+    /// Creates an entry at the tail of `q` and deletes `gone` from `gone_q` in one
+    /// `multi`: one synced write, atomic, so after a lost reply either both happened
+    /// (the entry is found by its ticket) or neither.
+    #[allow(clippy::too_many_arguments)]
+    async fn enqueue_removing_inner(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        data: &[u8],
+        gone_q: &QueuePath,
+        gone: &Entry,
+    ) -> Result<Entry> {
+        let client = self.handle()?;
+        let parent = znode(q);
+        let path = format!("{parent}/{}", ticket.name_prefix(kind));
+        let gone_path = format!("{}/{}", znode(gone_q), gone.name);
+        let options = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+        let mut maybe_done = false;
+        for _ in 0..MAX_ENQUEUE_ATTEMPTS {
+            if std::mem::take(&mut maybe_done) {
+                if let Some((stat, mine)) = self.find_own(&client, &parent, ticket, kind).await? {
+                    return entry_with_stat(mine, &stat, data);
+                }
+            }
+            let mut multi = client.new_multi_writer();
+            multi
+                .add_create(&path, data, &options)
+                .and_then(|()| multi.add_delete(&gone_path, None))
+                .map_err(|e| map_err("enqueue_removing: building the multi", e))?;
+            match multi.commit().await {
+                Ok(results) => {
+                    let Some(zk::MultiWriteResult::Create {
+                        path: created,
+                        stat,
+                    }) = results.into_iter().next()
+                    else {
+                        return Err(Error::backend(
+                            "enqueue_removing",
+                            "the server's multi reply has no create result",
+                        ));
+                    };
+                    let mine = created.rsplit('/').next().unwrap_or(&created).to_owned();
+                    // ZooKeeper before 3.9 answers a create inside a multi without its stat
+                    // (ZOOKEEPER-4026); the token is the czxid, so read it.
+                    let stat = if stat.is_invalid() {
+                        let own = format!("{parent}/{mine}");
+                        match retry(|| client.check_stat(&own)).await {
+                            Ok(Some(stat)) => stat,
+                            Ok(None) => {
+                                return Err(Error::LockLost(format!(
+                                    "entry {own} vanished right after it was created"
+                                )))
+                            }
+                            Err(err) => {
+                                return Err(map_err("enqueue_removing: reading the entry", err))
+                            }
+                        }
+                    } else {
+                        stat
+                    };
+                    return entry_with_stat(mine, &stat, data);
+                }
+                Err(zk::MultiWriteError::OperationFailed {
+                    index: 0,
+                    source: zk::Error::NoNode,
+                }) => {
+                    self.make_parent(&client, &parent).await?;
+                }
+                Err(zk::MultiWriteError::OperationFailed {
+                    index: 1,
+                    source: zk::Error::NoNode,
+                }) => {
+                    return Err(Error::LockLost(format!(
+                        "held entry {gone_path} vanished before it was handed on"
+                    )))
+                }
+                Err(zk::MultiWriteError::RequestFailed { source })
+                    if is_connection_loss(&source) =>
+                {
+                    tracing::debug!(err = %source, "connection lost during the multi; looking for the entry");
+                    maybe_done = true;
+                }
+                Err(err) => return Err(map_err("enqueue_removing", err.into())),
+            }
+        }
+        Err(Error::backend(
+            "enqueue_removing",
+            format!(
+                "gave up after {MAX_ENQUEUE_ATTEMPTS} attempts: the queue's parent kept \
+                 vanishing or the connection kept dropping"
+            ),
+        ))
+    }
+
     /// Creates `parent` and its ancestors as container nodes, as Curator's
     /// `creatingParentContainersIfNeeded` does, so the server reaps them once empty.
     async fn make_parent(&self, client: &zk::Client, parent: &str) -> Result<()> {
@@ -398,6 +493,10 @@ impl ZkBackend {
                     let event = watcher.changed().await;
                     if event.event_type == zk::EventType::Session {
                         session_event_result(event.session_state)?;
+                    } else {
+                        // The children changed after a listing equal to `seen`: report it
+                        // without listing again (the caller knows what changes can happen).
+                        return Ok(());
                     }
                 }
                 Err(zk::Error::NoNode) => {
@@ -554,6 +653,12 @@ impl Backend for ZkBackend {
         self.session_timeout
     }
 
+    fn hints(&self) -> Hints {
+        // A listing queues behind pending synced writes on the server, so a handoff that
+        // needs none is faster; `enqueue_removing` is one multi.
+        Hints::new(true, true)
+    }
+
     fn enqueue<'a>(
         &'a self,
         q: &'a QueuePath,
@@ -576,6 +681,31 @@ impl Backend for ZkBackend {
                         "enqueued"
                     ),
                     Err(err) => tracing::debug!(%err, "enqueue failed"),
+                }
+                result
+            }
+            .instrument(span),
+        )
+    }
+
+    fn enqueue_removing<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        data: &'a [u8],
+        gone_q: &'a QueuePath,
+        gone: &'a Entry,
+    ) -> BoxFuture<'a, Result<Entry>> {
+        let span = tracing::debug_span!("zk.enqueue_removing", queue = %q, %kind, ticket = ticket.as_str(), gone = %gone.name);
+        Box::pin(
+            async move {
+                let result = self
+                    .guarded(self.enqueue_removing_inner(q, ticket, kind, data, gone_q, gone))
+                    .await;
+                match &result {
+                    Ok(mine) => tracing::debug!(entry = %mine.name, "enqueued, handed on"),
+                    Err(err) => tracing::debug!(%err, "enqueue_removing failed"),
                 }
                 result
             }
@@ -736,6 +866,20 @@ fn build_enqueued(
     stat: &zk::Stat,
     data: &[u8],
 ) -> Result<Enqueued> {
+    let me = entry_with_stat(mine, stat, data)?;
+    let mut queue = parse_queue(names);
+    match queue.iter_mut().find(|e| e.name == me.name) {
+        Some(slot) => *slot = me.clone(),
+        None => {
+            queue.push(me.clone());
+            sort_queue(&mut queue);
+        }
+    }
+    Ok(Enqueued { mine: me, queue })
+}
+
+/// The entry this session created as `mine`, with its token (the czxid) and payload.
+fn entry_with_stat(mine: String, stat: &zk::Stat, data: &[u8]) -> Result<Entry> {
     let czxid = u64::try_from(stat.czxid).map_err(|_| {
         Error::backend(
             "enqueue",
@@ -751,15 +895,7 @@ fn build_enqueued(
     me.token = Some(FencingToken::new(czxid));
     me.created_ms = Some(stat.ctime);
     me.data = data.to_vec();
-    let mut queue = parse_queue(names);
-    match queue.iter_mut().find(|e| e.name == me.name) {
-        Some(slot) => *slot = me.clone(),
-        None => {
-            queue.push(me.clone());
-            sort_queue(&mut queue);
-        }
-    }
-    Ok(Enqueued { mine: me, queue })
+    Ok(me)
 }
 
 /// The result of a watch that fired with a session event instead of a node event:

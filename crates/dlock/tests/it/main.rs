@@ -129,7 +129,7 @@ zk_only! {
     shared no_herd_readers_behind_writer => crate::zk_herd::readers_behind_writer,
     shared container_parents_are_reaped => crate::zk_scenarios::container_parents_are_reaped,
     shared semaphore_interrupted_acquire_leaves_no_orphans => crate::zk_scenarios::semaphore_interrupted_acquire_leaves_no_orphans,
-    shared semaphore_deleted_lease_is_a_typed_error => crate::zk_scenarios::semaphore_deleted_lease_is_a_typed_error,
+    shared semaphore_deleted_internal_lock_is_a_typed_error => crate::zk_scenarios::semaphore_deleted_internal_lock_is_a_typed_error,
     shared guard_lost_fires_on_session_expiry => crate::zk_faults::guard_lost_fires_on_session_expiry,
     shared cli_sigstop_past_session_exits_70 => crate::zk_faults::cli_sigstop_past_session_exits_70,
     shared revoke_between_dlock_clients => crate::zk_revoke::revoke_between_dlock_clients,

@@ -60,6 +60,9 @@ impl Backend for Counting {
     fn session_timeout(&self) -> Duration {
         self.inner.session_timeout()
     }
+    fn hints(&self) -> dlock::core::Hints {
+        self.inner.hints()
+    }
     fn enqueue<'a>(
         &'a self,
         q: &'a QueuePath,
@@ -69,6 +72,18 @@ impl Backend for Counting {
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<Enqueued>> {
         self.inner.enqueue(q, ticket, kind, at, data)
+    }
+    fn enqueue_removing<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        data: &'a [u8],
+        gone_q: &'a QueuePath,
+        gone: &'a Entry,
+    ) -> BoxFuture<'a, Result<Entry>> {
+        self.inner
+            .enqueue_removing(q, ticket, kind, data, gone_q, gone)
     }
     fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         self.queue_calls.fetch_add(1, Ordering::SeqCst);
@@ -197,10 +212,13 @@ fn total_woken(ws: &[Waiter]) -> usize {
         .sum()
 }
 
-/// 50 waiters queue on one mutex behind a holder. Each release wakes exactly one
-/// waiter, the next in line: after the k-th release exactly k waiters have been woken,
-/// and at the end every waiter armed exactly one watch, was woken once and re-read the
-/// queue once (a herd would wake every waiter on every release: 1 275 wake-ups).
+/// 50 waiters queue on one mutex behind a holder. Each release wakes at most two
+/// waiters: the next in line, which then holds without listing the queue, and the one
+/// after it, which lists the queue while the next one holds (so its own turn needs no
+/// listing either). After the k-th release at most 2k waiters have been woken, and at the
+/// end every waiter armed at most two watches, was woken at most twice and listed the
+/// queue at most once; the first waiter, with only the holder ahead, never listed it (a
+/// herd would wake every waiter on every release: 1 275 wake-ups).
 pub async fn mutex_queue_of_50(url: &str) {
     const N: usize = 50;
     let name = unique("herd");
@@ -220,11 +238,12 @@ pub async fn mutex_queue_of_50(url: &str) {
             .expect("the queue stalled")
             .expect("waiters alive");
         assert_eq!(next, k, "FIFO: waiter {k} must be next");
-        assert_eq!(
-            total_woken(&ws),
+        let woken = total_woken(&ws);
+        assert!(
+            (k + 1..=2 * (k + 1)).contains(&woken),
+            "after release {k}, {woken} wake-ups: between {} and {} expected",
             k + 1,
-            "after release {k}, exactly {} waiters may have been woken",
-            k + 1
+            2 * (k + 1)
         );
         if let Some(r) = ws[k].release.take() {
             let _ = r.send(());
@@ -233,10 +252,18 @@ pub async fn mutex_queue_of_50(url: &str) {
     for (i, w) in ws.iter_mut().enumerate() {
         (&mut w.task).await.expect("waiter task");
         let (queue, begun, done, changed) = w.counts.snapshot();
+        // Waiter 0 had only the holder ahead: its listing answered the handoff. The
+        // others listed once, when the entry two ahead went (the exact split between
+        // their two watches depends on which notification came first).
+        let limits = if i == 0 { (1, 1, 0) } else { (2, 2, 1) };
+        assert!(
+            begun >= 1 && begun <= limits.0 && done >= 1 && done <= limits.1,
+            "waiter {i}: {begun} watches armed, {done} wake-ups"
+        );
         assert_eq!(
-            (begun, done, queue, changed),
-            (1, 1, 1, 0),
-            "waiter {i}: watches armed, wake-ups, queue re-reads, lease waits"
+            (queue, changed),
+            (limits.2, 0),
+            "waiter {i}: queue re-reads, lease waits"
         );
     }
     assert!(
@@ -280,7 +307,7 @@ pub async fn readers_behind_writer(url: &str) {
     for (i, w) in ws.iter().enumerate() {
         let (queue, begun, done, _) = w.counts.snapshot();
         if i < 10 {
-            assert_eq!((begun, done, queue), (1, 1, 1), "reader {i}");
+            assert_eq!((begun, done, queue), (1, 1, 0), "reader {i}");
         } else {
             assert_eq!(
                 (done, queue),
@@ -325,10 +352,15 @@ pub async fn readers_behind_writer(url: &str) {
     }
     for (i, w) in ws.iter().enumerate() {
         let (queue, begun, done, changed) = w.counts.snapshot();
+        // The first readers decide from their listing (one writer ahead). The writer
+        // re-reads once: a write stood ahead of it, and that write's holder could have
+        // put a downgrade read ahead. The late readers' listing still named the first
+        // writer too, so they list once more.
+        let rereads = usize::from(i >= 10);
         assert_eq!(
             (begun, done, queue, changed),
-            (1, 1, 1, 0),
-            "waiter {i}: one watch, one wake-up, one re-read"
+            (1, 1, rereads, 0),
+            "waiter {i}: one watch, one wake-up, {rereads} re-reads"
         );
     }
     assert!(

@@ -85,10 +85,10 @@ pub async fn container_parents_are_reaped(url: &str) {
     c.close().await.expect("close");
 }
 
-/// A semaphore of one permit is held; one waiter holds the internal lock and has its
-/// lease node, a second waits on the internal lock. Both acquires are dropped (task
-/// aborted): their lease and lock nodes go, the holder's stays, and the semaphore keeps
-/// working.
+/// A semaphore of one permit is held; one waiter holds the internal lock (it adds its
+/// lease only once a permit is free, so it has none yet), a second waits on the internal
+/// lock. Both acquires are dropped (task aborted): their lock nodes go, the holder's
+/// lease stays, and the semaphore keeps working.
 pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
     let name = unique("sem-interrupt");
     let (c, _b, _) = zk_client(url, Kind::Zk.session_timeout()).await;
@@ -100,13 +100,13 @@ pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
     );
     let w1 = tokio::spawn(async move { s1.acquire(None).await });
     assert!(
-        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (2, 1) }).await,
-        "first waiter never reached its lease wait: {:?}",
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 1) }).await,
+        "first waiter never took the internal lock: {:?}",
         sem_counts(&c, &name).await
     );
     let w2 = tokio::spawn(async move { s2.acquire(None).await });
     assert!(
-        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (2, 2) }).await,
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 2) }).await,
         "second waiter never queued on the internal lock: {:?}",
         sem_counts(&c, &name).await
     );
@@ -129,10 +129,12 @@ pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
     c.close().await.expect("close");
 }
 
-/// A waiter's lease node is deleted by someone else while it waits for a permit.
-/// Curator retries the acquire; dlock reports it as a typed error ([`Error::LockLost`])
-/// instead of hanging, and leaves nothing behind: no internal-lock node, no lease.
-pub async fn semaphore_deleted_lease_is_a_typed_error(url: &str) {
+/// A waiter's internal-lock node is deleted by someone else while it waits for a
+/// permit. The waiter adds its lease and removes that node in one ZooKeeper `multi`, so
+/// once the permit frees up the multi fails as a whole: dlock reports a typed error
+/// ([`Error::LockLost`]) instead of taking a permit without holding the internal lock,
+/// and leaves nothing behind: no internal-lock node, no lease.
+pub async fn semaphore_deleted_internal_lock_is_a_typed_error(url: &str) {
     let name = unique("sem-deleted");
     let (c, _b, raw) = zk_client(url, Kind::Zk.session_timeout()).await;
     let sem = c.semaphore(&name, 1).expect("name");
@@ -140,29 +142,29 @@ pub async fn semaphore_deleted_lease_is_a_typed_error(url: &str) {
     let s1 = c.semaphore(&name, 1).expect("name");
     let waiter = tokio::spawn(async move { s1.acquire(Some(GENEROUS)).await });
     assert!(
-        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (2, 1) }).await,
-        "the waiter never reached its lease wait"
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 1) }).await,
+        "the waiter never took the internal lock"
     );
     let victim = c
         .participants(&name)
         .await
         .expect("participants")
         .into_iter()
-        .find(|p| p.queue == "leases" && p.entry.name != held.entry().name)
-        .expect("the waiter's lease");
-    raw.delete(&format!("/{name}/leases/{}", victim.entry.name), None)
+        .find(|p| p.queue == "locks")
+        .expect("the waiter's internal-lock entry");
+    raw.delete(&format!("/{name}/locks/{}", victim.entry.name), None)
         .await
-        .expect("delete the waiter's lease");
+        .expect("delete the waiter's internal-lock entry");
+    held.release().await.expect("release");
     match waiter.await.expect("task") {
         Err(Error::LockLost(_)) => {}
-        other => panic!("expected LockLost for a deleted lease, got {other:?}"),
+        other => panic!("expected LockLost for a deleted internal-lock entry, got {other:?}"),
     }
     assert!(
-        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 0) }).await,
+        eventually(GENEROUS, || async { sem_counts(&c, &name).await == (0, 0) }).await,
         "orphaned nodes: {:?}",
         sem_counts(&c, &name).await
     );
-    held.release().await.expect("release");
     let mut again = sem.acquire(Some(GENEROUS)).await.expect("still works");
     again.release().await.expect("release");
     assert!(
