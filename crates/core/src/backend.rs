@@ -179,6 +179,19 @@ pub trait Backend: Send + Sync + 'static {
         self.queue(q)
     }
 
+    /// True if this backend's queues grow only at the tail: an entry added to a queue
+    /// after a view of it was read ([`Backend::enqueue`], [`Backend::queue`]) sorts behind
+    /// every entry of that view, except a read entry placed [`Position::Beside`] one. A
+    /// waiter woken by the removal of the entry it watched may then decide on the view
+    /// it already has ([`crate::driver::granted_after_gone`]) instead of reading the
+    /// queue again, so a handoff costs the holder's removal and nothing else.
+    ///
+    /// The default, `false`, makes every woken waiter read the queue: correct on any
+    /// backend.
+    fn queue_grows_at_tail(&self) -> bool {
+        false
+    }
+
     /// Closes the session: every entry on it goes at once. Idempotent.
     fn close(&self) -> BoxFuture<'_, Result<()>>;
 }
