@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::driver::{decide, Decision};
+use dlock_core::driver::{decide, granted_after_gone, Decision};
 use dlock_core::{Backend, Entry, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use futures::FutureExt as _;
 use tokio::time::Instant;
 
 /// How long an acquire may wait.
@@ -148,6 +149,7 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
         let mine = enq.mine;
         let mut queue = enq.queue;
         let mut lost = backend.lost(q, &mine);
+        let grows_at_tail = backend.queue_grows_at_tail();
         loop {
             let blocker = match decide(&queue, &mine.name) {
                 Decision::Acquired => return Ok(mine),
@@ -166,6 +168,15 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
             tokio::select! {
                 r = backend.wait_gone(q, &blocker) => r?,
                 e = &mut lost => return Err(e),
+            }
+            // On a backend whose queues only grow at the tail, the view already read says
+            // whether the entry that went was the last one in the way: a handoff then
+            // costs no read at all (S1: constant server work per release).
+            if grows_at_tail && granted_after_gone(&queue, &mine.name, &blocker.name) {
+                if let Some(e) = (&mut lost).now_or_never() {
+                    return Err(e);
+                }
+                return Ok(mine);
             }
             queue = backend.queue(q).await?;
         }
