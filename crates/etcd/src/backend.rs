@@ -232,6 +232,12 @@ impl EtcdBackend {
         self.session.lock().id()
     }
 
+    /// How many watch streams this client has opened: one for all its waits, unless a
+    /// stream broke and was re-opened. For tests and diagnostics.
+    pub fn watch_streams_opened(&self) -> u64 {
+        self.watches.opened()
+    }
+
     /// The current session, granting a new lease if the last one was lost.
     async fn live_session(&self) -> Result<Arc<Session>> {
         if self.closed.load(Ordering::Acquire) {

@@ -70,6 +70,8 @@ pub(crate) struct Watches {
     client: WatchClient,
     request_timeout: Duration,
     current: parking_lot::Mutex<Option<Arc<Mux>>>,
+    /// How many streams were opened.
+    opened: std::sync::atomic::AtomicU64,
     /// Serialises opening a stream, so concurrent first watches share one.
     opening: tokio::sync::Mutex<()>,
 }
@@ -87,6 +89,7 @@ impl Watches {
             client,
             request_timeout,
             current: parking_lot::Mutex::new(None),
+            opened: std::sync::atomic::AtomicU64::new(0),
             opening: tokio::sync::Mutex::new(()),
         }
     }
@@ -130,6 +133,7 @@ impl Watches {
             }
             let Some(t) = tx.take() else { break };
             let mux = self.open(key, opts.clone(), t).await?;
+            self.opened.fetch_add(1, Ordering::Relaxed);
             *self.current.lock() = Some(mux.clone());
             return Ok(Watch { rx, mux, id: None });
         }
@@ -170,6 +174,11 @@ impl Watches {
         tokio::spawn(read_loop(responses, shared.clone(), cmds.downgrade()).instrument(span));
         tracing::debug!("shared watch stream opened");
         Ok(Arc::new(Mux { shared, cmds }))
+    }
+
+    /// How many watch streams were opened so far.
+    pub(crate) fn opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
     }
 
     /// Drops the current stream; watches on it end once their handles are dropped.
