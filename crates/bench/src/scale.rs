@@ -118,7 +118,20 @@ pub async fn waiters(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let before = counter.read().await?;
+    // Every waiter is queued, but some may still be arming their wait (a watch and its
+    // first reads): let the server's counter settle, so what follows counts the handoffs
+    // only. Reading the counter may count itself once (Redis INFO).
+    let mut before = counter.read().await?;
+    let settle_by = Instant::now() + Duration::from_secs(10);
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = counter.read().await?;
+        let settled = now.saturating_sub(before) <= 2;
+        before = now;
+        if settled || Instant::now() > settle_by {
+            break;
+        }
+    }
     let t = Instant::now();
     held.release()
         .await

@@ -680,6 +680,326 @@ mod tests {
         }
     }
 
+    /// The listing-free handoff decision as [`Snapshot`] makes it: a waiter whose view is
+    /// `queue` learns that `gone`, an entry ahead of it, left.
+    fn granted_after_gone(queue: &[Entry], mine: &str, gone: &str) -> bool {
+        let Some(idx) = queue.iter().position(|e| e.name == mine) else {
+            return false;
+        };
+        if !queue[..idx].iter().any(|e| e.name == gone) {
+            return false;
+        }
+        Snapshot::new(queue.to_vec(), mine).without(gone, mine)
+    }
+
+    #[test]
+    fn granted_after_gone_cases() {
+        let q = vec![
+            entry(EntryKind::Lock, 1),
+            entry(EntryKind::Lock, 2),
+            entry(EntryKind::Lock, 3),
+        ];
+        // The only one ahead left: held, no re-read.
+        assert!(granted_after_gone(&q[1..], &q[2].name, &q[1].name));
+        // Someone else is still ahead: re-read.
+        assert!(!granted_after_gone(&q, &q[2].name, &q[1].name));
+        // `gone` was not ahead of mine, or mine is not in the view: re-read.
+        assert!(!granted_after_gone(&q[1..], &q[1].name, &q[2].name));
+        assert!(!granted_after_gone(&q[1..], "nope", &q[1].name));
+
+        // A writer waits behind a writer. The holder downgrades (a read beside its write),
+        // then releases the write: the read now blocks the waiting writer, although the
+        // waiter's view never listed it. So a write ahead always means a re-read.
+        let w = vec![entry(EntryKind::Write, 1), entry(EntryKind::Write, 2)];
+        assert!(!granted_after_gone(&w, &w[1].name, &w[0].name));
+        // A reader behind that writer is let in: a read beside it never conflicts.
+        let r = vec![entry(EntryKind::Write, 1), entry(EntryKind::Read, 2)];
+        assert!(granted_after_gone(&r, &r[1].name, &r[0].name));
+        // A reader with a second writer ahead keeps waiting.
+        let r2 = vec![
+            entry(EntryKind::Write, 1),
+            entry(EntryKind::Write, 2),
+            entry(EntryKind::Read, 3),
+        ];
+        assert!(!granted_after_gone(&r2, &r2[2].name, &r2[1].name));
+        // Readers ahead of a reader never matter.
+        let r3 = vec![
+            entry(EntryKind::Read, 1),
+            entry(EntryKind::Write, 2),
+            entry(EntryKind::Read, 3),
+        ];
+        assert!(granted_after_gone(&r3, &r3[2].name, &r3[1].name));
+    }
+
+    /// The acquire loop of a backend whose queues grow at the tail, with wake-ups
+    /// delivered late: a waiter keeps the queue view it last read; a removal only marks
+    /// the waiters watching the removed entry as woken, and each woken waiter runs later,
+    /// after any other steps, deciding with [`granted_after_gone`] on its old view or
+    /// reading the queue afresh when that says no. Write holders may downgrade (a read
+    /// beside their write), the one way an entry joins ahead of earlier waiters.
+    #[derive(Default)]
+    struct ViewSim {
+        queue: Vec<Entry>,
+        next_seq: u64,
+        /// Waiters: name -> (watched name, the view it decided on).
+        waiting: HashMap<String, (String, Vec<Entry>)>,
+        /// Woken waiters not yet run: name -> (the entry that went, its old view).
+        woken: Vec<(String, String, Vec<Entry>)>,
+        held: Vec<String>,
+        /// Write holders that already placed a read beside their write.
+        downgraded: Vec<String>,
+        rereads: usize,
+        skips: usize,
+    }
+
+    #[derive(Debug, Clone)]
+    enum ViewStep {
+        Add(EntryKind),
+        Release(usize),
+        Cancel(usize),
+        Downgrade(usize),
+        RunWoken(usize),
+    }
+
+    fn view_step() -> impl Strategy<Value = ViewStep> {
+        prop_oneof![
+            3 => prop_oneof![Just(EntryKind::Lock), Just(EntryKind::Read), Just(EntryKind::Write)]
+                .prop_map(ViewStep::Add),
+            3 => any::<usize>().prop_map(ViewStep::Release),
+            1 => any::<usize>().prop_map(ViewStep::Cancel),
+            1 => any::<usize>().prop_map(ViewStep::Downgrade),
+            3 => any::<usize>().prop_map(ViewStep::RunWoken),
+        ]
+    }
+
+    impl ViewSim {
+        /// Decides on a fresh view of the queue (after an enqueue or a re-read).
+        fn decide_fresh(&mut self, name: &str) {
+            let view = self.queue.clone();
+            match decide(&view, name) {
+                Decision::Acquired => self.held.push(name.to_owned()),
+                Decision::Wait(b) => {
+                    let b = b.name.clone();
+                    self.waiting.insert(name.to_owned(), (b, view));
+                }
+                Decision::Missing => unreachable!("only queued entries decide"),
+            }
+        }
+
+        fn add(&mut self, e: Entry) {
+            let name = e.name.clone();
+            self.queue.push(e);
+            sort_queue(&mut self.queue);
+            self.decide_fresh(&name);
+        }
+
+        fn remove(&mut self, name: &str) {
+            self.queue.retain(|e| e.name != name);
+            self.held.retain(|h| h != name);
+            self.waiting.remove(name);
+            self.woken.retain(|(w, _, _)| w != name);
+            let hit: Vec<String> = self
+                .waiting
+                .iter()
+                .filter(|(_, (watched, _))| watched == name)
+                .map(|(w, _)| w.clone())
+                .collect();
+            for w in hit {
+                if let Some((_, view)) = self.waiting.remove(&w) {
+                    self.woken.push((w, name.to_owned(), view));
+                }
+            }
+        }
+
+        fn run_woken(&mut self, i: usize) {
+            if self.woken.is_empty() {
+                return;
+            }
+            let (w, gone, view) = self.woken.remove(i % self.woken.len());
+            if granted_after_gone(&view, &w, &gone) {
+                self.skips += 1;
+                self.held.push(w);
+            } else {
+                self.rereads += 1;
+                self.decide_fresh(&w);
+            }
+        }
+
+        fn downgrade(&mut self, i: usize) {
+            let writers: Vec<Entry> = self
+                .queue
+                .iter()
+                .filter(|e| {
+                    e.kind == EntryKind::Write
+                        && self.held.contains(&e.name)
+                        && !self.downgraded.contains(&e.name)
+                })
+                .cloned()
+                .collect();
+            if writers.is_empty() {
+                return;
+            }
+            let w = &writers[i % writers.len()];
+            self.downgraded.push(w.name.clone());
+            let mut r = entry(EntryKind::Read, w.seq);
+            r.name = format!("{}-beside", w.name);
+            self.add(r);
+        }
+
+        fn check(&self) -> Result<(), TestCaseError> {
+            // Nobody believes it holds unless a fresh decision agrees: a skipped re-read
+            // never lets anyone in early.
+            let truth: Vec<&str> = holders(&self.queue)
+                .iter()
+                .map(|e| e.name.as_str())
+                .collect();
+            for h in &self.held {
+                prop_assert!(
+                    truth.contains(&h.as_str()),
+                    "{} believes it holds; queue {:?}",
+                    h,
+                    self.queue
+                );
+            }
+            // Mutual exclusion, a downgrade's read beside its own write excepted.
+            let held: Vec<&Entry> = self
+                .queue
+                .iter()
+                .filter(|e| self.held.contains(&e.name))
+                .collect();
+            for a in &held {
+                for b in &held {
+                    if a.name != b.name && (a.kind.is_exclusive() || b.kind.is_exclusive()) {
+                        prop_assert_eq!(a.seq, b.seq, "{:?} and {:?} hold together", a, b);
+                    }
+                }
+            }
+            // A waiter watches an entry ahead of it that is still queued or whose
+            // removal woke it.
+            for (w, (watched, _)) in &self.waiting {
+                let wi = self.queue.iter().position(|e| &e.name == w);
+                let ti = self.queue.iter().position(|e| &e.name == watched);
+                prop_assert!(
+                    matches!((ti, wi), (Some(t), Some(i)) if t < i),
+                    "{} watches {}",
+                    w,
+                    watched
+                );
+            }
+            Ok(())
+        }
+
+        /// With no wake-up pending, what everyone believes is exactly the truth.
+        fn check_quiet(&self) -> Result<(), TestCaseError> {
+            let mut truth: Vec<String> = holders(&self.queue)
+                .iter()
+                .map(|e| e.name.clone())
+                .collect();
+            truth.sort();
+            let mut believed = self.held.clone();
+            believed.sort();
+            prop_assert_eq!(truth, believed);
+            Ok(())
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn skipping_the_reread_never_grants_early(steps in prop::collection::vec(view_step(), 1..100)) {
+            let mut sim = ViewSim::default();
+            for s in steps {
+                match s {
+                    ViewStep::Add(kind) => {
+                        let e = entry(kind, sim.next_seq);
+                        sim.next_seq += 1;
+                        sim.add(e);
+                    }
+                    ViewStep::Release(i) => {
+                        if !sim.held.is_empty() {
+                            let n = sim.held[i % sim.held.len()].clone();
+                            sim.remove(&n);
+                        }
+                    }
+                    ViewStep::Cancel(i) => {
+                        let mut w: Vec<String> = sim.waiting.keys().cloned().collect();
+                        if !w.is_empty() {
+                            w.sort();
+                            let n = w[i % w.len()].clone();
+                            sim.remove(&n);
+                        }
+                    }
+                    ViewStep::Downgrade(i) => sim.downgrade(i),
+                    ViewStep::RunWoken(i) => sim.run_woken(i),
+                }
+                sim.check()?;
+            }
+            // Drain: run every pending wake-up, then release holders until empty.
+            let mut rounds = 0;
+            loop {
+                while !sim.woken.is_empty() {
+                    sim.run_woken(0);
+                    sim.check()?;
+                }
+                sim.check_quiet()?;
+                if sim.queue.is_empty() {
+                    break;
+                }
+                prop_assert!(!sim.held.is_empty(), "queue non-empty but nobody holds: deadlock");
+                let h = sim.held[0].clone();
+                sim.remove(&h);
+                sim.check()?;
+                rounds += 1;
+                prop_assert!(rounds < 1000);
+            }
+        }
+
+        #[test]
+        fn handoff_to_the_only_waiter_needs_no_reread(n in 1usize..60) {
+            // The case the skip exists for: each waiter queues behind the holder alone
+            // (two contenders taking turns), so the holder's release lets it in with no
+            // read of the queue.
+            let mut sim = ViewSim::default();
+            for i in 0..n {
+                let e = entry(EntryKind::Lock, sim.next_seq);
+                sim.next_seq += 1;
+                sim.add(e);
+                if i > 0 {
+                    let h = sim.held[0].clone();
+                    sim.remove(&h);
+                    sim.run_woken(0);
+                    sim.check()?;
+                    sim.check_quiet()?;
+                }
+            }
+            prop_assert_eq!(sim.rereads, 0);
+            prop_assert_eq!(sim.skips, n - 1);
+        }
+
+        #[test]
+        fn a_stale_view_rereads_once_per_handoff(n in 2usize..60) {
+            // Everyone queued at once: each view lists every earlier entry, so the skip
+            // never applies and each handoff costs exactly one re-read, as before.
+            let mut sim = ViewSim::default();
+            for _ in 0..n {
+                let e = entry(EntryKind::Lock, sim.next_seq);
+                sim.next_seq += 1;
+                sim.add(e);
+            }
+            while !sim.queue.is_empty() {
+                prop_assert_eq!(sim.held.len(), 1);
+                let h = sim.held[0].clone();
+                sim.remove(&h);
+                sim.run_woken(0);
+                sim.check()?;
+            }
+            // The second waiter's view held only the first: it skips.
+            prop_assert_eq!(sim.skips, 1);
+            prop_assert_eq!(sim.rereads, n - 2);
+        }
+    }
+
     mod fuzz {
         use super::*;
         use crate::entry::{format_seq, sort_queue, Ticket};

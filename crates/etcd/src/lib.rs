@@ -62,11 +62,24 @@
 //! The server serves such an *unsynced* watcher from a loop that runs every 100 ms, so
 //! under contention etcd's lock hands off about ten times a second per waiter chain. dlock
 //! opens its watch from "now" (no start revision), which the server treats as synced and
-//! notifies as each delete commits, and reads the predecessor's key in the same round
-//! trip; if that read saw the store before the watch started, it reads again, so no delete
-//! is missed. A watch from now is still unsynced if a write lands while the server
-//! registers it; for that rare case the waiter re-reads its predecessor's key every 25 ms
-//! during the watch's first 130 ms instead of waiting for the server's loop.
+//! notifies as each delete commits, and then reads the predecessor's key at or after the
+//! revision the watch starts after, so no delete is missed. A watch from now is still
+//! unsynced if a write lands while the server registers it; unless the read proves
+//! nothing was written since (one endpoint, same revision), the waiter re-reads its
+//! predecessor's key 25 and 50 ms after arming the watch instead of waiting for the
+//! server's loop (about 1 % of watches under contention; without the re-reads they
+//! stall for up to 100 ms).
+//!
+//! Every watch of a client shares one watch stream (a create and a cancel are one
+//! message each), and create revisions only grow, so the entries ahead of a waiter can
+//! only leave: a waiter whose predecessor was the last one in its way holds the lock as
+//! soon as the delete is reported, with no further read
+//! ([`dlock_core::driver::Snapshot`]). A handoff costs the holder's delete
+//! and one watch event, however long the queue.
+//!
+//! One client keeps at most 64 requests in flight; the rest wait for a slot before their
+//! time budget starts, so a thousand acquires queued at once on one client do not time
+//! out behind each other.
 //!
 //! Queue reads are served by whichever member receives them (serializable) when its
 //! revision is at least the highest this client has seen, and repeated as linearizable
@@ -132,5 +145,6 @@ mod backend;
 mod errors;
 mod layout;
 mod session;
+mod watches;
 
 pub use backend::{EtcdBackend, DEFAULT_SESSION_TTL};

@@ -762,3 +762,89 @@ async fn an_orphan_under_the_clients_mutex_key_is_cleared() {
     a.remove(&q, &mine).await.expect("remove");
     a.close().await.expect("close");
 }
+
+/// Hundreds of waiters queued at once on one client: every enqueue is answered (requests
+/// beyond the in-flight limit wait for a slot before their time budget starts), every
+/// wait shares the client's one watch stream, and the lock is handed down the queue in
+/// order, one holder at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_waiters_on_one_client_share_one_watch_stream() {
+    let eps = etcd_or_skip!("many_waiters_on_one_client_share_one_watch_stream");
+    init_tracing();
+    const WAITERS: usize = 300;
+    let holder_client = connect(&eps).await;
+    let waiters = connect(&eps).await;
+    let q = QueuePath::root(unique_name("many"));
+    let (_, held, first) = enqueue(&holder_client, &q, EntryKind::Lock).await;
+    assert_eq!(decide(&first, &held.name), Decision::Acquired);
+
+    let inside = Arc::new(AtomicBool::new(false));
+    let violations = Arc::new(AtomicU64::new(0));
+    let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let queued = Arc::new(AtomicU64::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..WAITERS {
+        let (b, q, inside, violations, order, queued) = (
+            waiters.clone(),
+            q.clone(),
+            inside.clone(),
+            violations.clone(),
+            order.clone(),
+            queued.clone(),
+        );
+        tasks.spawn(async move {
+            let (_, mine, mut queue) = enqueue(&b, &q, EntryKind::Lock).await;
+            queued.fetch_add(1, Ordering::SeqCst);
+            loop {
+                let blocker = match decide(&queue, &mine.name) {
+                    Decision::Acquired => break,
+                    Decision::Wait(e) => e.clone(),
+                    Decision::Missing => panic!("entry {} vanished", mine.name),
+                };
+                b.wait_gone(&q, &blocker).await.expect("wait_gone");
+                queue = b.queue(&q).await.expect("queue");
+            }
+            if inside.swap(true, Ordering::SeqCst) {
+                violations.fetch_add(1, Ordering::SeqCst);
+            }
+            order.lock().push(mine.seq);
+            inside.store(false, Ordering::SeqCst);
+            b.remove(&q, &mine).await.expect("release");
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while queued.load(Ordering::SeqCst) < WAITERS as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {WAITERS} enqueues answered",
+            queued.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    holder_client
+        .remove(&q, &held)
+        .await
+        .expect("holder release");
+    while let Some(r) = timeout(Duration::from_secs(120), tasks.join_next())
+        .await
+        .expect("the queue drains")
+    {
+        r.expect("waiter task");
+    }
+    let streams = waiters.watch_streams_opened();
+    let order = order.lock().clone();
+    assert_eq!(violations.load(Ordering::SeqCst), 0, "two holders at once");
+    assert_eq!(order.len(), WAITERS);
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]),
+        "granted out of queue order: {order:?}"
+    );
+    // One stream for the waiters' client (a re-open after a broken stream is allowed);
+    // a stream per wait would be hundreds.
+    assert!(
+        streams <= 3,
+        "{streams} watch streams opened for {WAITERS} waits"
+    );
+    holder_client.close().await.expect("close");
+    waiters.close().await.expect("close");
+}
