@@ -167,7 +167,8 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
                 r = backend.wait_gone(q, &blocker) => r?,
                 e = &mut lost => return Err(e),
             }
-            queue = backend.queue(q).await?;
+            // Only what is ahead of mine decides: O(entries ahead), not O(queue).
+            queue = backend.queue_ahead(q, &mine).await?;
         }
     };
     match within(wait, attempt).await {
