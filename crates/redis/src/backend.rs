@@ -40,6 +40,13 @@ const REDLOCK_ATTEMPTS: usize = 64;
 /// the same sequence and split the masters would otherwise collide again in lockstep.
 const REDLOCK_MAX_BACKOFF: Duration = Duration::from_millis(25);
 
+/// Renewal scripts in flight at once per watchdog round (over all queues and masters).
+const RENEW_IN_FLIGHT: usize = 64;
+
+/// How long after an entry key's expiry its watcher re-checks it (server and client
+/// clocks tick apart; a re-check that finds the key still there just waits again).
+const GONE_MARGIN: Duration = Duration::from_millis(5);
+
 /// How long a Redlock call waits for the remaining masters once a majority answered.
 const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
 
@@ -61,7 +68,8 @@ enum Fate {
 /// An entry this client created and renews.
 #[derive(Debug)]
 struct Live {
-    keys: QueueKeys,
+    /// Shared: a renewal round groups entries by queue without copying the key names.
+    keys: Arc<QueueKeys>,
     ticket: Option<String>,
     /// When the last renewal that reached a majority was *sent*: the server's expiry is
     /// later than this plus the lease, so a deadline computed from it is conservative.
@@ -107,8 +115,9 @@ pub struct Stats {
     pub timer_rechecks: u64,
     /// Timer re-checks that found the watched entry gone (or the queue changed): a
     /// wake-up whose message never reached the waiter. With a healthy connection every
-    /// removal is published, so this stays 0; anything else is a missed wake-up that
-    /// cost the waiter up to a whole re-check period.
+    /// removal is published, so this stays 0 (but for entries of dead clients, whose
+    /// expiry nobody publishes); anything else is a missed wake-up that cost the waiter up
+    /// to a whole re-check period.
     pub missed_wakeups: u64,
 }
 
@@ -117,6 +126,7 @@ struct Shared {
     nodes: Vec<Node>,
     majority: usize,
     lease: Duration,
+    /// `wait_changed`'s re-check period (`wait_gone` times its own: see `gone_recheck`).
     recheck: Duration,
     /// Clock drift allowance (Redlock: 1% of the lease plus 2 ms).
     drift: Duration,
@@ -445,9 +455,28 @@ impl Shared {
         &self,
         notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
     ) -> bool {
+        self.wait_notified_for(notified, self.recheck).await
+    }
+
+    /// As [`Shared::wait_notified`], with the timer given.
+    async fn wait_notified_for(
+        &self,
+        notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+        timer: Duration,
+    ) -> bool {
         tokio::select! {
             _ = notified => false,
-            _ = tokio::time::sleep(self.recheck) => true,
+            _ = tokio::time::sleep(timer) => true,
+        }
+    }
+
+    /// When a `wait_gone` re-checks an entry whose key has `ttl_ms` left (-1: no TTL):
+    /// just after the key expires, and at the latest after lease/3.
+    fn gone_recheck(&self, ttl_ms: i64) -> Duration {
+        let period = self.lease / 3;
+        match u64::try_from(ttl_ms) {
+            Ok(ms) => period.min(Duration::from_millis(ms) + GONE_MARGIN),
+            Err(_) => period,
         }
     }
 
@@ -638,9 +667,12 @@ impl Shared {
         ]
     }
 
-    async fn list(&self, keys: &QueueKeys, detail: bool) -> Result<Vec<Entry>> {
+    /// Lists the live queue, or with `upto` only the entries whose sequence is at most
+    /// that (the part ahead of an entry).
+    async fn list(&self, keys: &QueueKeys, detail: bool, upto: Option<u64>) -> Result<Vec<Entry>> {
         let mut args = Self::q_args(keys);
         args.push(Value::from(if detail { "1" } else { "0" }));
+        args.push(Value::from(upto.map(|s| s.to_string()).unwrap_or_default()));
         let results = self
             .eval_all("listing a queue", &self.scripts.list, keys, args)
             .await;
@@ -696,7 +728,7 @@ impl Shared {
         self.live.lock().insert(
             (keys.queue.clone(), name.to_owned()),
             Live {
-                keys: keys.clone(),
+                keys: Arc::new(keys.clone()),
                 ticket,
                 renewed_at: sent_at,
                 fate: tx,
@@ -705,7 +737,7 @@ impl Shared {
     }
 
     /// Stops renewing an entry and tells its `lost()` futures why.
-    fn settle(&self, queue_key: &str, name: &str, fate: Fate) -> Option<QueueKeys> {
+    fn settle(&self, queue_key: &str, name: &str, fate: Fate) -> Option<Arc<QueueKeys>> {
         let live = self
             .live
             .lock()
@@ -759,15 +791,19 @@ impl Shared {
         next
     }
 
-    /// One renewal round: one script per queue and master, all in flight at once. An
-    /// entry is credited as soon as a majority of masters renewed it, so a dead master
-    /// that answers only at its command timeout does not delay the credit.
+    /// One renewal round: one script per queue and master, [`RENEW_IN_FLIGHT`] of them in
+    /// flight at a time, each built only when sent, so that a client holding many locks
+    /// does not hold a copy of every request at once. An entry is credited as soon as a
+    /// majority of masters renewed it, so a dead master that answers only at its command
+    /// timeout does not delay the credit.
     async fn renew_round(self: &Arc<Self>) {
-        let mut groups: Vec<(QueueKeys, Vec<String>)> = Vec::new();
+        use futures::StreamExt;
+        let mut groups: Vec<(Arc<QueueKeys>, Vec<String>)> = Vec::new();
         {
-            let mut by_queue: HashMap<String, usize> = HashMap::new();
-            for ((q, name), l) in self.live.lock().iter() {
-                let i = *by_queue.entry(q.clone()).or_insert_with(|| {
+            let mut by_queue: HashMap<&str, usize> = HashMap::new();
+            let live = self.live.lock();
+            for ((_, name), l) in live.iter() {
+                let i = *by_queue.entry(l.keys.queue.as_str()).or_insert_with(|| {
                     groups.push((l.keys.clone(), Vec::new()));
                     groups.len() - 1
                 });
@@ -779,34 +815,33 @@ impl Shared {
         }
         let sent_at = Instant::now();
         let lease_ms = self.lease.as_millis().to_string();
-        let mut pending: futures::stream::FuturesUnordered<_> = groups
-            .iter()
-            .enumerate()
-            .flat_map(|(g, (keys, names))| {
-                let mut args = vec![
-                    Value::from(keys.entry_prefix.as_str()),
-                    Value::from(lease_ms.as_str()),
-                ];
+        let (groups_ref, lease_ref) = (&groups, lease_ms.as_str());
+        let jobs = (0..groups.len()).flat_map(|g| (0..self.nodes.len()).map(move |n| (g, n)));
+        let mut pending = futures::stream::iter(jobs)
+            .map(|(g, n)| async move {
+                let (keys, names) = &groups_ref[g];
+                let mut args = Vec::with_capacity(names.len() + 2);
+                args.push(Value::from(keys.entry_prefix.as_str()));
+                args.push(Value::from(lease_ref));
                 args.extend(names.iter().map(|n| Value::from(n.as_str())));
-                let script_keys = keys.script_keys();
-                self.nodes.iter().map(move |node| {
-                    let (args, script_keys) = (args.clone(), script_keys.clone());
-                    async move {
-                        let r = node
-                            .eval("renewing entries", &self.scripts.renew, script_keys, args)
-                            .await
-                            .and_then(|v| reply::renewed(v, names.len()));
-                        (g, r)
-                    }
-                })
+                let r = self.nodes[n]
+                    .eval(
+                        "renewing entries",
+                        &self.scripts.renew,
+                        keys.script_keys(),
+                        args,
+                    )
+                    .await
+                    .and_then(|v| reply::renewed(v, names.len()));
+                (g, r)
             })
-            .collect();
+            .buffer_unordered(RENEW_IN_FLIGHT);
         // Per group and entry: (renewed, gone, last error).
         let mut tally: Vec<Vec<(usize, usize, Option<String>)>> = groups
             .iter()
             .map(|(_, names)| vec![(0, 0, None); names.len()])
             .collect();
-        while let Some((g, r)) = futures::StreamExt::next(&mut pending).await {
+        while let Some((g, r)) = pending.next().await {
             let (keys, names) = &groups[g];
             for (i, name) in names.iter().enumerate() {
                 let t = &mut tally[g][i];
@@ -857,7 +892,7 @@ impl Shared {
         }
         self.abort_tasks();
         let live: Vec<((String, String), Live)> = self.live.lock().drain().collect();
-        let mut groups: HashMap<String, (QueueKeys, Vec<String>)> = HashMap::new();
+        let mut groups: HashMap<String, (Arc<QueueKeys>, Vec<String>)> = HashMap::new();
         for ((q, name), l) in live {
             let _ = l.fate.send(Some(Fate::Closed));
             groups
@@ -960,7 +995,22 @@ impl Backend for RedisBackend {
     fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(async move {
             self.shared.check_open()?;
-            self.shared.list(&QueueKeys::new(q), false).await
+            self.shared.list(&QueueKeys::new(q), false, None).await
+        })
+    }
+
+    fn queue_ahead<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(async move {
+            self.shared.check_open()?;
+            // Every entry ahead of `mine` has a sequence up to its own (a downgrade's
+            // read entry shares its writer's): one ZRANGEBYSCORE, O(entries ahead).
+            self.shared
+                .list(&QueueKeys::new(q), false, Some(mine.seq))
+                .await
         })
     }
 
@@ -981,15 +1031,17 @@ impl Backend for RedisBackend {
                     tokio::pin!(notified);
                     notified.as_mut().enable();
                     s.check_open()?;
-                    let results = s.gather(s.nodes.iter().map(|n| n.exists(&key))).await;
-                    let present = s.quorum(results)?;
-                    if !present.iter().any(|p| *p) {
+                    let results = s.gather(s.nodes.iter().map(|n| n.pttl(&key))).await;
+                    let ttls = s.quorum(results)?;
+                    let Some(longest) = ttls.iter().flatten().max().copied() else {
                         s.count_recheck(by_timer);
                         return Ok(());
-                    }
-                    // A lost message (reconnect) or an expiry nobody published only delays
-                    // the wake-up to the re-check timer.
-                    by_timer = s.wait_notified(notified).await;
+                    };
+                    // An expiry nobody publishes (a dead client's entry) is caught when the
+                    // key's TTL runs out; anything else (a message lost in a way no
+                    // reconnect wake-up covers) within lease/3. A periodic re-check of
+                    // every waiter would cost O(waiters) server calls per second.
+                    by_timer = s.wait_notified_for(notified, s.gone_recheck(longest)).await;
                     if by_timer {
                         s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                     }
@@ -1018,7 +1070,7 @@ impl Backend for RedisBackend {
                     tokio::pin!(notified);
                     notified.as_mut().enable();
                     s.check_open()?;
-                    let now = s.list(&keys, false).await?;
+                    let now = s.list(&keys, false, None).await?;
                     let same = now.len() == seen.len()
                         && now.iter().all(|e| seen.contains(e.name.as_str()));
                     if !same {
@@ -1083,13 +1135,12 @@ impl Backend for RedisBackend {
     }
 
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
-        let keys = QueueKeys::new(q);
         let name = entry.name.clone();
         let rx = self
             .shared
             .live
             .lock()
-            .get(&(keys.queue.clone(), name.clone()))
+            .get(&(QueueKeys::queue_key(q), name.clone()))
             .map(|l| l.fate.subscribe());
         let closed = self.shared.closed.load(Ordering::SeqCst);
         Box::pin(async move {
@@ -1118,7 +1169,7 @@ impl Backend for RedisBackend {
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(async move {
             self.shared.check_open()?;
-            self.shared.list(&QueueKeys::new(q), true).await
+            self.shared.list(&QueueKeys::new(q), true, None).await
         })
     }
 

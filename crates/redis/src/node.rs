@@ -155,14 +155,14 @@ impl Node {
             .map_err(|e| self.map_err(what, e))
     }
 
-    /// True if `key` exists.
-    pub async fn exists(&self, key: &str) -> Result<bool, Error> {
+    /// The time `key` has left in ms (-1: no TTL), or `None` if it does not exist.
+    pub async fn pttl(&self, key: &str) -> Result<Option<i64>, Error> {
         let n: i64 = self
             .client
-            .exists(key)
+            .pttl(key)
             .await
             .map_err(|e| self.map_err("checking an entry", e))?;
-        Ok(n > 0)
+        Ok((n != -2).then_some(n))
     }
 
     /// Subscribes to `channel` and returns once the server has processed the SUBSCRIBE.
