@@ -134,15 +134,15 @@ pub async fn waiters(
 
 /// Waits until every queued waiter has armed its watch: a waiter is listed once its
 /// entry exists, but may still be subscribing (Redis) or setting its watch, and those
-/// requests are not handoff work. Settled = fewer than `waiters + 20` server requests in
-/// half a second (what is left is background: session pings, re-check timers), or 30 s.
+/// requests are not handoff work. Settled = fewer than `waiters / 4 + 20` server requests
+/// in half a second (what is left is background: session pings, re-check timers), or 30 s.
 async fn settle(counter: &OpCounter, waiters: usize) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut last = counter.read().await?;
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let now = counter.read().await?;
-        if now.saturating_sub(last) < waiters as u64 + 20 || Instant::now() > deadline {
+        if now.saturating_sub(last) < waiters as u64 / 4 + 20 || Instant::now() > deadline {
             return Ok(());
         }
         last = now;

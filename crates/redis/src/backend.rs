@@ -82,6 +82,10 @@ struct Live {
 struct Chan {
     waiters: usize,
     notify: Arc<Notify>,
+    /// A message arrived on the channel (not just a reconnect wake-up). On a gone-channel
+    /// that means the entry is gone: names are never reused, and only its removal or
+    /// expiry is published there.
+    heard: Arc<AtomicBool>,
     ready: Arc<tokio::sync::OnceCell<()>>,
 }
 
@@ -442,9 +446,14 @@ impl Shared {
     // ---- pub/sub -------------------------------------------------------------------
 
     fn dispatch(&self, channel: &str) {
-        let notify = self.chans.lock().get(channel).map(|c| c.notify.clone());
-        if let Some(n) = notify {
+        let chan = self
+            .chans
+            .lock()
+            .get(channel)
+            .map(|c| (c.notify.clone(), c.heard.clone()));
+        if let Some((n, heard)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
+            heard.store(true, Ordering::SeqCst);
             n.notify_waiters();
         }
     }
@@ -497,25 +506,38 @@ impl Shared {
     /// Registers a waiter on `channel`; returns once the channel is subscribed on every
     /// master that answered (a master that did not is covered by the re-check timer).
     async fn listen(self: &Arc<Self>, channel: &str) -> Listener {
-        let (notify, ready) = {
+        let (notify, heard, ready) = {
             let mut chans = self.chans.lock();
             let c = chans.entry(channel.to_owned()).or_insert_with(|| Chan {
                 waiters: 0,
                 notify: Arc::new(Notify::new()),
+                heard: Arc::new(AtomicBool::new(false)),
                 ready: Arc::new(tokio::sync::OnceCell::new()),
             });
             c.waiters += 1;
-            (c.notify.clone(), c.ready.clone())
+            (c.notify.clone(), c.heard.clone(), c.ready.clone())
         };
         let listener = Listener {
             shared: self.clone(),
             channel: channel.to_owned(),
             notify,
+            heard,
         };
         ready
             .get_or_init(|| async {
-                let _ops = self.sub_ops.lock().await;
-                let results = self.gather(self.nodes.iter().map(|n| n.subscribe(channel))).await;
+                // SUBSCRIBE is sent under the lock (so a late UNSUBSCRIBE of the same
+                // channel never overtakes it) and confirmed outside it: waiters arming
+                // many channels at once share round trips instead of queueing one each.
+                let sent = {
+                    let _ops = self.sub_ops.lock().await;
+                    join_all(self.nodes.iter().map(|n| n.subscribe(channel))).await
+                };
+                let results = self
+                    .gather(self.nodes.iter().zip(sent).map(|(n, sent)| async move {
+                        sent?;
+                        n.confirm_subscriptions().await
+                    }))
+                    .await;
                 for r in results {
                     match r {
                         Ok(()) => {
@@ -920,6 +942,7 @@ struct Listener {
     shared: Arc<Shared>,
     channel: String,
     notify: Arc<Notify>,
+    heard: Arc<AtomicBool>,
 }
 
 impl Drop for Listener {
@@ -1031,6 +1054,12 @@ impl Backend for RedisBackend {
                     tokio::pin!(notified);
                     notified.as_mut().enable();
                     s.check_open()?;
+                    // On one master the message is the answer: a round trip saved per
+                    // handoff. (Redlock: one master's message does not mean a majority
+                    // removed it, so it re-checks.)
+                    if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
+                        return Ok(());
+                    }
                     let results = s.gather(s.nodes.iter().map(|n| n.pttl(&key))).await;
                     let ttls = s.quorum(results)?;
                     let Some(longest) = ttls.iter().flatten().max().copied() else {

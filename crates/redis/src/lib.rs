@@ -89,7 +89,9 @@
 //! subscriber connection (fred resolves SUBSCRIBE once it is written, so without the PING
 //! the check below could reach the server first and a removal in between went unheard),
 //! then reads the remaining TTL of the entry's key (gone: return), then
-//! waits for the message or a re-check timer: just after that TTL runs out (an expiry
+//! waits for the message (on one master it ends the wait without another round trip:
+//! only that entry's removal or expiry is published on its channel) or a re-check
+//! timer: just after that TTL runs out (an expiry
 //! nobody publishes, a dead client's entry) and at the latest after lease/3 (a lost
 //! message that no reconnect wake-up covered). So a waiter costs the server nothing while
 //! it waits for a live holder, and a lost message or an unpublished expiry only delays it.

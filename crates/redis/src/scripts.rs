@@ -23,7 +23,8 @@
 //!   sequence), so their expiring early is harmless;
 //! - on one master an entry's sequence *is* its token, so no sequence counter is kept;
 //! - a woken waiter lists only the entries scored up to its own (`ZRANGEBYSCORE`), so
-//!   its re-check costs O(entries ahead of it), not O(queue);
+//!   its re-check costs O(entries ahead of it), not O(queue), and the enqueue lists the
+//!   queue without reading each entry, so n waiters queue in O(n) commands, not O(n²);
 //! - nothing is published for an entry that did not exist (an idempotent second remove).
 
 use fred::types::scripts::Script;
@@ -87,7 +88,13 @@ local function live(ep, gp, qc, detail, upto)
 end
 "#;
 
-/// Adds an entry and returns the live queue in the same round trip.
+/// Adds an entry and returns the queue in the same round trip.
+///
+/// The queue is listed without reading each entry (no token for the others, and an
+/// expired entry not yet dropped is still listed): the driver needs only names and
+/// sequences, and an expired entry ahead is found gone by its watcher's `wait_gone`,
+/// whose next listing drops it. Reading every entry here made a queue of n waiters cost
+/// O(n²) server work to build.
 ///
 /// ARGV: entry-key prefix, gone-channel prefix, queue channel, name prefix
 /// (`_c_<uuid>-<marker>`), lease ms, data, mode, proposed sequence, writer name.
@@ -114,7 +121,16 @@ if mode == 'cas' then
 elseif mode == 'beside' then
   if redis.call('EXISTS', ep .. writer) == 0 then return {'MISSING'} end
 end
-local out, top, existed = live(ep, gp, qc, false)
+local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local out = {}
+for i = 1, #m, 2 do
+  out[#out + 1] = m[i]
+  out[#out + 1] = m[i + 1]
+  out[#out + 1] = ''
+end
+local top = 0
+if #m > 0 then top = tonumber(m[#m]) end
+local existed = #m > 0
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now_us / 1000)
