@@ -603,6 +603,10 @@ impl Shared {
         args: Vec<Value>,
     ) -> Vec<Result<Value>> {
         let k = keys.script_keys();
+        if let [node] = self.nodes.as_slice() {
+            // One master: no copies of the request, no straggler bookkeeping.
+            return vec![node.eval(what, script, k, args).await];
+        }
         self.gather(
             self.nodes
                 .iter()
@@ -712,7 +716,13 @@ impl Shared {
     /// entry present on a minority only (a failed enqueue not yet cleaned up) only makes
     /// later entries wait, never lets two in. The token shown is the highest any master
     /// reported.
-    fn merge(&self, keys: &QueueKeys, views: Vec<Vec<Entry>>) -> Vec<Entry> {
+    fn merge(&self, keys: &QueueKeys, mut views: Vec<Vec<Entry>>) -> Vec<Entry> {
+        if self.mode == Mode::Single && views.len() == 1 {
+            // One view: nothing to merge, and no Redlock proposals to hint.
+            let mut q = views.pop().unwrap_or_default();
+            dlock_core::entry::sort_queue(&mut q);
+            return q;
+        }
         let mut by_name: BTreeMap<String, Entry> = BTreeMap::new();
         for e in views.into_iter().flatten() {
             match by_name.get_mut(&e.name) {
@@ -745,12 +755,18 @@ impl Shared {
 
     // ---- live entries and the watchdog ------------------------------------------
 
-    fn register(&self, keys: &QueueKeys, name: &str, ticket: Option<String>, sent_at: Instant) {
+    fn register(
+        &self,
+        keys: &Arc<QueueKeys>,
+        name: &str,
+        ticket: Option<String>,
+        sent_at: Instant,
+    ) {
         let (tx, _) = watch::channel(None);
         self.live.lock().insert(
             (keys.queue.clone(), name.to_owned()),
             Live {
-                keys: Arc::new(keys.clone()),
+                keys: keys.clone(),
                 ticket,
                 renewed_at: sent_at,
                 fate: tx,
@@ -1221,7 +1237,7 @@ impl RedisBackend {
     ) -> Result<Enqueued> {
         let s = &self.shared;
         s.check_open()?;
-        let keys = QueueKeys::new(q);
+        let keys = Arc::new(QueueKeys::new(q));
         let started = Instant::now();
         let lease_ms = s.lease.as_millis().to_string();
         let prefix = ticket.name_prefix(kind);
