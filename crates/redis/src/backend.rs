@@ -40,7 +40,7 @@ const REDLOCK_ATTEMPTS: usize = 64;
 /// the same sequence and split the masters would otherwise collide again in lockstep.
 const REDLOCK_MAX_BACKOFF: Duration = Duration::from_millis(25);
 
-/// Renewal scripts in flight at once per watchdog round (over all queues and masters).
+/// Renewal scripts in flight at once per master in a watchdog round (over all queues).
 const RENEW_IN_FLIGHT: usize = 64;
 
 /// How long after an entry key's expiry its watcher re-checks it (server and client
@@ -829,8 +829,8 @@ impl Shared {
         next
     }
 
-    /// One renewal round: one script per queue and master, [`RENEW_IN_FLIGHT`] of them in
-    /// flight at a time, each built only when sent, so that a client holding many locks
+    /// One renewal round: one script per queue and master, [`RENEW_IN_FLIGHT`] per master
+    /// in flight at a time, each built only when sent, so that a client holding many locks
     /// does not hold a copy of every request at once. An entry is credited as soon as a
     /// majority of masters renewed it, so a dead master that answers only at its command
     /// timeout does not delay the credit.
@@ -873,7 +873,7 @@ impl Shared {
                     .and_then(|v| reply::renewed(v, names.len()));
                 (g, r)
             })
-            .buffer_unordered(RENEW_IN_FLIGHT);
+            .buffer_unordered(RENEW_IN_FLIGHT * self.nodes.len());
         // Per group and entry: (renewed, gone, last error).
         let mut tally: Vec<Vec<(usize, usize, Option<String>)>> = groups
             .iter()
