@@ -118,20 +118,8 @@ pub async fn waiters(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Every waiter is queued, but some may still be arming their wait (a watch and its
-    // first reads): let the server's counter settle, so what follows counts the handoffs
-    // only. Reading the counter may count itself once (Redis INFO).
-    let mut before = counter.read().await?;
-    let settle_by = Instant::now() + Duration::from_secs(10);
-    loop {
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        let now = counter.read().await?;
-        let settled = now.saturating_sub(before) <= 2;
-        before = now;
-        if settled || Instant::now() > settle_by {
-            break;
-        }
-    }
+    settle(counter, waiters).await?;
+    let before = counter.read().await?;
     let t = Instant::now();
     held.release()
         .await
@@ -142,6 +130,23 @@ pub async fn waiters(
     let secs = t.elapsed().as_secs_f64();
     let after = counter.read().await?;
     Ok((after.saturating_sub(before), waiters as u64 + 1, secs))
+}
+
+/// Waits until every queued waiter has armed its watch: a waiter is listed once its
+/// entry exists, but may still be subscribing (Redis) or setting its watch, and those
+/// requests are not handoff work. Settled = fewer than `waiters / 4 + 20` server requests
+/// in half a second (what is left is background: session pings, re-check timers), or 30 s.
+async fn settle(counter: &OpCounter, waiters: usize) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = counter.read().await?;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = counter.read().await?;
+        if now.saturating_sub(last) < waiters as u64 / 4 + 20 || Instant::now() > deadline {
+            return Ok(());
+        }
+        last = now;
+    }
 }
 
 /// This process's resident memory, in KiB (`VmRSS` of `/proc/self/status`).

@@ -175,6 +175,24 @@ pub trait Backend: Send + Sync + 'static {
     /// The queue `q` in queue order (empty if it does not exist).
     fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
 
+    /// The part of `q` that decides `mine`'s place, in queue order: every entry queued
+    /// ahead of `mine` (by [`crate::entry::queue_order`]) and `mine` itself if it is still
+    /// queued; entries behind `mine` may or may not be included. [`crate::driver::decide`]
+    /// gives the same answer for `mine` on it as on the whole queue (it only looks ahead),
+    /// so a woken waiter can re-check at a cost that grows with what is ahead of it, not
+    /// with the queue's length.
+    ///
+    /// The default returns the whole queue ([`Backend::queue`]); backends that can read a
+    /// prefix of a queue cheaply override it.
+    fn queue_ahead<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        let _ = mine;
+        self.queue(q)
+    }
+
     /// Completes once `entry` is no longer in `q` (at once if it is already gone).
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
 

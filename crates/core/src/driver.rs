@@ -1000,6 +1000,54 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// [`crate::Backend::queue_ahead`] may return only the entries up to mine (plus
+        /// any of those behind it): the driver's answer must not change.
+        #[test]
+        fn decide_only_looks_ahead(
+            kinds in prop::collection::vec(0usize..4, 1..40),
+            seqs in prop::collection::vec(0u64..30, 40),
+            pick in any::<prop::sample::Index>(),
+            keep in prop::collection::vec(any::<bool>(), 40),
+        ) {
+            let mut q: Vec<Entry> = kinds
+                .iter()
+                .zip(&seqs)
+                .enumerate()
+                .map(|(i, (&k, &seq))| {
+                    let mut e = entry(EntryKind::ALL[k], seq);
+                    e.name = format!("{}-{i}", e.name);
+                    e
+                })
+                .collect();
+            sort_queue(&mut q);
+            let at = pick.index(q.len());
+            let mine = q[at].name.clone();
+            let partial: Vec<Entry> = q
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i <= at || keep[*i])
+                .map(|(_, e)| e.clone())
+                .collect();
+            let full = decide(&q, &mine).clone_names();
+            prop_assert_eq!(decide(&partial, &mine).clone_names(), full);
+            // And without mine, both say it is missing.
+            let without: Vec<Entry> = partial.iter().filter(|e| e.name != mine).cloned().collect();
+            prop_assert_eq!(decide(&without, &mine), Decision::Missing);
+        }
+    }
+
+    impl Decision<'_> {
+        /// The decision with the blocker named, for comparing across two queues.
+        fn clone_names(&self) -> Option<Option<String>> {
+            match self {
+                Decision::Acquired => Some(None),
+                Decision::Wait(e) => Some(Some(e.name.clone())),
+                Decision::Missing => None,
+            }
+        }
+    }
+
     mod fuzz {
         use super::*;
         use crate::entry::{format_seq, sort_queue, Ticket};

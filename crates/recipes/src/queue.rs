@@ -206,7 +206,8 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
                 }
                 e = &mut lost => return Err(e),
             }
-            view = Snapshot::new(backend.queue(q).await?, &mine.name);
+            // Only what is ahead of mine decides: O(entries ahead), not O(queue).
+            view = Snapshot::new(backend.queue_ahead(q, &mine).await?, &mine.name);
         }
     };
     match within(wait, attempt).await {

@@ -40,6 +40,13 @@ const REDLOCK_ATTEMPTS: usize = 64;
 /// the same sequence and split the masters would otherwise collide again in lockstep.
 const REDLOCK_MAX_BACKOFF: Duration = Duration::from_millis(25);
 
+/// Renewal scripts in flight at once per master in a watchdog round (over all queues).
+const RENEW_IN_FLIGHT: usize = 64;
+
+/// How long after an entry key's expiry its watcher re-checks it (server and client
+/// clocks tick apart; a re-check that finds the key still there just waits again).
+const GONE_MARGIN: Duration = Duration::from_millis(5);
+
 /// How long a Redlock call waits for the remaining masters once a majority answered.
 const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
 
@@ -61,7 +68,8 @@ enum Fate {
 /// An entry this client created and renews.
 #[derive(Debug)]
 struct Live {
-    keys: QueueKeys,
+    /// Shared: a renewal round groups entries by queue without copying the key names.
+    keys: Arc<QueueKeys>,
     ticket: Option<String>,
     /// When the last renewal that reached a majority was *sent*: the server's expiry is
     /// later than this plus the lease, so a deadline computed from it is conservative.
@@ -74,6 +82,10 @@ struct Live {
 struct Chan {
     waiters: usize,
     notify: Arc<Notify>,
+    /// A message arrived on the channel (not just a reconnect wake-up). On a gone-channel
+    /// that means the entry is gone: names are never reused, and only its removal or
+    /// expiry is published there.
+    heard: Arc<AtomicBool>,
     ready: Arc<tokio::sync::OnceCell<()>>,
 }
 
@@ -107,8 +119,9 @@ pub struct Stats {
     pub timer_rechecks: u64,
     /// Timer re-checks that found the watched entry gone (or the queue changed): a
     /// wake-up whose message never reached the waiter. With a healthy connection every
-    /// removal is published, so this stays 0; anything else is a missed wake-up that
-    /// cost the waiter up to a whole re-check period.
+    /// removal is published, so this stays 0 (but for entries of dead clients, whose
+    /// expiry nobody publishes); anything else is a missed wake-up that cost the waiter up
+    /// to a whole re-check period.
     pub missed_wakeups: u64,
     /// Through Sentinel: times a `+switch-master` announcement for the service made the
     /// clients reconnect to a new primary (0 otherwise).
@@ -120,6 +133,7 @@ struct Shared {
     nodes: Vec<Node>,
     majority: usize,
     lease: Duration,
+    /// `wait_changed`'s re-check period (`wait_gone` times its own: see `gone_recheck`).
     recheck: Duration,
     /// Clock drift allowance (Redlock: 1% of the lease plus 2 ms).
     drift: Duration,
@@ -506,9 +520,14 @@ impl Shared {
     // ---- pub/sub -------------------------------------------------------------------
 
     fn dispatch(&self, channel: &str) {
-        let notify = self.chans.lock().get(channel).map(|c| c.notify.clone());
-        if let Some(n) = notify {
+        let chan = self
+            .chans
+            .lock()
+            .get(channel)
+            .map(|c| (c.notify.clone(), c.heard.clone()));
+        if let Some((n, heard)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
+            heard.store(true, Ordering::SeqCst);
             n.notify_waiters();
         }
     }
@@ -519,9 +538,28 @@ impl Shared {
         &self,
         notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
     ) -> bool {
+        self.wait_notified_for(notified, self.recheck).await
+    }
+
+    /// As [`Shared::wait_notified`], with the timer given.
+    async fn wait_notified_for(
+        &self,
+        notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+        timer: Duration,
+    ) -> bool {
         tokio::select! {
             _ = notified => false,
-            _ = tokio::time::sleep(self.recheck) => true,
+            _ = tokio::time::sleep(timer) => true,
+        }
+    }
+
+    /// When a `wait_gone` re-checks an entry whose key has `ttl_ms` left (-1: no TTL):
+    /// just after the key expires, and at the latest after lease/3.
+    fn gone_recheck(&self, ttl_ms: i64) -> Duration {
+        let period = self.lease / 3;
+        match u64::try_from(ttl_ms) {
+            Ok(ms) => period.min(Duration::from_millis(ms) + GONE_MARGIN),
+            Err(_) => period,
         }
     }
 
@@ -542,25 +580,38 @@ impl Shared {
     /// Registers a waiter on `channel`; returns once the channel is subscribed on every
     /// master that answered (a master that did not is covered by the re-check timer).
     async fn listen(self: &Arc<Self>, channel: &str) -> Listener {
-        let (notify, ready) = {
+        let (notify, heard, ready) = {
             let mut chans = self.chans.lock();
             let c = chans.entry(channel.to_owned()).or_insert_with(|| Chan {
                 waiters: 0,
                 notify: Arc::new(Notify::new()),
+                heard: Arc::new(AtomicBool::new(false)),
                 ready: Arc::new(tokio::sync::OnceCell::new()),
             });
             c.waiters += 1;
-            (c.notify.clone(), c.ready.clone())
+            (c.notify.clone(), c.heard.clone(), c.ready.clone())
         };
         let listener = Listener {
             shared: self.clone(),
             channel: channel.to_owned(),
             notify,
+            heard,
         };
         ready
             .get_or_init(|| async {
-                let _ops = self.sub_ops.lock().await;
-                let results = self.gather(self.nodes.iter().map(|n| n.subscribe(channel))).await;
+                // SUBSCRIBE is sent under the lock (so a late UNSUBSCRIBE of the same
+                // channel never overtakes it) and confirmed outside it: waiters arming
+                // many channels at once share round trips instead of queueing one each.
+                let sent = {
+                    let _ops = self.sub_ops.lock().await;
+                    join_all(self.nodes.iter().map(|n| n.subscribe(channel))).await
+                };
+                let results = self
+                    .gather(self.nodes.iter().zip(sent).map(|(n, sent)| async move {
+                        sent?;
+                        n.confirm_subscriptions().await
+                    }))
+                    .await;
                 for r in results {
                     match r {
                         Ok(()) => {
@@ -626,6 +677,10 @@ impl Shared {
         args: Vec<Value>,
     ) -> Vec<Result<Value>> {
         let k = keys.script_keys();
+        if let [node] = self.nodes.as_slice() {
+            // One master: no copies of the request, no straggler bookkeeping.
+            return vec![node.eval(what, script, k, args).await];
+        }
         self.gather(
             self.nodes
                 .iter()
@@ -712,9 +767,12 @@ impl Shared {
         ]
     }
 
-    async fn list(&self, keys: &QueueKeys, detail: bool) -> Result<Vec<Entry>> {
+    /// Lists the live queue, or with `upto` only the entries whose sequence is at most
+    /// that (the part ahead of an entry).
+    async fn list(&self, keys: &QueueKeys, detail: bool, upto: Option<u64>) -> Result<Vec<Entry>> {
         let mut args = Self::q_args(keys);
         args.push(Value::from(if detail { "1" } else { "0" }));
+        args.push(Value::from(upto.map(|s| s.to_string()).unwrap_or_default()));
         let results = self
             .eval_all("listing a queue", &self.scripts.list, keys, args)
             .await;
@@ -732,7 +790,13 @@ impl Shared {
     /// entry present on a minority only (a failed enqueue not yet cleaned up) only makes
     /// later entries wait, never lets two in. The token shown is the highest any master
     /// reported.
-    fn merge(&self, keys: &QueueKeys, views: Vec<Vec<Entry>>) -> Vec<Entry> {
+    fn merge(&self, keys: &QueueKeys, mut views: Vec<Vec<Entry>>) -> Vec<Entry> {
+        if self.mode == Mode::Single && views.len() == 1 {
+            // One view: nothing to merge, and no Redlock proposals to hint.
+            let mut q = views.pop().unwrap_or_default();
+            dlock_core::entry::sort_queue(&mut q);
+            return q;
+        }
         let mut by_name: BTreeMap<String, Entry> = BTreeMap::new();
         for e in views.into_iter().flatten() {
             match by_name.get_mut(&e.name) {
@@ -765,7 +829,13 @@ impl Shared {
 
     // ---- live entries and the watchdog ------------------------------------------
 
-    fn register(&self, keys: &QueueKeys, name: &str, ticket: Option<String>, sent_at: Instant) {
+    fn register(
+        &self,
+        keys: &Arc<QueueKeys>,
+        name: &str,
+        ticket: Option<String>,
+        sent_at: Instant,
+    ) {
         let (tx, _) = watch::channel(None);
         self.live.lock().insert(
             (keys.queue.clone(), name.to_owned()),
@@ -779,7 +849,7 @@ impl Shared {
     }
 
     /// Stops renewing an entry and tells its `lost()` futures why.
-    fn settle(&self, queue_key: &str, name: &str, fate: Fate) -> Option<QueueKeys> {
+    fn settle(&self, queue_key: &str, name: &str, fate: Fate) -> Option<Arc<QueueKeys>> {
         let live = self
             .live
             .lock()
@@ -833,15 +903,19 @@ impl Shared {
         next
     }
 
-    /// One renewal round: one script per queue and master, all in flight at once. An
-    /// entry is credited as soon as a majority of masters renewed it, so a dead master
-    /// that answers only at its command timeout does not delay the credit.
+    /// One renewal round: one script per queue and master, [`RENEW_IN_FLIGHT`] per master
+    /// in flight at a time, each built only when sent, so that a client holding many locks
+    /// does not hold a copy of every request at once. An entry is credited as soon as a
+    /// majority of masters renewed it, so a dead master that answers only at its command
+    /// timeout does not delay the credit.
     async fn renew_round(self: &Arc<Self>) {
-        let mut groups: Vec<(QueueKeys, Vec<String>)> = Vec::new();
+        use futures::StreamExt;
+        let mut groups: Vec<(Arc<QueueKeys>, Vec<String>)> = Vec::new();
         {
-            let mut by_queue: HashMap<String, usize> = HashMap::new();
-            for ((q, name), l) in self.live.lock().iter() {
-                let i = *by_queue.entry(q.clone()).or_insert_with(|| {
+            let mut by_queue: HashMap<&str, usize> = HashMap::new();
+            let live = self.live.lock();
+            for ((_, name), l) in live.iter() {
+                let i = *by_queue.entry(l.keys.queue.as_str()).or_insert_with(|| {
                     groups.push((l.keys.clone(), Vec::new()));
                     groups.len() - 1
                 });
@@ -853,34 +927,33 @@ impl Shared {
         }
         let sent_at = Instant::now();
         let lease_ms = self.lease.as_millis().to_string();
-        let mut pending: futures::stream::FuturesUnordered<_> = groups
-            .iter()
-            .enumerate()
-            .flat_map(|(g, (keys, names))| {
-                let mut args = vec![
-                    Value::from(keys.entry_prefix.as_str()),
-                    Value::from(lease_ms.as_str()),
-                ];
+        let (groups_ref, lease_ref) = (&groups, lease_ms.as_str());
+        let jobs = (0..groups.len()).flat_map(|g| (0..self.nodes.len()).map(move |n| (g, n)));
+        let mut pending = futures::stream::iter(jobs)
+            .map(|(g, n)| async move {
+                let (keys, names) = &groups_ref[g];
+                let mut args = Vec::with_capacity(names.len() + 2);
+                args.push(Value::from(keys.entry_prefix.as_str()));
+                args.push(Value::from(lease_ref));
                 args.extend(names.iter().map(|n| Value::from(n.as_str())));
-                let script_keys = keys.script_keys();
-                self.nodes.iter().map(move |node| {
-                    let (args, script_keys) = (args.clone(), script_keys.clone());
-                    async move {
-                        let r = node
-                            .eval("renewing entries", &self.scripts.renew, script_keys, args)
-                            .await
-                            .and_then(|v| reply::renewed(v, names.len()));
-                        (g, r)
-                    }
-                })
+                let r = self.nodes[n]
+                    .eval(
+                        "renewing entries",
+                        &self.scripts.renew,
+                        keys.script_keys(),
+                        args,
+                    )
+                    .await
+                    .and_then(|v| reply::renewed(v, names.len()));
+                (g, r)
             })
-            .collect();
+            .buffer_unordered(RENEW_IN_FLIGHT * self.nodes.len());
         // Per group and entry: (renewed, gone, last error).
         let mut tally: Vec<Vec<(usize, usize, Option<String>)>> = groups
             .iter()
             .map(|(_, names)| vec![(0, 0, None); names.len()])
             .collect();
-        while let Some((g, r)) = futures::StreamExt::next(&mut pending).await {
+        while let Some((g, r)) = pending.next().await {
             let (keys, names) = &groups[g];
             for (i, name) in names.iter().enumerate() {
                 let t = &mut tally[g][i];
@@ -931,7 +1004,7 @@ impl Shared {
         }
         self.abort_tasks();
         let live: Vec<((String, String), Live)> = self.live.lock().drain().collect();
-        let mut groups: HashMap<String, (QueueKeys, Vec<String>)> = HashMap::new();
+        let mut groups: HashMap<String, (Arc<QueueKeys>, Vec<String>)> = HashMap::new();
         for ((q, name), l) in live {
             let _ = l.fate.send(Some(Fate::Closed));
             groups
@@ -959,6 +1032,7 @@ struct Listener {
     shared: Arc<Shared>,
     channel: String,
     notify: Arc<Notify>,
+    heard: Arc<AtomicBool>,
 }
 
 impl Drop for Listener {
@@ -1034,7 +1108,22 @@ impl Backend for RedisBackend {
     fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(async move {
             self.shared.check_open()?;
-            self.shared.list(&QueueKeys::new(q), false).await
+            self.shared.list(&QueueKeys::new(q), false, None).await
+        })
+    }
+
+    fn queue_ahead<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(async move {
+            self.shared.check_open()?;
+            // Every entry ahead of `mine` has a sequence up to its own (a downgrade's
+            // read entry shares its writer's): one ZRANGEBYSCORE, O(entries ahead).
+            self.shared
+                .list(&QueueKeys::new(q), false, Some(mine.seq))
+                .await
         })
     }
 
@@ -1055,15 +1144,23 @@ impl Backend for RedisBackend {
                     tokio::pin!(notified);
                     notified.as_mut().enable();
                     s.check_open()?;
-                    let results = s.gather(s.nodes.iter().map(|n| n.exists(&key))).await;
-                    let present = s.quorum(results)?;
-                    if !present.iter().any(|p| *p) {
-                        s.count_recheck(by_timer);
+                    // On one master the message is the answer: a round trip saved per
+                    // handoff. (Redlock: one master's message does not mean a majority
+                    // removed it, so it re-checks.)
+                    if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
                         return Ok(());
                     }
-                    // A lost message (reconnect) or an expiry nobody published only delays
-                    // the wake-up to the re-check timer.
-                    by_timer = s.wait_notified(notified).await;
+                    let results = s.gather(s.nodes.iter().map(|n| n.pttl(&key))).await;
+                    let ttls = s.quorum(results)?;
+                    let Some(longest) = ttls.iter().flatten().max().copied() else {
+                        s.count_recheck(by_timer);
+                        return Ok(());
+                    };
+                    // An expiry nobody publishes (a dead client's entry) is caught when the
+                    // key's TTL runs out; anything else (a message lost in a way no
+                    // reconnect wake-up covers) within lease/3. A periodic re-check of
+                    // every waiter would cost O(waiters) server calls per second.
+                    by_timer = s.wait_notified_for(notified, s.gone_recheck(longest)).await;
                     if by_timer {
                         s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                     }
@@ -1092,7 +1189,7 @@ impl Backend for RedisBackend {
                     tokio::pin!(notified);
                     notified.as_mut().enable();
                     s.check_open()?;
-                    let now = s.list(&keys, false).await?;
+                    let now = s.list(&keys, false, None).await?;
                     let same = now.len() == seen.len()
                         && now.iter().all(|e| seen.contains(e.name.as_str()));
                     if !same {
@@ -1157,13 +1254,12 @@ impl Backend for RedisBackend {
     }
 
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
-        let keys = QueueKeys::new(q);
         let name = entry.name.clone();
         let rx = self
             .shared
             .live
             .lock()
-            .get(&(keys.queue.clone(), name.clone()))
+            .get(&(QueueKeys::queue_key(q), name.clone()))
             .map(|l| l.fate.subscribe());
         let closed = self.shared.closed.load(Ordering::SeqCst);
         Box::pin(async move {
@@ -1192,7 +1288,7 @@ impl Backend for RedisBackend {
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(async move {
             self.shared.check_open()?;
-            self.shared.list(&QueueKeys::new(q), true).await
+            self.shared.list(&QueueKeys::new(q), true, None).await
         })
     }
 
@@ -1215,7 +1311,7 @@ impl RedisBackend {
     ) -> Result<Enqueued> {
         let s = &self.shared;
         s.check_open()?;
-        let keys = QueueKeys::new(q);
+        let keys = Arc::new(QueueKeys::new(q));
         let started = Instant::now();
         let lease_ms = s.lease.as_millis().to_string();
         let prefix = ticket.name_prefix(kind);

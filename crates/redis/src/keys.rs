@@ -34,6 +34,15 @@ impl QueueKeys {
         }
     }
 
+    /// Just the queue's sorted-set key (what live entries are filed under), without
+    /// building the other names.
+    pub fn queue_key(q: &QueuePath) -> String {
+        match q.sub {
+            Some(sub) => format!("dlock:{{{}}}:q:{sub}", q.lock.as_str()),
+            None => format!("dlock:{{{}}}:q", q.lock.as_str()),
+        }
+    }
+
     /// The three keys every script takes, in script order.
     pub fn script_keys(&self) -> Vec<String> {
         vec![self.queue.clone(), self.seq.clone(), self.token.clone()]
@@ -58,10 +67,15 @@ mod tests {
         let lock = LockName::new("orders/42", NameRules::Redis).expect("valid");
         let k = QueueKeys::new(&QueuePath::sub(lock.clone(), "leases"));
         assert_eq!(k.queue, "dlock:{orders/42}:q:leases");
+        assert_eq!(
+            QueueKeys::queue_key(&QueuePath::sub(lock.clone(), "leases")),
+            k.queue
+        );
         assert_eq!(k.token, "dlock:{orders/42}:token");
         assert_eq!(k.entry("x"), "dlock:{orders/42}:e:leases:x");
-        let r = QueueKeys::new(&QueuePath::root(lock));
+        let r = QueueKeys::new(&QueuePath::root(lock.clone()));
         assert_eq!(r.queue, "dlock:{orders/42}:q");
+        assert_eq!(QueueKeys::queue_key(&QueuePath::root(lock)), r.queue);
         assert_eq!(r.gone_channel("x"), "dlock:{orders/42}:gone:x");
         for key in [&r.queue, &r.seq, &r.token, &k.queue, &k.seq] {
             assert_eq!(

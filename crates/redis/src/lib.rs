@@ -46,9 +46,12 @@
 //! | key | type | what |
 //! | --- | --- | --- |
 //! | `dlock:{L}:q[:<sub>]` | sorted set | entry names scored by their sequence |
-//! | `dlock:{L}:seq[:<sub>]` | string | the queue's sequence counter (`INCR`) |
-//! | `dlock:{L}:e[:<sub>]:<entry name>` | hash, `PX` = lease | `t` token, `c` creation ms (server clock), `d` data |
-//! | `dlock:{L}:token` | string | the lock's fencing-token counter |
+//! | `dlock:{L}:seq[:<sub>]` | string, `PX` = lease | Redlock only: the highest sequence this master accepted |
+//! | `dlock:{L}:e[:<sub>]:<entry name>` | string, `PX` = lease | `<token> <creation ms (server clock)> <data>` |
+//! | `dlock:{L}:token` | string, `PX` = lease | the lock's last fencing token |
+//!
+//! On one master an entry's sequence is its token (tokens only grow, and the enqueue
+//! script keeps it above every queued sequence), so no sequence counter is kept.
 //!
 //! Entry names follow Curator: `_c_<ticket uuid>-<marker><10-digit sequence>` (markers
 //! `lock-`, `__READ__`, `__WRIT__`, `lease-`), so `dlock_core`'s parsing and ordering work
@@ -59,10 +62,13 @@
 //!
 //! Every state change is one Lua script (enqueue, list, remove, abandon, renew), sent with
 //! `EVALSHA` and loaded on `NOSCRIPT`. The scripts build entry keys from prefixes instead
-//! of declaring each key: they share the hash tag, so they are on the script's slot. Every
-//! key gets a TTL of at least the longest lease renewed through it, and the counters are
-//! deleted when their queue empties, so neither an idle lock nor a crashed client leaves
-//! keys behind for longer than a lease.
+//! of declaring each key: they share the hash tag, so they are on the script's slot. The
+//! queue's key lives at least as long as its longest-lived entry (`PEXPIRE ... GT`, so
+//! **Redis 7.0 or later** is required); the counters carry a lease as TTL and are only
+//! floors (see "Fencing tokens"), and they are deleted when their queue empties, so neither
+//! an idle lock nor a crashed client leaves keys behind for longer than a lease. An
+//! uncontended acquire + release runs 14 commands inside its two scripts (see the
+//! `scripts` module for what each costs).
 //!
 //! The layout is Cluster-ready (one slot per lock), but the client connects to one master
 //! per address: pointing it at a Redis Cluster node is not supported yet.
@@ -84,16 +90,23 @@
 //! that re-subscribes after reconnects) and confirms the subscription with a PING on the
 //! subscriber connection (fred resolves SUBSCRIBE once it is written, so without the PING
 //! the check below could reach the server first and a removal in between went unheard),
-//! then checks that the entry still exists, then
-//! waits for the message or a re-check timer (min(lease/3, 1 s)), so a lost message or an
-//! unpublished expiry only delays a waiter. Concurrent waiters on one channel share one
-//! subscription. [`Stats::missed_wakeups`] counts the waits that only the timer ended.
+//! then reads the remaining TTL of the entry's key (gone: return), then
+//! waits for the message (on one master it ends the wait without another round trip:
+//! only that entry's removal or expiry is published on its channel) or a re-check
+//! timer: just after that TTL runs out (an expiry
+//! nobody publishes, a dead client's entry) and at the latest after lease/3 (a lost
+//! message that no reconnect wake-up covered). So a waiter costs the server nothing while
+//! it waits for a live holder, and a lost message or an unpublished expiry only delays it.
+//! A woken waiter lists only the entries scored up to its own
+//! ([`dlock_core::Backend::queue_ahead`]), so a handoff costs the same whatever the
+//! queue's length. Concurrent waiters on one channel share one subscription.
+//! [`Stats::missed_wakeups`] counts the waits that only the timer ended.
 //!
 //! # Fencing tokens
-//! Each entry gets `INCR dlock:{L}:token` from the enqueue script, floored at the server
+//! Each entry gets the lock's last token + 1 from the enqueue script, floored at the server
 //! clock in microseconds. The floor keeps tokens growing after the counter is deleted with
-//! an idle lock or lost in a restart without persistence, *provided the server clock does
-//! not step back*. On one master tokens are as safe as the master's persistence and clock;
+//! an idle lock, expires, or is lost in a restart without persistence, *provided the
+//! server clock does not step back*. On one master tokens are as safe as the master's persistence and clock;
 //! see Redlock for the multi-master case.
 //!
 //! # Sentinel

@@ -320,29 +320,34 @@ impl Node {
             .map_err(|e| self.map_err(what, e))
     }
 
-    /// True if `key` exists.
-    pub async fn exists(&self, key: &str) -> Result<bool, Error> {
+    /// The time `key` has left in ms (-1: no TTL), or `None` if it does not exist.
+    pub async fn pttl(&self, key: &str) -> Result<Option<i64>, Error> {
         let n: i64 = self
             .client
-            .exists(key)
+            .pttl(key)
             .await
             .map_err(|e| self.map_err("checking an entry", e))?;
-        Ok(n > 0)
+        Ok((n != -2).then_some(n))
     }
 
-    /// Subscribes to `channel` and returns once the server has processed the SUBSCRIBE.
+    /// Sends SUBSCRIBE for `channel`. It is *not* in force yet: see
+    /// [`Node::confirm_subscriptions`].
+    pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
+        self.sub
+            .subscribe(channel)
+            .await
+            .map_err(|e| self.map_err("subscribing", e))
+    }
+
+    /// Returns once the server has processed every SUBSCRIBE sent before this call.
     ///
     /// fred resolves `subscribe` as soon as the command is *written* (its confirmation
     /// arrives out of band and is dropped), so a command sent next on the other
     /// connection, such as the waiter's existence check, could reach the server first,
     /// and a removal published between the two was never delivered (the benchmark's 1 s
     /// stalls). A PING on the subscriber connection is answered only after everything
-    /// sent before it on that connection, the SUBSCRIBE included.
-    pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
-        self.sub
-            .subscribe(channel)
-            .await
-            .map_err(|e| self.map_err("subscribing", e))?;
+    /// sent before it on that connection, the SUBSCRIBEs included.
+    pub async fn confirm_subscriptions(&self) -> Result<(), Error> {
         self.sub
             .ping::<Value>(None)
             .await

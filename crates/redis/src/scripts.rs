@@ -2,125 +2,184 @@
 //!
 //! Each script takes the same three keys, all under the lock's hash tag so that the script
 //! runs on one Redis Cluster slot: `KEYS[1]` the queue's sorted set, `KEYS[2]` its
-//! sequence counter, `KEYS[3]` the lock's token counter. Entry keys and channels are built
-//! inside the script from prefixes passed in `ARGV`, because their names depend on the
-//! sequence the script itself draws (they share the hash tag, so they live on the same
-//! slot; see the crate docs).
+//! sequence counter (Redlock proposals only), `KEYS[3]` the lock's token counter. Entry
+//! keys and channels are built inside the script from prefixes passed in `ARGV`, because
+//! their names depend on the sequence the script itself draws (they share the hash tag,
+//! so they live on the same slot; see the crate docs).
 //!
 //! Scripts are sent with `EVALSHA` and loaded on `NOSCRIPT` (fred's
 //! `Script::evalsha_with_reload`), so a server restart that forgets them costs one extra
 //! round trip, never a replayed write: a `NOSCRIPT` reply means the script did not run.
+//!
+//! # What each script costs
+//! Every command a script runs is server time on the lock's hot path (and a `calls` count
+//! in `INFO commandstats`), so the scripts run only what the state change needs:
+//! - an uncontended acquire + release is 14 commands (enqueue: ZRANGE, TIME, GET + SET of
+//!   the token counter, SET of the entry with its lease, ZADD, PEXPIRE of the queue,
+//!   PUBLISH; remove: DEL, ZREM, two PUBLISH, EXISTS, DEL of the counters);
+//! - a queue's keys need no TTL bookkeeping beyond `PEXPIRE <queue> <lease> GT` (Redis
+//!   7.0+): the counters are written with `PX <lease>` and are floors, not the truth (the
+//!   token is floored at the server clock, a Redlock proposal must be above every queued
+//!   sequence), so their expiring early is harmless;
+//! - on one master an entry's sequence *is* its token, so no sequence counter is kept;
+//! - a woken waiter lists only the entries scored up to its own (`ZRANGEBYSCORE`), so
+//!   its re-check costs O(entries ahead of it), not O(queue), and the enqueue lists the
+//!   queue without reading each entry, so n waiters queue in O(n) commands, not O(n²);
+//! - nothing is published for an entry that did not exist (an idempotent second remove).
 
 use fred::types::scripts::Script;
 
 /// Helpers shared by every script.
 ///
-/// `live` lists the queue and lazily drops members whose entry key expired (a dead
-/// client's entry), publishing `expired` on their gone-channel so that a waiter watching
-/// one wakes at once instead of at its re-check timer. `tidy` deletes the counters once
-/// the queue is empty so that an idle lock leaves no key behind; `extend` keeps the
-/// queue's keys alive at least as long as the longest-lived entry renewed through them.
+/// `ent` splits an entry value `<token> <created ms> <data>`. `live` lists the queue (or
+/// with `upto`, only the members scored up to it) and lazily drops members whose entry key
+/// expired (a dead client's entry), publishing `expired` on their gone-channel so that a
+/// waiter watching one wakes at once instead of at its re-check timer. `tidy` deletes the
+/// counters once the queue is empty so that an idle lock leaves no key behind.
 const PRELUDE: &str = r#"
-local function extend(lease)
-  for i = 1, 3 do
-    local ttl = redis.call('PTTL', KEYS[i])
-    if ttl ~= -2 and ttl < lease then redis.call('PEXPIRE', KEYS[i], lease) end
-  end
+local function ent(v)
+  local i = string.find(v, ' ', 1, true)
+  local j = i and string.find(v, ' ', i + 1, true)
+  if not j then return v, '0', '' end
+  return string.sub(v, 1, i - 1), string.sub(v, i + 1, j - 1), string.sub(v, j + 1)
 end
 local function tidy()
   if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[2], KEYS[3]) end
 end
 local function drop(ep, gp, qc, name, why)
   local n = redis.call('DEL', ep .. name)
-  redis.call('ZREM', KEYS[1], name)
-  redis.call('PUBLISH', gp .. name, why)
-  redis.call('PUBLISH', qc, name)
+  local z = redis.call('ZREM', KEYS[1], name)
+  if n + z > 0 then
+    redis.call('PUBLISH', gp .. name, why)
+    redis.call('PUBLISH', qc, name)
+  end
   return n
 end
-local function live(ep, gp, qc, detail)
-  local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local function live(ep, gp, qc, detail, upto)
+  local m
+  if upto then
+    m = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', upto, 'WITHSCORES')
+  else
+    m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  end
   local out = {}
+  local dropped = false
   for i = 1, #m, 2 do
     local name = m[i]
-    local h
-    if detail then
-      h = redis.call('HMGET', ep .. name, 't', 'c', 'd')
-    else
-      h = redis.call('HMGET', ep .. name, 't')
-    end
-    if h[1] then
+    local v = redis.call('GET', ep .. name)
+    if v then
+      local t, c, d = ent(v)
       out[#out + 1] = name
       out[#out + 1] = m[i + 1]
-      out[#out + 1] = h[1]
+      out[#out + 1] = t
       if detail then
-        out[#out + 1] = h[2] or '0'
-        out[#out + 1] = h[3] or ''
+        out[#out + 1] = c
+        out[#out + 1] = d
       end
     else
       drop(ep, gp, qc, name, 'expired')
+      dropped = true
     end
   end
-  tidy()
-  return out
+  local top = 0
+  if #m > 0 then top = tonumber(m[#m]) end
+  -- The key exists iff a live member is left: dropping the last expired one deleted it.
+  return out, top, #out > 0, dropped
 end
 "#;
 
-/// Adds an entry and returns the live queue in the same round trip.
+/// Adds an entry and returns the queue in the same round trip.
+///
+/// The queue is listed without reading each entry (no token for the others, and an
+/// expired entry not yet dropped is still listed): the driver needs only names and
+/// sequences, and an expired entry ahead is found gone by its watcher's `wait_gone`,
+/// whose next listing drops it. Reading every entry here made a queue of n waiters cost
+/// O(n²) server work to build.
 ///
 /// ARGV: entry-key prefix, gone-channel prefix, queue channel, name prefix
 /// (`_c_<uuid>-<marker>`), lease ms, data, mode, proposed sequence, writer name.
-/// Modes: `tail` draws the sequence with `INCR` (single master); `cas` accepts the
-/// proposed sequence only if it is above every sequence this master has handed out, and
-/// otherwise returns `{'REJECT', counter}` (Redlock: the same name on every master);
-/// `beside` reuses the writer's sequence if the writer's entry still exists, otherwise
-/// returns `{'MISSING'}`.
+/// Modes: `tail` (single master) takes the new token as the sequence: tokens only grow,
+/// and it is kept above every queued sequence; `cas` accepts the proposed sequence only if
+/// it is above the master's counter and every queued sequence, and otherwise returns
+/// `{'REJECT', counter}` (Redlock: the same name on every master); `beside` reuses the
+/// writer's sequence if the writer's entry still exists, otherwise returns `{'MISSING'}`.
 ///
-/// The token is `INCR` of the lock's counter, floored at the server clock in
-/// microseconds: the counter is deleted with an idle lock (and lost by a restart without
-/// persistence), and the floor keeps tokens growing across both.
+/// The token is the lock's counter + 1, floored at the server clock in microseconds: the
+/// counter is deleted with an idle lock (and lost by a restart without persistence), and
+/// the floor keeps tokens growing across both.
+///
+/// The entry key is a string `<token> <created ms> <data>` with the lease as its TTL.
 ///
 /// Returns `{'OK', name, seq, token, created_ms, {name, seq, token, ...}}`.
 const ENQUEUE: &str = r#"
 local ep, gp, qc, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local lease, data, mode, p, writer = tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local seq
-if mode == 'tail' then
-  seq = redis.call('INCR', KEYS[2])
-elseif mode == 'cas' then
-  local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
-  seq = tonumber(p)
-  if seq <= cur then return {'REJECT', cur} end
-  redis.call('SET', KEYS[2], p)
-else
+local lease, data, mode, p, writer = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+local cur
+if mode == 'cas' then
+  cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+  if tonumber(p) <= cur then return {'REJECT', string.format('%.0f', cur)} end
+elseif mode == 'beside' then
   if redis.call('EXISTS', ep .. writer) == 0 then return {'MISSING'} end
-  seq = tonumber(p)
 end
-local name = prefix .. string.format('%010d', seq)
+local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local out = {}
+for i = 1, #m, 2 do
+  out[#out + 1] = m[i]
+  out[#out + 1] = m[i + 1]
+  out[#out + 1] = ''
+end
+local top = 0
+if #m > 0 then top = tonumber(m[#m]) end
+local existed = #m > 0
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now_us / 1000)
-local tok = redis.call('INCR', KEYS[3])
-if tok < now_us then
-  tok = now_us
-  redis.call('SET', KEYS[3], string.format('%.0f', tok))
+local tok = tonumber(redis.call('GET', KEYS[3]) or '0') + 1
+if tok < now_us then tok = now_us end
+local seq
+if mode == 'tail' then
+  if tok <= top then tok = top + 1 end
+  seq = tok
+elseif mode == 'cas' then
+  seq = tonumber(p)
+  if seq <= top then return {'REJECT', string.format('%.0f', top)} end
+  redis.call('SET', KEYS[2], p, 'PX', lease)
+else
+  seq = tonumber(p)
 end
-redis.call('HSET', ep .. name, 't', string.format('%.0f', tok), 'c', string.format('%.0f', now_ms), 'd', data)
-redis.call('PEXPIRE', ep .. name, lease)
-redis.call('ZADD', KEYS[1], seq, name)
-extend(lease)
+local tok_s = string.format('%.0f', tok)
+local seq_s = string.format('%.0f', seq)
+local name = prefix .. string.format('%010.0f', seq)
+redis.call('SET', KEYS[3], tok_s, 'PX', lease)
+redis.call('SET', ep .. name, tok_s .. ' ' .. string.format('%.0f', now_ms) .. ' ' .. data, 'PX', lease)
+redis.call('ZADD', KEYS[1], seq_s, name)
+if existed then
+  redis.call('PEXPIRE', KEYS[1], lease, 'GT')
+else
+  redis.call('PEXPIRE', KEYS[1], lease)
+end
 redis.call('PUBLISH', qc, name)
-return {'OK', name, seq, string.format('%.0f', tok), string.format('%.0f', now_ms), live(ep, gp, qc, false)}
+out[#out + 1] = name
+out[#out + 1] = seq_s
+out[#out + 1] = tok_s
+return {'OK', name, seq_s, tok_s, string.format('%.0f', now_ms), out}
 "#;
 
 /// Lists the live queue. ARGV: entry-key prefix, gone-channel prefix, queue channel,
-/// `1` for details (creation time and data). Returns `{name, seq, token[, created, data]...}`.
+/// `1` for details (creation time and data), and a sequence to list only the members
+/// scored up to it (empty: all). Returns `{name, seq, token[, created, data]...}`.
 const LIST: &str = r#"
-return live(ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
+local upto = nil
+if ARGV[5] and ARGV[5] ~= '' then upto = ARGV[5] end
+local out, top, existed, dropped = live(ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1', upto)
+if dropped then tidy() end
+return out
 "#;
 
 /// Removes the named entries (remove: one name; idempotent). ARGV: entry-key prefix,
-/// gone-channel prefix, queue channel, names... Publishes on each entry's gone-channel so
-/// that only the waiter watching it wakes. Returns how many entry keys existed.
+/// gone-channel prefix, queue channel, names... Publishes on each removed entry's
+/// gone-channel so that only the waiter watching it wakes. Returns how many entry keys
+/// existed.
 const REMOVE: &str = r#"
 local n = 0
 for i = 4, #ARGV do n = n + drop(ARGV[1], ARGV[2], ARGV[3], ARGV[i], 'removed') end
@@ -146,10 +205,11 @@ return n
 "#;
 
 /// The watchdog's renewal: re-arms the lease of each named entry that still exists, and
-/// never re-creates one (a released entry stays released). ARGV: entry-key prefix, lease
-/// ms, names... Returns one 1 (renewed) or 0 (gone) per name.
+/// never re-creates one (a released entry stays released); the queue's key is kept alive
+/// at least as long. ARGV: entry-key prefix, lease ms, names... Returns one 1 (renewed)
+/// or 0 (gone) per name.
 const RENEW: &str = r#"
-local lease = tonumber(ARGV[2])
+local lease = ARGV[2]
 local out = {}
 local any = false
 for i = 3, #ARGV do
@@ -160,7 +220,7 @@ for i = 3, #ARGV do
   end
   out[#out + 1] = ok
 end
-if any then extend(lease) end
+if any then redis.call('PEXPIRE', KEYS[1], lease, 'GT') end
 return out
 "#;
 
