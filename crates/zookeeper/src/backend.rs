@@ -560,6 +560,12 @@ impl ZkBackend {
     async fn participants_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         let client = self.handle()?;
         let parent = znode(q);
+        // Status and revocation must see every entry any client has been told it holds,
+        // not the possibly lagging view of this session's server: sync first.
+        match retry(|| client.sync(&parent)).await {
+            Ok(()) | Err(zk::Error::NoNode) => {}
+            Err(err) => return Err(map_err("syncing before listing participants", err)),
+        }
         let names = match retry(|| client.list_children(&parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(Vec::new()),
