@@ -92,6 +92,21 @@ impl Drop for Reap {
     }
 }
 
+/// Starts `dlock <args> -- sh -c <script> sh <script_args>` as the leader of its own
+/// process group, its stderr into `errfile`, reaped (with its group) when dropped.
+fn spawn_exec(args: &[&str], script: &str, script_args: &[&Path], errfile: &Path) -> Reap {
+    let holder = dlock()
+        .args(args)
+        .args(["--", "sh", "-c", script, "sh"])
+        .args(script_args)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(errfile).expect("stderr file"))
+        .process_group(0)
+        .spawn()
+        .expect("spawn holder");
+    Reap(holder)
+}
+
 /// A `dlock exec` whose process group is SIGSTOPped far past its session timeout loses the
 /// lock to another client meanwhile; once continued, its lost signal fires, it SIGTERMs
 /// its command and exits 70, and the command is gone.
@@ -101,22 +116,13 @@ pub async fn cli_paused_holder_exits_70(kind: Kind, url: &str) {
     let pidfile = dir.join("child.pid");
     let errfile = dir.join("dlock.err");
     let session = Duration::from_secs(2);
-    let holder = dlock()
-        .args(["--url", url, "--session-timeout", "2s", "exec", &name, "--"])
-        // The command records its PID, then becomes `sleep` under that same PID.
-        .args([
-            "sh",
-            "-c",
-            "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
-            "sh",
-        ])
-        .arg(&pidfile)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&errfile).expect("stderr file"))
-        .process_group(0)
-        .spawn()
-        .expect("spawn holder");
-    let mut holder = Reap(holder);
+    // The command records its PID, then becomes `sleep` under that same PID.
+    let mut holder = spawn_exec(
+        &["--url", url, "--session-timeout", "2s", "exec", &name],
+        "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+        &[&pidfile],
+        &errfile,
+    );
     let pgid = holder.0.id();
     assert!(
         eventually(GENEROUS, || async { pidfile.exists() }).await,
@@ -514,22 +520,12 @@ pub async fn cli_unnoticed_loss_exits_70(kind: Kind, url: &str) {
     let started = dir.join("started");
     let go = dir.join("go");
     let errfile = dir.join("dlock.err");
-    let holder = dlock()
-        .args(["--url", url, "exec", &name, "--"])
-        .args([
-            "sh",
-            "-c",
-            "touch \"$1\"; while [ ! -e \"$2\" ]; do sleep 0.05; done",
-            "sh",
-        ])
-        .arg(&started)
-        .arg(&go)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&errfile).expect("stderr file"))
-        .process_group(0)
-        .spawn()
-        .expect("spawn holder");
-    let mut holder = Reap(holder);
+    let mut holder = spawn_exec(
+        &["--url", url, "exec", &name],
+        "touch \"$1\"; while [ ! -e \"$2\" ]; do sleep 0.05; done",
+        &[&started, &go],
+        &errfile,
+    );
     assert!(
         eventually(GENEROUS, || async { started.exists() }).await,
         "the holder never ran its command"
