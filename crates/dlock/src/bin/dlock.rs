@@ -133,8 +133,11 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::fmt()
         .with_env_filter(
+            // The client crates' own warnings (fred's "command canceled after quit" while
+            // the CLI closes its connection) are noise beside dlock's one-line messages;
+            // DLOCK_LOG shows them when wanted.
             tracing_subscriber::EnvFilter::try_from_env("DLOCK_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+                .unwrap_or_else(|_| "warn,fred=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();
