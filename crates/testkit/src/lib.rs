@@ -10,6 +10,8 @@
 //! - Writing a test that needs a server: call [`require_zk`], [`require_etcd`],
 //!   [`require_redis`], [`require_redlock`] or [`require_redis_sentinel`] at the top. They return the endpoint that
 //!   `cargo xtask integration` exported, or skip loudly (fail under `CI`) when it is missing.
+//! - Naming a service in a test or a runner: [`LockService`] maps each one to its
+//!   `DLOCK_TEST_*` variable, URL scheme and servers.
 //! - Writing a fault test: [`require_state`] loads the [`State`] of the running cluster;
 //!   [`State::kill`], [`State::stop`], [`State::cont`], [`State::restart`],
 //!   [`State::zk_leader`], [`State::etcd_leader`] and [`State::sentinel_primary`] act on
@@ -49,6 +51,7 @@ mod install;
 mod ports;
 mod probe;
 mod process;
+mod service;
 mod state;
 
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
@@ -65,4 +68,5 @@ pub use error::{Error, Result};
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
 pub use ports::{client_port, find_free_offset, ports_in_use, MAX_PORT_OFFSET};
 pub use probe::{etcd_healthy, redis_ping, redis_query, zk_mode, ZkMode};
+pub use service::LockService;
 pub use state::{default_state_path, Backend, Server, State};

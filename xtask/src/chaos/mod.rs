@@ -45,112 +45,41 @@ const SLOW_WORK_MS: u64 = 300;
 /// Generous bound for anything that should happen within a few session timeouts.
 const WAIT: Duration = Duration::from_secs(60);
 
-/// A lock service under test.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Zk,
-    Etcd,
-    Redis,
-    Redlock,
-    /// The primary of a Sentinel group (`redis+sentinel://`).
-    RedisSentinel,
+/// A lock service under test: the one list dlock's own tests use too.
+pub(crate) use dlock_testkit::LockService as Kind;
+
+/// Parses a `--backend` value.
+fn parse_kind(s: &str) -> anyhow::Result<Kind> {
+    Kind::parse(s).ok_or_else(|| {
+        anyhow::anyhow!(
+            "unknown backend {s:?}: expected zk, etcd, redis, redlock or redis-sentinel"
+        )
+    })
 }
 
-impl Kind {
-    const ALL: [Kind; 5] = [
-        Kind::Zk,
-        Kind::Etcd,
-        Kind::Redis,
-        Kind::Redlock,
-        Kind::RedisSentinel,
-    ];
-
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Kind::Zk => "zookeeper",
-            Kind::Etcd => "etcd",
-            Kind::Redis => "redis",
-            Kind::Redlock => "redlock",
-            Kind::RedisSentinel => "redis-sentinel",
-        }
+/// The client addresses of `kind`'s servers in `cluster` that its URL lists (a single
+/// Redis master: only the first).
+fn cluster_addrs(kind: Kind, cluster: &Cluster) -> Vec<String> {
+    let all = cluster.servers_of(kind.server()).map(|s| s.addr.clone());
+    match kind {
+        Kind::Redis => all.take(1).collect(),
+        _ => all.collect(),
     }
+}
 
-    fn scheme(self) -> &'static str {
-        match self {
-            Kind::Zk => "zk",
-            Kind::Etcd => "etcd",
-            Kind::Redis => "redis",
-            Kind::Redlock => "redlock",
-            Kind::RedisSentinel => "redis+sentinel",
-        }
-    }
-
-    fn parse(s: &str) -> anyhow::Result<Kind> {
-        Ok(match s.trim().to_ascii_lowercase().as_str() {
-            "zk" | "zookeeper" => Kind::Zk,
-            "etcd" => Kind::Etcd,
-            "redis" => Kind::Redis,
-            "redlock" => Kind::Redlock,
-            "redis-sentinel" | "sentinel" => Kind::RedisSentinel,
-            other => bail!(
-                "unknown backend {other:?}: expected zk, etcd, redis, redlock or redis-sentinel"
-            ),
-        })
-    }
-
-    fn server(self) -> Backend {
-        match self {
-            Kind::Zk => Backend::Zookeeper,
-            Kind::Etcd => Backend::Etcd,
-            Kind::Redis | Kind::Redlock => Backend::Redis,
-            // Clients name the Sentinels; the data nodes are `Backend::RedisHa`.
-            Kind::RedisSentinel => Backend::Sentinel,
-        }
-    }
-
-    /// The servers' client addresses this backend's URL lists.
-    fn addrs(self, cluster: &Cluster) -> Vec<String> {
-        let all: Vec<String> = cluster
-            .servers_of(self.server())
-            .map(|s| s.addr.clone())
-            .collect();
-        match self {
-            Kind::Redis => all.into_iter().take(1).collect(),
-            _ => all,
-        }
-    }
-
-    fn url(self, addrs: &[String]) -> String {
-        match self {
-            Kind::RedisSentinel => format!(
-                "{}://{}/{}",
-                self.scheme(),
-                addrs.join(","),
-                dlock_testkit::SENTINEL_SERVICE
-            ),
-            _ => format!("{}://{}", self.scheme(), addrs.join(",")),
-        }
-    }
-
-    /// Whether this build of dlock has the backend: a URL of a missing feature fails at
-    /// once with `InvalidUrl`, before any connection attempt.
-    async fn available(self) -> bool {
-        let url = self.url(&[
-            "127.0.0.1:1".into(),
-            "127.0.0.1:2".into(),
-            "127.0.0.1:3".into(),
-        ]);
-        let url = if self == Kind::Redis {
-            "redis://127.0.0.1:1".to_string()
-        } else {
-            url
-        };
-        let opts = dlock::SessionOptions::default().with_connect_timeout(Duration::from_millis(1));
-        !matches!(
-            dlock::connect_with(&url, opts).await,
-            Err(dlock::Error::InvalidUrl { .. })
-        )
-    }
+/// Whether this build of dlock has the backend: a URL of a missing feature fails at once
+/// with `InvalidUrl`, before any connection attempt.
+async fn available(kind: Kind) -> bool {
+    let url = kind.url(&[
+        "127.0.0.1:1".into(),
+        "127.0.0.1:2".into(),
+        "127.0.0.1:3".into(),
+    ]);
+    let opts = dlock::SessionOptions::default().with_connect_timeout(Duration::from_millis(1));
+    !matches!(
+        dlock::connect_with(&url, opts).await,
+        Err(dlock::Error::InvalidUrl { .. })
+    )
 }
 
 /// A fault scenario.
@@ -278,13 +207,13 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
     } else {
         args.backends
             .iter()
-            .map(|b| Kind::parse(b))
+            .map(|b| parse_kind(b))
             .collect::<anyhow::Result<_>>()?
     };
     let mut kinds = Vec::new();
     let mut notes = Vec::new();
     for k in asked {
-        if rt.block_on(k.available()) {
+        if rt.block_on(available(k)) {
             kinds.push(k);
         } else {
             let note = format!(
@@ -533,7 +462,7 @@ fn run_one(
     let history_path = dir.join("history.log");
     let stop_path = dir.join("stop");
     let name = format!("chaos/{}/{}", scenario.label(), std::process::id());
-    let addrs = kind.addrs(cluster);
+    let addrs = cluster_addrs(kind, cluster);
     let url = kind.url(&addrs);
     let store = Store::start(scenario.fenced())?;
 

@@ -4,7 +4,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{client, eventually, leftovers, unique, Kind, SESSION_TIMEOUT};
 
 fn dlock() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
@@ -27,7 +27,7 @@ pub async fn cli_processes_never_overlap(kind: Kind, url: &str) {
     let mut workers = Vec::new();
     for _ in 0..8 {
         let (url, name, log) = (url.to_owned(), name.clone(), log.clone());
-        let session = kind.session_timeout();
+        let session = SESSION_TIMEOUT;
         workers.push(tokio::task::spawn_blocking(move || {
             for _ in 0..sections {
                 let st = dlock()
@@ -90,7 +90,7 @@ pub async fn cli_processes_never_overlap(kind: Kind, url: &str) {
 /// own code otherwise.
 pub async fn cli_exit_codes(kind: Kind, url: &str) {
     let name = unique("codes");
-    let c = client(kind, url).await;
+    let c = client(url).await;
     let code = |args: &[&str]| dlock().args(args).output().expect("run").status.code();
     assert_eq!(
         code(&["--url", url, "exec", &name, "--", "sh", "-c", "exit 7"]),
@@ -171,7 +171,7 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
 }
 
 /// SIGKILL of the process holding the lock frees it within the session timeout.
-pub async fn cli_sigkill_frees_the_lock(kind: Kind, url: &str) {
+pub async fn cli_sigkill_frees_the_lock(_kind: Kind, url: &str) {
     let name = unique("kill");
     let mut holder = dlock()
         .args([
@@ -189,7 +189,7 @@ pub async fn cli_sigkill_frees_the_lock(kind: Kind, url: &str) {
         .process_group(0)
         .spawn()
         .expect("spawn holder");
-    let c = client(kind, url).await;
+    let c = client(url).await;
     assert!(
         eventually(Duration::from_secs(30), || async {
             c.participants(&name)
@@ -221,16 +221,16 @@ pub async fn cli_sigkill_frees_the_lock(kind: Kind, url: &str) {
 }
 
 /// `dlock status` lists holders and waiters in queue order, as text and JSON.
-pub async fn cli_status_shows_queue(kind: Kind, url: &str) {
+pub async fn cli_status_shows_queue(_kind: Kind, url: &str) {
     let name = unique("status");
-    let c = client(kind, url).await;
+    let c = client(url).await;
     let out = dlock()
         .args(["--url", url, "status", &name])
         .output()
         .expect("run");
     assert!(String::from_utf8_lossy(&out.stdout).contains("free"));
     let mut g = c.mutex(&name).expect("n").lock().await.expect("lock");
-    let waiter = client(kind, url).await;
+    let waiter = client(url).await;
     let m = waiter.mutex(&name).expect("n");
     let pending = tokio::spawn(async move {
         let r = m.lock_timeout(Duration::from_secs(60)).await;

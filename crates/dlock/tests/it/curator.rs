@@ -9,7 +9,7 @@ use dlock::{EntryKind, Error};
 use tokio::sync::mpsc;
 
 use crate::curator_peer::Peer;
-use crate::support::{client, eventually, leftovers, unique, zk_hosts, Kind};
+use crate::support::{client, eventually, leftovers, unique, zk_hosts};
 
 const GENEROUS: Duration = Duration::from_secs(30);
 const SHORT: Duration = Duration::from_millis(500);
@@ -49,8 +49,8 @@ pub async fn mutex_interop(url: &str) {
     };
     let name = unique("cur-mutex");
     let path = format!("/{name}");
-    let a = client(Kind::Zk, url).await;
-    let b = client(Kind::Zk, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let ma = a.mutex(&name).expect("name");
 
     // Curator holds: dlock times out, leaves nothing, and reads Curator's node.
@@ -119,7 +119,7 @@ pub async fn mutex_interop(url: &str) {
 
     // A chroot: dlock's `m` under zk://hosts/<path>-ns is Curator's `<path>-ns/m`.
     let chrooted = format!("zk://{}{path}-ns", zk_hosts(url));
-    let c = client(Kind::Zk, &chrooted).await;
+    let c = client(&chrooted).await;
     let mut gc = c.mutex("m").expect("name").lock().await.expect("lock");
     assert_eq!(
         java.cmd("j4", &format!("mutex {path}-ns/m 500")).await,
@@ -148,8 +148,8 @@ pub async fn rwlock_interop(url: &str) {
     };
     let name = unique("cur-rw");
     let path = format!("/{name}");
-    let a = client(Kind::Zk, url).await;
-    let b = client(Kind::Zk, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let rw = a.rwlock(&name).expect("name");
 
     // A Curator writer blocks dlock readers and writers.
@@ -176,7 +176,7 @@ pub async fn rwlock_interop(url: &str) {
         java.cmd("w2", &format!("write {path} 500")).await,
         "TIMEOUT"
     );
-    let third = client(Kind::Zk, url).await;
+    let third = client(url).await;
     let rw3 = third.rwlock(&name).expect("name");
     assert!(matches!(rw3.try_write().await, Err(Error::WouldBlock)));
     assert_eq!(java.cmd("r1", "release").await, "RELEASED");
@@ -271,7 +271,7 @@ pub async fn semaphore_interop(url: &str) {
     };
     let name = unique("cur-sem");
     let path = format!("/{name}");
-    let c = client(Kind::Zk, url).await;
+    let c = client(url).await;
     let (tx, mut events) = mpsc::unbounded_channel();
     let mut release: HashMap<String, mpsc::UnboundedSender<()>> = HashMap::new();
     let mut remaining: HashMap<String, usize> = HashMap::new();
@@ -413,7 +413,7 @@ pub async fn shared_count_interop(url: &str) {
         java.cmd("c", &format!("count {count_path} 2")).await,
         "COUNT 2"
     );
-    let c = client(Kind::Zk, url).await;
+    let c = client(url).await;
     let sem = dlock::Semaphore::with_shared_count(&c, &name, &count).expect("names");
     assert_eq!(sem.permits().await.expect("permits"), 2, "Curator's count");
     let mut p1 = sem.acquire(Some(GENEROUS)).await.expect("permit 1");

@@ -110,7 +110,7 @@ fn spawn_exec(args: &[&str], script: &str, script_args: &[&Path], errfile: &Path
 /// A `dlock exec` whose process group is SIGSTOPped far past its session timeout loses the
 /// lock to another client meanwhile; once continued, its lost signal fires, it SIGTERMs
 /// its command and exits 70, and the command is gone.
-pub async fn cli_paused_holder_exits_70(kind: Kind, url: &str) {
+pub async fn cli_paused_holder_exits_70(_kind: Kind, url: &str) {
     let name = unique("paused");
     let dir = tempdir("paused");
     let pidfile = dir.join("child.pid");
@@ -135,7 +135,7 @@ pub async fn cli_paused_holder_exits_70(kind: Kind, url: &str) {
         .expect("pid");
     let child_start = start_time(child_pid).expect("the command runs");
     // Connected before the pause, so the only slow thing while paused is the lock.
-    let c = client(kind, url).await;
+    let c = client(url).await;
     let m = c.mutex(&name).expect("name");
     assert!(
         matches!(m.try_lock().await, Err(dlock::Error::WouldBlock)),
@@ -238,7 +238,7 @@ fn output_of(child: &mut Reap) -> (String, String) {
 /// etcd's own lock and dlock exclude each other on one name: while `etcdctl lock NAME`
 /// runs its command, `dlock exec NAME --timeout 500ms` exits 75; once etcdctl's command
 /// ends, dlock gets the lock.
-pub async fn etcdctl_lock_blocks_dlock(kind: Kind, url: &str) {
+pub async fn etcdctl_lock_blocks_dlock(_kind: Kind, url: &str) {
     let _one = ETCD_FAULTS.lock().await;
     let name = unique("etcdctl-first");
     let dir = tempdir("etcdctl-first");
@@ -257,7 +257,7 @@ pub async fn etcdctl_lock_blocks_dlock(kind: Kind, url: &str) {
     );
     assert!(wait_file(&held).await, "etcdctl never got the lock");
     // dlock sees etcd's key as the one holder of the name.
-    let c = client(kind, url).await;
+    let c = client(url).await;
     let parts = c.participants(&name).await.expect("participants");
     assert_eq!(parts.len(), 1, "{parts:?}");
     assert!(parts[0].holds, "{parts:?}");
@@ -321,7 +321,7 @@ pub async fn etcdctl_lock_blocks_dlock(kind: Kind, url: &str) {
 /// The reverse: while `dlock exec NAME` runs its command, `etcdctl lock NAME` queues behind
 /// it and runs its own command only after dlock's has ended. The order is read from one
 /// file both commands append to.
-pub async fn dlock_blocks_etcdctl_lock(kind: Kind, url: &str) {
+pub async fn dlock_blocks_etcdctl_lock(_kind: Kind, url: &str) {
     let _one = ETCD_FAULTS.lock().await;
     let name = unique("dlock-first");
     let dir = tempdir("dlock-first");
@@ -341,7 +341,7 @@ pub async fn dlock_blocks_etcdctl_lock(kind: Kind, url: &str) {
     let mut holder = Reap(holder);
     assert!(wait_file(&log).await, "dlock never got the lock");
 
-    let c = client(kind, url).await;
+    let c = client(url).await;
     let log_s = log.to_str().expect("utf-8 path");
     let mut etcdctl = etcdctl_lock(
         url,
@@ -514,7 +514,7 @@ pub async fn etcd_leader_kill_keeps_the_lock(_kind: Kind, url: &str) {
 /// and the command exits at once, well before any keep-alive could tell the holder.
 /// Without the check at the end, dlock would exit 0 and the script would trust a critical
 /// section that another holder may have overlapped.
-pub async fn cli_unnoticed_loss_exits_70(kind: Kind, url: &str) {
+pub async fn cli_unnoticed_loss_exits_70(_kind: Kind, url: &str) {
     let name = unique("vanish");
     let dir = tempdir("vanish");
     let started = dir.join("started");
@@ -530,7 +530,7 @@ pub async fn cli_unnoticed_loss_exits_70(kind: Kind, url: &str) {
         eventually(GENEROUS, || async { started.exists() }).await,
         "the holder never ran its command"
     );
-    let c = client(kind, url).await;
+    let c = client(url).await;
     let held: Vec<_> = c
         .participants(&name)
         .await

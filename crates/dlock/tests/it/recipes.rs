@@ -18,7 +18,7 @@ pub async fn mutex_excludes_and_tokens_grow(kind: Kind, url: &str) {
     let tokens = Arc::new(parking_lot_free::Tokens::default());
     let mut tasks = Vec::new();
     for _ in 0..4 {
-        let c = client(kind, url).await;
+        let c = client(url).await;
         let (name, inside, tokens) = (name.clone(), inside.clone(), tokens.clone());
         tasks.push(tokio::spawn(async move {
             let m = c.mutex(&name).expect("name");
@@ -46,10 +46,10 @@ pub async fn mutex_excludes_and_tokens_grow(kind: Kind, url: &str) {
 }
 
 /// A task locks three times; another session gets the lock only after the third release.
-pub async fn mutex_is_reentrant(kind: Kind, url: &str) {
+pub async fn mutex_is_reentrant(_kind: Kind, url: &str) {
     let name = unique("reentrant");
-    let a = client(kind, url).await;
-    let b = client(kind, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let ma = a.mutex(&name).expect("name");
     let mb = b.mutex(&name).expect("name");
     let mut g1 = ma.lock().await.expect("lock 1");
@@ -75,10 +75,10 @@ pub async fn mutex_is_reentrant(kind: Kind, url: &str) {
 }
 
 /// A held lock times out others cleanly: the right error, nothing left behind.
-pub async fn timeout_and_try_lock_leave_nothing(kind: Kind, url: &str) {
+pub async fn timeout_and_try_lock_leave_nothing(_kind: Kind, url: &str) {
     let name = unique("timeout");
-    let a = client(kind, url).await;
-    let b = client(kind, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let mut g = a.mutex(&name).expect("name").lock().await.expect("lock");
     let mb = b.mutex(&name).expect("name");
     match mb.lock_timeout(Duration::from_millis(300)).await {
@@ -101,10 +101,10 @@ pub async fn timeout_and_try_lock_leave_nothing(kind: Kind, url: &str) {
 }
 
 /// 200 acquisitions cancelled by timeouts and by dropped futures leave zero entries.
-pub async fn cancelled_acquisitions_leave_nothing(kind: Kind, url: &str) {
+pub async fn cancelled_acquisitions_leave_nothing(_kind: Kind, url: &str) {
     let name = unique("cancel");
-    let holder = client(kind, url).await;
-    let waiter = client(kind, url).await;
+    let holder = client(url).await;
+    let waiter = client(url).await;
     let mut g = holder
         .mutex(&name)
         .expect("name")
@@ -140,8 +140,8 @@ pub async fn cancelled_acquisitions_leave_nothing(kind: Kind, url: &str) {
 }
 
 /// Bad input gives typed errors, never a panic, and leaves nothing behind.
-pub async fn bad_input_gives_typed_errors(kind: Kind, url: &str) {
-    let c = client(kind, url).await;
+pub async fn bad_input_gives_typed_errors(_kind: Kind, url: &str) {
+    let c = client(url).await;
     assert!(matches!(c.mutex(""), Err(Error::InvalidName { .. })));
     assert!(matches!(c.mutex("a\0b"), Err(Error::InvalidName { .. })));
     assert!(matches!(c.mutex("a//b"), Err(Error::InvalidName { .. })));
@@ -181,11 +181,11 @@ pub async fn bad_input_gives_typed_errors(kind: Kind, url: &str) {
 }
 
 /// Readers share; a writer excludes readers; a queued writer blocks later readers.
-pub async fn rwlock_readers_share_writers_exclude(kind: Kind, url: &str) {
+pub async fn rwlock_readers_share_writers_exclude(_kind: Kind, url: &str) {
     let name = unique("rw");
-    let a = client(kind, url).await;
-    let b = client(kind, url).await;
-    let c = client(kind, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
+    let c = client(url).await;
     let (ra, rb, rc) = (
         a.rwlock(&name).expect("n"),
         b.rwlock(&name).expect("n"),
@@ -208,7 +208,7 @@ pub async fn rwlock_readers_share_writers_exclude(kind: Kind, url: &str) {
         })
         .await
     );
-    let late = client(kind, url).await;
+    let late = client(url).await;
     let rl = late.rwlock(&name).expect("n");
     assert!(matches!(rl.try_read().await, Err(Error::WouldBlock)));
     r1.release().await.expect("release");
@@ -224,10 +224,10 @@ pub async fn rwlock_readers_share_writers_exclude(kind: Kind, url: &str) {
 
 /// A writer takes the read lock and releases the write lock: a queued writer does not
 /// get in between, and gets in once the read is released.
-pub async fn rwlock_downgrade(kind: Kind, url: &str) {
+pub async fn rwlock_downgrade(_kind: Kind, url: &str) {
     let name = unique("down");
-    let a = client(kind, url).await;
-    let b = client(kind, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let ra = a.rwlock(&name).expect("n");
     let rb = b.rwlock(&name).expect("n");
     let mut w = ra.write(None).await.expect("write");
@@ -263,14 +263,14 @@ pub async fn rwlock_downgrade(kind: Kind, url: &str) {
 }
 
 /// Eight sessions share a semaphore of 3: the peak is exactly 3, never more.
-pub async fn semaphore_peak_equals_permits(kind: Kind, url: &str) {
+pub async fn semaphore_peak_equals_permits(_kind: Kind, url: &str) {
     let name = unique("sem");
     let live = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
     // Connect everyone first so the workers contend from the start, as at a barrier.
     let mut sessions = Vec::new();
     for _ in 0..8 {
-        sessions.push(client(kind, url).await);
+        sessions.push(client(url).await);
     }
     let mut tasks = Vec::new();
     for c in sessions {
@@ -321,10 +321,10 @@ pub async fn semaphore_peak_equals_permits(kind: Kind, url: &str) {
 
 /// A multi-lock rolls back when one part times out; two multi-locks over the same names
 /// listed in opposite orders never deadlock.
-pub async fn multilock_rollback_and_order(kind: Kind, url: &str) {
+pub async fn multilock_rollback_and_order(_kind: Kind, url: &str) {
     let (x, y) = (unique("mx"), unique("my"));
-    let a = client(kind, url).await;
-    let b = client(kind, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let mut hold_y = b.mutex(&y).expect("n").lock().await.expect("hold y");
     let m = a.multi().mutex(&x).expect("x").mutex(&y).expect("y");
     assert!(matches!(
@@ -367,10 +367,10 @@ pub async fn multilock_rollback_and_order(kind: Kind, url: &str) {
 
 /// Closing a session fires the lost signal of every guard on it, and another session
 /// gets the lock.
-pub async fn lost_signal_fires_on_session_end(kind: Kind, url: &str) {
+pub async fn lost_signal_fires_on_session_end(_kind: Kind, url: &str) {
     let name = unique("lost");
-    let a = client(kind, url).await;
-    let b = client(kind, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let g = a.mutex(&name).expect("n").lock().await.expect("lock");
     let lost = g.lost();
     assert!(!g.is_lost());

@@ -5,65 +5,24 @@ use std::time::Duration;
 
 use dlock::{Client, SessionOptions};
 
-/// Which backend a test instance runs on.
-// A build without some backend feature never constructs that backend's variant.
-#[cfg_attr(
-    not(all(feature = "zookeeper", feature = "etcd", feature = "redis")),
-    allow(dead_code)
-)]
-#[derive(Debug, Clone, Copy)]
-pub enum Kind {
-    Zk,
-    Etcd,
-    Redis,
-    Redlock,
-    /// The Sentinel group's primary, `redis+sentinel://h:p,h:p,h:p/mymaster`.
-    RedisSentinel,
-}
+/// Which backend a test instance runs on: testkit's list, shared with `cargo xtask chaos`.
+pub use dlock_testkit::LockService as Kind;
 
-impl Kind {
-    fn env(self) -> &'static str {
-        match self {
-            Kind::Zk => "DLOCK_TEST_ZK",
-            Kind::Etcd => "DLOCK_TEST_ETCD",
-            Kind::Redis => "DLOCK_TEST_REDIS",
-            Kind::Redlock => "DLOCK_TEST_REDLOCK",
-            Kind::RedisSentinel => "DLOCK_TEST_REDIS_SENTINEL",
-        }
-    }
-
-    fn scheme(self) -> &'static str {
-        match self {
-            Kind::Zk => "zk",
-            Kind::Etcd => "etcd",
-            Kind::Redis => "redis",
-            Kind::Redlock => "redlock",
-            Kind::RedisSentinel => "redis+sentinel",
-        }
-    }
-
-    /// The session timeout the tests use: short, so crash tests finish quickly, but
-    /// long enough for a loaded 2-core machine not to expire live sessions.
-    pub fn session_timeout(self) -> Duration {
-        match self {
-            Kind::Zk => Duration::from_secs(4),
-            Kind::Etcd => Duration::from_secs(4),
-            Kind::Redis | Kind::Redlock | Kind::RedisSentinel => Duration::from_secs(4),
-        }
-    }
-}
+/// The session timeout the tests use on every backend: short, so crash tests finish
+/// quickly, but long enough for a loaded 2-core machine not to expire live sessions.
+pub const SESSION_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// The backend URL for `kind`, or `None` (with a loud message) when the endpoints are
 /// not exported. Under CI a missing endpoint fails the test instead: CI must never pass
 /// by skipping.
 pub fn url(kind: Kind) -> Option<String> {
-    match std::env::var(kind.env()) {
-        Ok(v) if !v.is_empty() => Some(format!("{}://{}", kind.scheme(), v)),
+    match std::env::var(kind.env_var()) {
+        Ok(v) if !v.is_empty() => Some(kind.url_of_endpoint(&v)),
         _ => {
             if std::env::var_os("CI").is_some() {
                 panic!(
                     "{} is not set but CI is: run the tests through `cargo xtask integration`",
-                    kind.env()
+                    kind.env_var()
                 );
             }
             // Written to the process's stderr directly: the test harness captures
@@ -72,7 +31,7 @@ pub fn url(kind: Kind) -> Option<String> {
             let _ = writeln!(
                 std::io::stderr(),
                 "SKIPPED: {} not set (run through `cargo xtask integration`)",
-                kind.env()
+                kind.env_var()
             );
             None
         }
@@ -80,10 +39,10 @@ pub fn url(kind: Kind) -> Option<String> {
 }
 
 /// A fresh client (its own session) on `url`.
-pub async fn client(kind: Kind, url: &str) -> Client {
+pub async fn client(url: &str) -> Client {
     dlock::connect_with(
         url,
-        SessionOptions::default().with_session_timeout(kind.session_timeout()),
+        SessionOptions::default().with_session_timeout(SESSION_TIMEOUT),
     )
     .await
     .unwrap_or_else(|e| panic!("connect {url}: {e}"))

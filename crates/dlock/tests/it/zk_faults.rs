@@ -11,7 +11,7 @@ use dlock::Error;
 use dlock_testkit::{Backend as Server, State};
 use dlock_zookeeper::zk;
 
-use crate::support::{client, eventually, leftovers, unique, zk_hosts, Kind};
+use crate::support::{client, eventually, leftovers, unique, zk_hosts, SESSION_TIMEOUT};
 use crate::zk_scenarios::zk_client;
 
 const GENEROUS: Duration = Duration::from_secs(60);
@@ -99,7 +99,7 @@ pub async fn locks_survive_leader_kill(url: &str) {
         c.close().await.expect("close");
     }
     let h = holder.expect("no session landed on the leader in 30 connects");
-    let waiter = client(Kind::Zk, url).await;
+    let waiter = client(url).await;
     let (m, s) = (unique("failover-m"), unique("failover-s"));
     let mut gm = h.mutex(&m).expect("name").lock().await.expect("lock");
     let mut gs = h
@@ -191,8 +191,8 @@ pub async fn locks_survive_leader_kill(url: &str) {
 /// Another client then gets the lock, and releasing the lost guard says so.
 pub async fn guard_lost_fires_on_session_expiry(url: &str) {
     let name = unique("expire");
-    let (c, b, raw) = zk_client(url, Kind::Zk.session_timeout()).await;
-    let other = client(Kind::Zk, url).await;
+    let (c, b, raw) = zk_client(url, SESSION_TIMEOUT).await;
+    let other = client(url).await;
     let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");
     let lost = g.lost();
     assert!(!g.is_lost());
@@ -262,7 +262,7 @@ pub async fn cli_sigstop_past_session_exits_70(url: &str) {
         "the command never started under the lock"
     );
     signal(holder.id(), libc::SIGSTOP);
-    let other = client(Kind::Zk, url).await;
+    let other = client(url).await;
     let got = other
         .mutex(&name)
         .expect("name")

@@ -12,7 +12,7 @@ use dlock::{Backend, Error, LockGuard, Result};
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{client, eventually, leftovers, unique};
 
 const GENEROUS: Duration = Duration::from_secs(60);
 
@@ -222,7 +222,7 @@ fn total_woken(ws: &[Waiter]) -> usize {
 pub async fn mutex_queue_of_50(url: &str) {
     const N: usize = 50;
     let name = unique("herd");
-    let base = client(Kind::Zk, url).await;
+    let base = client(url).await;
     let inner = base.backend().clone();
     let mut holder = base.mutex(&name).expect("name").lock().await.expect("lock");
     let (tx, mut acquired) = mpsc::unbounded_channel();
@@ -279,7 +279,7 @@ pub async fn mutex_queue_of_50(url: &str) {
 /// once, when that writer goes.
 pub async fn readers_behind_writer(url: &str) {
     let name = unique("herd-rw");
-    let base = client(Kind::Zk, url).await;
+    let base = client(url).await;
     let inner = base.backend().clone();
     let mut w1 = base
         .rwlock(&name)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use dlock::Error;
 
 use crate::curator_peer::Peer;
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{client, eventually, leftovers, unique};
 
 const GENEROUS: Duration = Duration::from_secs(60);
 
@@ -17,8 +17,8 @@ const GENEROUS: Duration = Duration::from_secs(60);
 /// waiter queued behind it is not disturbed by the payload change.
 pub async fn revoke_between_dlock_clients(url: &str) {
     let name = unique("revoke");
-    let a = client(Kind::Zk, url).await;
-    let b = client(Kind::Zk, url).await;
+    let a = client(url).await;
+    let b = client(url).await;
     let mut g = a
         .mutex(&name)
         .expect("name")
@@ -82,7 +82,7 @@ pub async fn revoke_interop_with_curator(url: &str) {
     };
     let name = unique("cur-revoke");
     let path = format!("/{name}");
-    let a = client(Kind::Zk, url).await;
+    let a = client(url).await;
 
     // Curator revokes dlock.
     let mut g = a
@@ -183,7 +183,7 @@ pub async fn cli_revoke(url: &str) {
         "the command's own code"
     );
     assert!(termed.exists(), "the command was not SIGTERMed");
-    let c = client(Kind::Zk, url).await;
+    let c = client(url).await;
     let mut g = c
         .mutex(&name)
         .expect("name")

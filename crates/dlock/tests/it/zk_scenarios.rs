@@ -9,7 +9,7 @@ use std::time::Duration;
 use dlock::{Backend, Error, SessionOptions};
 use dlock_zookeeper::{zk, ZkBackend};
 
-use crate::support::{eventually, leftovers, unique, zk_hosts, Kind};
+use crate::support::{eventually, leftovers, unique, zk_hosts, SESSION_TIMEOUT};
 
 const GENEROUS: Duration = Duration::from_secs(60);
 
@@ -46,7 +46,7 @@ async fn sem_counts(c: &dlock::Client, name: &str) -> (usize, usize) {
 /// parents as CONTAINER nodes, as Curator does.
 pub async fn container_parents_are_reaped(url: &str) {
     let top = unique("containers");
-    let (c, _b, raw) = zk_client(url, Kind::Zk.session_timeout()).await;
+    let (c, _b, raw) = zk_client(url, SESSION_TIMEOUT).await;
     let m = format!("{top}/m");
     let mut tasks = Vec::new();
     for _ in 0..10 {
@@ -91,7 +91,7 @@ pub async fn container_parents_are_reaped(url: &str) {
 /// lease stays, and the semaphore keeps working.
 pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
     let name = unique("sem-interrupt");
-    let (c, _b, _) = zk_client(url, Kind::Zk.session_timeout()).await;
+    let (c, _b, _) = zk_client(url, SESSION_TIMEOUT).await;
     let sem = c.semaphore(&name, 1).expect("name");
     let mut held = sem.acquire(Some(GENEROUS)).await.expect("permit");
     let (s1, s2) = (
@@ -136,7 +136,7 @@ pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
 /// and leaves nothing behind: no internal-lock node, no lease.
 pub async fn semaphore_deleted_internal_lock_is_a_typed_error(url: &str) {
     let name = unique("sem-deleted");
-    let (c, _b, raw) = zk_client(url, Kind::Zk.session_timeout()).await;
+    let (c, _b, raw) = zk_client(url, SESSION_TIMEOUT).await;
     let sem = c.semaphore(&name, 1).expect("name");
     let mut held = sem.acquire(Some(GENEROUS)).await.expect("permit");
     let s1 = c.semaphore(&name, 1).expect("name");
