@@ -162,16 +162,7 @@ async fn run(args: Args) -> bool {
     if let Some(zk) = &args.zk {
         if args.wants("W0") {
             let w = ceiling::ZkRaw::connect(&first_host(zk), &format!("{prefix}-ceiling-zk")).await;
-            run_one(
-                &mut sink,
-                "ceiling-zk",
-                ceiling::ZK_WORKLOAD,
-                vec![w],
-                duration,
-                None,
-                None,
-            )
-            .await;
+            run_ceiling(&mut sink, "ceiling-zk", ceiling::ZK_WORKLOAD, w, duration).await;
         }
         targets.push(Target {
             peer: "dlock-zk",
@@ -184,14 +175,12 @@ async fn run(args: Args) -> bool {
         if args.wants("W0") {
             let w = ceiling::EtcdRaw::connect(&first_host(etcd), &format!("{prefix}/ceiling-etcd"))
                 .await;
-            run_one(
+            run_ceiling(
                 &mut sink,
                 "ceiling-etcd",
                 ceiling::ETCD_WORKLOAD,
-                vec![w],
+                w,
                 duration,
-                None,
-                None,
             )
             .await;
         }
@@ -205,14 +194,12 @@ async fn run(args: Args) -> bool {
     if let Some(redis) = &args.redis {
         if args.wants("W0") {
             let w = ceiling::RedisRaw::connect(redis, &format!("{prefix}:ceiling-redis")).await;
-            run_one(
+            run_ceiling(
                 &mut sink,
                 "ceiling-redis",
                 ceiling::REDIS_WORKLOAD,
-                vec![w],
+                w,
                 duration,
-                None,
-                None,
             )
             .await;
         }
@@ -242,6 +229,17 @@ async fn run(args: Args) -> bool {
         run_target(&mut sink, &args, &prefix, t, duration).await;
     }
     sink.failed
+}
+
+/// Runs a backend's ceiling: one raw client, no recipe, no checks.
+async fn run_ceiling<W: Worker>(
+    sink: &mut Sink,
+    peer: &str,
+    workload: &str,
+    worker: Result<W, String>,
+    duration: Duration,
+) {
+    run_one(sink, peer, workload, vec![worker], duration, None, None).await;
 }
 
 /// Runs one workload whose workers were built (or failed to build) beforehand; closes
