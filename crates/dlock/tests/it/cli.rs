@@ -4,13 +4,9 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::support::{client, eventually, leftovers, unique, Kind, SESSION_TIMEOUT};
-
-fn dlock() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
-    c.env_remove("DLOCK_URL").stdin(Stdio::null());
-    c
-}
+use crate::support::{
+    client, dlock, dlock_exec_true, eventually, leftovers, tempdir, unique, Kind, SESSION_TIMEOUT,
+};
 
 /// 8 OS processes x `sections` critical sections through `dlock exec` on one name: each
 /// appends start/end lines with its token to a shared file; no interleaving, tokens
@@ -21,7 +17,7 @@ pub async fn cli_processes_never_overlap(kind: Kind, url: &str) {
         _ => 25,
     };
     let name = unique("cli");
-    let dir = tempdir();
+    let dir = tempdir("cli");
     let log = dir.join("log");
     let script = "echo \"start $DLOCK_TOKEN $$\" >> \"$1\"; echo \"end $DLOCK_TOKEN $$\" >> \"$1\"";
     let mut workers = Vec::new();
@@ -98,16 +94,10 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
     );
     let mut g = c.mutex(&name).expect("n").lock().await.expect("lock");
     assert_eq!(
-        code(&[
-            "--url",
-            url,
-            "exec",
-            &name,
-            "--timeout",
-            "500ms",
-            "--",
-            "true"
-        ]),
+        dlock_exec_true(url, &name, "500ms")
+            .status()
+            .expect("run dlock")
+            .code(),
         Some(75)
     );
     g.release().await.expect("release");
@@ -268,10 +258,4 @@ pub async fn cli_status_shows_queue(_kind: Kind, url: &str) {
     r.expect("waiter acquired").await.expect("release");
     waiter.close().await.expect("close");
     c.close().await.expect("close");
-}
-
-fn tempdir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(unique("cli").replace('/', "-"));
-    std::fs::create_dir_all(&d).expect("tempdir");
-    d
 }

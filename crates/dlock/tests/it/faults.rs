@@ -10,31 +10,21 @@
 #![cfg_attr(not(feature = "etcd"), allow(dead_code, unused_imports))]
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use dlock::SessionOptions;
 use dlock_testkit::{Backend, State};
 
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{
+    client, dlock, dlock_exec_true, eventually, leftovers, tempdir, unique, Kind,
+};
 
 const GENEROUS: Duration = Duration::from_secs(60);
 
 /// Held by the tests that kill an etcd member and by those that use one etcd endpoint.
 static ETCD_FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn dlock() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
-    c.env_remove("DLOCK_URL").stdin(Stdio::null());
-    c
-}
-
-fn tempdir(prefix: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(unique(prefix).replace('/', "-"));
-    std::fs::create_dir_all(&d).expect("tempdir");
-    d
-}
 
 /// Sends `sig` (e.g. `STOP`) to every process of the group `pgid`.
 fn signal_group(pgid: u32, sig: &str) {
@@ -262,17 +252,7 @@ pub async fn etcdctl_lock_blocks_dlock(_kind: Kind, url: &str) {
     assert_eq!(parts.len(), 1, "{parts:?}");
     assert!(parts[0].holds, "{parts:?}");
 
-    let out = dlock()
-        .args([
-            "--url",
-            url,
-            "exec",
-            &name,
-            "--timeout",
-            "500ms",
-            "--",
-            "true",
-        ])
+    let out = dlock_exec_true(url, &name, "500ms")
         .output()
         .expect("run dlock");
     assert_eq!(
@@ -295,17 +275,7 @@ pub async fn etcdctl_lock_blocks_dlock(_kind: Kind, url: &str) {
         Some(0),
         "etcdctl lock failed: {err}"
     );
-    let st = dlock()
-        .args([
-            "--url",
-            url,
-            "exec",
-            &name,
-            "--timeout",
-            "60s",
-            "--",
-            "true",
-        ])
+    let st = dlock_exec_true(url, &name, "60s")
         .status()
         .expect("run dlock");
     assert_eq!(

@@ -1,6 +1,8 @@
 //! Shared helpers: endpoints from the environment, clients, polling.
 
 use std::future::Future;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use dlock::{Client, SessionOptions};
@@ -120,4 +122,37 @@ pub fn skip_or_fail(what: &str) {
 /// The ZooKeeper connect string (`h:p,h:p,...`) without the `zk://` scheme.
 pub fn zk_hosts(url: &str) -> &str {
     url.strip_prefix("zk://").unwrap_or(url)
+}
+
+/// The `dlock` binary under test, with no `DLOCK_URL` from the caller's environment and
+/// no stdin, so it can never wait on a terminal.
+pub fn dlock() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
+    c.env_remove("DLOCK_URL").stdin(Stdio::null());
+    c
+}
+
+/// `dlock --url URL exec NAME --timeout TIMEOUT -- true`: takes the lock (or gives up after
+/// `timeout`), runs nothing of note, releases.
+pub fn dlock_exec_true(url: &str, name: &str, timeout: &str) -> Command {
+    let mut c = dlock();
+    c.args([
+        "--url",
+        url,
+        "exec",
+        name,
+        "--timeout",
+        timeout,
+        "--",
+        "true",
+    ]);
+    c
+}
+
+/// A fresh directory under the system temp dir, named after `prefix` and unique to this
+/// run.
+pub fn tempdir(prefix: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(unique(prefix).replace('/', "-"));
+    std::fs::create_dir_all(&d).expect("tempdir");
+    d
 }

@@ -3,15 +3,16 @@
 
 use std::io::{Read as _, Write as _};
 use std::os::unix::process::ExitStatusExt as _;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use dlock::Error;
 use dlock_testkit::{Backend as Server, State};
 use dlock_zookeeper::zk;
 
-use crate::support::{client, eventually, leftovers, unique, zk_hosts, SESSION_TIMEOUT};
+use crate::support::{
+    client, dlock, eventually, leftovers, tempdir, unique, zk_hosts, SESSION_TIMEOUT,
+};
 use crate::zk_scenarios::zk_client;
 
 const GENEROUS: Duration = Duration::from_secs(60);
@@ -224,12 +225,6 @@ pub async fn guard_lost_fires_on_session_expiry(url: &str) {
     other.close().await.expect("close");
 }
 
-fn tempdir() -> PathBuf {
-    let dir = std::env::temp_dir().join(unique("sigstop").replace('/', "-"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
 #[allow(unsafe_code)]
 fn signal(pid: u32, sig: libc::c_int) {
     let pid = libc::pid_t::try_from(pid).expect("pid");
@@ -244,12 +239,11 @@ fn signal(pid: u32, sig: libc::c_int) {
 /// gone: it SIGTERMs its command and exits 70.
 pub async fn cli_sigstop_past_session_exits_70(url: &str) {
     let name = unique("sigstop");
-    let dir = tempdir();
+    let dir = tempdir("sigstop");
     let (started, termed) = (dir.join("started"), dir.join("termed"));
     let script =
         r#"trap 'echo term > "$2"; exit 143' TERM; echo up > "$1"; while :; do sleep 0.1; done"#;
-    let mut holder = Command::new(env!("CARGO_BIN_EXE_dlock"))
-        .env_remove("DLOCK_URL")
+    let mut holder = dlock()
         .args(["--url", url, "--session-timeout", "2s", "exec", &name, "--"])
         .args(["sh", "-c", script, "sh"])
         .arg(&started)

@@ -2,7 +2,6 @@
 //! asked to release by writing `__REVOKE__` into its node. Checked dlock to dlock, Curator
 //! to dlock, dlock to Curator, and through the CLI.
 
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use dlock::Error;
@@ -142,10 +141,8 @@ pub async fn cli_revoke(url: &str) {
     let script =
         r#"trap 'echo term > "$2"; exit 42' TERM; echo up > "$1"; while :; do sleep 0.1; done"#;
     let dlock = || {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
-        c.env_remove("DLOCK_URL")
-            .args(["--url", url])
-            .stdin(Stdio::null());
+        let mut c = crate::support::dlock();
+        c.args(["--url", url]);
         c
     };
     let mut holder = dlock()
