@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    decide, Backend, Decision, Entry, EntryKind, Error, LockName, NameRules, Position, QueuePath,
-    SessionOptions, Ticket,
+    decide, Backend, Decision, Enqueued, Entry, EntryKind, Error, LockName, NameRules, Position,
+    QueuePath, SessionOptions, Ticket,
 };
 use dlock_zookeeper::{zk, ZkBackend};
 
@@ -55,6 +55,14 @@ async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(LONG, f)
         .await
         .expect("did not finish within 30 s")
+}
+
+/// Adds a fresh entry of `kind` at the tail of `q`, without data; panics (naming `what`)
+/// if that fails.
+async fn add(b: &ZkBackend, q: &QueuePath, kind: EntryKind, what: &str) -> Enqueued {
+    within(b.enqueue(q, &Ticket::new(), kind, Position::Tail, b""))
+        .await
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
 fn names(q: &[Entry]) -> Vec<&str> {
@@ -150,9 +158,7 @@ async fn wait_gone_returns_at_once_when_gone_and_ignores_data_changes() {
     let a = connect(&hosts, &root).await;
     let b = connect(&hosts, &root).await;
     let q = queue("w");
-    let ea = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-        .await
-        .expect("enqueue");
+    let ea = add(&a, &q, EntryKind::Lock, "enqueue").await;
 
     let waiter = {
         let (b, q, e) = (b.clone(), q.clone(), ea.mine.clone());
@@ -196,9 +202,7 @@ async fn tokens_strictly_increase_across_sessions() {
     let mut tokens = Vec::new();
     for i in 0..6 {
         let who = if i % 2 == 0 { &a } else { &b };
-        let done = within(who.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-            .await
-            .expect("enqueue");
+        let done = add(who, &q, EntryKind::Lock, "enqueue").await;
         assert_eq!(decide(&done.queue, &done.mine.name), Decision::Acquired);
         tokens.push(done.mine.token.expect("token"));
         within(who.remove(&q, &done.mine)).await.expect("remove");
@@ -229,9 +233,7 @@ async fn beside_entry_sorts_beside_its_writer() {
     let w = within(a.enqueue(&q, &ta, EntryKind::Write, Position::Tail, b""))
         .await
         .expect("writer");
-    let later = within(b.enqueue(&q, &Ticket::new(), EntryKind::Write, Position::Tail, b""))
-        .await
-        .expect("later writer");
+    let later = add(&b, &q, EntryKind::Write, "later writer").await;
     let tr = Ticket::new();
     let r = within(a.enqueue(&q, &tr, EntryKind::Read, Position::Beside(&w.mine), b""))
         .await
@@ -377,9 +379,7 @@ async fn session_closed_by_another_client_resolves_lost_and_fails_later_ops() {
     let root = fresh_chroot();
     let a = connect(&hosts, &root).await;
     let q = queue("expire");
-    let e = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-        .await
-        .expect("enqueue");
+    let e = add(&a, &q, EntryKind::Lock, "enqueue").await;
     let lost = a.lost(&q, &e.mine);
     // The Java trick: a second client joins the session and closes it.
     let session = a.client().expect("client").session().clone();
@@ -413,9 +413,7 @@ async fn enqueue_survives_a_reaped_parent() {
     let q = queue("reaped/lock");
     let raw = a.client().expect("client");
     for round in 0..3 {
-        let done = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-            .await
-            .expect("enqueue");
+        let done = add(&a, &q, EntryKind::Lock, "enqueue").await;
         assert_eq!(done.queue.len(), 1, "round {round}");
         within(a.remove(&q, &done.mine)).await.expect("remove");
         // Do what ZooKeeper's container reaper does to an empty parent.
@@ -427,9 +425,7 @@ async fn enqueue_survives_a_reaped_parent() {
         assert_eq!(within(a.read_value(&q)).await.expect("read_value"), None);
     }
     // Parents are containers, as Curator creates them.
-    within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-        .await
-        .expect("enqueue");
+    add(&a, &q, EntryKind::Lock, "enqueue").await;
     let (_, stat) = within(raw.get_data("/reaped/lock")).await.expect("stat");
     assert_eq!(stat.ephemeral_owner, 0);
 }
@@ -477,9 +473,7 @@ async fn wait_changed_sees_a_new_entry() {
     let b = connect(&hosts, &root).await;
     let q = queue("changes");
     // Different from what the caller saw: returns at once.
-    let done = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lease, Position::Tail, b""))
-        .await
-        .expect("enqueue");
+    let done = add(&a, &q, EntryKind::Lease, "enqueue").await;
     within(a.wait_changed(&q, &[]))
         .await
         .expect("differs at once");
@@ -488,9 +482,7 @@ async fn wait_changed_sees_a_new_entry() {
         let (a, q) = (a.clone(), q.clone());
         tokio::spawn(async move { a.wait_changed(&q, &seen).await })
     };
-    within(b.enqueue(&q, &Ticket::new(), EntryKind::Lease, Position::Tail, b""))
-        .await
-        .expect("enqueue b");
+    add(&b, &q, EntryKind::Lease, "enqueue b").await;
     within(waiter).await.expect("join").expect("wait_changed");
 }
 
@@ -501,9 +493,7 @@ async fn close_removes_entries_and_later_ops_fail() {
     let a = connect(&hosts, &root).await;
     let b = connect(&hosts, &root).await;
     let q = queue("closing");
-    let e = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-        .await
-        .expect("enqueue");
+    let e = add(&a, &q, EntryKind::Lock, "enqueue").await;
     assert_eq!(within(b.queue(&q)).await.expect("queue").len(), 1);
     let lost = a.lost(&q, &e.mine);
     within(a.close()).await.expect("close");
@@ -646,9 +636,7 @@ async fn partition_past_the_local_limit_is_declared_lost() {
     .await
     .expect("connect through proxy");
     let q = queue("partitioned");
-    let e = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-        .await
-        .expect("enqueue");
+    let e = add(&a, &q, EntryKind::Lock, "enqueue").await;
     let lost = a.lost(&q, &e.mine);
     proxy.frozen.store(true, Ordering::SeqCst);
     // zookeeper-client itself never reports this: the server is unreachable, so nothing
@@ -682,9 +670,7 @@ async fn requests_cut_off_by_a_dropped_connection_are_resent() {
         .await
         .expect("connect through proxy");
     let q = queue("flaky");
-    let e = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""))
-        .await
-        .expect("enqueue");
+    let e = add(&a, &q, EntryKind::Lock, "enqueue").await;
     for round in 0..4 {
         // Swallow the next requests, then hang up (odd rounds: reset): their replies never
         // come, so the client fails them and reconnects.
