@@ -134,7 +134,7 @@ impl Scenario {
                 "restart Redis node 1 without persistence while a holder is inside"
             }
             Scenario::ReplicaPromotion => {
-                "promote a Redis replica that never saw the lock (primary killed, replica stopped meanwhile)"
+                "promote a Redis replica that never saw the lock (its replication link cut, then the primary killed)"
             }
             Scenario::ClientCut => {
                 "a loopback proxy between the holder and the servers stops forwarding past the session"
@@ -752,14 +752,30 @@ fn inject(
             let r = if p == 1 { 2 } else { 1 };
             let p_addr = cluster.server(Backend::Redis, p)?.addr.clone();
             let r_addr = cluster.server(Backend::Redis, r)?.addr.clone();
-            let (p_host, p_port) = p_addr.rsplit_once(':').context("address")?;
+            // The replica follows the primary through a proxy, so the stream can be cut
+            // for real. A SIGSTOP of the replica would not do: the kernel keeps taking
+            // the stream into the stopped process's socket buffer, and the replica
+            // applies all of it when it resumes, holds included.
+            let link = Proxy::start(
+                p_addr
+                    .parse()
+                    .with_context(|| format!("address {p_addr}"))?,
+            )?;
+            let link_addr = link.addr();
             redis_cli(&p_addr, &["CONFIG", "SET", "repl-diskless-sync-delay", "0"])?;
-            redis_cli(&r_addr, &["REPLICAOF", p_host, p_port])?;
+            redis_cli(
+                &r_addr,
+                &[
+                    "REPLICAOF",
+                    &link_addr.ip().to_string(),
+                    &link_addr.port().to_string(),
+                ],
+            )?;
             wait_for("the replica in sync", WAIT, || {
                 Ok(redis_cli(&r_addr, &["INFO", "replication"])?.contains("master_link_status:up"))
             })?;
-            // The replica stops applying the stream: it will not see the next holds.
-            cluster.stop(Backend::Redis, r)?;
+            // From here the replica sees none of the primary's writes.
+            link.cut();
             let stopped = now_us();
             // The victim must hold an entry it created after the stop: its next section
             // after one that ended after the stop (every section is a new entry).
@@ -783,8 +799,8 @@ fn inject(
             )?;
             let t = now_us();
             cluster.kill(Backend::Redis, p)?;
-            cluster.cont(Backend::Redis, r)?;
             redis_cli(&r_addr, &["REPLICAOF", "NO", "ONE"])?;
+            drop(link);
             vip.retarget(
                 r_addr
                     .parse()
