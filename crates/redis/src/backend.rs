@@ -133,6 +133,8 @@ struct Shared {
     nodes: Vec<Node>,
     majority: usize,
     lease: Duration,
+    /// The lease in ms, as every enqueue and renewal sends it.
+    lease_ms: Value,
     /// `wait_changed`'s re-check period (`wait_gone` times its own: see `gone_recheck`).
     recheck: Duration,
     /// Clock drift allowance (Redlock: 1% of the lease plus 2 ms).
@@ -362,6 +364,7 @@ impl RedisBackend {
             mode,
             majority,
             lease,
+            lease_ms: Value::from(lease.as_millis().to_string()),
             recheck: (lease / 3).min(Duration::from_secs(1)),
             drift: lease / 100 + Duration::from_millis(2),
             scripts: Scripts::new(),
@@ -926,15 +929,14 @@ impl Shared {
             return;
         }
         let sent_at = Instant::now();
-        let lease_ms = self.lease.as_millis().to_string();
-        let (groups_ref, lease_ref) = (&groups, lease_ms.as_str());
+        let (groups_ref, lease_ref) = (&groups, &self.lease_ms);
         let jobs = (0..groups.len()).flat_map(|g| (0..self.nodes.len()).map(move |n| (g, n)));
         let mut pending = futures::stream::iter(jobs)
             .map(|(g, n)| async move {
                 let (keys, names) = &groups_ref[g];
                 let mut args = Vec::with_capacity(names.len() + 2);
                 args.push(Value::from(keys.entry_prefix.as_str()));
-                args.push(Value::from(lease_ref));
+                args.push(lease_ref.clone());
                 args.extend(names.iter().map(|n| Value::from(n.as_str())));
                 let r = self.nodes[n]
                     .eval(
@@ -1212,9 +1214,12 @@ impl Backend for RedisBackend {
         Box::pin(
             async move {
                 let s = &self.shared;
-                let keys = QueueKeys::new(q);
-                // Stop renewing before deleting: no renewal may follow a release.
-                s.settle(&keys.queue, &entry.name, Fate::Released);
+                // Stop renewing before deleting: no renewal may follow a release. A live
+                // entry's keys were built by its enqueue; reuse them.
+                let keys = match s.settle(&QueueKeys::queue_key(q), &entry.name, Fate::Released) {
+                    Some(keys) => keys,
+                    None => Arc::new(QueueKeys::new(q)),
+                };
                 s.check_open()?;
                 s.remove_names(&keys, std::slice::from_ref(&entry.name))
                     .await
@@ -1313,7 +1318,6 @@ impl RedisBackend {
         s.check_open()?;
         let keys = Arc::new(QueueKeys::new(q));
         let started = Instant::now();
-        let lease_ms = s.lease.as_millis().to_string();
         let prefix = ticket.name_prefix(kind);
         // Redlock proposals: each is above every counter a master reported and every
         // sequence seen, plus a random offset that widens with each refusal, so that
@@ -1336,7 +1340,7 @@ impl RedisBackend {
             let mut args = Shared::q_args(&keys);
             args.extend([
                 Value::from(prefix.as_str()),
-                Value::from(lease_ms.as_str()),
+                s.lease_ms.clone(),
                 Value::from(data),
                 Value::from(mode),
                 Value::from(p.to_string()),

@@ -110,6 +110,11 @@ end
 ///
 /// The entry key is a string `<token> <created ms> <data>` with the lease as its TTL.
 ///
+/// Numbers are written with `%d`, not `%.0f`: Lua 5.1 formats `%d` through a C `long`
+/// (exact for every integer below 2^53, which tokens, sequences and ms clocks are), while
+/// `%.0f` goes through glibc's float printer, which was about 6 % of the server's
+/// instructions per uncontended acquire + release (callgrind on redis-server).
+///
 /// Returns `{'OK', name, seq, token, created_ms, {name, seq, token, ...}}`.
 const ENQUEUE: &str = r#"
 local ep, gp, qc, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -117,7 +122,7 @@ local lease, data, mode, p, writer = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local cur
 if mode == 'cas' then
   cur = tonumber(redis.call('GET', KEYS[2]) or '0')
-  if tonumber(p) <= cur then return {'REJECT', string.format('%.0f', cur)} end
+  if tonumber(p) <= cur then return {'REJECT', string.format('%d', cur)} end
 elseif mode == 'beside' then
   if redis.call('EXISTS', ep .. writer) == 0 then return {'MISSING'} end
 end
@@ -142,16 +147,17 @@ if mode == 'tail' then
   seq = tok
 elseif mode == 'cas' then
   seq = tonumber(p)
-  if seq <= top then return {'REJECT', string.format('%.0f', top)} end
+  if seq <= top then return {'REJECT', string.format('%d', top)} end
   redis.call('SET', KEYS[2], p, 'PX', lease)
 else
   seq = tonumber(p)
 end
-local tok_s = string.format('%.0f', tok)
-local seq_s = string.format('%.0f', seq)
-local name = prefix .. string.format('%010.0f', seq)
+local tok_s = string.format('%d', tok)
+local seq_s = string.format('%d', seq)
+local name = prefix .. string.format('%010d', seq)
+local now_s = string.format('%d', now_ms)
 redis.call('SET', KEYS[3], tok_s, 'PX', lease)
-redis.call('SET', ep .. name, tok_s .. ' ' .. string.format('%.0f', now_ms) .. ' ' .. data, 'PX', lease)
+redis.call('SET', ep .. name, tok_s .. ' ' .. now_s .. ' ' .. data, 'PX', lease)
 redis.call('ZADD', KEYS[1], seq_s, name)
 if existed then
   redis.call('PEXPIRE', KEYS[1], lease, 'GT')
@@ -162,7 +168,7 @@ redis.call('PUBLISH', qc, name)
 out[#out + 1] = name
 out[#out + 1] = seq_s
 out[#out + 1] = tok_s
-return {'OK', name, seq_s, tok_s, string.format('%.0f', now_ms), out}
+return {'OK', name, seq_s, tok_s, now_s, out}
 "#;
 
 /// Lists the live queue. ARGV: entry-key prefix, gone-channel prefix, queue channel,
