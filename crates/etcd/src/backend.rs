@@ -313,7 +313,55 @@ impl EtcdBackend {
         (key, primary, None)
     }
 
-    /// Forgets what `ticket` claimed for `key`.
+    /// `Some(primary)` if `key` is the key `ticket` claimed under the live session's
+    /// lease and its enqueue has been answered: then no entry newer than the one to
+    /// remove can exist under `key`, since only this client writes keys named after its
+    /// lease, and it writes `key` again only after the claim is forgotten.
+    fn own_claim(&self, key: &str, ticket: Option<&str>, lease: Option<i64>) -> Option<bool> {
+        let session = self.session.lock().clone();
+        if lease != Some(session.id()) || !session.is_alive() {
+            return None;
+        }
+        self.local
+            .lock()
+            .tickets
+            .get(ticket?)
+            .filter(|p| p.key == key && p.lease == session.id() && *p.done.borrow())
+            .map(|p| p.primary)
+    }
+
+    /// Releases an entry [`Self::own_claim`] vouches for with a plain delete, as etcd's
+    /// own unlock does: no compare, so the server skips the read a transaction makes
+    /// before it writes (measured: about a tenth of W1's server CPU per lock). One
+    /// attempt only: a retry could let a lost first attempt land after the claim is
+    /// forgotten, on a newer entry. If the attempt fails, a primary key is never claimed
+    /// again by this session (the delete may still land) and `false` tells the caller
+    /// to remove the entry with the compare instead.
+    async fn delete_claimed(&self, key: &str, primary: bool) -> bool {
+        let attempt = async {
+            let _slot = self.in_flight.acquire().await.ok();
+            self.kv.clone().delete(key, None).await
+        };
+        let why = match timeout(self.request_timeout, attempt).await {
+            Ok(Ok(resp)) => {
+                self.observe(header_rev(resp.header()));
+                return true;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.request_timeout),
+        };
+        tracing::debug!(key, error = %why, "plain delete failed; removing with a compare");
+        if primary {
+            self.local
+                .lock()
+                .primary
+                .insert(key.to_owned(), String::new());
+        }
+        false
+    }
+
+    /// Forgets what `ticket` claimed for `key`. A primary key marked as never to be
+    /// claimed again (by [`Self::delete_claimed`]) stays marked.
     fn forget(&self, ticket: Option<&str>, key: &str) {
         let Some(ticket) = ticket else { return };
         let mut local = self.local.lock();
@@ -390,8 +438,9 @@ impl EtcdBackend {
                     async move { kv.txn(txn).await }
                 })
                 .await;
-                let _ = tx.send(r);
+                // `done` first: a release right after the answer must find it set.
                 let _ = done_tx.send(true);
+                let _ = tx.send(r);
             });
             let resp = rx
                 .await
@@ -801,8 +850,15 @@ impl Backend for EtcdBackend {
         Box::pin(
             async move {
                 let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-                self.remove_exact(&key, entry.token).await?;
-                self.forget(entry.ticket.as_deref(), &key);
+                let ticket = entry.ticket.as_deref();
+                let deleted = match self.own_claim(&key, ticket, layout::lease_of(entry)) {
+                    Some(primary) => self.delete_claimed(&key, primary).await,
+                    None => false,
+                };
+                if !deleted {
+                    self.remove_exact(&key, entry.token).await?;
+                }
+                self.forget(ticket, &key);
                 tracing::debug!("removed");
                 Ok(())
             }
