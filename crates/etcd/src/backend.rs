@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, NameRules, Position, QueuePath, Result,
+    Backend, Enqueued, Entry, EntryKind, Error, Hints, NameRules, Position, QueuePath, Result,
     SessionOptions, Ticket,
 };
 use etcd_client::{
@@ -784,6 +784,15 @@ impl Backend for EtcdBackend {
 
     fn session_timeout(&self) -> Duration {
         self.session.lock().ttl()
+    }
+
+    fn hints(&self) -> Hints {
+        // No `watch_ahead`: a listing here is a serializable read that does not wait
+        // behind synced writes, so skipping it on a handoff gains little, and the extra
+        // watch costs a server request per lock. Measured against one etcd, five
+        // interleaved runs each: W2 median 371/s off vs 338/s on, server requests per
+        // lock 4.06 vs 5.08; W5 704/s vs 669/s, 2.83 vs 2.88.
+        Hints::default()
     }
 
     fn enqueue<'a>(
