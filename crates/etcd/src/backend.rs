@@ -317,26 +317,39 @@ impl EtcdBackend {
     /// lease and its enqueue has been answered: then no entry newer than the one to
     /// remove can exist under `key`, since only this client writes keys named after its
     /// lease, and it writes `key` again only after the claim is forgotten.
-    fn own_claim(&self, key: &str, ticket: Option<&str>, lease: Option<i64>) -> Option<bool> {
+    ///
+    /// A primary key (the only kind a later contender of this client can take again) is
+    /// retired on the way: [`Self::delete_claimed`] frees it only once its delete is
+    /// answered, so a second release of the same entry running meanwhile, or a plain
+    /// delete dropped mid-flight, can never meet a newer entry under it.
+    fn take_claim(&self, key: &str, ticket: Option<&str>, lease: Option<i64>) -> Option<bool> {
+        let ticket = ticket?;
         let session = self.session.lock().clone();
         if lease != Some(session.id()) || !session.is_alive() {
             return None;
         }
-        self.local
-            .lock()
+        let mut local = self.local.lock();
+        let primary = local
             .tickets
-            .get(ticket?)
-            .filter(|p| p.key == key && p.lease == session.id() && *p.done.borrow())
-            .map(|p| p.primary)
+            .get(ticket)
+            .filter(|p| p.key == key && p.lease == session.id() && *p.done.borrow())?
+            .primary;
+        if primary {
+            match local.primary.get_mut(key) {
+                Some(owner) if owner == ticket => owner.clear(),
+                _ => return None,
+            }
+        }
+        Some(primary)
     }
 
-    /// Releases an entry [`Self::own_claim`] vouches for with a plain delete, as etcd's
-    /// own unlock does: no compare, so the server skips the read a transaction makes
-    /// before it writes (measured: about a tenth of W1's server CPU per lock). One
-    /// attempt only: a retry could let a lost first attempt land after the claim is
-    /// forgotten, on a newer entry. If the attempt fails, a primary key is never claimed
-    /// again by this session (the delete may still land) and `false` tells the caller
-    /// to remove the entry with the compare instead.
+    /// Releases an entry [`Self::take_claim`] took with a plain delete, as etcd's own
+    /// unlock does: no compare, so the server skips the read a transaction makes before
+    /// it writes (measured: about a tenth of W1's server CPU per lock). One attempt
+    /// only: a retry could let a lost first attempt land after the key is free again, on
+    /// a newer entry. If the attempt fails, a primary key stays retired for this session
+    /// (the delete may still land) and `false` tells the caller to remove the entry with
+    /// the compare instead.
     async fn delete_claimed(&self, key: &str, primary: bool) -> bool {
         let attempt = async {
             let _slot = self.in_flight.acquire().await.ok();
@@ -345,23 +358,23 @@ impl EtcdBackend {
         let why = match timeout(self.request_timeout, attempt).await {
             Ok(Ok(resp)) => {
                 self.observe(header_rev(resp.header()));
+                if primary {
+                    let mut local = self.local.lock();
+                    if local.primary.get(key).is_some_and(String::is_empty) {
+                        local.primary.remove(key);
+                    }
+                }
                 return true;
             }
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {:?}", self.request_timeout),
         };
         tracing::debug!(key, error = %why, "plain delete failed; removing with a compare");
-        if primary {
-            self.local
-                .lock()
-                .primary
-                .insert(key.to_owned(), String::new());
-        }
         false
     }
 
-    /// Forgets what `ticket` claimed for `key`. A primary key marked as never to be
-    /// claimed again (by [`Self::delete_claimed`]) stays marked.
+    /// Forgets what `ticket` claimed for `key`. A primary key retired by
+    /// [`Self::take_claim`] stays retired.
     fn forget(&self, ticket: Option<&str>, key: &str) {
         let Some(ticket) = ticket else { return };
         let mut local = self.local.lock();
@@ -860,7 +873,7 @@ impl Backend for EtcdBackend {
             async move {
                 let key = format!("{}{}", layout::queue_prefix(q), entry.name);
                 let ticket = entry.ticket.as_deref();
-                let deleted = match self.own_claim(&key, ticket, layout::lease_of(entry)) {
+                let deleted = match self.take_claim(&key, ticket, layout::lease_of(entry)) {
                     Some(primary) => self.delete_claimed(&key, primary).await,
                     None => false,
                 };

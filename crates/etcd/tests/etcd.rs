@@ -721,7 +721,15 @@ async fn a_late_second_release_never_deletes_the_next_entry_under_the_key() {
             i64::try_from(t2).expect("revision")
         )]
     );
-    a.remove(&q, &e2).await.expect("release e2");
+    // Two releases of one entry at once (a guard's release and its drop's background
+    // retry) both succeed, and the key is free again afterwards.
+    let (r1, r2) = tokio::join!(a.remove(&q, &e2), a.remove(&q, &e2));
+    r1.expect("release e2");
+    r2.expect("release e2 again, concurrently");
+    assert!(keys_under(&mut c, &prefix).await.is_empty());
+    let (_, e3, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(e3.name, e1.name);
+    a.remove(&q, &e3).await.expect("release e3");
     assert!(keys_under(&mut c, &prefix).await.is_empty());
     a.close().await.expect("close");
 }
