@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, NameRules, Position, QueuePath, Result,
+    Backend, Enqueued, Entry, EntryKind, Error, Hints, NameRules, Position, QueuePath, Result,
     SessionOptions, Ticket,
 };
 use etcd_client::{
@@ -313,7 +313,68 @@ impl EtcdBackend {
         (key, primary, None)
     }
 
-    /// Forgets what `ticket` claimed for `key`.
+    /// `Some(primary)` if `key` is the key `ticket` claimed under the live session's
+    /// lease and its enqueue has been answered: then no entry newer than the one to
+    /// remove can exist under `key`, since only this client writes keys named after its
+    /// lease, and it writes `key` again only after the claim is forgotten.
+    ///
+    /// A primary key (the only kind a later contender of this client can take again) is
+    /// retired on the way: [`Self::delete_claimed`] frees it only once its delete is
+    /// answered, so a second release of the same entry running meanwhile, or a plain
+    /// delete dropped mid-flight, can never meet a newer entry under it.
+    fn take_claim(&self, key: &str, ticket: Option<&str>, lease: Option<i64>) -> Option<bool> {
+        let ticket = ticket?;
+        let session = self.session.lock().clone();
+        if lease != Some(session.id()) || !session.is_alive() {
+            return None;
+        }
+        let mut local = self.local.lock();
+        let primary = local
+            .tickets
+            .get(ticket)
+            .filter(|p| p.key == key && p.lease == session.id() && *p.done.borrow())?
+            .primary;
+        if primary {
+            match local.primary.get_mut(key) {
+                Some(owner) if owner == ticket => owner.clear(),
+                _ => return None,
+            }
+        }
+        Some(primary)
+    }
+
+    /// Releases an entry [`Self::take_claim`] took with a plain delete, as etcd's own
+    /// unlock does: no compare, so the server skips the read a transaction makes before
+    /// it writes (measured: about a tenth of W1's server CPU per lock). One attempt
+    /// only: a retry could let a lost first attempt land after the key is free again, on
+    /// a newer entry. If the attempt fails, a primary key stays retired for this session
+    /// (the delete may still land) and `false` tells the caller to remove the entry with
+    /// the compare instead.
+    async fn delete_claimed(&self, key: &str, primary: bool) -> bool {
+        let attempt = async {
+            let _slot = self.in_flight.acquire().await.ok();
+            self.kv.clone().delete(key, None).await
+        };
+        let why = match timeout(self.request_timeout, attempt).await {
+            Ok(Ok(resp)) => {
+                self.observe(header_rev(resp.header()));
+                if primary {
+                    let mut local = self.local.lock();
+                    if local.primary.get(key).is_some_and(String::is_empty) {
+                        local.primary.remove(key);
+                    }
+                }
+                return true;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.request_timeout),
+        };
+        tracing::debug!(key, error = %why, "plain delete failed; removing with a compare");
+        false
+    }
+
+    /// Forgets what `ticket` claimed for `key`. A primary key retired by
+    /// [`Self::take_claim`] stays retired.
     fn forget(&self, ticket: Option<&str>, key: &str) {
         let Some(ticket) = ticket else { return };
         let mut local = self.local.lock();
@@ -390,8 +451,9 @@ impl EtcdBackend {
                     async move { kv.txn(txn).await }
                 })
                 .await;
-                let _ = tx.send(r);
+                // `done` first: a release right after the answer must find it set.
                 let _ = done_tx.send(true);
+                let _ = tx.send(r);
             });
             let resp = rx
                 .await
@@ -737,6 +799,15 @@ impl Backend for EtcdBackend {
         self.session.lock().ttl()
     }
 
+    fn hints(&self) -> Hints {
+        // No `watch_ahead`: a listing here is a serializable read that does not wait
+        // behind synced writes, so skipping it on a handoff gains little, and the extra
+        // watch costs a server request per lock. Measured against one etcd, five
+        // interleaved runs each: W2 median 371/s off vs 338/s on, server requests per
+        // lock 4.06 vs 5.08; W5 704/s vs 669/s, 2.83 vs 2.88.
+        Hints::default()
+    }
+
     fn enqueue<'a>(
         &'a self,
         q: &'a QueuePath,
@@ -801,8 +872,15 @@ impl Backend for EtcdBackend {
         Box::pin(
             async move {
                 let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-                self.remove_exact(&key, entry.token).await?;
-                self.forget(entry.ticket.as_deref(), &key);
+                let ticket = entry.ticket.as_deref();
+                let deleted = match self.take_claim(&key, ticket, layout::lease_of(entry)) {
+                    Some(primary) => self.delete_claimed(&key, primary).await,
+                    None => false,
+                };
+                if !deleted {
+                    self.remove_exact(&key, entry.token).await?;
+                }
+                self.forget(ticket, &key);
                 tracing::debug!("removed");
                 Ok(())
             }

@@ -347,20 +347,31 @@ async fn dropped_enqueues_then_abandon_leave_nothing() {
             EntryKind::Write,
             EntryKind::Lock,
         ][i as usize % 4];
-        // Zero lets the first poll send the transaction and then drops the future.
+        // Every fifth future is polled once (which sends the transaction) and dropped;
+        // a zero timeout would not do: its timer fires at the next millisecond tick,
+        // by which time a release build may have had its answer.
         let budget = Duration::from_micros((i % 5) * 400);
-        match timeout(budget, a.enqueue(&q, &t, kind, Position::Tail, b"x")).await {
+        let enqueue = a.enqueue(&q, &t, kind, Position::Tail, b"x");
+        let outcome = if budget.is_zero() {
+            futures::FutureExt::now_or_never(enqueue).ok_or(())
+        } else {
+            timeout(budget, enqueue).await.map_err(|_| ())
+        };
+        match outcome {
             Ok(r) => {
                 r.expect("enqueue");
                 finished += 1;
             }
-            Err(_) => dropped += 1,
+            Err(()) => dropped += 1,
         }
         a.abandon(&q, &t).await.expect("abandon");
         a.abandon(&q, &t).await.expect("abandon is idempotent");
     }
     eprintln!("dropped {dropped} enqueues mid-flight, {finished} completed; all abandoned");
-    assert!(dropped >= 40, "the zero budget drops every fifth enqueue");
+    assert!(
+        dropped >= 40,
+        "every fifth enqueue is dropped after one poll"
+    );
     let left = keys_under(&mut c, &format!("{name}/")).await;
     assert!(left.is_empty(), "keys left behind: {left:?}");
     // Nothing is still claimed locally: the next mutex entry is etcd's own key again.
@@ -680,6 +691,47 @@ async fn handoff_rate_of_etcds_own_lock() {
         total as f64 / secs
     );
     assert!(total > 0);
+}
+
+#[tokio::test]
+async fn a_late_second_release_never_deletes_the_next_entry_under_the_key() {
+    let eps = etcd_or_skip!("a_late_second_release_never_deletes_the_next_entry_under_the_key");
+    init_tracing();
+    let a = connect(&eps).await;
+    let mut c = raw(&eps).await;
+    let name = unique_name("late-release");
+    let q = QueuePath::root(name.clone());
+    let prefix = format!("{name}/");
+    let (_, e1, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(e1.name, format!("{:x}", a.lease_id()));
+    a.remove(&q, &e1).await.expect("release e1");
+    assert!(keys_under(&mut c, &prefix).await.is_empty());
+    // The key is free again, so the next contender of this client takes it anew.
+    let (_, e2, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(e2.name, e1.name);
+    let t2 = e2.token.expect("token").get();
+    assert!(t2 > e1.token.expect("token").get());
+    // Releasing e1 a second time (a late retry) must leave e2 in place.
+    a.remove(&q, &e1).await.expect("second release of e1");
+    let left = keys_under(&mut c, &prefix).await;
+    assert_eq!(
+        left,
+        vec![(
+            format!("{prefix}{}", e2.name),
+            i64::try_from(t2).expect("revision")
+        )]
+    );
+    // Two releases of one entry at once (a guard's release and its drop's background
+    // retry) both succeed, and the key is free again afterwards.
+    let (r1, r2) = tokio::join!(a.remove(&q, &e2), a.remove(&q, &e2));
+    r1.expect("release e2");
+    r2.expect("release e2 again, concurrently");
+    assert!(keys_under(&mut c, &prefix).await.is_empty());
+    let (_, e3, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(e3.name, e1.name);
+    a.remove(&q, &e3).await.expect("release e3");
+    assert!(keys_under(&mut c, &prefix).await.is_empty());
+    a.close().await.expect("close");
 }
 
 #[tokio::test]
