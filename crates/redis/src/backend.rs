@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, NameRules, Position, QueuePath, Result,
+    Backend, Enqueued, Entry, EntryKind, Error, Gone, NameRules, Position, QueuePath, Result,
     SessionOptions, Ticket,
 };
 use fred::prelude::{EventInterface, Value};
@@ -86,6 +86,9 @@ struct Chan {
     /// that means the entry is gone: names are never reused, and only its removal or
     /// expiry is published there.
     heard: Arc<AtomicBool>,
+    /// The message said the entry went as the head of its queue (`removed head`: see the
+    /// remove script). Set before `heard`.
+    head: Arc<AtomicBool>,
     ready: Arc<tokio::sync::OnceCell<()>>,
 }
 
@@ -489,7 +492,7 @@ impl Shared {
                         let msg = rx.recv().await;
                         let Some(s) = w.upgrade() else { return };
                         match msg {
-                            Ok(m) => s.dispatch(&m.channel),
+                            Ok(m) => s.dispatch(&m.channel, &m.value),
                             // Missed messages: let every waiter re-check.
                             Err(RecvError::Lagged(_)) => s.wake_all_waiters(),
                             Err(RecvError::Closed) => return,
@@ -519,14 +522,17 @@ impl Shared {
 
     // ---- pub/sub -------------------------------------------------------------------
 
-    fn dispatch(&self, channel: &str) {
+    fn dispatch(&self, channel: &str, payload: &Value) {
         let chan = self
             .chans
             .lock()
             .get(channel)
-            .map(|c| (c.notify.clone(), c.heard.clone()));
-        if let Some((n, heard)) = chan {
+            .map(|c| (c.notify.clone(), c.heard.clone(), c.head.clone()));
+        if let Some((n, heard, head)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
+            if payload.as_str().is_some_and(|p| p.ends_with(" head")) {
+                head.store(true, Ordering::SeqCst);
+            }
             heard.store(true, Ordering::SeqCst);
             n.notify_waiters();
         }
@@ -580,22 +586,29 @@ impl Shared {
     /// Registers a waiter on `channel`; returns once the channel is subscribed on every
     /// master that answered (a master that did not is covered by the re-check timer).
     async fn listen(self: &Arc<Self>, channel: &str) -> Listener {
-        let (notify, heard, ready) = {
+        let (notify, heard, head, ready) = {
             let mut chans = self.chans.lock();
             let c = chans.entry(channel.to_owned()).or_insert_with(|| Chan {
                 waiters: 0,
                 notify: Arc::new(Notify::new()),
                 heard: Arc::new(AtomicBool::new(false)),
+                head: Arc::new(AtomicBool::new(false)),
                 ready: Arc::new(tokio::sync::OnceCell::new()),
             });
             c.waiters += 1;
-            (c.notify.clone(), c.heard.clone(), c.ready.clone())
+            (
+                c.notify.clone(),
+                c.heard.clone(),
+                c.head.clone(),
+                c.ready.clone(),
+            )
         };
         let listener = Listener {
             shared: self.clone(),
             channel: channel.to_owned(),
             notify,
             heard,
+            head,
         };
         ready
             .get_or_init(|| async {
@@ -1033,6 +1046,7 @@ struct Listener {
     channel: String,
     notify: Arc<Notify>,
     heard: Arc<AtomicBool>,
+    head: Arc<AtomicBool>,
 }
 
 impl Drop for Listener {
@@ -1128,6 +1142,18 @@ impl Backend for RedisBackend {
     }
 
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.wait_gone_detail(q, entry).await.map(|_| ()) })
+    }
+
+    /// On one master, [`Gone::Head`] when the message that woke the waiter said the entry
+    /// was removed as the head of its queue (the remove script checks it atomically).
+    /// Redlock always says [`Gone::Unknown`]: one master's message does not speak for a
+    /// majority, so its waiters list the queue as before.
+    fn wait_gone_detail<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<Gone>> {
         let span = tracing::debug_span!("wait_gone", lock = %q, entry = %entry.name);
         Box::pin(
             async move {
@@ -1148,13 +1174,17 @@ impl Backend for RedisBackend {
                     // handoff. (Redlock: one master's message does not mean a majority
                     // removed it, so it re-checks.)
                     if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
-                        return Ok(());
+                        return Ok(if listener.head.load(Ordering::SeqCst) {
+                            Gone::Head
+                        } else {
+                            Gone::Unknown
+                        });
                     }
                     let results = s.gather(s.nodes.iter().map(|n| n.pttl(&key))).await;
                     let ttls = s.quorum(results)?;
                     let Some(longest) = ttls.iter().flatten().max().copied() else {
                         s.count_recheck(by_timer);
-                        return Ok(());
+                        return Ok(Gone::Unknown);
                     };
                     // An expiry nobody publishes (a dead client's entry) is caught when the
                     // key's TTL runs out; anything else (a message lost in a way no

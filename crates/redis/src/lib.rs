@@ -97,9 +97,13 @@
 //! nobody publishes, a dead client's entry) and at the latest after lease/3 (a lost
 //! message that no reconnect wake-up covered). So a waiter costs the server nothing while
 //! it waits for a live holder, and a lost message or an unpublished expiry only delays it.
-//! A woken waiter lists only the entries scored up to its own
-//! ([`dlock_core::Backend::queue_ahead`]), so a handoff costs the same whatever the
-//! queue's length. Concurrent waiters on one channel share one subscription.
+//! The remove script also says whether the removed entry was the head of its queue (no
+//! other member scored up to its own); on one master a waiter told so holds the lock at
+//! once ([`dlock_core::Backend::wait_gone_detail`],
+//! [`dlock_core::driver::Snapshot::without_head`]), so a contended handoff is the holder's
+//! remove and its message. Otherwise (and always under Redlock) a woken waiter lists only
+//! the entries scored up to its own ([`dlock_core::Backend::queue_ahead`]), so a handoff
+//! costs the same whatever the queue's length. Concurrent waiters on one channel share one subscription.
 //! [`Stats::missed_wakeups`] counts the waits that only the timer ended.
 //!
 //! # Fencing tokens
