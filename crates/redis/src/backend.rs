@@ -109,7 +109,7 @@ struct Counters {
 pub struct Stats {
     /// Pub/sub messages received for a channel some waiter listened on.
     pub messages: u64,
-    /// SUBSCRIBE round trips made (one per channel while someone waits on it, per master).
+    /// SUBSCRIBEs sent (one per channel while someone waits on it, per master).
     pub subscribes: u64,
     /// Entry renewals the watchdog sent (per entry and master).
     pub renewals: u64,
@@ -583,9 +583,11 @@ impl Shared {
         }
     }
 
-    /// Registers a waiter on `channel`; returns once the channel is subscribed on every
-    /// master that answered (a master that did not is covered by the re-check timer).
-    async fn listen(self: &Arc<Self>, channel: &str) -> Listener {
+    /// Registers a waiter on `channel`. With `confirm`, returns once the channel is
+    /// subscribed on every master that answered (a master that did not is covered by the
+    /// re-check timer); without, once the SUBSCRIBE is sent, and the caller's next command
+    /// on the subscriber connection confirms it ([`Node::pttl_after_subscribe`]).
+    async fn listen(self: &Arc<Self>, channel: &str, confirm: bool) -> Listener {
         let (notify, heard, head, ready) = {
             let mut chans = self.chans.lock();
             let c = chans.entry(channel.to_owned()).or_insert_with(|| Chan {
@@ -622,7 +624,10 @@ impl Shared {
                 let results = self
                     .gather(self.nodes.iter().zip(sent).map(|(n, sent)| async move {
                         sent?;
-                        n.confirm_subscriptions().await
+                        if confirm {
+                            n.confirm_subscriptions().await?;
+                        }
+                        Ok(())
                     }))
                     .await;
                 for r in results {
@@ -1161,9 +1166,9 @@ impl Backend for RedisBackend {
                 s.check_open()?;
                 let keys = QueueKeys::new(q);
                 let key = keys.entry(&entry.name);
-                // Subscribe first, then check: a removal between the two is seen by the
-                // check, one after it by the message.
-                let listener = s.listen(&keys.gone_channel(&entry.name)).await;
+                // Subscribe first, then check on the same connection: a removal between
+                // the two is seen by the check, one after it by the message.
+                let listener = s.listen(&keys.gone_channel(&entry.name), false).await;
                 let mut by_timer = false;
                 loop {
                     let notified = listener.notify.notified();
@@ -1180,7 +1185,9 @@ impl Backend for RedisBackend {
                             Gone::Unknown
                         });
                     }
-                    let results = s.gather(s.nodes.iter().map(|n| n.pttl(&key))).await;
+                    let results = s
+                        .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
+                        .await;
                     let ttls = s.quorum(results)?;
                     let Some(longest) = ttls.iter().flatten().max().copied() else {
                         s.count_recheck(by_timer);
@@ -1212,7 +1219,8 @@ impl Backend for RedisBackend {
                 s.check_open()?;
                 let keys = QueueKeys::new(q);
                 let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
-                let listener = s.listen(&keys.changed).await;
+                // Confirmed: the listing below runs on the command connection.
+                let listener = s.listen(&keys.changed, true).await;
                 let mut by_timer = false;
                 loop {
                     let notified = listener.notify.notified();

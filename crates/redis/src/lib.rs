@@ -87,10 +87,12 @@
 //!
 //! # Wake-ups
 //! `wait_gone` subscribes to the watched entry's channel first (a fred `SubscriberClient`
-//! that re-subscribes after reconnects) and confirms the subscription with a PING on the
-//! subscriber connection (fred resolves SUBSCRIBE once it is written, so without the PING
-//! the check below could reach the server first and a removal in between went unheard),
-//! then reads the remaining TTL of the entry's key (gone: return), then
+//! that re-subscribes after reconnects), then reads the remaining TTL of the entry's key
+//! (gone: return) on the same subscriber connection, which speaks RESP3 so that it may
+//! run commands besides pub/sub ones: the server answers the check only after the
+//! SUBSCRIBE, so a removal the check does not see is published to a subscription in force
+//! (fred resolves SUBSCRIBE once it is written; a check on the command connection could
+//! overtake it and a removal in between went unheard). Then it
 //! waits for the message (on one master it ends the wait without another round trip:
 //! only that entry's removal or expiry is published on its channel) or a re-check
 //! timer: just after that TTL runs out (an expiry

@@ -9,7 +9,7 @@ use fred::prelude::{
     ReconnectPolicy, ServerConfig, Value,
 };
 use fred::types::scripts::Script;
-use fred::types::ConnectHandle;
+use fred::types::{ConnectHandle, RespVersion};
 use tokio::time::Instant;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -222,18 +222,29 @@ impl Node {
         // back later, and a Sentinel group may be between primaries. The caller bounds the
         // wait with the connect timeout.
         config.fail_fast = false;
-        let mut b = Builder::from_config(config);
-        b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
-            .with_connection_config(|c| {
-                c.connection_timeout = tuning.connect_timeout;
-                c.internal_command_timeout = tuning.command_timeout;
-                c.max_command_attempts = 1;
-            })
-            .set_policy(reconnect_policy());
-        let client = b
+        // The subscriber speaks RESP3 so that it can also run the waiter's existence
+        // check: sent after the SUBSCRIBE on the same connection, the server answers it
+        // only once the subscription is in force, which saves the confirming PING and its
+        // round trip ([`Node::pttl_after_subscribe`]). The command client stays on RESP2.
+        let sub_config = Config {
+            version: RespVersion::RESP3,
+            ..config.clone()
+        };
+        let builder = |config: Config| {
+            let mut b = Builder::from_config(config);
+            b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
+                .with_connection_config(|c| {
+                    c.connection_timeout = tuning.connect_timeout;
+                    c.internal_command_timeout = tuning.command_timeout;
+                    c.max_command_attempts = 1;
+                })
+                .set_policy(reconnect_policy());
+            b
+        };
+        let client = builder(config)
             .build()
             .map_err(|e| Error::backend(format!("configuring client for {addr}"), e))?;
-        let sub = b
+        let sub = builder(sub_config)
             .build_subscriber_client()
             .map_err(|e| Error::backend(format!("configuring subscriber for {addr}"), e))?;
         let conn_tasks = vec![client.connect(), sub.connect()];
@@ -330,8 +341,25 @@ impl Node {
         Ok((n != -2).then_some(n))
     }
 
+    /// The time `key` has left in ms, as [`Node::pttl`], asked on the subscriber
+    /// connection: the server runs it after every SUBSCRIBE sent before this call, so a
+    /// removal it does not see is published to a subscription already in force (the
+    /// confirmation [`Node::confirm_subscriptions`] gives, in the same round trip as the
+    /// check). If the subscriber fails, asks on the command connection: the subscription
+    /// is then in doubt anyway, and the waiter's re-check timer and reconnect wake-up
+    /// cover it, as after a failed SUBSCRIBE.
+    pub async fn pttl_after_subscribe(&self, key: &str) -> Result<Option<i64>, Error> {
+        match self.sub.pttl::<i64, _>(key).await {
+            Ok(n) => Ok((n != -2).then_some(n)),
+            Err(e) => {
+                tracing::debug!(master = %self.addr, error = %e, "existence check on the subscriber failed; asking the command connection");
+                self.pttl(key).await
+            }
+        }
+    }
+
     /// Sends SUBSCRIBE for `channel`. It is *not* in force yet: see
-    /// [`Node::confirm_subscriptions`].
+    /// [`Node::confirm_subscriptions`] and [`Node::pttl_after_subscribe`].
     pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
         self.sub
             .subscribe(channel)
