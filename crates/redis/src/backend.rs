@@ -47,6 +47,10 @@ const RENEW_IN_FLIGHT: usize = 64;
 /// clocks tick apart; a re-check that finds the key still there just waits again).
 const GONE_MARGIN: Duration = Duration::from_millis(5);
 
+/// How long a channel left without waiters stays subscribed, so that the channels of
+/// many waits share one UNSUBSCRIBE. A listener that comes back meanwhile reuses it.
+const UNSUBSCRIBE_BATCH: Duration = Duration::from_millis(20);
+
 /// How long a Redlock call waits for the remaining masters once a majority answered.
 const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
 
@@ -143,6 +147,8 @@ struct Shared {
     scripts: Scripts,
     live: Mutex<HashMap<(String, String), Live>>,
     chans: Mutex<HashMap<String, Chan>>,
+    /// Channels whose last waiter left, to unsubscribe in the next batch.
+    idle_chans: Mutex<Vec<String>>,
     /// Serialises SUBSCRIBE/UNSUBSCRIBE so that a late UNSUBSCRIBE never undoes a newer
     /// SUBSCRIBE of the same channel.
     sub_ops: tokio::sync::Mutex<()>,
@@ -370,6 +376,7 @@ impl RedisBackend {
             scripts: Scripts::new(),
             live: Mutex::new(HashMap::new()),
             chans: Mutex::new(HashMap::new()),
+            idle_chans: Mutex::new(Vec::new()),
             sub_ops: tokio::sync::Mutex::new(()),
             seq_hint: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
@@ -659,26 +666,43 @@ impl Shared {
         if !last {
             return;
         }
+        // Channels left without waiters are unsubscribed in batches, one UNSUBSCRIBE per
+        // master for all that piled up during UNSUBSCRIBE_BATCH: a gone-channel serves
+        // one wait, so one command per wait would otherwise follow every handoff.
         let Ok(h) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let first = {
+            let mut idle = self.idle_chans.lock();
+            idle.push(channel);
+            idle.len() == 1
+        };
+        if !first {
+            return;
+        }
         let shared = self.clone();
         h.spawn(async move {
+            tokio::time::sleep(UNSUBSCRIBE_BATCH).await;
             let _ops = shared.sub_ops.lock().await;
-            let gone = {
+            let batch = std::mem::take(&mut *shared.idle_chans.lock());
+            // A channel someone listens on again keeps its subscription (and its Chan).
+            let gone: Vec<String> = {
                 let mut chans = shared.chans.lock();
-                match chans.get(&channel) {
-                    Some(c) if c.waiters == 0 => {
-                        chans.remove(&channel);
-                        true
-                    }
-                    _ => false,
-                }
+                batch
+                    .into_iter()
+                    .filter(|ch| match chans.get(ch) {
+                        Some(c) if c.waiters == 0 => {
+                            chans.remove(ch);
+                            true
+                        }
+                        _ => false,
+                    })
+                    .collect()
             };
-            if gone && !shared.closed.load(Ordering::SeqCst) {
-                for r in join_all(shared.nodes.iter().map(|n| n.unsubscribe(&channel))).await {
+            if !gone.is_empty() && !shared.closed.load(Ordering::SeqCst) {
+                for r in join_all(shared.nodes.iter().map(|n| n.unsubscribe_all(&gone))).await {
                     if let Err(e) = r {
-                        debug!(%channel, error = %e, "unsubscribe failed");
+                        debug!(channels = gone.len(), error = %e, "unsubscribe failed");
                     }
                 }
             }

@@ -383,9 +383,10 @@ impl Node {
             .map_err(|e| self.map_err("confirming a subscription", e))
     }
 
-    pub async fn unsubscribe(&self, channel: &str) -> Result<(), Error> {
+    /// Sends one UNSUBSCRIBE for all of `channels` (at least one).
+    pub async fn unsubscribe_all(&self, channels: &[String]) -> Result<(), Error> {
         self.sub
-            .unsubscribe(channel)
+            .unsubscribe(channels.to_vec())
             .await
             .map_err(|e| self.map_err("unsubscribing", e))
     }

@@ -958,3 +958,79 @@ async fn wait_gone_detail_reports_head_only_for_the_head() {
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
+
+/// A finished wait's channel is unsubscribed (in a batch, shortly after), and one that
+/// is still waited on is not: the server keeps no subscription per past wait.
+#[tokio::test]
+async fn finished_waits_leave_no_subscription_behind() {
+    use fred::prelude::ClientLike;
+    init_tracing();
+    let Some(addr) = endpoint(
+        "DLOCK_TEST_REDIS",
+        "finished_waits_leave_no_subscription_behind",
+    ) else {
+        return;
+    };
+    let a = connect(&addr, LONG).await;
+    let b = connect(&addr, LONG).await;
+    let inspect = inspector(&addr).await;
+    let q = fresh_queue("unsubscribed");
+    let pattern = format!("dlock:{{{}}}:*", glob_escape(q.lock.as_str()));
+    let channels = || {
+        let (inspect, pattern) = (inspect.clone(), pattern.clone());
+        async move {
+            let v: Vec<String> = inspect
+                .custom(fred::cmd!("PUBSUB"), vec!["CHANNELS".to_owned(), pattern])
+                .await
+                .expect("pubsub channels");
+            v
+        }
+    };
+    for _ in 0..30 {
+        let e = a
+            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .await
+            .expect("enqueue")
+            .mine;
+        let before = b.stats().subscribes;
+        let (b2, q2, e2) = (b.clone(), q.clone(), e.clone());
+        let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &e2).await });
+        assert!(
+            eventually(LONG, || async { b.stats().subscribes > before }).await,
+            "the waiter subscribed"
+        );
+        a.remove(&q, &e).await.expect("remove");
+        tokio::time::timeout(LONG, waiter)
+            .await
+            .expect("the wait ends")
+            .expect("join")
+            .expect("wait_gone");
+    }
+    // One wait still under way keeps its channel.
+    let held = a
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let (b2, q2, h2) = (b.clone(), q.clone(), held.clone());
+    let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &h2).await });
+    assert!(
+        eventually(LONG, || async { channels().await.len() == 1 }).await,
+        "only the live wait's channel stays subscribed: {:?}",
+        channels().await
+    );
+    assert!(!waiter.is_finished());
+    a.remove(&q, &held).await.expect("remove");
+    tokio::time::timeout(LONG, waiter)
+        .await
+        .expect("the wait ends")
+        .expect("join")
+        .expect("wait_gone");
+    assert!(
+        eventually(LONG, || async { channels().await.is_empty() }).await,
+        "no channel left subscribed: {:?}",
+        channels().await
+    );
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
