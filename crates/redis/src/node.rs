@@ -171,8 +171,10 @@ impl Node {
             )
         })?;
         self.watcher_tasks.push(watcher.connect().abort_handle());
-        self.watcher_tasks
-            .push(watcher.manage_subscriptions().abort_handle());
+        self.watcher_tasks.push(resubscribe_on_reconnect(
+            &watcher,
+            format!("sentinel {host}:{port}"),
+        ));
         let mut rx = watcher.message_rx();
         let (w, client, sub) = (watcher.clone(), self.client.clone(), self.sub.clone());
         let (service, switches) = (service.to_owned(), self.switches.clone());
@@ -250,7 +252,7 @@ impl Node {
         let conn_tasks = vec![client.connect(), sub.connect()];
         // R3: only a SubscriberClient that manages its subscriptions re-subscribes after a
         // reconnect. The handle ends when the client quits.
-        let resubscriber = sub.manage_subscriptions().abort_handle();
+        let resubscriber = resubscribe_on_reconnect(&sub, addr.clone());
         Ok(Node {
             addr,
             client,
@@ -443,6 +445,30 @@ impl Node {
         });
         vec![a, b]
     }
+}
+
+/// What fred's `manage_subscriptions` does (re-subscribe every tracked channel after each
+/// (re)connection of `sub`), with our own logging: a re-subscription cancelled because
+/// the client is quitting is routine (a short-lived CLI run quits right after its first
+/// connection) and logged at debug; fred logs it as an error, a second line on the CLI's
+/// one-line stderr. Other failures are warnings: the waiters' re-check timers cover them.
+fn resubscribe_on_reconnect(sub: &SubscriberClient, addr: String) -> tokio::task::AbortHandle {
+    let sub = sub.clone();
+    let mut reconnects = sub.reconnect_rx();
+    tokio::spawn(async move {
+        while reconnects.recv().await.is_ok() {
+            match sub.resubscribe_all().await {
+                Ok(()) => {}
+                Err(e) if *e.kind() == ErrorKind::Canceled => {
+                    tracing::debug!(master = %addr, error = %e, "re-subscription cancelled (the client is quitting)");
+                }
+                Err(e) => {
+                    tracing::warn!(master = %addr, error = %e, "re-subscribing after a reconnect failed; waiters fall back to their re-check timers");
+                }
+            }
+        }
+    })
+    .abort_handle()
 }
 
 /// `timeout` as a method, to keep the connect loop readable.
