@@ -104,6 +104,20 @@ impl Hints {
     }
 }
 
+/// How a watched entry left its queue, as far as the backend can tell
+/// ([`Backend::wait_gone_detail`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Gone {
+    /// Nothing more is known: entries ahead of it may still be queued.
+    Unknown,
+    /// At the moment it was removed, no other entry was queued with a sequence number up
+    /// to its own: it was the head of the queue, with no downgrade read beside it. A
+    /// backend reports this only when the removal itself observed it atomically (one
+    /// script, one transaction); on several masters, only when a majority did.
+    Head,
+}
+
 /// The result of [`Backend::enqueue`].
 #[derive(Debug, Clone)]
 pub struct Enqueued {
@@ -195,6 +209,24 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Completes once `entry` is no longer in `q` (at once if it is already gone).
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
+
+    /// As [`Backend::wait_gone`], and says what the backend knows of how `entry` went
+    /// ([`Gone`]). A backend that knows the removed entry was the head of its queue
+    /// spares the woken waiter its re-listing ([`crate::driver::Snapshot::without_head`]):
+    /// one round trip less on the handoff.
+    ///
+    /// The default waits with [`Backend::wait_gone`] and knows nothing
+    /// ([`Gone::Unknown`]), which is always correct.
+    fn wait_gone_detail<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<Gone>> {
+        Box::pin(async move {
+            self.wait_gone(q, entry).await?;
+            Ok(Gone::Unknown)
+        })
+    }
 
     /// Completes once the set of entries in `q` differs from `seen` (at once if it
     /// already does). Used only by the one semaphore contender that waits on leases.

@@ -80,13 +80,7 @@ impl Snapshot {
     /// The waiter `mine`'s view from a fresh listing `queue` (in queue order), taken after
     /// `mine` was added.
     pub fn new(queue: Vec<Entry>, mine: &str) -> Self {
-        let beside_possible = match queue.iter().position(|e| e.name == mine) {
-            Some(idx) => {
-                queue[idx].kind != EntryKind::Read
-                    && queue[..idx].iter().any(|e| e.kind == EntryKind::Write)
-            }
-            None => false,
-        };
+        let beside_possible = beside_possible(&queue, mine);
         Snapshot {
             queue,
             beside_possible,
@@ -130,6 +124,40 @@ impl Snapshot {
     pub fn without(&mut self, gone: &str, mine: &str) -> bool {
         self.queue.retain(|e| e.name != gone);
         !self.beside_possible && decide(&self.queue, mine) == Decision::Acquired
+    }
+
+    /// Records that `gone` (the entry the waiter watched) left the queue while it was the
+    /// head: no other entry was queued with a sequence number up to its own
+    /// ([`crate::Gone::Head`]). True if `mine` now holds the lock; false means only a
+    /// fresh listing can tell (and a `gone` missing from the view always says false).
+    ///
+    /// Why that needs no listing even when the view named other entries ahead of `gone`:
+    /// those had all left by then. Whatever is ahead of `mine` now was either in the view
+    /// between `gone` and `mine` (entries ahead only leave), or is a downgrade's read
+    /// beside a write that was queued when `gone` went. Such a write sat behind `gone` (nothing
+    /// was at or ahead of it), so it is in the view between `gone` and `mine` too. For
+    /// the waiter `gone` was the nearest conflicting entry ahead: an exclusive waiter has
+    /// nothing between the two, a read only reads there. Either way it holds the lock.
+    pub fn without_head(&mut self, gone: &str, mine: &str) -> bool {
+        let Some(seq) = self.queue.iter().find(|e| e.name == gone).map(|e| e.seq) else {
+            return false;
+        };
+        self.queue.retain(|e| e.seq > seq);
+        // A downgrade read can now appear ahead only beside a write still in the view.
+        self.beside_possible = beside_possible(&self.queue, mine);
+        !self.beside_possible && decide(&self.queue, mine) == Decision::Acquired
+    }
+}
+
+/// True if a downgrade read that conflicts with `mine` may appear ahead of it: `mine` is
+/// not a read, and a write stands ahead of it in `queue`.
+fn beside_possible(queue: &[Entry], mine: &str) -> bool {
+    match queue.iter().position(|e| e.name == mine) {
+        Some(idx) => {
+            queue[idx].kind != EntryKind::Read
+                && queue[..idx].iter().any(|e| e.kind == EntryKind::Write)
+        }
+        None => false,
     }
 }
 
@@ -731,20 +759,88 @@ mod tests {
         assert!(granted_after_gone(&r3, &r3[2].name, &r3[1].name));
     }
 
+    #[test]
+    fn head_removal_grants_past_a_stale_view() {
+        // Mutex: the view lists 1 and 2 ahead of 3; 1 left unseen, then 2 went as the
+        // head. `without` cannot tell, `without_head` can.
+        let q = vec![
+            entry(EntryKind::Lock, 1),
+            entry(EntryKind::Lock, 2),
+            entry(EntryKind::Lock, 3),
+        ];
+        assert!(!Snapshot::new(q.clone(), &q[2].name).without(&q[1].name, &q[2].name));
+        assert!(Snapshot::new(q.clone(), &q[2].name).without_head(&q[1].name, &q[2].name));
+        // An entry the view does not list says nothing.
+        assert!(!Snapshot::new(q.clone(), &q[2].name).without_head("nope", &q[2].name));
+
+        // Writers: a write ahead no longer forces a listing once the head went.
+        let w = vec![
+            entry(EntryKind::Write, 1),
+            entry(EntryKind::Write, 2),
+            entry(EntryKind::Write, 3),
+        ];
+        assert!(!Snapshot::new(w.clone(), &w[2].name).without(&w[1].name, &w[2].name));
+        assert!(Snapshot::new(w.clone(), &w[2].name).without_head(&w[1].name, &w[2].name));
+
+        // A reader watching its nearest writer, readers between: let in.
+        let r = vec![
+            entry(EntryKind::Write, 1),
+            entry(EntryKind::Read, 2),
+            entry(EntryKind::Write, 3),
+            entry(EntryKind::Read, 4),
+            entry(EntryKind::Read, 5),
+        ];
+        assert!(Snapshot::new(r.clone(), &r[4].name).without_head(&r[2].name, &r[4].name));
+        // A writer behind those readers is not: they hold now.
+        let mut rw = r.clone();
+        rw.push(entry(EntryKind::Write, 6));
+        assert!(!Snapshot::new(rw.clone(), &rw[5].name).without_head(&rw[2].name, &rw[5].name));
+    }
+
+    #[test]
+    fn a_downgrade_beside_the_watched_write_is_never_a_head_removal() {
+        // Writer 1 holds, writer 2 waits on it; writer 1 downgrades, then releases its
+        // write. The read beside it shares sequence 1, so the removal was not a head
+        // removal: the sim reports it as unknown and writer 2 lists again.
+        let mut sim = ViewSim {
+            heads: true,
+            ..ViewSim::default()
+        };
+        sim.add(entry(EntryKind::Write, 1));
+        sim.add(entry(EntryKind::Write, 2));
+        sim.downgrade(0);
+        let w1 = sim.queue[0].name.clone();
+        sim.remove(&w1);
+        assert!(
+            !sim.woken[0].3,
+            "removal beside a downgrade read reported as head"
+        );
+        sim.run_woken(0);
+        assert_eq!(sim.rereads, 1);
+        assert!(sim.waiting.contains_key("e2__WRIT__"));
+        sim.check_quiet().expect("beliefs match the queue");
+    }
+
     /// The acquire loop of a backend whose queues grow at the tail, with wake-ups
     /// delivered late: a waiter keeps the queue view it last read; a removal only marks
     /// the waiters watching the removed entry as woken, and each woken waiter runs later,
     /// after any other steps, deciding with [`granted_after_gone`] on its old view or
     /// reading the queue afresh when that says no. Write holders may downgrade (a read
     /// beside their write), the one way an entry joins ahead of earlier waiters.
+    ///
+    /// With `heads`, a removal also reports whether the removed entry was the head (no
+    /// other entry queued with a sequence up to its own, as [`crate::Gone::Head`] says),
+    /// and a woken waiter told so decides with [`Snapshot::without_head`] instead.
     #[derive(Default)]
     struct ViewSim {
+        heads: bool,
         queue: Vec<Entry>,
         next_seq: u64,
         /// Waiters: name -> (watched name, the view it decided on).
         waiting: HashMap<String, (String, Vec<Entry>)>,
-        /// Woken waiters not yet run: name -> (the entry that went, its old view).
-        woken: Vec<(String, String, Vec<Entry>)>,
+        /// Woken waiters not yet run: (name, the entry that went, its old view, whether
+        /// it went as the head).
+        woken: Vec<(String, String, Vec<Entry>, bool)>,
         held: Vec<String>,
         /// Write holders that already placed a read beside their write.
         downgraded: Vec<String>,
@@ -794,10 +890,18 @@ mod tests {
         }
 
         fn remove(&mut self, name: &str) {
+            // What the removal script sees atomically: nothing else at or ahead of it.
+            let head = match self.queue.iter().find(|e| e.name == name) {
+                Some(gone) => self
+                    .queue
+                    .iter()
+                    .all(|e| e.name == name || e.seq > gone.seq),
+                None => false,
+            };
             self.queue.retain(|e| e.name != name);
             self.held.retain(|h| h != name);
             self.waiting.remove(name);
-            self.woken.retain(|(w, _, _)| w != name);
+            self.woken.retain(|(w, _, _, _)| w != name);
             let hit: Vec<String> = self
                 .waiting
                 .iter()
@@ -806,7 +910,8 @@ mod tests {
                 .collect();
             for w in hit {
                 if let Some((_, view)) = self.waiting.remove(&w) {
-                    self.woken.push((w, name.to_owned(), view));
+                    self.woken
+                        .push((w, name.to_owned(), view, head && self.heads));
                 }
             }
         }
@@ -815,8 +920,13 @@ mod tests {
             if self.woken.is_empty() {
                 return;
             }
-            let (w, gone, view) = self.woken.remove(i % self.woken.len());
-            if granted_after_gone(&view, &w, &gone) {
+            let (w, gone, view, head) = self.woken.remove(i % self.woken.len());
+            let granted = if head {
+                Snapshot::new(view, &w).without_head(&gone, &w)
+            } else {
+                granted_after_gone(&view, &w, &gone)
+            };
+            if granted {
                 self.skips += 1;
                 self.held.push(w);
             } else {
@@ -907,8 +1017,11 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
         #[test]
-        fn skipping_the_reread_never_grants_early(steps in prop::collection::vec(view_step(), 1..100)) {
-            let mut sim = ViewSim::default();
+        fn skipping_the_reread_never_grants_early(
+            heads in any::<bool>(),
+            steps in prop::collection::vec(view_step(), 1..100),
+        ) {
+            let mut sim = ViewSim { heads, ..ViewSim::default() };
             for s in steps {
                 match s {
                     ViewStep::Add(kind) => {
@@ -997,6 +1110,48 @@ mod tests {
             // The second waiter's view held only the first: it skips.
             prop_assert_eq!(sim.skips, 1);
             prop_assert_eq!(sim.rereads, n - 2);
+        }
+
+        #[test]
+        fn a_head_removal_needs_no_reread(
+            kinds in prop::collection::vec(prop_oneof![Just(EntryKind::Lock), Just(EntryKind::Write)], 2..60),
+            cancels in prop::collection::vec(any::<usize>(), 0..10),
+        ) {
+            // Everyone queued at once, some waiters cancelled, then every release is
+            // reported as a head removal: no handoff lists the queue again, however stale
+            // the views, and the lock goes in queue order.
+            let mut sim = ViewSim { heads: true, ..ViewSim::default() };
+            for k in kinds {
+                let e = entry(k, sim.next_seq);
+                sim.next_seq += 1;
+                sim.add(e);
+            }
+            for c in cancels {
+                let mut w: Vec<String> = sim.waiting.keys().cloned().collect();
+                if w.len() > 1 {
+                    w.sort();
+                    let n = w[c % w.len()].clone();
+                    sim.remove(&n);
+                    // A cancelled waiter's successor was woken by a non-head removal.
+                    while !sim.woken.is_empty() {
+                        sim.run_woken(0);
+                    }
+                    sim.check()?;
+                }
+            }
+            let rereads = sim.rereads;
+            while !sim.queue.is_empty() {
+                prop_assert_eq!(sim.held.len(), 1);
+                let h = sim.held[0].clone();
+                prop_assert_eq!(&h, &sim.queue[0].name);
+                sim.remove(&h);
+                while !sim.woken.is_empty() {
+                    sim.run_woken(0);
+                }
+                sim.check()?;
+                sim.check_quiet()?;
+            }
+            prop_assert_eq!(sim.rereads, rereads);
         }
     }
 

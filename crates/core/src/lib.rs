@@ -57,7 +57,7 @@ pub mod name;
 pub mod owner;
 pub mod token;
 
-pub use backend::{Backend, Enqueued, Hints, Position, SessionOptions};
+pub use backend::{Backend, Enqueued, Gone, Hints, Position, SessionOptions};
 pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};
 pub use error::{Error, NameError, Result};

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::driver::{Decision, Snapshot};
-use dlock_core::{Backend, Entry, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use dlock_core::{Backend, Entry, EntryKind, Error, Gone, Position, QueuePath, Result, Ticket};
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
@@ -129,13 +129,14 @@ pub(crate) fn spawn_remove<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, e
     });
 }
 
-/// [`Backend::wait_gone`] on owned arguments, so the watch can outlive one loop turn.
+/// [`Backend::wait_gone_detail`] on owned arguments, so the watch can outlive one loop
+/// turn.
 fn watch_gone<B: Backend + ?Sized>(
     backend: Arc<B>,
     q: QueuePath,
     entry: Entry,
-) -> BoxFuture<'static, Result<()>> {
-    Box::pin(async move { backend.wait_gone(&q, &entry).await })
+) -> BoxFuture<'static, Result<Gone>> {
+    Box::pin(async move { backend.wait_gone_detail(&q, &entry).await })
 }
 
 /// Adds an entry of `kind` to `q` and waits until the driver grants it.
@@ -161,7 +162,7 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
         let watch_ahead = backend.hints().watch_ahead;
         // The watch on the entry this waiter waits on, kept across a re-listing that
         // names the same entry again, so it is armed once.
-        let mut watch: Option<(String, BoxFuture<'static, Result<()>>)> = None;
+        let mut watch: Option<(String, BoxFuture<'static, Result<Gone>>)> = None;
         loop {
             let (blocker, next) = match view.decide(&mine.name) {
                 Decision::Acquired => return Ok(mine),
@@ -193,8 +194,13 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
             };
             tokio::select! {
                 r = &mut gone => {
-                    r?;
-                    if view.without(&blocker.name, &mine.name) {
+                    // Told the blocker went as the head, the view needs no listing
+                    // however stale it is (see `Snapshot::without_head`).
+                    let granted = match r? {
+                        Gone::Head => view.without_head(&blocker.name, &mine.name),
+                        _ => view.without(&blocker.name, &mine.name),
+                    };
+                    if granted {
                         return Ok(mine);
                     }
                 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, NameRules, Position, QueuePath, Result,
+    Backend, Enqueued, Entry, EntryKind, Error, Gone, NameRules, Position, QueuePath, Result,
     SessionOptions, Ticket,
 };
 use fred::prelude::{EventInterface, Value};
@@ -46,6 +46,10 @@ const RENEW_IN_FLIGHT: usize = 64;
 /// How long after an entry key's expiry its watcher re-checks it (server and client
 /// clocks tick apart; a re-check that finds the key still there just waits again).
 const GONE_MARGIN: Duration = Duration::from_millis(5);
+
+/// How long a channel left without waiters stays subscribed, so that the channels of
+/// many waits share one UNSUBSCRIBE. A listener that comes back meanwhile reuses it.
+const UNSUBSCRIBE_BATCH: Duration = Duration::from_millis(20);
 
 /// How long a Redlock call waits for the remaining masters once a majority answered.
 const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
@@ -86,6 +90,9 @@ struct Chan {
     /// that means the entry is gone: names are never reused, and only its removal or
     /// expiry is published there.
     heard: Arc<AtomicBool>,
+    /// The message said the entry went as the head of its queue (`removed head`: see the
+    /// remove script). Set before `heard`.
+    head: Arc<AtomicBool>,
     ready: Arc<tokio::sync::OnceCell<()>>,
 }
 
@@ -106,7 +113,7 @@ struct Counters {
 pub struct Stats {
     /// Pub/sub messages received for a channel some waiter listened on.
     pub messages: u64,
-    /// SUBSCRIBE round trips made (one per channel while someone waits on it, per master).
+    /// SUBSCRIBEs sent (one per channel while someone waits on it, per master).
     pub subscribes: u64,
     /// Entry renewals the watchdog sent (per entry and master).
     pub renewals: u64,
@@ -142,6 +149,8 @@ struct Shared {
     scripts: Scripts,
     live: Mutex<HashMap<(String, String), Live>>,
     chans: Mutex<HashMap<String, Chan>>,
+    /// Channels whose last waiter left, to unsubscribe in the next batch.
+    idle_chans: Mutex<Vec<String>>,
     /// Serialises SUBSCRIBE/UNSUBSCRIBE so that a late UNSUBSCRIBE never undoes a newer
     /// SUBSCRIBE of the same channel.
     sub_ops: tokio::sync::Mutex<()>,
@@ -370,6 +379,7 @@ impl RedisBackend {
             scripts: Scripts::new(),
             live: Mutex::new(HashMap::new()),
             chans: Mutex::new(HashMap::new()),
+            idle_chans: Mutex::new(Vec::new()),
             sub_ops: tokio::sync::Mutex::new(()),
             seq_hint: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
@@ -492,7 +502,7 @@ impl Shared {
                         let msg = rx.recv().await;
                         let Some(s) = w.upgrade() else { return };
                         match msg {
-                            Ok(m) => s.dispatch(&m.channel),
+                            Ok(m) => s.dispatch(&m.channel, &m.value),
                             // Missed messages: let every waiter re-check.
                             Err(RecvError::Lagged(_)) => s.wake_all_waiters(),
                             Err(RecvError::Closed) => return,
@@ -522,14 +532,17 @@ impl Shared {
 
     // ---- pub/sub -------------------------------------------------------------------
 
-    fn dispatch(&self, channel: &str) {
+    fn dispatch(&self, channel: &str, payload: &Value) {
         let chan = self
             .chans
             .lock()
             .get(channel)
-            .map(|c| (c.notify.clone(), c.heard.clone()));
-        if let Some((n, heard)) = chan {
+            .map(|c| (c.notify.clone(), c.heard.clone(), c.head.clone()));
+        if let Some((n, heard, head)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
+            if payload.as_str().is_some_and(|p| p.ends_with(" head")) {
+                head.store(true, Ordering::SeqCst);
+            }
             heard.store(true, Ordering::SeqCst);
             n.notify_waiters();
         }
@@ -580,25 +593,34 @@ impl Shared {
         }
     }
 
-    /// Registers a waiter on `channel`; returns once the channel is subscribed on every
-    /// master that answered (a master that did not is covered by the re-check timer).
-    async fn listen(self: &Arc<Self>, channel: &str) -> Listener {
-        let (notify, heard, ready) = {
+    /// Registers a waiter on `channel`. With `confirm`, returns once the channel is
+    /// subscribed on every master that answered (a master that did not is covered by the
+    /// re-check timer); without, once the SUBSCRIBE is sent, and the caller's next command
+    /// on the subscriber connection confirms it ([`Node::pttl_after_subscribe`]).
+    async fn listen(self: &Arc<Self>, channel: &str, confirm: bool) -> Listener {
+        let (notify, heard, head, ready) = {
             let mut chans = self.chans.lock();
             let c = chans.entry(channel.to_owned()).or_insert_with(|| Chan {
                 waiters: 0,
                 notify: Arc::new(Notify::new()),
                 heard: Arc::new(AtomicBool::new(false)),
+                head: Arc::new(AtomicBool::new(false)),
                 ready: Arc::new(tokio::sync::OnceCell::new()),
             });
             c.waiters += 1;
-            (c.notify.clone(), c.heard.clone(), c.ready.clone())
+            (
+                c.notify.clone(),
+                c.heard.clone(),
+                c.head.clone(),
+                c.ready.clone(),
+            )
         };
         let listener = Listener {
             shared: self.clone(),
             channel: channel.to_owned(),
             notify,
             heard,
+            head,
         };
         ready
             .get_or_init(|| async {
@@ -612,7 +634,10 @@ impl Shared {
                 let results = self
                     .gather(self.nodes.iter().zip(sent).map(|(n, sent)| async move {
                         sent?;
-                        n.confirm_subscriptions().await
+                        if confirm {
+                            n.confirm_subscriptions().await?;
+                        }
+                        Ok(())
                     }))
                     .await;
                 for r in results {
@@ -644,26 +669,43 @@ impl Shared {
         if !last {
             return;
         }
+        // Channels left without waiters are unsubscribed in batches, one UNSUBSCRIBE per
+        // master for all that piled up during UNSUBSCRIBE_BATCH: a gone-channel serves
+        // one wait, so one command per wait would otherwise follow every handoff.
         let Ok(h) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let first = {
+            let mut idle = self.idle_chans.lock();
+            idle.push(channel);
+            idle.len() == 1
+        };
+        if !first {
+            return;
+        }
         let shared = self.clone();
         h.spawn(async move {
+            tokio::time::sleep(UNSUBSCRIBE_BATCH).await;
             let _ops = shared.sub_ops.lock().await;
-            let gone = {
+            let batch = std::mem::take(&mut *shared.idle_chans.lock());
+            // A channel someone listens on again keeps its subscription (and its Chan).
+            let gone: Vec<String> = {
                 let mut chans = shared.chans.lock();
-                match chans.get(&channel) {
-                    Some(c) if c.waiters == 0 => {
-                        chans.remove(&channel);
-                        true
-                    }
-                    _ => false,
-                }
+                batch
+                    .into_iter()
+                    .filter(|ch| match chans.get(ch) {
+                        Some(c) if c.waiters == 0 => {
+                            chans.remove(ch);
+                            true
+                        }
+                        _ => false,
+                    })
+                    .collect()
             };
-            if gone && !shared.closed.load(Ordering::SeqCst) {
-                for r in join_all(shared.nodes.iter().map(|n| n.unsubscribe(&channel))).await {
+            if !gone.is_empty() && !shared.closed.load(Ordering::SeqCst) {
+                for r in join_all(shared.nodes.iter().map(|n| n.unsubscribe_all(&gone))).await {
                     if let Err(e) = r {
-                        debug!(%channel, error = %e, "unsubscribe failed");
+                        debug!(channels = gone.len(), error = %e, "unsubscribe failed");
                     }
                 }
             }
@@ -1035,6 +1077,7 @@ struct Listener {
     channel: String,
     notify: Arc<Notify>,
     heard: Arc<AtomicBool>,
+    head: Arc<AtomicBool>,
 }
 
 impl Drop for Listener {
@@ -1130,6 +1173,18 @@ impl Backend for RedisBackend {
     }
 
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.wait_gone_detail(q, entry).await.map(|_| ()) })
+    }
+
+    /// On one master, [`Gone::Head`] when the message that woke the waiter said the entry
+    /// was removed as the head of its queue (the remove script checks it atomically).
+    /// Redlock always says [`Gone::Unknown`]: one master's message does not speak for a
+    /// majority, so its waiters list the queue as before.
+    fn wait_gone_detail<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<Gone>> {
         let span = tracing::debug_span!("wait_gone", lock = %q, entry = %entry.name);
         Box::pin(
             async move {
@@ -1137,9 +1192,9 @@ impl Backend for RedisBackend {
                 s.check_open()?;
                 let keys = QueueKeys::new(q);
                 let key = keys.entry(&entry.name);
-                // Subscribe first, then check: a removal between the two is seen by the
-                // check, one after it by the message.
-                let listener = s.listen(&keys.gone_channel(&entry.name)).await;
+                // Subscribe first, then check on the same connection: a removal between
+                // the two is seen by the check, one after it by the message.
+                let listener = s.listen(&keys.gone_channel(&entry.name), false).await;
                 let mut by_timer = false;
                 loop {
                     let notified = listener.notify.notified();
@@ -1150,13 +1205,19 @@ impl Backend for RedisBackend {
                     // handoff. (Redlock: one master's message does not mean a majority
                     // removed it, so it re-checks.)
                     if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
-                        return Ok(());
+                        return Ok(if listener.head.load(Ordering::SeqCst) {
+                            Gone::Head
+                        } else {
+                            Gone::Unknown
+                        });
                     }
-                    let results = s.gather(s.nodes.iter().map(|n| n.pttl(&key))).await;
+                    let results = s
+                        .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
+                        .await;
                     let ttls = s.quorum(results)?;
                     let Some(longest) = ttls.iter().flatten().max().copied() else {
                         s.count_recheck(by_timer);
-                        return Ok(());
+                        return Ok(Gone::Unknown);
                     };
                     // An expiry nobody publishes (a dead client's entry) is caught when the
                     // key's TTL runs out; anything else (a message lost in a way no
@@ -1184,7 +1245,8 @@ impl Backend for RedisBackend {
                 s.check_open()?;
                 let keys = QueueKeys::new(q);
                 let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
-                let listener = s.listen(&keys.changed).await;
+                // Confirmed: the listing below runs on the command connection.
+                let listener = s.listen(&keys.changed, true).await;
                 let mut by_timer = false;
                 loop {
                     let notified = listener.notify.notified();

@@ -87,19 +87,25 @@
 //!
 //! # Wake-ups
 //! `wait_gone` subscribes to the watched entry's channel first (a fred `SubscriberClient`
-//! that re-subscribes after reconnects) and confirms the subscription with a PING on the
-//! subscriber connection (fred resolves SUBSCRIBE once it is written, so without the PING
-//! the check below could reach the server first and a removal in between went unheard),
-//! then reads the remaining TTL of the entry's key (gone: return), then
+//! that re-subscribes after reconnects), then reads the remaining TTL of the entry's key
+//! (gone: return) on the same subscriber connection, which speaks RESP3 so that it may
+//! run commands besides pub/sub ones: the server answers the check only after the
+//! SUBSCRIBE, so a removal the check does not see is published to a subscription in force
+//! (fred resolves SUBSCRIBE once it is written; a check on the command connection could
+//! overtake it and a removal in between went unheard). Then it
 //! waits for the message (on one master it ends the wait without another round trip:
 //! only that entry's removal or expiry is published on its channel) or a re-check
 //! timer: just after that TTL runs out (an expiry
 //! nobody publishes, a dead client's entry) and at the latest after lease/3 (a lost
 //! message that no reconnect wake-up covered). So a waiter costs the server nothing while
 //! it waits for a live holder, and a lost message or an unpublished expiry only delays it.
-//! A woken waiter lists only the entries scored up to its own
-//! ([`dlock_core::Backend::queue_ahead`]), so a handoff costs the same whatever the
-//! queue's length. Concurrent waiters on one channel share one subscription.
+//! The remove script also says whether the removed entry was the head of its queue (no
+//! other member scored up to its own); on one master a waiter told so holds the lock at
+//! once ([`dlock_core::Backend::wait_gone_detail`],
+//! [`dlock_core::driver::Snapshot::without_head`]), so a contended handoff is the holder's
+//! remove and its message. Otherwise (and always under Redlock) a woken waiter lists only
+//! the entries scored up to its own ([`dlock_core::Backend::queue_ahead`]), so a handoff
+//! costs the same whatever the queue's length. Concurrent waiters on one channel share one subscription.
 //! [`Stats::missed_wakeups`] counts the waits that only the timer ended.
 //!
 //! # Fencing tokens

@@ -9,7 +9,7 @@ use fred::prelude::{
     ReconnectPolicy, ServerConfig, Value,
 };
 use fred::types::scripts::Script;
-use fred::types::ConnectHandle;
+use fred::types::{ConnectHandle, RespVersion};
 use tokio::time::Instant;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -171,8 +171,10 @@ impl Node {
             )
         })?;
         self.watcher_tasks.push(watcher.connect().abort_handle());
-        self.watcher_tasks
-            .push(watcher.manage_subscriptions().abort_handle());
+        self.watcher_tasks.push(resubscribe_on_reconnect(
+            &watcher,
+            format!("sentinel {host}:{port}"),
+        ));
         let mut rx = watcher.message_rx();
         let (w, client, sub) = (watcher.clone(), self.client.clone(), self.sub.clone());
         let (service, switches) = (service.to_owned(), self.switches.clone());
@@ -222,24 +224,35 @@ impl Node {
         // back later, and a Sentinel group may be between primaries. The caller bounds the
         // wait with the connect timeout.
         config.fail_fast = false;
-        let mut b = Builder::from_config(config);
-        b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
-            .with_connection_config(|c| {
-                c.connection_timeout = tuning.connect_timeout;
-                c.internal_command_timeout = tuning.command_timeout;
-                c.max_command_attempts = 1;
-            })
-            .set_policy(reconnect_policy());
-        let client = b
+        // The subscriber speaks RESP3 so that it can also run the waiter's existence
+        // check: sent after the SUBSCRIBE on the same connection, the server answers it
+        // only once the subscription is in force, which saves the confirming PING and its
+        // round trip ([`Node::pttl_after_subscribe`]). The command client stays on RESP2.
+        let sub_config = Config {
+            version: RespVersion::RESP3,
+            ..config.clone()
+        };
+        let builder = |config: Config| {
+            let mut b = Builder::from_config(config);
+            b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
+                .with_connection_config(|c| {
+                    c.connection_timeout = tuning.connect_timeout;
+                    c.internal_command_timeout = tuning.command_timeout;
+                    c.max_command_attempts = 1;
+                })
+                .set_policy(reconnect_policy());
+            b
+        };
+        let client = builder(config)
             .build()
             .map_err(|e| Error::backend(format!("configuring client for {addr}"), e))?;
-        let sub = b
+        let sub = builder(sub_config)
             .build_subscriber_client()
             .map_err(|e| Error::backend(format!("configuring subscriber for {addr}"), e))?;
         let conn_tasks = vec![client.connect(), sub.connect()];
         // R3: only a SubscriberClient that manages its subscriptions re-subscribes after a
         // reconnect. The handle ends when the client quits.
-        let resubscriber = sub.manage_subscriptions().abort_handle();
+        let resubscriber = resubscribe_on_reconnect(&sub, addr.clone());
         Ok(Node {
             addr,
             client,
@@ -330,8 +343,25 @@ impl Node {
         Ok((n != -2).then_some(n))
     }
 
+    /// The time `key` has left in ms, as [`Node::pttl`], asked on the subscriber
+    /// connection: the server runs it after every SUBSCRIBE sent before this call, so a
+    /// removal it does not see is published to a subscription already in force (the
+    /// confirmation [`Node::confirm_subscriptions`] gives, in the same round trip as the
+    /// check). If the subscriber fails, asks on the command connection: the subscription
+    /// is then in doubt anyway, and the waiter's re-check timer and reconnect wake-up
+    /// cover it, as after a failed SUBSCRIBE.
+    pub async fn pttl_after_subscribe(&self, key: &str) -> Result<Option<i64>, Error> {
+        match self.sub.pttl::<i64, _>(key).await {
+            Ok(n) => Ok((n != -2).then_some(n)),
+            Err(e) => {
+                tracing::debug!(master = %self.addr, error = %e, "existence check on the subscriber failed; asking the command connection");
+                self.pttl(key).await
+            }
+        }
+    }
+
     /// Sends SUBSCRIBE for `channel`. It is *not* in force yet: see
-    /// [`Node::confirm_subscriptions`].
+    /// [`Node::confirm_subscriptions`] and [`Node::pttl_after_subscribe`].
     pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
         self.sub
             .subscribe(channel)
@@ -355,9 +385,10 @@ impl Node {
             .map_err(|e| self.map_err("confirming a subscription", e))
     }
 
-    pub async fn unsubscribe(&self, channel: &str) -> Result<(), Error> {
+    /// Sends one UNSUBSCRIBE for all of `channels` (at least one).
+    pub async fn unsubscribe_all(&self, channels: &[String]) -> Result<(), Error> {
         self.sub
-            .unsubscribe(channel)
+            .unsubscribe(channels.to_vec())
             .await
             .map_err(|e| self.map_err("unsubscribing", e))
     }
@@ -414,6 +445,30 @@ impl Node {
         });
         vec![a, b]
     }
+}
+
+/// What fred's `manage_subscriptions` does (re-subscribe every tracked channel after each
+/// (re)connection of `sub`), with our own logging: a re-subscription cancelled because
+/// the client is quitting is routine (a short-lived CLI run quits right after its first
+/// connection) and logged at debug; fred logs it as an error, a second line on the CLI's
+/// one-line stderr. Other failures are warnings: the waiters' re-check timers cover them.
+fn resubscribe_on_reconnect(sub: &SubscriberClient, addr: String) -> tokio::task::AbortHandle {
+    let sub = sub.clone();
+    let mut reconnects = sub.reconnect_rx();
+    tokio::spawn(async move {
+        while reconnects.recv().await.is_ok() {
+            match sub.resubscribe_all().await {
+                Ok(()) => {}
+                Err(e) if *e.kind() == ErrorKind::Canceled => {
+                    tracing::debug!(master = %addr, error = %e, "re-subscription cancelled (the client is quitting)");
+                }
+                Err(e) => {
+                    tracing::warn!(master = %addr, error = %e, "re-subscribing after a reconnect failed; waiters fall back to their re-check timers");
+                }
+            }
+        }
+    })
+    .abort_handle()
 }
 
 /// `timeout` as a method, to keep the connect loop readable.

@@ -16,7 +16,11 @@
 //! in `INFO commandstats`), so the scripts run only what the state change needs:
 //! - an uncontended acquire + release is 14 commands (enqueue: ZRANGE, TIME, GET + SET of
 //!   the token counter, SET of the entry with its lease, ZADD, PEXPIRE of the queue,
-//!   PUBLISH; remove: DEL, ZREM, two PUBLISH, EXISTS, DEL of the counters);
+//!   PUBLISH; remove: ZRANGE of the first two members, DEL, ZREM, two PUBLISH, DEL of
+//!   the counters);
+//! - a removal tells the waiter watching the entry whether it was the head of the queue
+//!   (`removed head`), so on one master a contended handoff is the remove and its message,
+//!   with no listing by the woken waiter;
 //! - a queue's keys need no TTL bookkeeping beyond `PEXPIRE <queue> <lease> GT` (Redis
 //!   7.0+): the counters are written with `PX <lease>` and are floors, not the truth (the
 //!   token is floored at the server clock, a Redlock proposal must be above every queued
@@ -186,7 +190,23 @@ return out
 /// gone-channel prefix, queue channel, names... Publishes on each removed entry's
 /// gone-channel so that only the waiter watching it wakes. Returns how many entry keys
 /// existed.
+///
+/// A single name is published as `removed head` when no other member was scored up to
+/// its own (`dlock_core::Gone::Head`: its watcher needs no listing), otherwise as
+/// `removed`. The first two members tell that and whether the queue is now empty, so the
+/// check replaces `tidy`'s `EXISTS`: no command more than before. A member whose entry
+/// key expired still counts as ahead, which only costs its watcher a listing.
 const REMOVE: &str = r#"
+if #ARGV == 4 then
+  local name = ARGV[4]
+  local m = redis.call('ZRANGE', KEYS[1], 0, 1, 'WITHSCORES')
+  local first = m[1] == name
+  local why = 'removed'
+  if first and (m[3] == nil or tonumber(m[4]) > tonumber(m[2])) then why = 'removed head' end
+  local n = drop(ARGV[1], ARGV[2], ARGV[3], name, why)
+  if m[1] == nil or (first and m[3] == nil) then redis.call('DEL', KEYS[2], KEYS[3]) end
+  return n
+end
 local n = 0
 for i = 4, #ARGV do n = n + drop(ARGV[1], ARGV[2], ARGV[3], ARGV[i], 'removed') end
 tidy()

@@ -699,3 +699,338 @@ async fn rwlock_waits_end_by_message_not_by_the_recheck_timer() {
         "waits the re-check timer had to rescue (a removal's message never arrived)"
     );
 }
+
+/// Waits as the recipes do: keeps the [`Snapshot`] it last listed, and when its blocker
+/// goes asks [`Snapshot::without_head`] (the remove said `Gone::Head`) or
+/// [`Snapshot::without`] before listing the entries ahead again. Returns the entry and
+/// whether the last wait was granted without a listing because of a head removal.
+async fn acquire_like_recipes(
+    b: &RedisBackend,
+    q: &dlock_core::QueuePath,
+    kind: EntryKind,
+) -> (dlock_core::Entry, bool) {
+    use dlock_core::driver::Snapshot;
+    use dlock_core::Gone;
+    let added = b
+        .enqueue(q, &Ticket::new(), kind, Position::Tail, b"")
+        .await
+        .expect("enqueue");
+    let mine = added.mine;
+    let mut view = Snapshot::new(added.queue, &mine.name);
+    loop {
+        let blocker = match view.decide(&mine.name) {
+            Decision::Acquired => return (mine, false),
+            Decision::Missing => panic!("entry {} vanished while waiting", mine.name),
+            Decision::Wait(blocker) => blocker.clone(),
+        };
+        match b.wait_gone_detail(q, &blocker).await.expect("wait_gone") {
+            Gone::Head => {
+                if view.without_head(&blocker.name, &mine.name) {
+                    return (mine, true);
+                }
+            }
+            _ => {
+                if view.without(&blocker.name, &mine.name) {
+                    return (mine, false);
+                }
+            }
+        }
+        view = Snapshot::new(b.queue_ahead(q, &mine).await.expect("list"), &mine.name);
+    }
+}
+
+/// The listing-free handoff on a real server: the remove script says `removed head` only
+/// when nothing else is queued at or ahead of the entry, and waiters granted on that
+/// (readers, writers, write holders downgrading beside their write) never break
+/// exclusion. Every wait still ends by a message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
+    init_tracing();
+    let Some(addr) = endpoint(
+        "DLOCK_TEST_REDIS",
+        "head_removals_grant_without_a_listing_and_keep_exclusion",
+    ) else {
+        return;
+    };
+    const WORKERS: u64 = 6;
+    const ROUNDS: u64 = 200;
+    let q = fresh_queue("head-handoff");
+    let inside = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let violations = Arc::new(AtomicUsize::new(0));
+    let head_grants = Arc::new(AtomicUsize::new(0));
+    let mut backends = Vec::new();
+    for _ in 0..WORKERS {
+        backends.push(connect(&addr, LONG).await);
+    }
+    // Readers inside in the low bits, exclusive holders << 32.
+    let check = |violations: &AtomicUsize, now: u64| {
+        let (writers, readers) = (now >> 32, now & 0xFFFF_FFFF);
+        if writers > 1 || (writers == 1 && readers > 0) {
+            violations.fetch_add(1, Ordering::SeqCst);
+        }
+    };
+    let mut tasks = Vec::new();
+    for (i, b) in backends.iter().enumerate() {
+        let (b, q, inside, violations, head_grants) = (
+            b.clone(),
+            q.clone(),
+            inside.clone(),
+            violations.clone(),
+            head_grants.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (i as u64 + 1);
+            for _ in 0..ROUNDS {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let kind = match x % 10 {
+                    0..=3 => EntryKind::Write,
+                    4..=6 => EntryKind::Read,
+                    _ => EntryKind::Lock,
+                };
+                // Lock entries share the queue with the read/write ones in this test:
+                // exclusive like writes, so they count as writers.
+                let (mine, by_head) = acquire_like_recipes(&b, &q, kind).await;
+                if by_head {
+                    head_grants.fetch_add(1, Ordering::SeqCst);
+                }
+                let unit = if kind == EntryKind::Read {
+                    1
+                } else {
+                    1u64 << 32
+                };
+                let now = inside.fetch_add(unit, Ordering::SeqCst) + unit;
+                check(&violations, now);
+                tokio::task::yield_now().await;
+                if kind == EntryKind::Write && x % 3 == 0 {
+                    // Downgrade: a read beside the held write, then the write goes while
+                    // others wait behind it: the one way an entry joins ahead of them.
+                    let beside = b
+                        .enqueue(
+                            &q,
+                            &Ticket::new(),
+                            EntryKind::Read,
+                            Position::Beside(&mine),
+                            b"",
+                        )
+                        .await
+                        .expect("downgrade");
+                    // One step from writer to reader (+1 reader, -1 writer, wrapping).
+                    let step = 1u64.wrapping_sub(unit);
+                    let now = inside.fetch_add(step, Ordering::SeqCst).wrapping_add(step);
+                    check(&violations, now);
+                    b.remove(&q, &mine).await.expect("remove write");
+                    tokio::task::yield_now().await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    b.remove(&q, &beside.mine).await.expect("remove read");
+                } else {
+                    inside.fetch_sub(unit, Ordering::SeqCst);
+                    b.remove(&q, &mine).await.expect("remove");
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(600), t)
+            .await
+            .expect("workers finish")
+            .expect("worker ok");
+    }
+    let mut missed = 0;
+    for b in &backends {
+        missed += b.stats().missed_wakeups;
+        b.close().await.expect("close");
+    }
+    let heads = head_grants.load(Ordering::SeqCst);
+    eprintln!(
+        "head handoffs: {} acquires, {heads} granted by a head removal, missed_wakeups={missed}",
+        WORKERS * ROUNDS
+    );
+    assert_eq!(violations.load(Ordering::SeqCst), 0, "exclusion");
+    assert!(heads > 0, "some handoffs were granted by a head removal");
+    assert_eq!(missed, 0, "waits the re-check timer had to rescue");
+}
+
+/// `wait_gone_detail` says `Gone::Head` only for a head removal: not for a waiter
+/// cancelled behind a holder, not for a write removed beside its downgrade read, not for
+/// an entry already gone before the wait.
+#[tokio::test]
+async fn wait_gone_detail_reports_head_only_for_the_head() {
+    use dlock_core::Gone;
+    init_tracing();
+    let Some(addr) = endpoint(
+        "DLOCK_TEST_REDIS",
+        "wait_gone_detail_reports_head_only_for_the_head",
+    ) else {
+        return;
+    };
+    let a = connect(&addr, LONG).await;
+    let b = connect(&addr, LONG).await;
+    let q = fresh_queue("gone-detail");
+    let add = |kind, at| {
+        let (a, q) = (a.clone(), q.clone());
+        async move {
+            a.enqueue(&q, &Ticket::new(), kind, at, b"")
+                .await
+                .expect("enqueue")
+                .mine
+        }
+    };
+    // Removes `gone` once b's watch on it is subscribed; returns what b's wait said.
+    let watch_then_remove = |gone: dlock_core::Entry| {
+        let (a, b, q) = (a.clone(), b.clone(), q.clone());
+        async move {
+            let before = b.stats().subscribes;
+            let (b2, q2, g2) = (b.clone(), q.clone(), gone.clone());
+            let waiter = tokio::spawn(async move { b2.wait_gone_detail(&q2, &g2).await });
+            assert!(
+                eventually(Duration::from_secs(20), || {
+                    let b = b.clone();
+                    async move { b.stats().subscribes > before }
+                })
+                .await,
+                "the watch subscribed"
+            );
+            a.remove(&q, &gone).await.expect("remove");
+            tokio::time::timeout(Duration::from_secs(20), waiter)
+                .await
+                .expect("the watch ends")
+                .expect("join")
+                .expect("wait_gone_detail")
+        }
+    };
+    let l1 = add(EntryKind::Lock, Position::Tail).await;
+    let l2 = add(EntryKind::Lock, Position::Tail).await;
+    let l3 = add(EntryKind::Lock, Position::Tail).await;
+    // l2 cancelled while l1 holds: not the head.
+    assert_eq!(watch_then_remove(l2.clone()).await, Gone::Unknown);
+    // Already gone before the wait: nothing is known.
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(20), b.wait_gone_detail(&q, &l2))
+            .await
+            .expect("returns at once")
+            .expect("wait_gone_detail"),
+        Gone::Unknown
+    );
+    // Never reported as head, whatever the timing, for the cases above; for the holder's
+    // release the message may lose the race with the watch's existence check (then it
+    // says Unknown), so it is tried a few times and must say Head at least once.
+    let mut heads = 0;
+    let mut holder = l1;
+    let mut next = l3;
+    for _ in 0..5 {
+        if watch_then_remove(holder).await == Gone::Head {
+            heads += 1;
+        }
+        holder = next;
+        next = add(EntryKind::Lock, Position::Tail).await;
+    }
+    assert!(heads > 0, "a holder's release at the head said Head");
+    a.remove(&q, &holder).await.expect("remove");
+    a.remove(&q, &next).await.expect("remove");
+
+    // A write holder downgrades: the read beside it shares its sequence, so removing the
+    // write is not a head removal (a writer queued behind must list again and wait for
+    // the read); removing the read afterwards is.
+    let mut heads = 0;
+    for _ in 0..5 {
+        let w = add(EntryKind::Write, Position::Tail).await;
+        let r = a
+            .enqueue(
+                &q,
+                &Ticket::new(),
+                EntryKind::Read,
+                Position::Beside(&w),
+                b"",
+            )
+            .await
+            .expect("downgrade")
+            .mine;
+        let waiting = add(EntryKind::Write, Position::Tail).await;
+        assert_eq!(watch_then_remove(w).await, Gone::Unknown);
+        if watch_then_remove(r).await == Gone::Head {
+            heads += 1;
+        }
+        a.remove(&q, &waiting).await.expect("remove");
+    }
+    assert!(heads > 0, "the downgrade read alone at the head said Head");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
+/// A finished wait's channel is unsubscribed (in a batch, shortly after), and one that
+/// is still waited on is not: the server keeps no subscription per past wait.
+#[tokio::test]
+async fn finished_waits_leave_no_subscription_behind() {
+    use fred::prelude::ClientLike;
+    init_tracing();
+    let Some(addr) = endpoint(
+        "DLOCK_TEST_REDIS",
+        "finished_waits_leave_no_subscription_behind",
+    ) else {
+        return;
+    };
+    let a = connect(&addr, LONG).await;
+    let b = connect(&addr, LONG).await;
+    let inspect = inspector(&addr).await;
+    let q = fresh_queue("unsubscribed");
+    let pattern = format!("dlock:{{{}}}:*", glob_escape(q.lock.as_str()));
+    let channels = || {
+        let (inspect, pattern) = (inspect.clone(), pattern.clone());
+        async move {
+            let v: Vec<String> = inspect
+                .custom(fred::cmd!("PUBSUB"), vec!["CHANNELS".to_owned(), pattern])
+                .await
+                .expect("pubsub channels");
+            v
+        }
+    };
+    for _ in 0..30 {
+        let e = a
+            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .await
+            .expect("enqueue")
+            .mine;
+        let before = b.stats().subscribes;
+        let (b2, q2, e2) = (b.clone(), q.clone(), e.clone());
+        let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &e2).await });
+        assert!(
+            eventually(LONG, || async { b.stats().subscribes > before }).await,
+            "the waiter subscribed"
+        );
+        a.remove(&q, &e).await.expect("remove");
+        tokio::time::timeout(LONG, waiter)
+            .await
+            .expect("the wait ends")
+            .expect("join")
+            .expect("wait_gone");
+    }
+    // One wait still under way keeps its channel.
+    let held = a
+        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine;
+    let (b2, q2, h2) = (b.clone(), q.clone(), held.clone());
+    let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &h2).await });
+    assert!(
+        eventually(LONG, || async { channels().await.len() == 1 }).await,
+        "only the live wait's channel stays subscribed: {:?}",
+        channels().await
+    );
+    assert!(!waiter.is_finished());
+    a.remove(&q, &held).await.expect("remove");
+    tokio::time::timeout(LONG, waiter)
+        .await
+        .expect("the wait ends")
+        .expect("join")
+        .expect("wait_gone");
+    assert!(
+        eventually(LONG, || async { channels().await.is_empty() }).await,
+        "no channel left subscribed: {:?}",
+        channels().await
+    );
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
