@@ -36,6 +36,8 @@ pub(crate) struct Node {
     watcher_tasks: Vec<tokio::task::AbortHandle>,
     /// How many times a `+switch-master` for our service moved the clients.
     pub switches: Arc<AtomicU64>,
+    /// How many of `watchers` have a confirmed `+switch-master` subscription.
+    watching: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
 impl std::fmt::Debug for Node {
@@ -178,6 +180,7 @@ impl Node {
         let mut rx = watcher.message_rx();
         let (w, client, sub) = (watcher.clone(), self.client.clone(), self.sub.clone());
         let (service, switches) = (service.to_owned(), self.switches.clone());
+        let watching = self.watching.clone();
         let task = tokio::spawn(async move {
             use tokio::sync::broadcast::error::RecvError;
             // Subscribe once connected; the managed subscription is renewed after every
@@ -186,8 +189,18 @@ impl Node {
                 let _ =
                     tokio::time::timeout(Duration::from_millis(100), w.wait_for_connect()).await;
             }
-            if let Err(e) = w.subscribe("+switch-master").await {
-                tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers");
+            // fred reports SUBSCRIBE done once written; the PING's answer comes after the
+            // Sentinel processed it, so the subscription is in force from then on.
+            match w.subscribe("+switch-master").await {
+                Ok(()) => match w.ping::<Value>(None).await {
+                    Ok(_) => watching.send_modify(|n| *n += 1),
+                    Err(e) => {
+                        tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot confirm the failover watch")
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers")
+                }
             }
             loop {
                 let msg = match rx.recv().await {
@@ -262,11 +275,34 @@ impl Node {
             watchers: Vec::new(),
             watcher_tasks: Vec::new(),
             switches: Arc::new(AtomicU64::new(0)),
+            watching: Arc::new(tokio::sync::watch::Sender::new(0)),
         })
     }
 
-    /// Waits until both clients are connected, or `deadline` passes.
+    /// Waits until both clients are connected and, through Sentinel, one failover watch
+    /// is in force, or `deadline` passes.
+    ///
+    /// The watch is waited for so that a failover right after connecting is not missed:
+    /// every Sentinel announces the switch, so one watch is enough. Without any, the
+    /// clients still follow a failover, only later (a `READONLY` reply once the old
+    /// primary is demoted), so a missing watch is a warning, not a failed connect.
     pub async fn wait_connected(&self, deadline: Instant) -> Result<(), Error> {
+        self.wait_clients(deadline).await?;
+        if self.watchers.is_empty() {
+            return Ok(());
+        }
+        let mut watching = self.watching.subscribe();
+        let watched = tokio::time::timeout_at(deadline, watching.wait_for(|n| *n > 0));
+        if !matches!(watched.await, Ok(Ok(_))) {
+            tracing::warn!(
+                service = %self.addr,
+                "no Sentinel confirmed the failover watch in time; a failover is followed once the old primary refuses writes"
+            );
+        }
+        Ok(())
+    }
+
+    async fn wait_clients(&self, deadline: Instant) -> Result<(), Error> {
         // `wait_for_connect` can miss a connection that completes between its state check
         // and its subscription, so poll in short slices.
         loop {
