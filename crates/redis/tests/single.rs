@@ -592,6 +592,69 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
     b.close().await.expect("close");
 }
 
+/// Who is inside a read/write critical section: readers in the low 32 bits, exclusive
+/// holders (writes, locks) above. Counts every moment the two kinds meet, or two
+/// exclusive holders do.
+#[derive(Default)]
+struct Occupancy {
+    inside: std::sync::atomic::AtomicU64,
+    violations: AtomicUsize,
+}
+
+impl Occupancy {
+    /// The unit one holder of `kind` adds.
+    fn unit(kind: EntryKind) -> u64 {
+        if kind == EntryKind::Read {
+            1
+        } else {
+            1 << 32
+        }
+    }
+
+    /// Adds `delta` (wrapping, so a step from writer to reader is one change) and checks.
+    fn change(&self, delta: u64) {
+        let now = self
+            .inside
+            .fetch_add(delta, Ordering::SeqCst)
+            .wrapping_add(delta);
+        let (writers, readers) = (now >> 32, now & 0xFFFF_FFFF);
+        if writers > 1 || (writers == 1 && readers > 0) {
+            self.violations.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn enter(&self, kind: EntryKind) {
+        self.change(Self::unit(kind));
+    }
+
+    fn leave(&self, kind: EntryKind) {
+        self.inside.fetch_sub(Self::unit(kind), Ordering::SeqCst);
+    }
+
+    fn violations(&self) -> usize {
+        self.violations.load(Ordering::SeqCst)
+    }
+}
+
+/// A worker's own deterministic random sequence (xorshift64), so runs differ by worker
+/// but not from one run to the next.
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// Waits for every worker, each within a generous bound, and fails on a worker's panic.
+async fn join_workers(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(600), t)
+            .await
+            .expect("workers finish")
+            .expect("worker ok");
+    }
+}
+
 /// Takes `kind` on `q` through the backend protocol (enqueue, watch the blocker the driver
 /// names, re-list), as the recipes do.
 async fn acquire_raw(
@@ -635,48 +698,31 @@ async fn rwlock_waits_end_by_message_not_by_the_recheck_timer() {
     const WORKERS: u64 = 8;
     const ROUNDS: u64 = 300;
     let q = fresh_queue("rw-wakeups");
-    // Readers inside (low bits) and writers inside (<< 32): a reader beside a writer or
-    // two writers is a violation.
-    let inside = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let violations = Arc::new(AtomicUsize::new(0));
+    let occupancy = Arc::new(Occupancy::default());
     let mut backends = Vec::new();
     for _ in 0..WORKERS {
         backends.push(connect(&addr, LONG).await);
     }
     let mut tasks = Vec::new();
     for (i, b) in backends.iter().enumerate() {
-        let (b, q, inside, violations) = (b.clone(), q.clone(), inside.clone(), violations.clone());
+        let (b, q, occupancy) = (b.clone(), q.clone(), occupancy.clone());
         tasks.push(tokio::spawn(async move {
             let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (i as u64 + 1);
             for _ in 0..ROUNDS {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let write = x % 100 < 25;
-                let kind = if write {
+                let kind = if xorshift(&mut x) % 100 < 25 {
                     EntryKind::Write
                 } else {
                     EntryKind::Read
                 };
                 let mine = acquire_raw(&b, &q, kind).await;
-                let unit = if write { 1u64 << 32 } else { 1 };
-                let now = inside.fetch_add(unit, Ordering::SeqCst) + unit;
-                let (writers, readers) = (now >> 32, now & 0xFFFF_FFFF);
-                if writers > 1 || (writers == 1 && readers > 0) {
-                    violations.fetch_add(1, Ordering::SeqCst);
-                }
+                occupancy.enter(kind);
                 tokio::task::yield_now().await;
-                inside.fetch_sub(unit, Ordering::SeqCst);
+                occupancy.leave(kind);
                 b.remove(&q, &mine).await.expect("remove");
             }
         }));
     }
-    for t in tasks {
-        tokio::time::timeout(Duration::from_secs(600), t)
-            .await
-            .expect("workers finish")
-            .expect("worker ok");
-    }
+    join_workers(tasks).await;
     let (mut messages, mut rechecks, mut missed) = (0, 0, 0);
     for b in &backends {
         let s = b.stats();
@@ -689,7 +735,7 @@ async fn rwlock_waits_end_by_message_not_by_the_recheck_timer() {
         "rw wake-ups: {} acquires, messages={messages} timer_rechecks={rechecks} missed_wakeups={missed}",
         WORKERS * ROUNDS
     );
-    assert_eq!(violations.load(Ordering::SeqCst), 0, "rw exclusion");
+    assert_eq!(occupancy.violations(), 0, "rw exclusion");
     assert!(
         messages > 0,
         "the workers contended and were woken by messages"
@@ -755,36 +801,20 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
     const WORKERS: u64 = 6;
     const ROUNDS: u64 = 200;
     let q = fresh_queue("head-handoff");
-    let inside = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let violations = Arc::new(AtomicUsize::new(0));
+    let occupancy = Arc::new(Occupancy::default());
     let head_grants = Arc::new(AtomicUsize::new(0));
     let mut backends = Vec::new();
     for _ in 0..WORKERS {
         backends.push(connect(&addr, LONG).await);
     }
-    // Readers inside in the low bits, exclusive holders << 32.
-    let check = |violations: &AtomicUsize, now: u64| {
-        let (writers, readers) = (now >> 32, now & 0xFFFF_FFFF);
-        if writers > 1 || (writers == 1 && readers > 0) {
-            violations.fetch_add(1, Ordering::SeqCst);
-        }
-    };
     let mut tasks = Vec::new();
     for (i, b) in backends.iter().enumerate() {
-        let (b, q, inside, violations, head_grants) = (
-            b.clone(),
-            q.clone(),
-            inside.clone(),
-            violations.clone(),
-            head_grants.clone(),
-        );
+        let (b, q, occupancy, head_grants) =
+            (b.clone(), q.clone(), occupancy.clone(), head_grants.clone());
         tasks.push(tokio::spawn(async move {
             let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (i as u64 + 1);
             for _ in 0..ROUNDS {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let kind = match x % 10 {
+                let kind = match xorshift(&mut x) % 10 {
                     0..=3 => EntryKind::Write,
                     4..=6 => EntryKind::Read,
                     _ => EntryKind::Lock,
@@ -795,13 +825,7 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
                 if by_head {
                     head_grants.fetch_add(1, Ordering::SeqCst);
                 }
-                let unit = if kind == EntryKind::Read {
-                    1
-                } else {
-                    1u64 << 32
-                };
-                let now = inside.fetch_add(unit, Ordering::SeqCst) + unit;
-                check(&violations, now);
+                occupancy.enter(kind);
                 tokio::task::yield_now().await;
                 if kind == EntryKind::Write && x % 3 == 0 {
                     // Downgrade: a read beside the held write, then the write goes while
@@ -816,27 +840,20 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
                         )
                         .await
                         .expect("downgrade");
-                    // One step from writer to reader (+1 reader, -1 writer, wrapping).
-                    let step = 1u64.wrapping_sub(unit);
-                    let now = inside.fetch_add(step, Ordering::SeqCst).wrapping_add(step);
-                    check(&violations, now);
+                    // One step from writer to reader (+1 reader, -1 writer).
+                    occupancy.change(1u64.wrapping_sub(Occupancy::unit(kind)));
                     b.remove(&q, &mine).await.expect("remove write");
                     tokio::task::yield_now().await;
-                    inside.fetch_sub(1, Ordering::SeqCst);
+                    occupancy.leave(EntryKind::Read);
                     b.remove(&q, &beside.mine).await.expect("remove read");
                 } else {
-                    inside.fetch_sub(unit, Ordering::SeqCst);
+                    occupancy.leave(kind);
                     b.remove(&q, &mine).await.expect("remove");
                 }
             }
         }));
     }
-    for t in tasks {
-        tokio::time::timeout(Duration::from_secs(600), t)
-            .await
-            .expect("workers finish")
-            .expect("worker ok");
-    }
+    join_workers(tasks).await;
     let mut missed = 0;
     for b in &backends {
         missed += b.stats().missed_wakeups;
@@ -847,7 +864,7 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
         "head handoffs: {} acquires, {heads} granted by a head removal, missed_wakeups={missed}",
         WORKERS * ROUNDS
     );
-    assert_eq!(violations.load(Ordering::SeqCst), 0, "exclusion");
+    assert_eq!(occupancy.violations(), 0, "exclusion");
     assert!(heads > 0, "some handoffs were granted by a head removal");
     assert_eq!(missed, 0, "waits the re-check timer had to rescue");
 }
