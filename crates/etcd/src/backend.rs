@@ -348,8 +348,9 @@ impl EtcdBackend {
     /// it writes (measured: about a tenth of W1's server CPU per lock). One attempt
     /// only: a retry could let a lost first attempt land after the key is free again, on
     /// a newer entry. If the attempt fails, a primary key stays retired for this session
-    /// (the delete may still land) and `false` tells the caller to remove the entry with
-    /// the compare instead.
+    /// (the delete may still land) and `false` tells the caller to remove the entry
+    /// another way (a release: with the compare; an abandon: with retries, the key
+    /// staying retired). `primary` is whether the caller retired the key for this call.
     async fn delete_claimed(&self, key: &str, primary: bool) -> bool {
         let attempt = async {
             let _slot = self.in_flight.acquire().await.ok();
@@ -369,7 +370,7 @@ impl EtcdBackend {
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {:?}", self.request_timeout),
         };
-        tracing::debug!(key, error = %why, "plain delete failed; removing with a compare");
+        tracing::debug!(key, error = %why, "plain delete got no answer; the key stays retired");
         false
     }
 
@@ -906,12 +907,27 @@ impl Backend for EtcdBackend {
                 // The enqueue's transaction may still be in flight; a delete sent now could
                 // be applied before it and leave its key behind.
                 let _ = timeout(self.request_timeout, p.done.wait_for(|d| *d)).await;
-                request(&self.in_flight, self.request_timeout, || {
-                    let (mut kv, key) = (self.kv.clone(), p.key.clone());
-                    async move { kv.delete(key, None).await }
-                })
-                .await
-                .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
+                // As in a release: the mutex key is retired while its delete is in flight,
+                // and stays retired for the session unless one attempt was answered, since
+                // an unanswered attempt may still land after a later claim of the key.
+                let retired = p.primary && {
+                    let mut local = self.local.lock();
+                    match local.primary.get_mut(&p.key) {
+                        Some(owner) if owner == ticket.as_str() => {
+                            owner.clear();
+                            true
+                        }
+                        _ => false,
+                    }
+                };
+                if !self.delete_claimed(&p.key, retired).await {
+                    request(&self.in_flight, self.request_timeout, || {
+                        let (mut kv, key) = (self.kv.clone(), p.key.clone());
+                        async move { kv.delete(key, None).await }
+                    })
+                    .await
+                    .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
+                }
                 self.forget(Some(ticket.as_str()), &p.key);
                 tracing::debug!(key = %p.key, "abandoned");
                 Ok(())

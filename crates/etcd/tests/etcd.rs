@@ -731,6 +731,17 @@ async fn a_late_second_release_never_deletes_the_next_entry_under_the_key() {
     assert_eq!(e3.name, e1.name);
     a.remove(&q, &e3).await.expect("release e3");
     assert!(keys_under(&mut c, &prefix).await.is_empty());
+    // An abandoned enqueue (a cancelled acquire) whose delete was answered frees the key
+    // too; a second abandon of the same ticket is a no-op.
+    let (t4, e4, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(e4.name, e1.name);
+    a.abandon(&q, &t4).await.expect("abandon");
+    a.abandon(&q, &t4).await.expect("abandon again");
+    assert!(keys_under(&mut c, &prefix).await.is_empty());
+    let (_, e5, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(e5.name, e1.name, "the abandoned key is free again");
+    a.remove(&q, &e5).await.expect("release e5");
+    assert!(keys_under(&mut c, &prefix).await.is_empty());
     a.close().await.expect("close");
 }
 
