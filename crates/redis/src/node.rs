@@ -189,15 +189,12 @@ impl Node {
                 let _ =
                     tokio::time::timeout(Duration::from_millis(100), w.wait_for_connect()).await;
             }
-            // fred reports SUBSCRIBE done once written; the PING's answer comes after the
-            // Sentinel processed it, so the subscription is in force from then on.
+            // fred reports SUBSCRIBE done once written, not once the Sentinel processed
+            // it; that gap is far below the seconds a failover takes. (A confirming PING
+            // is not used here: on this connection it can be answered by the error of the
+            // re-subscription that fred sends at the same moment.)
             match w.subscribe("+switch-master").await {
-                Ok(()) => match w.ping::<Value>(None).await {
-                    Ok(_) => watching.send_modify(|n| *n += 1),
-                    Err(e) => {
-                        tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot confirm the failover watch")
-                    }
-                },
+                Ok(()) => watching.send_modify(|n| *n += 1),
                 Err(e) => {
                     tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers")
                 }
@@ -493,7 +490,7 @@ fn resubscribe_on_reconnect(sub: &SubscriberClient, addr: String) -> tokio::task
     let mut reconnects = sub.reconnect_rx();
     tokio::spawn(async move {
         while reconnects.recv().await.is_ok() {
-            match sub.resubscribe_all().await {
+            match resubscribe(&sub).await {
                 Ok(()) => {}
                 Err(e) if *e.kind() == ErrorKind::Canceled => {
                     tracing::debug!(master = %addr, error = %e, "re-subscription cancelled (the client is quitting)");
@@ -505,6 +502,24 @@ fn resubscribe_on_reconnect(sub: &SubscriberClient, addr: String) -> tokio::task
         }
     })
     .abort_handle()
+}
+
+/// Subscribes again to what `sub` tracks. Not fred's `resubscribe_all`: that sends
+/// `SUBSCRIBE` and `PSUBSCRIBE` even with nothing to subscribe to, and the server's
+/// "wrong number of arguments" error fails the whole call (or, on a connection that is
+/// also running a command of ours, is taken as that command's answer).
+async fn resubscribe(sub: &SubscriberClient) -> fred::prelude::FredResult<()> {
+    let channels = sub.tracked_channels();
+    if !channels.is_empty() {
+        sub.subscribe(channels.into_iter().collect::<Vec<_>>())
+            .await?;
+    }
+    let patterns = sub.tracked_patterns();
+    if !patterns.is_empty() {
+        sub.psubscribe(patterns.into_iter().collect::<Vec<_>>())
+            .await?;
+    }
+    Ok(())
 }
 
 /// `timeout` as a method, to keep the connect loop readable.
