@@ -422,29 +422,27 @@ impl State {
     /// Fails early with [`Error::Exited`] when the process dies meanwhile.
     pub fn wait_ready(&self, backend: Backend, id: u32, timeout: Duration) -> Result<()> {
         let s = self.server(backend, id)?;
-        let started = Instant::now();
-        loop {
-            if !s.is_running() {
-                return Err(Error::Exited {
-                    backend,
-                    id,
-                    log_tail: s.log_tail(20),
-                });
-            }
-            if s.is_ready(Duration::from_secs(1)) {
-                return Ok(());
-            }
-            if started.elapsed() > timeout {
-                return Err(Error::NotReady {
-                    backend,
-                    id,
-                    addr: s.addr.clone(),
-                    waited_secs: timeout.as_secs(),
-                    log_tail: s.log_tail(20),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        poll(
+            timeout,
+            Duration::from_millis(100),
+            || {
+                if !s.is_running() {
+                    return Err(Error::Exited {
+                        backend,
+                        id,
+                        log_tail: s.log_tail(20),
+                    });
+                }
+                Ok(s.is_ready(Duration::from_secs(1)).then_some(()))
+            },
+            || Error::NotReady {
+                backend,
+                id,
+                addr: s.addr.clone(),
+                waited_secs: timeout.as_secs(),
+                log_tail: s.log_tail(20),
+            },
+        )
     }
 
     /// Live (running and not stopped) servers of one backend.
@@ -541,22 +539,20 @@ impl State {
     /// [`Backend::RedisHa`] group (see [`State::sentinel_primary`]) and returns its id:
     /// the end of a failover.
     pub fn wait_failover(&self, old: u32, timeout: Duration) -> Result<u32> {
-        let started = Instant::now();
-        loop {
-            if let Some(id) = self.sentinel_primary().filter(|&id| id != old) {
-                return Ok(id);
+        poll(
+            timeout,
+            Duration::from_millis(100),
+            || Ok(self.sentinel_primary().filter(|&id| id != old)),
+            || {
+                Error::Command {
+                command: "wait for a Sentinel failover".into(),
+                detail: format!(
+                    "the Sentinels did not agree on a new primary (other than node {old}) within {} s",
+                    timeout.as_secs()
+                ),
             }
-            if started.elapsed() > timeout {
-                return Err(Error::Command {
-                    command: "wait for a Sentinel failover".into(),
-                    detail: format!(
-                        "the Sentinels did not agree on a new primary (other than node {old}) within {} s",
-                        timeout.as_secs()
-                    ),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            },
+        )
     }
 
     /// Waits until the Sentinel group is whole: the Sentinels agree on a primary, every
@@ -567,10 +563,9 @@ impl State {
     /// A restarted old primary comes back as an empty master; the Sentinels turn it into
     /// a replica after their next `INFO` poll of it (up to about 10 s).
     pub fn wait_sentinel_group(&self, timeout: Duration) -> Result<u32> {
-        let started = Instant::now();
         let t = Duration::from_secs(1);
-        loop {
-            let whole = self.sentinel_primary().filter(|&primary| {
+        let whole = || {
+            self.sentinel_primary().filter(|&primary| {
                 let replicas: Vec<&Server> = self
                     .live(Backend::RedisHa)
                     .filter(|s| s.id != primary)
@@ -591,21 +586,20 @@ impl State {
                         .unwrap_or_default();
                         replicas.iter().all(|r| listed.contains(&r.addr))
                     })
-            });
-            if let Some(primary) = whole {
-                return Ok(primary);
-            }
-            if started.elapsed() > timeout {
-                return Err(Error::Command {
-                    command: "wait for the Sentinel group to be whole".into(),
-                    detail: format!(
-                        "no agreed primary with every replica linked and known within {} s",
-                        timeout.as_secs()
-                    ),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+            })
+        };
+        poll(
+            timeout,
+            Duration::from_millis(200),
+            || Ok(whole()),
+            || Error::Command {
+                command: "wait for the Sentinel group to be whole".into(),
+                detail: format!(
+                    "no agreed primary with every replica linked and known within {} s",
+                    timeout.as_secs()
+                ),
+            },
+        )
     }
 
     /// Polls [`State::zk_leader`], [`State::etcd_leader`] or, for [`Backend::RedisHa`],
@@ -614,29 +608,22 @@ impl State {
     /// Independent Redis masters and Sentinels have no leader; asking for one is
     /// [`Error::InvalidSpec`].
     pub fn wait_leader(&self, backend: Backend, timeout: Duration) -> Result<u32> {
-        let started = Instant::now();
-        loop {
-            let leader = match backend {
-                Backend::Zookeeper => self.zk_leader(),
-                Backend::Etcd => self.etcd_leader()?,
-                Backend::RedisHa => self.sentinel_primary(),
-                Backend::Redis | Backend::Sentinel => {
-                    return Err(Error::InvalidSpec(format!(
-                        "{backend} nodes have no leader"
-                    )))
-                }
-            };
-            if let Some(id) = leader {
-                return Ok(id);
-            }
-            if started.elapsed() > timeout {
-                return Err(Error::Command {
-                    command: format!("wait for {backend} leader"),
-                    detail: format!("no leader after {} s", timeout.as_secs()),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        poll(
+            timeout,
+            Duration::from_millis(100),
+            || match backend {
+                Backend::Zookeeper => Ok(self.zk_leader()),
+                Backend::Etcd => self.etcd_leader(),
+                Backend::RedisHa => Ok(self.sentinel_primary()),
+                Backend::Redis | Backend::Sentinel => Err(Error::InvalidSpec(format!(
+                    "{backend} nodes have no leader"
+                ))),
+            },
+            || Error::Command {
+                command: format!("wait for {backend} leader"),
+                detail: format!("no leader after {} s", timeout.as_secs()),
+            },
+        )
     }
 
     /// Kills every server (SIGKILL, then reap or poll until gone), deletes the data
@@ -756,6 +743,27 @@ fn parse_etcd_leader(json: &str) -> Option<String> {
         let leader = status.get("leader")?.as_u64()?;
         (member == leader).then(|| e.get("Endpoint")?.as_str().map(str::to_string))?
     })
+}
+
+/// Calls `probe` every `every` until it yields a value (or an error, which ends the wait)
+/// or `timeout` has passed; then the error is `timed_out()`. The probe always runs at
+/// least once.
+fn poll<T>(
+    timeout: Duration,
+    every: Duration,
+    mut probe: impl FnMut() -> Result<Option<T>>,
+    timed_out: impl FnOnce() -> Error,
+) -> Result<T> {
+    let started = Instant::now();
+    loop {
+        if let Some(v) = probe()? {
+            return Ok(v);
+        }
+        if started.elapsed() > timeout {
+            return Err(timed_out());
+        }
+        std::thread::sleep(every);
+    }
 }
 
 #[cfg(test)]
