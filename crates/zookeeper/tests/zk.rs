@@ -362,9 +362,13 @@ async fn dropped_enqueues_then_abandon_leave_zero_children() {
         within(a.abandon(&q, &t)).await.expect("abandon");
     }
     let raw = a.client().expect("client");
-    let children = within(raw.list_children("/dropped/queue"))
-        .await
-        .expect("list");
+    // The parent is a container: once empty, the server may reap it (every second in the
+    // test cluster), and a reaped parent has no children either.
+    let children = match within(raw.list_children("/dropped/queue")).await {
+        Ok(c) => c,
+        Err(zk::Error::NoNode) => Vec::new(),
+        Err(e) => panic!("list: {e}"),
+    };
     eprintln!("200 enqueues, {completed} completed before their drop point");
     assert_eq!(
         children,
