@@ -232,7 +232,8 @@ pub trait Backend: Send + Sync + 'static {
     /// already does). Used only by the one semaphore contender that waits on leases.
     /// A change reported by a watch counts even if the set has changed back since: the
     /// caller knows which changes can happen (while it holds the semaphore's internal
-    /// mutex, leases can only go).
+    /// mutex, leases can only go). Only a removal must wake it promptly: a backend may
+    /// leave an addition to its periodic re-check (Redis publishes removals only).
     fn wait_changed<'a>(&'a self, q: &'a QueuePath, seen: &'a [Entry])
         -> BoxFuture<'a, Result<()>>;
 

@@ -16,7 +16,7 @@ pub(crate) struct QueueKeys {
     pub entry_prefix: String,
     /// Prefix of per-entry removal channels: `dlock:{L}:gone[:sub]:` + entry name.
     pub gone_prefix: String,
-    /// The channel every add and removal in the queue is published on: `dlock:{L}:chg[:sub]`.
+    /// The channel every removal from the queue is published on: `dlock:{L}:chg[:sub]`.
     pub changed: String,
 }
 

@@ -14,10 +14,14 @@
 //! # What each script costs
 //! Every command a script runs is server time on the lock's hot path (and a `calls` count
 //! in `INFO commandstats`), so the scripts run only what the state change needs:
-//! - an uncontended acquire + release is 14 commands (enqueue: ZRANGE, TIME, GET + SET of
-//!   the token counter, SET of the entry with its lease, ZADD, PEXPIRE of the queue,
-//!   PUBLISH; remove: ZRANGE of the first two members, DEL, ZREM, two PUBLISH, DEL of
-//!   the counters);
+//! - an uncontended acquire + release is 8 commands (enqueue into an empty queue: ZRANGE,
+//!   TIME, SET of the entry with its lease, ZADD, PEXPIRE of the queue; remove of the
+//!   only entry: ZRANGE of the first two members, one DEL of the entry, the queue and the
+//!   counters together, PUBLISH on the queue channel). Nothing can be watching the gone
+//!   channel of a queue's only entry on one master (a watcher's own entry would be
+//!   queued behind it), so that message is left out there;
+//! - nothing is published when an entry is added: the queue channel is read only by
+//!   `wait_changed`, whose caller waits for leases to go, never to come;
 //! - a removal tells the waiter watching the entry whether it was the head of the queue
 //!   (`removed head`), so on one master a contended handoff is the remove and its message,
 //!   with no listing by the woken waiter;
@@ -110,7 +114,10 @@ end
 ///
 /// The token is the lock's counter + 1, floored at the server clock in microseconds: the
 /// counter is deleted with an idle lock (and lost by a restart without persistence), and
-/// the floor keeps tokens growing across both.
+/// the floor keeps tokens growing across both. An empty queue has no counter (it went
+/// with the queue's last entry), so `tail` into an empty queue takes the clock and leaves
+/// the counter unwritten: while that entry is queued its sequence is the queue's top,
+/// which every later token is above, and an entry queued behind it writes the counter.
 ///
 /// The entry key is a string `<token> <created ms> <data>` with the lease as its TTL.
 ///
@@ -131,6 +138,19 @@ elseif mode == 'beside' then
   if redis.call('EXISTS', ep .. writer) == 0 then return {'MISSING'} end
 end
 local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+if #m == 0 and mode == 'tail' then
+  -- An empty queue has no counter (it goes with the queue's last entry), so the
+  -- token is the clock, and the counter is first written by an entry queued behind.
+  local t = redis.call('TIME')
+  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local tok_s = string.format('%d', now_us)
+  local now_s = string.format('%d', math.floor(now_us / 1000))
+  local name = prefix .. string.format('%010d', now_us)
+  redis.call('SET', ep .. name, tok_s .. ' ' .. now_s .. ' ' .. data, 'PX', lease)
+  redis.call('ZADD', KEYS[1], tok_s, name)
+  redis.call('PEXPIRE', KEYS[1], lease)
+  return {'OK', name, tok_s, tok_s, now_s, {name, tok_s, tok_s}}
+end
 local out = {}
 for i = 1, #m, 2 do
   out[#out + 1] = m[i]
@@ -168,7 +188,6 @@ if existed then
 else
   redis.call('PEXPIRE', KEYS[1], lease)
 end
-redis.call('PUBLISH', qc, name)
 out[#out + 1] = name
 out[#out + 1] = seq_s
 out[#out + 1] = tok_s
@@ -187,9 +206,14 @@ return out
 "#;
 
 /// Removes the named entries (remove: one name; idempotent). ARGV: entry-key prefix,
-/// gone-channel prefix, queue channel, names... Publishes on each removed entry's
-/// gone-channel so that only the waiter watching it wakes. Returns how many entry keys
-/// existed.
+/// gone-channel prefix, queue channel, `1` on one master (`0` for Redlock), names...
+/// Publishes on each removed entry's gone-channel so that only the waiter watching it
+/// wakes. Returns how many keys it deleted (the client reads only that it succeeded).
+///
+/// The queue's only entry goes with the queue and the counters in one `DEL`. On one
+/// master its gone-channel message is left out: a waiter watching it would have its own
+/// entry queued behind it. (Redlock keeps it: a waiter may lack its entry on this master
+/// and still wait for this one's removal here.)
 ///
 /// A single name is published as `removed head` when no other member was scored up to
 /// its own (`dlock_core::Gone::Head`: its watcher needs no listing), otherwise as
@@ -197,18 +221,23 @@ return out
 /// check replaces `tidy`'s `EXISTS`: no command more than before. A member whose entry
 /// key expired still counts as ahead, which only costs its watcher a listing.
 const REMOVE: &str = r#"
-if #ARGV == 4 then
-  local name = ARGV[4]
+if #ARGV == 5 then
+  local name = ARGV[5]
   local m = redis.call('ZRANGE', KEYS[1], 0, 1, 'WITHSCORES')
-  local first = m[1] == name
+  if m[1] == name and m[3] == nil then
+    local n = redis.call('DEL', ARGV[1] .. name, KEYS[1], KEYS[2], KEYS[3])
+    if ARGV[4] ~= '1' then redis.call('PUBLISH', ARGV[2] .. name, 'removed head') end
+    redis.call('PUBLISH', ARGV[3], name)
+    return n
+  end
   local why = 'removed'
-  if first and (m[3] == nil or tonumber(m[4]) > tonumber(m[2])) then why = 'removed head' end
+  if m[1] == name and tonumber(m[4]) > tonumber(m[2]) then why = 'removed head' end
   local n = drop(ARGV[1], ARGV[2], ARGV[3], name, why)
-  if m[1] == nil or (first and m[3] == nil) then redis.call('DEL', KEYS[2], KEYS[3]) end
+  if m[1] == nil then redis.call('DEL', KEYS[2], KEYS[3]) end
   return n
 end
 local n = 0
-for i = 4, #ARGV do n = n + drop(ARGV[1], ARGV[2], ARGV[3], ARGV[i], 'removed') end
+for i = 5, #ARGV do n = n + drop(ARGV[1], ARGV[2], ARGV[3], ARGV[i], 'removed') end
 tidy()
 return n
 "#;
