@@ -17,7 +17,8 @@
 //! name with an in-memory holder flag and unlocked counter; W3 N workers, one name each;
 //! W4 N workers on a semaphore of `--leases` permits; W5 N workers on a read/write lock,
 //! 90 % reads (`peak_readers` = most readers inside at once). `--scale` adds S1 (server
-//! operations per release with 10..1000 waiters queued) and S2 (memory per held lock).
+//! operations per release with 10..1000 waiters queued) and S2 (memory per held lock,
+//! measured in a process of its own).
 
 mod ceiling;
 mod harness;
@@ -78,6 +79,11 @@ struct Args {
     /// S2: locks held at once by one client.
     #[arg(long, default_value_t = 10_000)]
     held: usize,
+    /// S2 in this process. Without it, S2 re-runs this binary with only S2 for the one
+    /// backend: memory the earlier workloads freed is reused by the held locks, which
+    /// hid their growth (a measured 0 B per lock).
+    #[arg(long, hide = true)]
+    s2_here: bool,
 }
 
 impl Args {
@@ -118,6 +124,9 @@ struct Target {
     url: String,
     session: Duration,
     counter: Option<OpCounter>,
+    /// The command-line flag and value that select this backend alone (for S2's
+    /// process of its own).
+    flag: (&'static str, String),
 }
 
 fn first_host(list: &str) -> String {
@@ -169,6 +178,7 @@ async fn run(args: Args) -> bool {
             url: format!("zk://{zk}"),
             session: Duration::from_secs(30),
             counter: Some(OpCounter::Zk(first_host(zk))),
+            flag: ("--zk", zk.clone()),
         });
     }
     if let Some(etcd) = &args.etcd {
@@ -189,6 +199,7 @@ async fn run(args: Args) -> bool {
             url: format!("etcd://{etcd}"),
             session: Duration::from_secs(60),
             counter: Some(OpCounter::Etcd(first_host(etcd))),
+            flag: ("--etcd", etcd.clone()),
         });
     }
     if let Some(redis) = &args.redis {
@@ -208,6 +219,7 @@ async fn run(args: Args) -> bool {
             url: format!("redis://{redis}"),
             session: Duration::from_secs(10),
             counter: Some(OpCounter::Redis(redis.clone())),
+            flag: ("--redis", redis.clone()),
         });
     }
     match &args.redlock {
@@ -216,6 +228,7 @@ async fn run(args: Args) -> bool {
             url: format!("redlock://{masters}"),
             session: Duration::from_secs(10),
             counter: None,
+            flag: ("--redlock", masters.clone()),
         }),
         None if args.redis.is_some() => sink.emit(status_line(
             "dlock-redlock",
@@ -488,6 +501,9 @@ async fn run_s1(sink: &mut Sink, args: &Args, t: &Target, base: &str) {
 }
 
 async fn run_s2(sink: &mut Sink, args: &Args, t: &Target, base: &str) {
+    if !args.s2_here {
+        return run_s2_apart(sink, args, t).await;
+    }
     let client = match workloads::connect(&t.url, t.session).await {
         Ok(c) => c,
         Err(e) => {
@@ -506,4 +522,33 @@ async fn run_s2(sink: &mut Sink, args: &Args, t: &Target, base: &str) {
         Err(e) => sink.fail(t.peer, "S2-held-locks", &e),
     }
     let _ = client.close().await;
+}
+
+/// Runs S2 for `t` in a fresh process of this binary and forwards its line.
+async fn run_s2_apart(sink: &mut Sink, args: &Args, t: &Target) {
+    const W: &str = "S2-held-locks";
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return sink.fail(t.peer, W, &format!("finding this binary: {e}")),
+    };
+    let out = tokio::process::Command::new(exe)
+        .args([t.flag.0, t.flag.1.as_str(), "--only", "S2", "--s2-here"])
+        .args(["--held", &args.held.to_string(), "--prefix", &args.prefix])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .await;
+    let out = match out {
+        Ok(out) => out,
+        Err(e) => return sink.fail(t.peer, W, &format!("running S2 apart: {e}")),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let want = format!("peer={} workload={W} ", t.peer);
+    match stdout.lines().find(|l| l.starts_with(&want)) {
+        Some(line) => sink.emit(line.to_owned()),
+        None => sink.fail(
+            t.peer,
+            W,
+            &format!("the S2 process printed no result ({})", out.status),
+        ),
+    }
 }
