@@ -865,11 +865,6 @@ impl Shared {
 
     async fn remove_names(&self, keys: &QueueKeys, names: &[String]) -> Result<()> {
         let mut args = Self::q_args(keys);
-        args.push(Value::from(if self.mode == Mode::Single {
-            "1"
-        } else {
-            "0"
-        }));
         args.extend(names.iter().map(|n| Value::from(n.as_str())));
         let results = self
             .eval_all("removing an entry", &self.scripts.remove, keys, args)

@@ -57,8 +57,7 @@
 //! `lock-`, `__READ__`, `__WRIT__`, `lease-`), so `dlock_core`'s parsing and ordering work
 //! unchanged and a dropped enqueue is found again by its ticket. Channels:
 //! `dlock:{L}:gone[:<sub>]:<entry name>` carries one message when that entry is removed
-//! (only the waiter watching it wakes; not sent on one master for a queue's only entry,
-//! which nobody can be waiting behind), `dlock:{L}:chg[:<sub>]` one per removal (for the
+//! (only the waiter watching it wakes), `dlock:{L}:chg[:<sub>]` one per removal (for the
 //! one semaphore contender that waits for a lease to go).
 //!
 //! Every state change is one Lua script (enqueue, list, remove, abandon, renew), sent with
@@ -68,7 +67,7 @@
 //! **Redis 7.0 or later** is required); the counters carry a lease as TTL and are only
 //! floors (see "Fencing tokens"), and they are deleted when their queue empties, so neither
 //! an idle lock nor a crashed client leaves keys behind for longer than a lease. An
-//! uncontended acquire + release runs 8 commands inside its two scripts (see the
+//! uncontended acquire + release runs 9 commands inside its two scripts (see the
 //! `scripts` module for what each costs).
 //!
 //! The layout is Cluster-ready (one slot per lock), but the client connects to one master

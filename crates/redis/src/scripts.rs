@@ -14,12 +14,10 @@
 //! # What each script costs
 //! Every command a script runs is server time on the lock's hot path (and a `calls` count
 //! in `INFO commandstats`), so the scripts run only what the state change needs:
-//! - an uncontended acquire + release is 8 commands (enqueue into an empty queue: ZRANGE,
+//! - an uncontended acquire + release is 9 commands (enqueue into an empty queue: ZRANGE,
 //!   TIME, SET of the entry with its lease, ZADD, PEXPIRE of the queue; remove of the
 //!   only entry: ZRANGE of the first two members, one DEL of the entry, the queue and the
-//!   counters together, PUBLISH on the queue channel). Nothing can be watching the gone
-//!   channel of a queue's only entry on one master (a watcher's own entry would be
-//!   queued behind it), so that message is left out there;
+//!   counters together, PUBLISH on its gone channel and on the queue channel);
 //! - nothing is published when an entry is added: the queue channel is read only by
 //!   `wait_changed`, whose caller waits for leases to go, never to come;
 //! - a removal tells the waiter watching the entry whether it was the head of the queue
@@ -206,14 +204,14 @@ return out
 "#;
 
 /// Removes the named entries (remove: one name; idempotent). ARGV: entry-key prefix,
-/// gone-channel prefix, queue channel, `1` on one master (`0` for Redlock), names...
-/// Publishes on each removed entry's gone-channel so that only the waiter watching it
-/// wakes. Returns how many keys it deleted (the client reads only that it succeeded).
+/// gone-channel prefix, queue channel, names... Publishes on each removed entry's
+/// gone-channel so that only the waiter watching it wakes. Returns how many keys it
+/// deleted (the client reads only that it succeeded).
 ///
-/// The queue's only entry goes with the queue and the counters in one `DEL`. On one
-/// master its gone-channel message is left out: a waiter watching it would have its own
-/// entry queued behind it. (Redlock keeps it: a waiter may lack its entry on this master
-/// and still wait for this one's removal here.)
+/// The queue's only entry goes with the queue and the counters in one `DEL`. Its
+/// gone-channel message is still sent: a waiter needs no entry of its own to watch one
+/// (`Backend::wait_gone` takes any entry), and without the message it would wake only at
+/// its re-check timer.
 ///
 /// A single name is published as `removed head` when no other member was scored up to
 /// its own (`dlock_core::Gone::Head`: its watcher needs no listing), otherwise as
@@ -221,12 +219,12 @@ return out
 /// check replaces `tidy`'s `EXISTS`: no command more than before. A member whose entry
 /// key expired still counts as ahead, which only costs its watcher a listing.
 const REMOVE: &str = r#"
-if #ARGV == 5 then
-  local name = ARGV[5]
+if #ARGV == 4 then
+  local name = ARGV[4]
   local m = redis.call('ZRANGE', KEYS[1], 0, 1, 'WITHSCORES')
   if m[1] == name and m[3] == nil then
     local n = redis.call('DEL', ARGV[1] .. name, KEYS[1], KEYS[2], KEYS[3])
-    if ARGV[4] ~= '1' then redis.call('PUBLISH', ARGV[2] .. name, 'removed head') end
+    redis.call('PUBLISH', ARGV[2] .. name, 'removed head')
     redis.call('PUBLISH', ARGV[3], name)
     return n
   end
@@ -237,7 +235,7 @@ if #ARGV == 5 then
   return n
 end
 local n = 0
-for i = 5, #ARGV do n = n + drop(ARGV[1], ARGV[2], ARGV[3], ARGV[i], 'removed') end
+for i = 4, #ARGV do n = n + drop(ARGV[1], ARGV[2], ARGV[3], ARGV[i], 'removed') end
 tidy()
 return n
 "#;

@@ -1022,6 +1022,13 @@ async fn finished_waits_leave_no_subscription_behind() {
             .expect("the wait ends")
             .expect("join")
             .expect("wait_gone");
+        // The waiter has no entry of its own and the watched entry was its queue's
+        // only one: its removal must still be published, or the wait ends by the timer.
+        assert_eq!(
+            b.stats().missed_wakeups,
+            0,
+            "the wait ended by the removal message"
+        );
     }
     // One wait still under way keeps its channel.
     let held = a
