@@ -136,19 +136,6 @@ elseif mode == 'beside' then
   if redis.call('EXISTS', ep .. writer) == 0 then return {'MISSING'} end
 end
 local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-if #m == 0 and mode == 'tail' then
-  -- An empty queue has no counter (it goes with the queue's last entry), so the
-  -- token is the clock, and the counter is first written by an entry queued behind.
-  local t = redis.call('TIME')
-  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local tok_s = string.format('%d', now_us)
-  local now_s = string.format('%d', math.floor(now_us / 1000))
-  local name = prefix .. string.format('%010d', now_us)
-  redis.call('SET', ep .. name, tok_s .. ' ' .. now_s .. ' ' .. data, 'PX', lease)
-  redis.call('ZADD', KEYS[1], tok_s, name)
-  redis.call('PEXPIRE', KEYS[1], lease)
-  return {'OK', name, tok_s, tok_s, now_s, {name, tok_s, tok_s}}
-end
 local out = {}
 for i = 1, #m, 2 do
   out[#out + 1] = m[i]
@@ -161,8 +148,14 @@ local existed = #m > 0
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now_us / 1000)
-local tok = tonumber(redis.call('GET', KEYS[3]) or '0') + 1
-if tok < now_us then tok = now_us end
+-- An empty queue has no counter (it goes with the queue's last entry), so a tail entry
+-- into one takes the clock, and the counter is first written by an entry queued behind.
+local counted = existed or mode ~= 'tail'
+local tok = now_us
+if counted then
+  local c = tonumber(redis.call('GET', KEYS[3]) or '0') + 1
+  if tok < c then tok = c end
+end
 local seq
 if mode == 'tail' then
   if tok <= top then tok = top + 1 end
@@ -178,7 +171,7 @@ local tok_s = string.format('%d', tok)
 local seq_s = string.format('%d', seq)
 local name = prefix .. string.format('%010d', seq)
 local now_s = string.format('%d', now_ms)
-redis.call('SET', KEYS[3], tok_s, 'PX', lease)
+if counted then redis.call('SET', KEYS[3], tok_s, 'PX', lease) end
 redis.call('SET', ep .. name, tok_s .. ' ' .. now_s .. ' ' .. data, 'PX', lease)
 redis.call('ZADD', KEYS[1], seq_s, name)
 if existed then
