@@ -140,7 +140,9 @@ impl<B: Backend + ?Sized> LockGuard<B> {
     /// can go unseen for a while: a pause past the session, or an entry deleted on the
     /// server, is noticed at the next keep-alive. Call `verify` when a critical section
     /// ends and before its effects are committed, to learn whether it may have overlapped
-    /// another holder's. Costs one read of the lock's queue.
+    /// another holder's. Costs one read ([`dlock_core::Backend::contains`]): of the
+    /// entry itself on ZooKeeper and etcd, of the entries up to it on Redis; never of
+    /// the waiters queued behind it.
     ///
     /// # Errors
     /// - [`Error::LockLost`] if the lost signal has fired, or the entry is gone;
@@ -151,11 +153,11 @@ impl<B: Backend + ?Sized> LockGuard<B> {
         if let Some(reason) = held.lost.clone().now_or_never() {
             return Err(Error::LockLost(reason));
         }
-        let queue = held.backend.queue(&held.q).await?;
+        let present = held.backend.contains(&held.q, &held.entry).await?;
         if let Some(reason) = held.lost.clone().now_or_never() {
             return Err(Error::LockLost(reason));
         }
-        if queue.iter().any(|e| e.name == held.entry.name) {
+        if present {
             Ok(())
         } else {
             Err(Error::LockLost(format!(

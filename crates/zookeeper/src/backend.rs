@@ -454,6 +454,20 @@ impl ZkBackend {
         }
     }
 
+    async fn contains_inner(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        let client = self.handle()?;
+        let path = format!("{}/{}", znode(q), entry.name);
+        match retry(|| client.check_stat(&path)).await {
+            // A sequential name is never reused, but the czxid (the token) settles it.
+            Ok(Some(stat)) => Ok(match entry.token {
+                Some(t) => u64::try_from(stat.czxid).ok() == Some(t.get()),
+                None => true,
+            }),
+            Ok(None) => Ok(false),
+            Err(err) => Err(map_err("looking up an entry", err)),
+        }
+    }
+
     async fn wait_gone_inner(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
         let client = self.handle()?;
         let path = format!("{}/{}", znode(q), entry.name);
@@ -721,6 +735,11 @@ impl Backend for ZkBackend {
 
     fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(self.guarded(self.queue_inner(q)))
+    }
+
+    /// One `exists` of the entry's node, its czxid compared with the token.
+    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(self.guarded(self.contains_inner(q, entry)))
     }
 
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {

@@ -80,6 +80,7 @@ all_backends! {
     semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
     multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
+    verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
     cli_processes_never_overlap => crate::cli::cli_processes_never_overlap,
     cli_exit_codes => crate::cli::cli_exit_codes,
     cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,

@@ -390,6 +390,67 @@ pub async fn lost_signal_fires_on_session_end(_kind: Kind, url: &str) {
     b.close().await.expect("close");
 }
 
+/// `verify` asks the server about the hold's own entry: it passes while the entry is
+/// there (with a waiter queued behind it), and fails with `LockLost` once the entry is
+/// deleted from outside, before any keep-alive could tell the holder. `contains` does not
+/// take an entry of the same name with another token for the held one.
+pub async fn verify_checks_the_entry_on_the_server(_kind: Kind, url: &str) {
+    let name = unique("verify");
+    let a = client(url).await;
+    let b = client(url).await;
+    let g = a.mutex(&name).expect("n").lock().await.expect("lock");
+    let mb = b.mutex(&name).expect("n");
+    let waiter = tokio::spawn(async move {
+        let mut g = mb
+            .lock_timeout(GENEROUS)
+            .await
+            .expect("waiter gets the lock");
+        g.release().await.expect("release");
+    });
+    assert!(
+        eventually(GENEROUS, || async {
+            a.participants(&name).await.map(|p| p.len()).unwrap_or(0) == 2
+        })
+        .await,
+        "the waiter never queued"
+    );
+    g.verify().await.expect("verify while held");
+
+    let held: Vec<_> = a
+        .participants(&name)
+        .await
+        .expect("participants")
+        .into_iter()
+        .filter(|p| p.holds)
+        .collect();
+    assert_eq!(held.len(), 1, "one holder expected: {held:?}");
+    let q = dlock::core::QueuePath::root(a.lock_name(&name).expect("name"));
+    let entry = held[0].entry.clone();
+    assert!(a.backend().contains(&q, &entry).await.expect("contains"));
+    let token = g.token().get();
+    let mut other = entry.clone();
+    other.token = Some(dlock::core::FencingToken::new(token + 1));
+    assert!(
+        !a.backend().contains(&q, &other).await.expect("contains"),
+        "an entry with another token must not count as the held one"
+    );
+
+    a.backend()
+        .remove(&q, &entry)
+        .await
+        .expect("delete the holder's entry from outside");
+    let e = g.verify().await.expect_err("verify after the entry went");
+    assert!(matches!(e, Error::LockLost(_)), "{e:?}");
+    tokio::time::timeout(GENEROUS, waiter)
+        .await
+        .expect("waiter finished")
+        .expect("waiter task");
+    drop(g);
+    assert_eq!(leftovers(&a, &name).await, 0, "entries left under {name}");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
 /// Token bookkeeping without an extra dependency.
 mod parking_lot_free {
     #[derive(Default)]
