@@ -18,7 +18,7 @@ use dlock::SessionOptions;
 use dlock_testkit::{Backend, State};
 
 use crate::support::{
-    client, dlock, dlock_exec_true, eventually, leftovers, tempdir, unique, Kind,
+    client, dlock, dlock_exec_true, eventually, holder_entry, leftovers, tempdir, unique, Kind,
 };
 
 const GENEROUS: Duration = Duration::from_secs(60);
@@ -501,17 +501,9 @@ pub async fn cli_unnoticed_loss_exits_70(_kind: Kind, url: &str) {
         "the holder never ran its command"
     );
     let c = client(url).await;
-    let held: Vec<_> = c
-        .participants(&name)
-        .await
-        .expect("participants")
-        .into_iter()
-        .filter(|p| p.holds)
-        .collect();
-    assert_eq!(held.len(), 1, "one holder expected: {held:?}");
-    let q = dlock::core::QueuePath::root(c.lock_name(&name).expect("name"));
+    let (q, entry) = holder_entry(&c, &name).await;
     c.backend()
-        .remove(&q, &held[0].entry)
+        .remove(&q, &entry)
         .await
         .expect("delete the holder's entry from outside");
     std::fs::write(&go, b"").expect("gate");

@@ -7,7 +7,7 @@ use std::time::Duration;
 use dlock::Error;
 use futures::FutureExt;
 
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{client, eventually, holder_entry, leftovers, unique, Kind};
 
 const GENEROUS: Duration = Duration::from_secs(30);
 
@@ -416,16 +416,7 @@ pub async fn verify_checks_the_entry_on_the_server(_kind: Kind, url: &str) {
     );
     g.verify().await.expect("verify while held");
 
-    let held: Vec<_> = a
-        .participants(&name)
-        .await
-        .expect("participants")
-        .into_iter()
-        .filter(|p| p.holds)
-        .collect();
-    assert_eq!(held.len(), 1, "one holder expected: {held:?}");
-    let q = dlock::core::QueuePath::root(a.lock_name(&name).expect("name"));
-    let entry = held[0].entry.clone();
+    let (q, entry) = holder_entry(&a, &name).await;
     assert!(a.backend().contains(&q, &entry).await.expect("contains"));
     let token = g.token().get();
     let mut other = entry.clone();

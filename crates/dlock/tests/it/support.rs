@@ -84,6 +84,21 @@ where
     }
 }
 
+/// The queue of lock `name` and its one holder's entry, as another client sees them:
+/// what a test needs to act on the holder's entry from outside.
+pub async fn holder_entry(c: &Client, name: &str) -> (dlock::core::QueuePath, dlock::Entry) {
+    let held: Vec<_> = c
+        .participants(name)
+        .await
+        .expect("participants")
+        .into_iter()
+        .filter(|p| p.holds)
+        .collect();
+    assert_eq!(held.len(), 1, "one holder expected: {held:?}");
+    let q = dlock::core::QueuePath::root(c.lock_name(name).expect("name"));
+    (q, held[0].entry.clone())
+}
+
 /// Number of entries left under `name` in every queue of every recipe.
 pub async fn leftovers(c: &Client, name: &str) -> usize {
     c.participants(name)
