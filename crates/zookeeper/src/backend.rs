@@ -737,7 +737,10 @@ impl Backend for ZkBackend {
         Box::pin(self.guarded(self.queue_inner(q)))
     }
 
-    /// One `exists` of the entry's node, its czxid compared with the token.
+    /// One `exists` of the entry's node, its czxid compared with the token. Like every
+    /// ZooKeeper read it is answered by the server this session is connected to, which
+    /// may trail the leader by the commits in flight; the session itself is what
+    /// vouches for the entry in between.
     fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
         Box::pin(self.guarded(self.contains_inner(q, entry)))
     }
