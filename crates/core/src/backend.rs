@@ -208,18 +208,18 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// Whether `entry` is still in `q` on the server: the question a holder asks to
-    /// confirm it still holds. An entry found under the same name with a different
-    /// token is another entry (a key re-created after this one went), so it does not
-    /// count.
+    /// confirm it still holds.
     ///
     /// The default reads [`Backend::queue_ahead`], which for a holder is at most the
-    /// entries granted beside it; backends that can look up one entry override it.
+    /// entries granted beside it, and looks for `entry`'s name. Backends whose token is
+    /// one value the server keeps with the entry override it to compare the token too,
+    /// so that an entry re-created under the same name does not count; the default
+    /// cannot, because a token may be a view that differs between reads (Redlock's is
+    /// the highest of the masters that answered).
     fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let ahead = self.queue_ahead(q, entry).await?;
-            Ok(ahead
-                .iter()
-                .any(|e| e.name == entry.name && same_token(e, entry)))
+            Ok(ahead.iter().any(|e| e.name == entry.name))
         })
     }
 
@@ -320,13 +320,4 @@ fn unsupported(kind: &str, what: &str) -> Error {
         what.to_owned(),
         format!("the {kind} backend does not support {what} (needed for revocation)"),
     )
-}
-
-/// Whether two views of an entry can be the same entry: their tokens agree where both
-/// are known (a queue listing may not carry tokens).
-pub(crate) fn same_token(a: &Entry, b: &Entry) -> bool {
-    match (a.token, b.token) {
-        (Some(x), Some(y)) => x == y,
-        _ => true,
-    }
 }

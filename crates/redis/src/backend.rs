@@ -1172,6 +1172,24 @@ impl Backend for RedisBackend {
         })
     }
 
+    /// The entries up to `entry`'s sequence (one `ZRANGEBYSCORE`), searched for its name.
+    /// On one master the token is compared too: it is the value the enqueue wrote into
+    /// the entry, so any other value is another entry. Redlock's token is the highest of
+    /// the masters that answered, which can differ between two reads of the same entry.
+    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let ahead = self.queue_ahead(q, entry).await?;
+            let exact = self.shared.mode == Mode::Single;
+            Ok(ahead.iter().any(|e| {
+                e.name == entry.name
+                    && (!exact
+                        || e.token.is_none()
+                        || entry.token.is_none()
+                        || e.token == entry.token)
+            }))
+        })
+    }
+
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move { self.wait_gone_detail(q, entry).await.map(|_| ()) })
     }

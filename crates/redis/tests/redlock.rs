@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::*;
 use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, Ticket};
 use dlock_redis::RedisBackend;
+use fred::prelude::KeysInterface;
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -332,4 +333,85 @@ async fn redlock_connects_with_a_master_down_and_uses_it_once_it_is_back() {
         "the master that was down at connect time is used once it is back"
     );
     b.close().await.expect("close");
+}
+
+/// Each master mints its own token for an entry (its counter, floored at its clock), and
+/// the enqueue reports the highest. A read that the master holding that highest token
+/// does not answer in time shows a lower one for the same entry. `contains` (what
+/// `LockGuard::verify` asks) must still find the entry: it once compared tokens on
+/// Redlock too and reported a live hold as lost (a `dlock exec` exited 70 under CI).
+#[tokio::test]
+async fn redlock_contains_an_entry_whatever_token_a_read_shows() {
+    init_tracing();
+    if endpoint("DLOCK_TEST_REDLOCK", "redlock_contains_token_view").is_none() {
+        return;
+    }
+    let servers: Vec<TestServer> = (0..5).map(|_| TestServer::start()).collect();
+    let addrs: Vec<String> = servers.iter().map(TestServer::addr).collect();
+    let a = connect_redlock(&addrs, Duration::from_secs(10)).await;
+    // Masters that ran the script in the same microsecond mint the same token; the test
+    // needs one master alone at the top, so it queues again until it has one.
+    let mut found_case = None;
+    for round in 0..10 {
+        let q = fresh_queue("redlock-token-view");
+        let e = a
+            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .await
+            .expect("enqueue with every master up");
+        let token = e.mine.token.expect("a token").get();
+        // Each master's own token for the entry: the first word of the entry's value.
+        let mut minted = Vec::new();
+        for s in &servers {
+            let c = inspector(&s.addr()).await;
+            let keys = scan_keys(&c, &format!("*:e:{}", glob_escape(&e.mine.name))).await;
+            assert_eq!(keys.len(), 1, "the entry on {}: {keys:?}", s.addr());
+            let v: String = c.get(&keys[0]).await.expect("entry value");
+            let t: u64 = v
+                .split(' ')
+                .next()
+                .and_then(|w| w.parse().ok())
+                .expect("token word");
+            minted.push(t);
+        }
+        assert_eq!(
+            minted.iter().max(),
+            Some(&token),
+            "the enqueue reports the highest token"
+        );
+        if minted.iter().filter(|&&t| t == token).count() == 1 {
+            found_case = Some((q, e, token, minted));
+            break;
+        }
+        eprintln!("round {round}: the highest token was minted twice; again");
+        a.remove(&q, &e.mine).await.expect("remove");
+    }
+    let (q, e, token, minted) = found_case.expect("one master alone at the top in 10 rounds");
+    let top = minted
+        .iter()
+        .position(|&t| t == token)
+        .expect("the top master");
+    servers[top].signal("STOP");
+    let view = a.queue(&q).await;
+    let found = a.contains(&q, &e.mine).await;
+    servers[top].signal("CONT");
+    let shown = view
+        .expect("queue with 4 of 5 masters")
+        .iter()
+        .find(|x| x.name == e.mine.name)
+        .and_then(|x| x.token)
+        .map(|t| t.get());
+    assert!(
+        shown.is_some_and(|t| t < token),
+        "without its top master a read shows a lower token: {shown:?} vs {token}"
+    );
+    assert!(
+        found.expect("contains"),
+        "the held entry must be found whatever token a read shows"
+    );
+    a.remove(&q, &e.mine).await.expect("remove");
+    assert!(
+        !a.contains(&q, &e.mine).await.expect("contains"),
+        "a removed entry must not be found"
+    );
+    let _ = tokio::time::timeout(LONG, a.close()).await;
 }

@@ -393,8 +393,9 @@ pub async fn lost_signal_fires_on_session_end(_kind: Kind, url: &str) {
 /// `verify` asks the server about the hold's own entry: it passes while the entry is
 /// there (with a waiter queued behind it), and fails with `LockLost` once the entry is
 /// deleted from outside, before any keep-alive could tell the holder. `contains` does not
-/// take an entry of the same name with another token for the held one.
-pub async fn verify_checks_the_entry_on_the_server(_kind: Kind, url: &str) {
+/// take an entry of the same name with another token for the held one (except on
+/// Redlock, whose token is a per-read view).
+pub async fn verify_checks_the_entry_on_the_server(kind: Kind, url: &str) {
     let name = unique("verify");
     let a = client(url).await;
     let b = client(url).await;
@@ -418,13 +419,17 @@ pub async fn verify_checks_the_entry_on_the_server(_kind: Kind, url: &str) {
 
     let (q, entry) = holder_entry(&a, &name).await;
     assert!(a.backend().contains(&q, &entry).await.expect("contains"));
-    let token = g.token().get();
-    let mut other = entry.clone();
-    other.token = Some(dlock::core::FencingToken::new(token + 1));
-    assert!(
-        !a.backend().contains(&q, &other).await.expect("contains"),
-        "an entry with another token must not count as the held one"
-    );
+    // Redlock's token is the highest of the masters that answered, so a read may show
+    // another value for the same entry: it is matched by name only.
+    if !matches!(kind, Kind::Redlock) {
+        let token = g.token().get();
+        let mut other = entry.clone();
+        other.token = Some(dlock::core::FencingToken::new(token + 1));
+        assert!(
+            !a.backend().contains(&q, &other).await.expect("contains"),
+            "an entry with another token must not count as the held one"
+        );
+    }
 
     a.backend()
         .remove(&q, &entry)
