@@ -186,6 +186,16 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// Whether `seen`, the token the server reports for an entry of this name, can be
+    /// this entry's: they are equal where both are known. Another value means the name
+    /// was taken again by a newer entry.
+    pub fn token_matches(&self, seen: Option<FencingToken>) -> bool {
+        match (self.token, seen) {
+            (Some(mine), Some(seen)) => mine == seen,
+            _ => true,
+        }
+    }
+
     /// Builds an entry from a Curator-style name, or `None` if the name is not an entry.
     pub fn from_name(name: impl Into<String>) -> Option<Self> {
         let name = name.into();
@@ -222,6 +232,17 @@ pub fn sort_queue(entries: &mut [Entry]) {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn token_matches_where_both_are_known() {
+        let mut e = Entry::from_name("x-lock-0000000001").expect("entry");
+        assert!(e.token_matches(None));
+        assert!(e.token_matches(Some(FencingToken::new(7))));
+        e.token = Some(FencingToken::new(7));
+        assert!(e.token_matches(Some(FencingToken::new(7))));
+        assert!(!e.token_matches(Some(FencingToken::new(8))));
+        assert!(e.token_matches(None));
+    }
 
     #[test]
     fn parses_curator_names() {

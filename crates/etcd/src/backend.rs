@@ -576,27 +576,6 @@ impl EtcdBackend {
         Ok(layout::queue_from_kvs(prefix, resp.kvs().iter().map(raw)))
     }
 
-    /// Whether `key` holds the entry created at revision `token` (any entry if `token` is
-    /// unknown), by a linearizable read: a lagging member must not vouch for a deleted
-    /// entry.
-    async fn contains_key(
-        &self,
-        key: &str,
-        token: Option<dlock_core::FencingToken>,
-    ) -> Result<bool> {
-        let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
-            let mut kv = self.kv.clone();
-            async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
-        })
-        .await
-        .map_err(|e| map(&format!("looking up {key}"), e))?;
-        self.observe(header_rev(resp.header()));
-        Ok(resp.kvs().iter().any(|kv| match token {
-            Some(t) => u64::try_from(kv.create_revision()).ok() == Some(t.get()),
-            None => true,
-        }))
-    }
-
     async fn read_queue(&self, prefix: &str) -> Result<(Vec<Entry>, i64)> {
         let resp: GetResponse = self
             .fresh_get(prefix, queue_read(), 0)
@@ -860,12 +839,23 @@ impl Backend for EtcdBackend {
         })
     }
 
-    /// One linearizable read of the entry's key, its create revision compared with the
-    /// token.
+    /// One linearizable keys-only read of the entry's key (a lagging member must not
+    /// vouch for a deleted entry), its create revision compared with the token.
     fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-            self.contains_key(&key, entry.token).await
+            let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
+                let mut kv = self.kv.clone();
+                let key = key.as_str();
+                async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
+            })
+            .await
+            .map_err(|e| map(&format!("looking up {key}"), e))?;
+            self.observe(header_rev(resp.header()));
+            Ok(resp.kvs().iter().any(|kv| {
+                let created = u64::try_from(kv.create_revision()).ok();
+                entry.token_matches(created.map(dlock_core::FencingToken::new))
+            }))
         })
     }
 

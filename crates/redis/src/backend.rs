@@ -1180,13 +1180,9 @@ impl Backend for RedisBackend {
         Box::pin(async move {
             let ahead = self.queue_ahead(q, entry).await?;
             let exact = self.shared.mode == Mode::Single;
-            Ok(ahead.iter().any(|e| {
-                e.name == entry.name
-                    && (!exact
-                        || e.token.is_none()
-                        || entry.token.is_none()
-                        || e.token == entry.token)
-            }))
+            Ok(ahead
+                .iter()
+                .any(|e| e.name == entry.name && (!exact || entry.token_matches(e.token))))
         })
     }
 

@@ -459,10 +459,7 @@ impl ZkBackend {
         let path = format!("{}/{}", znode(q), entry.name);
         match retry(|| client.check_stat(&path)).await {
             // A sequential name is never reused, but the czxid (the token) settles it.
-            Ok(Some(stat)) => Ok(match entry.token {
-                Some(t) => u64::try_from(stat.czxid).ok() == Some(t.get()),
-                None => true,
-            }),
+            Ok(Some(stat)) => Ok(entry.token_matches(czxid_token(stat.czxid))),
             Ok(None) => Ok(false),
             Err(err) => Err(map_err("looking up an entry", err)),
         }
@@ -601,7 +598,7 @@ impl ZkBackend {
         {
             match read {
                 Ok((data, stat)) => {
-                    entry.token = u64::try_from(stat.czxid).ok().map(FencingToken::new);
+                    entry.token = czxid_token(stat.czxid);
                     entry.created_ms = Some(stat.ctime);
                     entry.data = data;
                     out.push(entry);
@@ -858,6 +855,12 @@ impl Backend for ZkBackend {
 
 /// The znode path of a queue: lock `a/b` is `/a/b` under the chroot, its semaphore
 /// sub-queue `leases` is `/a/b/leases`.
+/// The fencing token of a node: its czxid (`None` only for a negative one, which a
+/// server never sends).
+fn czxid_token(czxid: i64) -> Option<FencingToken> {
+    u64::try_from(czxid).ok().map(FencingToken::new)
+}
+
 fn znode(q: &QueuePath) -> String {
     format!("/{}", q.relative())
 }
