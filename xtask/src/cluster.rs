@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use dlock_testkit::{
-    default_state_path, ensure_installed, find_free_offset, ports_in_use, zk_mode, Backend,
-    Cluster, ClusterSpec, State,
+    default_state_path, ensure_installed, zk_mode, Backend, Cluster, ClusterSpec, State,
 };
 use indicatif::ProgressBar;
 
@@ -24,8 +23,14 @@ fn state_path(root: &Path, arg: &StateArg) -> PathBuf {
     arg.path.clone().unwrap_or_else(|| default_state_path(root))
 }
 
-/// Starts `spec` with a spinner, tearing it down on Ctrl-C meanwhile.
-pub(crate) fn start_with_progress(spec: &ClusterSpec) -> anyhow::Result<Cluster> {
+/// Starts `spec` with a spinner on stderr, at its own port offset or, when a port there is
+/// taken (before or while the servers bind), at the first of `fallbacks` where every port
+/// is free; `spec.port_offset` ends as the offset used, and a move is reported on stderr.
+/// Installs the server packages first, and registers the cluster for teardown on a signal.
+pub(crate) fn start_with_progress(
+    spec: &mut ClusterSpec,
+    fallbacks: impl IntoIterator<Item = u16>,
+) -> anyhow::Result<Cluster> {
     ensure_installed().context("installing the server packages")?;
     if let Some(path) = &spec.state_path {
         crate::teardown::on_signal_tear_down(path)?;
@@ -36,36 +41,35 @@ pub(crate) fn start_with_progress(spec: &ClusterSpec) -> anyhow::Result<Cluster>
         0
     };
     let n = spec.zk + spec.etcd + spec.redis + group;
+    let from = spec.port_offset;
     let spinner = ProgressBar::new_spinner().with_message(format!(
-        "starting {n} servers (ZooKeeper {}, etcd {}, Redis {}, Sentinel group {group}) at port offset {}",
-        spec.zk, spec.etcd, spec.redis, spec.port_offset
+        "starting {n} servers (ZooKeeper {}, etcd {}, Redis {}, Sentinel group {group}) at port offset {from}",
+        spec.zk, spec.etcd, spec.redis
     ));
     spinner.enable_steady_tick(Duration::from_millis(100));
-    let result = Cluster::start(spec);
+    let result = Cluster::start_at_free_offset(spec, std::iter::once(from).chain(fallbacks));
     spinner.finish_and_clear();
     let cluster = result.context("starting the cluster")?;
+    if spec.port_offset != from {
+        eprintln!(
+            "ports at offset {from} are taken; using port offset {} instead",
+            spec.port_offset
+        );
+    }
     eprintln!("started {n} servers in {:.1?}", spinner.elapsed());
     Ok(cluster)
 }
 
-/// Moves `spec` to the next port offset (in steps of 100) at which every port is free, when
-/// one of its ports is taken; says so on stderr.
-pub(crate) fn shift_if_busy(spec: &mut ClusterSpec) -> anyhow::Result<()> {
-    let busy = ports_in_use(spec);
-    if busy.is_empty() {
-        return Ok(());
-    }
-    let from = spec.port_offset;
-    let free = find_free_offset(spec, (1..500u16).map(|k| from.saturating_add(k * 100)))
-        .context("no port offset with every port free")?;
-    eprintln!("ports {busy:?} are taken; using port offset {free} instead of {from}");
-    spec.port_offset = free;
-    Ok(())
+/// The offsets to fall back to from `from`, in steps of 100: for clusters whose ports only
+/// need to be free, not fixed (a CI machine may run a distribution-started server on a
+/// default port).
+pub(crate) fn fallback_offsets(from: u16) -> impl Iterator<Item = u16> {
+    (1..500u16).map(move |k| from.saturating_add(k * 100))
 }
 
 fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {
     let path = state_path(root, &args.state);
-    let spec = ClusterSpec {
+    let mut spec = ClusterSpec {
         zk: args.zk,
         etcd: args.etcd,
         redis: args.redis,
@@ -74,7 +78,8 @@ fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {
         state_path: Some(path.clone()),
         base_dir: None,
     };
-    let state = start_with_progress(&spec)?.detach();
+    // `up` starts at exactly the offset asked: the caller exports those ports.
+    let state = start_with_progress(&mut spec, [])?.detach();
     let endpoints = state.endpoints();
     for url in endpoints.urls().into_iter().chain(endpoints.sentinel_url()) {
         println!("{url}");

@@ -108,8 +108,7 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
         ),
         base_dir: None,
     };
-    crate::cluster::shift_if_busy(&mut spec)?;
-    crate::cluster::start_with_progress(&spec)
+    crate::cluster::start_with_progress(&mut spec, crate::cluster::fallback_offsets(offset))
 }
 
 pub(crate) fn build_dlock(root: &Path) -> anyhow::Result<PathBuf> {

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, Context as _};
-use dlock_testkit::{find_free_offset, ClusterSpec};
+use dlock_testkit::ClusterSpec;
 
 use crate::flags::ExamplesArgs;
 
@@ -46,15 +46,10 @@ pub(crate) fn run(root: &Path, args: &ExamplesArgs) -> anyhow::Result<i32> {
             ),
             base_dir: None,
         };
-        if !dlock_testkit::ports_in_use(&spec).is_empty() {
-            let offset = args.offset.value;
-            spec.port_offset =
-                find_free_offset(&spec, (1..400u16).map(|k| offset.saturating_add(k * 100)))
-                    .context("no free ports for the examples cluster")?;
-            eprintln!("default ports busy; using port offset {}", spec.port_offset);
-        }
         // Dropping the cluster (on every way out) stops its servers.
-        let cluster = crate::cluster::start_with_progress(&spec)?;
+        let from = spec.port_offset;
+        let cluster =
+            crate::cluster::start_with_progress(&mut spec, crate::cluster::fallback_offsets(from))?;
         let tally = run_with(root, &cluster.endpoints().urls());
         cluster.down().context("tearing the cluster down")?;
         tally?

@@ -48,14 +48,14 @@ pub(crate) fn run_with(
         state_path: Some(state_path.clone()),
         base_dir: None,
     };
-    // A CI machine may run a distribution-started server on a default port.
-    crate::cluster::shift_if_busy(&mut spec)?;
     crate::header(&format!(
         "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, Sentinel group (primary, replica, 3 Sentinels), port offset {}",
         spec.port_offset
     ));
     // Dropped on every way out of this function, panics included: kills the servers.
-    let cluster = crate::cluster::start_with_progress(&spec)?;
+    let from = spec.port_offset;
+    let cluster =
+        crate::cluster::start_with_progress(&mut spec, crate::cluster::fallback_offsets(from))?;
     let endpoints = cluster.endpoints();
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");

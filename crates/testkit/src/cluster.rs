@@ -149,6 +149,40 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// Starts `spec` at the first offset of `candidates` where it can bind every port, and
+    /// records that offset in `spec.port_offset`.
+    ///
+    /// A free-port check and the servers' own binds are separate moments, and a port can
+    /// be taken in between by anything on the machine (a client's ephemeral port, another
+    /// test's server). So a start that fails because a port turned out busy, found by the
+    /// check in [`Cluster::start`] or by a server that exited saying its address is in use,
+    /// moves on to the next candidate; any other failure is returned as it is.
+    pub fn start_at_free_offset(
+        spec: &mut ClusterSpec,
+        candidates: impl IntoIterator<Item = u16>,
+    ) -> Result<Cluster> {
+        let mut last = None;
+        for off in candidates {
+            if off > MAX_PORT_OFFSET {
+                break;
+            }
+            spec.port_offset = off;
+            let busy = ports_in_use(spec);
+            if !busy.is_empty() {
+                last = Some(Error::PortsInUse { ports: busy });
+                continue;
+            }
+            match Cluster::start(spec) {
+                Ok(cluster) => return Ok(cluster),
+                Err(e) if e.is_port_conflict() => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            Error::InvalidSpec("no candidate port offset has every port free".to_owned())
+        }))
+    }
+
     /// Starts the primary, then its replicas, then the Sentinels, each step once the
     /// previous one is ready: Sentinels learn of replicas from the primary's `INFO`, which
     /// they poll every 10 s, so Sentinels started before the replicas are in sync would

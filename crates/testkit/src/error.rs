@@ -104,3 +104,48 @@ pub(crate) fn io_ctx(context: impl Into<String>) -> impl FnOnce(std::io::Error) 
     let context = context.into();
     move |source| Error::Io { context, source }
 }
+
+impl Error {
+    /// Whether this failure means a port of the cluster was taken by someone else: found
+    /// busy before starting, or named by a server's log as the reason it exited or never
+    /// became ready. Such a start can succeed at another port offset.
+    pub fn is_port_conflict(&self) -> bool {
+        match self {
+            Error::PortsInUse { .. } => true,
+            Error::Exited { log_tail, .. } | Error::NotReady { log_tail, .. } => log_tail
+                .to_ascii_lowercase()
+                .contains("address already in use"),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Backend;
+
+    #[test]
+    fn port_conflicts_are_told_apart_from_other_failures() {
+        assert!(Error::PortsInUse { ports: vec![2181] }.is_port_conflict());
+        let exited = |log_tail: &str| Error::Exited {
+            backend: Backend::Redis,
+            id: 1,
+            log_tail: log_tail.to_owned(),
+        };
+        assert!(exited(
+            "Warning: Could not create server TCP listening socket 127.0.0.1:6379: bind: Address already in use"
+        )
+        .is_port_conflict());
+        let not_ready = Error::NotReady {
+            backend: Backend::Etcd,
+            id: 1,
+            addr: "127.0.0.1:2379".to_owned(),
+            waited_secs: 30,
+            log_tail: "listen tcp 127.0.0.1:2380: bind: address already in use".to_owned(),
+        };
+        assert!(not_ready.is_port_conflict());
+        assert!(!exited("Unable to access datadir").is_port_conflict());
+        assert!(!Error::InvalidSpec("zk: 2".to_owned()).is_port_conflict());
+    }
+}

@@ -16,9 +16,9 @@
 //!   [`State::kill`], [`State::stop`], [`State::cont`], [`State::restart`],
 //!   [`State::zk_leader`], [`State::etcd_leader`] and [`State::sentinel_primary`] act on
 //!   single nodes; [`State::wait_failover`] waits for the Sentinels to promote a replica.
-//! - Starting servers yourself: build a [`ClusterSpec`] (port offset from
-//!   [`find_free_offset`], state file from [`scratch_state_path`]) and call
-//!   [`Cluster::start`]. The returned [`Cluster`] kills its servers when dropped unless you
+//! - Starting servers yourself: build a [`ClusterSpec`] (state file from
+//!   [`scratch_state_path`]) and call [`Cluster::start_at_free_offset`] with the port
+//!   offsets it may use, or [`Cluster::start`] at a fixed one. The returned [`Cluster`] kills its servers when dropped unless you
 //!   [`Cluster::detach`] it.
 //!
 //! ```no_run
@@ -66,7 +66,7 @@ pub use env::{
 };
 pub use error::{Error, Result};
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
-pub use ports::{client_port, find_free_offset, ports_in_use, MAX_PORT_OFFSET};
+pub use ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
 pub use probe::{etcd_healthy, redis_ping, redis_query, zk_mode, ZkMode};
 pub use service::LockService;
 pub use state::{default_state_path, Backend, Server, State};

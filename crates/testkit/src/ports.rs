@@ -79,23 +79,6 @@ pub fn ports_in_use(spec: &ClusterSpec) -> Vec<u16> {
         .collect()
 }
 
-/// The first offset in `candidates` at which every port of `spec` is free.
-///
-/// Used by tests that start their own cluster next to whatever else runs on the machine.
-/// The answer can go stale before the servers bind (another process may take a port in
-/// between); [`crate::Cluster::start`] then fails with [`crate::Error::PortsInUse`] or a
-/// readiness error rather than talking to a stranger's server.
-pub fn find_free_offset(
-    spec: &ClusterSpec,
-    candidates: impl IntoIterator<Item = u16>,
-) -> Option<u16> {
-    candidates.into_iter().find(|&off| {
-        let mut s = spec.clone();
-        s.port_offset = off;
-        off <= MAX_PORT_OFFSET && ports_in_use(&s).is_empty()
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use dlock_testkit::{
-    ensure_installed, etcd_healthy, find_free_offset, redis_ping, redis_query, scratch_state_path,
-    zk_mode, Backend, Cluster, ClusterSpec, State, ZkMode, SENTINEL_SERVICE,
+    ensure_installed, etcd_healthy, redis_ping, redis_query, scratch_state_path, zk_mode, Backend,
+    Cluster, ClusterSpec, State, ZkMode, SENTINEL_SERVICE,
 };
 
 fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
@@ -27,9 +27,9 @@ fn one_node_each_starts_survives_kill_restart_stop_and_goes_down() {
         ..ClusterSpec::default()
     };
     // Away from the default ports, which `cargo xtask integration` uses meanwhile.
-    spec.port_offset =
-        find_free_offset(&spec, (0..200u16).map(|k| 20_000 + k * 150)).expect("a free port offset");
-    let mut cluster = Cluster::start(&spec).expect("cluster starts");
+    let mut cluster =
+        Cluster::start_at_free_offset(&mut spec, (0..200u16).map(|k| 20_000 + k * 150))
+            .expect("cluster starts");
 
     let zk = cluster.server(Backend::Zookeeper, 1).expect("zk1").clone();
     let etcd = cluster.server(Backend::Etcd, 1).expect("etcd1").clone();
@@ -165,9 +165,9 @@ fn sentinel_group_fails_over_when_the_primary_is_killed() {
         state_path: Some(scratch_state_path("sentinel-selftest")),
         ..ClusterSpec::default()
     };
-    spec.port_offset =
-        find_free_offset(&spec, (0..200u16).map(|k| 21_000 + k * 150)).expect("a free port offset");
-    let mut cluster = Cluster::start(&spec).expect("sentinel group starts");
+    let mut cluster =
+        Cluster::start_at_free_offset(&mut spec, (0..200u16).map(|k| 21_000 + k * 150))
+            .expect("sentinel group starts");
     let limit = Duration::from_secs(60);
     assert_eq!(cluster.servers_of(Backend::RedisHa).count(), 3);
     assert_eq!(cluster.servers_of(Backend::Sentinel).count(), 3);

@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use dlock_testkit::{find_free_offset, Backend, Cluster, ClusterSpec};
+use dlock_testkit::{Backend, Cluster, ClusterSpec};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
@@ -270,16 +270,6 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    if !dlock_testkit::ports_in_use(&spec).is_empty() {
-        let base = args.port_offset;
-        spec.port_offset =
-            find_free_offset(&spec, (1..100u16).map(|k| base.saturating_add(k * 37)))
-                .context("no free ports for the chaos cluster")?;
-        eprintln!(
-            "xtask chaos: ports busy at offset {base}; using {}",
-            spec.port_offset
-        );
-    }
     crate::header(&format!(
         "chaos: backends {}, scenarios {}",
         kinds
@@ -294,7 +284,11 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
             .join(", ")
     ));
     // Dropped on every way out, panics included: kills the servers.
-    let mut cluster = crate::cluster::start_with_progress(&spec)?;
+    let base = args.port_offset;
+    let mut cluster = crate::cluster::start_with_progress(
+        &mut spec,
+        (1..100u16).map(|k| base.saturating_add(k * 37)),
+    )?;
     let ctx = Ctx {
         dlock,
         out_dir: out_dir.clone(),
