@@ -134,6 +134,16 @@ fn queue_read() -> GetOptions {
         .with_sort(SortTarget::Create, SortOrder::Ascend)
 }
 
+/// Whether `resp` has `entry` under `key`: the key, created at the entry's token (a key
+/// re-created under the same name has a newer create revision).
+fn holds_entry(resp: &GetResponse, key: &str, entry: &Entry) -> bool {
+    resp.kvs().iter().any(|kv| {
+        let created = u64::try_from(kv.create_revision()).ok();
+        kv.key() == key.as_bytes()
+            && entry.token_matches(created.map(dlock_core::FencingToken::new))
+    })
+}
+
 fn raw(kv: &etcd_client::KeyValue) -> RawKv<'_> {
     RawKv {
         key: kv.key(),
@@ -645,13 +655,8 @@ impl EtcdBackend {
     ///
     /// Costs one watch create on the shared stream and one read; a waiter that stays
     /// queued costs nothing more until its predecessor goes.
-    async fn wait_gone_once(&self, key: &str, token: Option<u64>) -> Result<()> {
-        let exists = |r: &GetResponse| {
-            r.kvs().iter().any(|kv| {
-                kv.key() == key.as_bytes()
-                    && token.map_or(true, |t| u64::try_from(kv.create_revision()) == Ok(t))
-            })
-        };
+    async fn wait_gone_once(&self, key: &str, entry: &Entry) -> Result<()> {
+        let exists = |r: &GetResponse| holds_entry(r, key, entry);
         // Arm the watch first, then read the key at or after the revision the watch
         // starts after: a delete is then either in the read or reported by the watch.
         let (mut watch, watch_rev) = self.arm(key, false, true).await?;
@@ -852,10 +857,7 @@ impl Backend for EtcdBackend {
             .await
             .map_err(|e| map(&format!("looking up {key}"), e))?;
             self.observe(header_rev(resp.header()));
-            Ok(resp.kvs().iter().any(|kv| {
-                let created = u64::try_from(kv.create_revision()).ok();
-                entry.token_matches(created.map(dlock_core::FencingToken::new))
-            }))
+            Ok(holds_entry(&resp, &key, entry))
         })
     }
 
@@ -864,8 +866,7 @@ impl Backend for EtcdBackend {
         Box::pin(
             async move {
                 let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-                let token = entry.token.map(|t| t.get());
-                self.retry_watch(&key, || self.wait_gone_once(&key, token))
+                self.retry_watch(&key, || self.wait_gone_once(&key, entry))
                     .await
             }
             .instrument(span),

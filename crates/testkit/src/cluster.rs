@@ -167,11 +167,6 @@ impl Cluster {
                 break;
             }
             spec.port_offset = off;
-            let busy = ports_in_use(spec);
-            if !busy.is_empty() {
-                last = Some(Error::PortsInUse { ports: busy });
-                continue;
-            }
             match Cluster::start(spec) {
                 Ok(cluster) => return Ok(cluster),
                 Err(e) if e.is_port_conflict() => last = Some(e),

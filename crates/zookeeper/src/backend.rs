@@ -853,14 +853,14 @@ impl Backend for ZkBackend {
     }
 }
 
-/// The znode path of a queue: lock `a/b` is `/a/b` under the chroot, its semaphore
-/// sub-queue `leases` is `/a/b/leases`.
 /// The fencing token of a node: its czxid (`None` only for a negative one, which a
 /// server never sends).
 fn czxid_token(czxid: i64) -> Option<FencingToken> {
     u64::try_from(czxid).ok().map(FencingToken::new)
 }
 
+/// The znode path of a queue: lock `a/b` is `/a/b` under the chroot, its semaphore
+/// sub-queue `leases` is `/a/b/leases`.
 fn znode(q: &QueuePath) -> String {
     format!("/{}", q.relative())
 }
