@@ -498,12 +498,24 @@ async fn close_removes_entries_and_later_ops_fail() {
     let b = connect(&hosts, &root).await;
     let q = queue("closing");
     let e = add(&a, &q, EntryKind::Lock, "enqueue").await;
-    assert_eq!(within(b.queue(&q)).await.expect("queue").len(), 1);
+    // b's server may be a follower that trails a's (ZooKeeper reads are in order per
+    // session, not across sessions): b waits to see the entry come, and then go.
+    within(async {
+        while b.queue(&q).await.expect("queue").len() != 1 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     let lost = a.lost(&q, &e.mine);
     within(a.close()).await.expect("close");
     within(a.close()).await.expect("close is idempotent");
     assert!(within(lost).await.is_lost());
-    assert!(within(b.queue(&q)).await.expect("queue").is_empty());
+    within(async {
+        while !b.queue(&q).await.expect("queue").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
     let later = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")).await;
     assert!(matches!(later, Err(Error::Closed)), "got {later:?}");
 }
