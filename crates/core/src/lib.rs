@@ -13,7 +13,7 @@
 //! - [`Backend`]: the seam to the servers, with its contract.
 //! - [`Error`]: the one error enum, with distinct variants for timeout, lock lost, not
 //!   held, invalid input, unreachable backend.
-//! - [`HoldCounts`], [`FencingToken`], [`LockName`].
+//! - [`FencingToken`], [`LockName`].
 //!
 //! ```
 //! use dlock_core::{decide, Decision, Entry, FenceGate};
@@ -54,7 +54,6 @@ pub mod driver;
 pub mod entry;
 pub mod error;
 pub mod name;
-pub mod owner;
 pub mod token;
 
 pub use backend::{Backend, Enqueued, Gone, Hints, Position, SessionOptions};
@@ -62,5 +61,4 @@ pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};
 pub use error::{Error, NameError, Result};
 pub use name::{LockName, NameRules, QueuePath};
-pub use owner::{HoldCounts, OwnerId};
 pub use token::{FenceGate, FencingToken};

@@ -7,18 +7,20 @@ use dlock_core::driver::holders;
 use dlock_core::{Backend, Entry, EntryKind, Error, LockName, Position, QueuePath, Result};
 use tracing::Instrument;
 
-use crate::guard::{current_owner, Held, HoldKey, Holds, LockGuard, Recipe};
+use crate::guard::{Held, LockGuard};
 use crate::queue::{self, Wait};
+use crate::reentry::{ClientId, HoldKey, Recipe, Scope};
 use crate::{MultiLock, Mutex, RwLock, Semaphore, SemaphoreMutex};
 
 /// A session on one backend: every lock made from it shares the session (its entries
-/// vanish together if the process dies) and one reentrancy table.
+/// vanish together if the process dies). A hold re-enters only through the client (or a
+/// clone of it) that took it; see [`LockGuard::scope`].
 ///
 /// Cheap to clone; clones share the session. Build one per process (or per service),
 /// not one per lock.
 pub struct Client<B: Backend + ?Sized = dyn Backend> {
     pub(crate) backend: Arc<B>,
-    pub(crate) holds: Arc<Holds<B>>,
+    pub(crate) id: ClientId,
     pub(crate) data: Arc<[u8]>,
 }
 
@@ -26,7 +28,7 @@ impl<B: Backend + ?Sized> Clone for Client<B> {
     fn clone(&self) -> Self {
         Client {
             backend: self.backend.clone(),
-            holds: self.holds.clone(),
+            id: self.id,
             data: self.data.clone(),
         }
     }
@@ -58,7 +60,7 @@ impl<B: Backend + ?Sized> Client<B> {
         let data = format!("dlock pid={}", std::process::id());
         Client {
             backend,
-            holds: Arc::new(Holds::new()),
+            id: ClientId::next(),
             data: Arc::from(data.into_bytes()),
         }
     }
@@ -224,20 +226,41 @@ impl<B: Backend + ?Sized> Client<B> {
         wait: Wait,
         data: &[u8],
     ) -> Result<LockGuard<B>> {
-        let owner = current_owner();
-        let key: HoldKey = (lock.clone(), recipe);
-        if let Some(held) = self.holds.reenter(&key, &owner) {
-            tracing::debug!(lock = %lock, token = %held.token, "re-entered");
-            return Ok(LockGuard::new(held, Some((self.holds.clone(), key, owner))));
+        let key = HoldKey {
+            client: self.id,
+            lock: lock.clone(),
+            recipe,
+        };
+        // Re-entry: only code inside a scope of this very hold (see `LockGuard::scope`).
+        if let Some(held) = Scope::find::<Held<B>>(&key) {
+            match held.join() {
+                Ok(()) => {
+                    tracing::debug!(lock = %lock, token = %held.token, "re-entered");
+                    return Ok(LockGuard::new(held));
+                }
+                // The scope's hold has ended: take the lock afresh, below.
+                Err(Error::NotHeld(_)) => {}
+                Err(e) => return Err(e),
+            }
         }
         // A write holder's read entry goes beside its write entry, so it is granted at
-        // once and no queued writer can slip in between (downgrade).
-        let beside = if recipe == Recipe::Read {
-            self.holds.get(&(lock.clone(), Recipe::Write), &owner)
-        } else {
-            None
+        // once and no queued writer can slip in between (downgrade). A lost write is
+        // never downgraded: its entry may be gone, and the read would take its place.
+        let beside = match recipe {
+            Recipe::Read => {
+                Scope::find::<Held<B>>(&key.with_recipe(Recipe::Write)).filter(|w| w.guards() > 0)
+            }
+            _ => None,
         };
-        if recipe == Recipe::Write && self.holds.count(&(lock.clone(), Recipe::Read), &owner) > 0 {
+        if let Some(reason) = beside.as_ref().and_then(|w| w.lost_reason()) {
+            return Err(Error::LockLost(format!(
+                "{lock}: the write hold to downgrade was lost: {reason}"
+            )));
+        }
+        if recipe == Recipe::Write
+            && Scope::find::<Held<B>>(&key.with_recipe(Recipe::Read))
+                .is_some_and(|r| r.guards() > 0)
+        {
             return Err(Error::WouldDeadlock(format!(
                 "{lock}: a read holder cannot take the write lock (upgrade would deadlock); release the read lock first"
             )));
@@ -251,7 +274,7 @@ impl<B: Backend + ?Sized> Client<B> {
         let entry = queue::acquire(&self.backend, &q, kind, at, data, wait)
             .instrument(span.clone())
             .await?;
-        let held = match Held::new(self.backend.clone(), q.clone(), entry.clone()) {
+        let held = match Held::new(self.backend.clone(), q.clone(), entry.clone(), Some(key)) {
             Ok(h) => h,
             Err(e) => {
                 let _ = self.backend.remove(&q, &entry).await;
@@ -260,7 +283,6 @@ impl<B: Backend + ?Sized> Client<B> {
         };
         span.record("token", held.token.get());
         tracing::debug!(parent: &span, "acquired");
-        self.holds.first(key.clone(), owner.clone(), held.clone());
-        Ok(LockGuard::new(held, Some((self.holds.clone(), key, owner))))
+        Ok(LockGuard::new(held))
     }
 }

@@ -2,54 +2,39 @@
 
 use std::fmt;
 use std::future::Future;
-use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use dlock_core::{
-    Backend, Entry, Error, FencingToken, HoldCounts, LockName, OwnerId, QueuePath, Result,
-};
+use dlock_core::{Backend, Entry, Error, FencingToken, LockName, QueuePath, Result};
 use futures::future::{BoxFuture, FutureExt, Shared};
+use tracing::Instrument;
 
 use crate::queue::spawn_remove;
+use crate::reentry::{HoldKey, Recipe, Scope};
 
-/// Which reentrancy table a hold counts in: one per recipe kind, so a read hold and a
-/// write hold of the same name are counted apart.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum Recipe {
-    Mutex,
-    Read,
-    Write,
-    SemaphoreMutex,
-}
-
-pub(crate) type HoldKey = (LockName, Recipe);
-
-/// The reentrancy table of one client.
-pub(crate) type Holds<B> = HoldCounts<HoldKey, Arc<Held<B>>>;
-
-/// The owner of the current code: the tokio task, or the thread outside a task.
-pub(crate) fn current_owner() -> OwnerId {
-    match tokio::task::try_id() {
-        Some(id) => {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            id.hash(&mut h);
-            OwnerId::Task(h.finish())
-        }
-        None => OwnerId::Thread(std::thread::current().id()),
-    }
-}
-
-/// One entry that holds a lock, shared by all reentrant guards of its owner.
+/// One entry that holds a lock, shared by every guard of that hold (the first one and
+/// its re-entries).
 pub(crate) struct Held<B: Backend + ?Sized> {
     pub(crate) backend: Arc<B>,
     pub(crate) q: QueuePath,
     pub(crate) entry: Entry,
     pub(crate) token: FencingToken,
     lost: Shared<BoxFuture<'static, String>>,
+    /// Which client's which recipe this is; `None` for a semaphore permit, which no
+    /// scope re-enters.
+    pub(crate) key: Option<HoldKey>,
+    /// Guards not yet released. The entry is removed when this drops to zero, and a
+    /// hold at zero is never re-entered.
+    guards: AtomicUsize,
 }
 
 impl<B: Backend + ?Sized> Held<B> {
-    pub(crate) fn new(backend: Arc<B>, q: QueuePath, entry: Entry) -> Result<Arc<Self>> {
+    pub(crate) fn new(
+        backend: Arc<B>,
+        q: QueuePath,
+        entry: Entry,
+        key: Option<HoldKey>,
+    ) -> Result<Arc<Self>> {
         let token = entry.token.ok_or_else(|| {
             Error::backend(
                 format!("acquire {q}"),
@@ -70,7 +55,51 @@ impl<B: Backend + ?Sized> Held<B> {
             entry,
             token,
             lost,
+            key,
+            guards: AtomicUsize::new(1),
         }))
+    }
+
+    /// The lost signal's reason, if it has fired.
+    pub(crate) fn lost_reason(&self) -> Option<String> {
+        self.lost.clone().now_or_never()
+    }
+
+    /// Counts one more guard of this hold (a re-entry).
+    ///
+    /// # Errors
+    /// [`Error::LockLost`] once the lost signal has fired: a lost hold is never handed
+    /// out again. [`Error::NotHeld`] if every guard was already released.
+    pub(crate) fn join(&self) -> Result<()> {
+        if let Some(reason) = self.lost_reason() {
+            return Err(Error::LockLost(reason));
+        }
+        let mut n = self.guards.load(Ordering::Acquire);
+        loop {
+            if n == 0 {
+                return Err(Error::NotHeld(format!(
+                    "{}: every guard of this hold was released",
+                    self.q.lock
+                )));
+            }
+            match self
+                .guards
+                .compare_exchange_weak(n, n + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok(()),
+                Err(now) => n = now,
+            }
+        }
+    }
+
+    /// Counts one guard released; true if it was the last, so the entry must go.
+    fn leave(&self) -> bool {
+        self.guards.fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    /// How many guards of this hold are not yet released.
+    pub(crate) fn guards(&self) -> usize {
+        self.guards.load(Ordering::Acquire)
     }
 }
 
@@ -78,28 +107,104 @@ impl<B: Backend + ?Sized> Held<B> {
 /// guard is dropped.
 ///
 /// Dropping the guard releases in the background (on the current tokio runtime); await
-/// [`LockGuard::release`] instead to learn whether the release reached the server. A
-/// reentrant lock is released on the server only when its owner's last guard goes.
+/// [`LockGuard::release`] instead to learn whether the release reached the server.
+///
+/// # Reentrancy
+/// A hold of a reentrant lock ([`crate::Mutex`], either side of [`crate::RwLock`]) is
+/// re-entered only by code that provably runs inside it: through the guard
+/// ([`LockGuard::reenter`]) or inside a future the guard scopes ([`LockGuard::scope`]).
+/// Anything else that asks for the lock, a sibling future of the same task included
+/// (`join!`, `select!`, `FuturesUnordered`), queues like any other contender and waits
+/// until the hold ends. The entry leaves the server when the hold's last guard is
+/// released. A hold whose lost signal has fired is never re-entered:
+/// [`Error::LockLost`].
 ///
 /// The guard may be moved to and released from any task: ownership is the guard's, not
 /// the thread's or the task's.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard<B: Backend + ?Sized = dyn Backend> {
     held: Arc<Held<B>>,
-    reentry: Option<(Arc<Holds<B>>, HoldKey, OwnerId)>,
     released: bool,
 }
 
 impl<B: Backend + ?Sized> LockGuard<B> {
-    pub(crate) fn new(
-        held: Arc<Held<B>>,
-        reentry: Option<(Arc<Holds<B>>, HoldKey, OwnerId)>,
-    ) -> Self {
+    /// A guard of `held`, whose guard count already includes it.
+    pub(crate) fn new(held: Arc<Held<B>>) -> Self {
         LockGuard {
             held,
-            reentry,
             released: false,
         }
+    }
+
+    /// Re-enters this hold: one more guard of the same entry and fencing token, which
+    /// must be released too. No round trip.
+    ///
+    /// # Errors
+    /// - [`Error::LockLost`] if the lost signal has fired (the hold is not handed out
+    ///   again);
+    /// - [`Error::NotHeld`] if this guard was released;
+    /// - [`Error::WouldDeadlock`] for a non-reentrant hold (a
+    ///   [`crate::SemaphoreMutex`] or a semaphore permit).
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMutex.acquire()` on the thread that holds it; Redisson
+    /// `lock()` by the holding thread.
+    pub fn reenter(&self) -> Result<LockGuard<B>> {
+        if self.released {
+            return Err(Error::NotHeld(format!(
+                "{} was already released by this guard",
+                self.held.q.lock
+            )));
+        }
+        match &self.held.key {
+            Some(k) if k.recipe != Recipe::SemaphoreMutex => {}
+            _ => {
+                return Err(Error::WouldDeadlock(format!(
+                    "{} is not reentrant",
+                    self.held.q.lock
+                )))
+            }
+        }
+        self.held.join()?;
+        tracing::debug!(lock = %self.held.q.lock, token = %self.held.token, "re-entered");
+        Ok(LockGuard::new(self.held.clone()))
+    }
+
+    /// Runs `fut` inside this hold: while it runs, asking the same client for the same
+    /// lock re-enters this hold instead of queueing (for a [`crate::RwLock`] write hold,
+    /// asking for the read lock takes it beside the write, the downgrade; for a
+    /// non-reentrant lock, asking again is [`Error::WouldDeadlock`]).
+    ///
+    /// Only `fut`, and the futures it polls, run inside: a future polled beside it (by
+    /// `join!`, `select!`, ...) does not, nor does a task it spawns. Scopes nest.
+    ///
+    /// ```no_run
+    /// # async fn f(client: dlock_recipes::Client) -> dlock_core::Result<()> {
+    /// let m = client.mutex("jobs/7")?;
+    /// let mut g = m.lock().await?;
+    /// g.scope(async {
+    ///     // Code that takes the same lock, e.g. a helper that locks on its own.
+    ///     let mut again = m.lock().await?; // re-entered: same entry, same token
+    ///     again.release().await
+    /// })
+    /// .await?;
+    /// g.release().await
+    /// # }
+    /// ```
+    pub fn scope<'a, F>(&'a self, fut: F) -> impl Future<Output = F::Output> + 'a
+    where
+        F: Future + 'a,
+    {
+        let scope = match &self.held.key {
+            Some(k) if !self.released => Scope::current().with(k.clone(), self.held.clone()),
+            _ => Scope::current(),
+        };
+        scope.run(fut)
+    }
+
+    /// True if this guard is unreleased and belongs to the hold `key` names.
+    pub(crate) fn is_hold_of(&self, key: &HoldKey) -> bool {
+        !self.released && self.held.key.as_ref() == Some(key)
     }
 
     /// The fencing token of this hold: larger than the token of every earlier holder of
@@ -167,8 +272,8 @@ impl<B: Backend + ?Sized> LockGuard<B> {
         }
     }
 
-    /// Releases this hold. For a reentrant lock, the entry is removed when the owner's
-    /// last hold is released.
+    /// Releases this hold. The entry is removed when the hold's last guard is released
+    /// (a re-entered hold has several).
     ///
     /// # Errors
     /// - [`Error::NotHeld`] if this guard was already released;
@@ -197,15 +302,18 @@ impl<B: Backend + ?Sized> LockGuard<B> {
             )));
         }
         self.released = true;
-        if !self.count_down()? {
+        if !self.held.leave() {
             return Ok(());
         }
         let held = &self.held;
         let span = tracing::debug_span!("release", lock = %held.q.lock, token = %held.token);
-        let _enter = span.enter();
         let was_lost = self.is_lost();
         let mut remover = RemoveOnDrop(Some(held.clone()));
-        let r = held.backend.remove(&held.q, &held.entry).await;
+        let r = held
+            .backend
+            .remove(&held.q, &held.entry)
+            .instrument(span)
+            .await;
         remover.0 = None;
         match r {
             Ok(()) if was_lost => Err(Error::LockLost(format!(
@@ -219,20 +327,6 @@ impl<B: Backend + ?Sized> LockGuard<B> {
                 }
                 Err(e)
             }
-        }
-    }
-
-    /// Counts one release in the reentrancy table; true if the entry must now go.
-    fn count_down(&self) -> Result<bool> {
-        match &self.reentry {
-            None => Ok(true),
-            Some((holds, key, owner)) => match holds.release(key, owner) {
-                Ok(last) => Ok(last.is_some()),
-                Err(()) => Err(Error::NotHeld(format!(
-                    "{} is not held by this owner",
-                    key.0
-                ))),
-            },
         }
     }
 }
@@ -332,7 +426,7 @@ impl<B: Backend + ?Sized> Drop for LockGuard<B> {
             return;
         }
         self.released = true;
-        if let Ok(true) = self.count_down() {
+        if self.held.leave() {
             spawn_remove(
                 self.held.backend.clone(),
                 self.held.q.clone(),

@@ -42,6 +42,13 @@
 //! is fair, herd-free and cancellation-safe on every backend at once, and a fix in one
 //! place fixes all of them.
 //!
+//! # Reentrancy
+//! A hold is re-entered only by code that provably runs inside it: through the guard
+//! ([`LockGuard::reenter`]) or inside a future the guard scopes ([`LockGuard::scope`]).
+//! A sibling future of the holding task (`join!`, `select!`, `FuturesUnordered`) asks like
+//! any other contender and waits, so two critical sections never share one hold (nor its
+//! fencing token). A lost hold is never re-entered or downgraded: [`dlock_core::Error::LockLost`].
+//!
 //! # Cancel safety
 //! Every acquire is cancel-safe: dropping its future removes its queue entry (in the
 //! background, on the current tokio runtime). Dropping a guard releases it the same way.
@@ -61,6 +68,7 @@ mod guard;
 mod multi;
 mod mutex;
 mod queue;
+mod reentry;
 mod rwlock;
 pub mod semaphore;
 

@@ -4,16 +4,19 @@ use std::time::Duration;
 
 use dlock_core::{Backend, EntryKind, LockName, Result};
 
-use crate::guard::{LockGuard, Recipe, RevocableGuard};
+use crate::guard::{Held, LockGuard, RevocableGuard};
 use crate::queue::Wait;
+use crate::reentry::{HoldKey, Recipe, Scope};
 use crate::Client;
 
 /// A reentrant, fair (FIFO) mutex shared by every process that names the same lock.
 ///
 /// Matches Curator's `InterProcessMutex` on the wire (ZooKeeper: `_c_<uuid>-lock-<seq>`
 /// nodes under the lock's path), so Java services using Curator and dlock exclude each
-/// other. Reentrancy is per tokio task (per thread outside a task): the same task may
-/// lock again and must release as many times; the server sees one entry.
+/// other. Reentrant by scope, not by task: code inside the holder's
+/// [`LockGuard::scope`] (or with the guard in hand, [`LockGuard::reenter`]) re-enters and
+/// must release as many times, and the server sees one entry; a sibling future of the
+/// same task (`join!`, `select!`) waits like any other contender.
 ///
 /// # Session loss
 /// If the session ends (crash, partition past the session timeout, lease not renewed)
@@ -53,8 +56,10 @@ impl<B: Backend + ?Sized> Mutex<B> {
 
     /// Waits until the lock is held, however long that takes.
     ///
-    /// If the current task already holds this lock, counts one more hold and returns at
-    /// once (no round trip); each guard must be released.
+    /// Inside a scope of this client's hold of this lock ([`LockGuard::scope`]), counts
+    /// one more guard of that hold and returns at once (no round trip); each guard must
+    /// be released. Anywhere else it queues, even in the task that holds the lock: a
+    /// task that holds it and asks again outside the guard's scope waits for itself.
     ///
     /// # Errors
     /// [`dlock_core::Error::LockLost`] if the session ends while waiting; backend errors.
@@ -164,14 +169,17 @@ impl<B: Backend + ?Sized> Mutex<B> {
         Ok(RevocableGuard::new(guard))
     }
 
-    /// How many times the current task holds this lock (0 if not at all). Local: no
-    /// round trip, and it does not notice a lost session (use [`crate::LockGuard::lost`]).
+    /// How many guards the hold whose scope the current code runs in has (0 outside
+    /// every scope of this client's hold of this lock). Local: no round trip, and it does
+    /// not notice a lost session (use [`crate::LockGuard::lost`]).
     ///
     /// Redisson `getHoldCount()`; Curator `isOwnedByCurrentThread()` is `hold_count() > 0`.
     pub fn hold_count(&self) -> usize {
-        self.client.holds.count(
-            &(self.name.clone(), Recipe::Mutex),
-            &crate::guard::current_owner(),
-        )
+        let key = HoldKey {
+            client: self.client.id,
+            lock: self.name.clone(),
+            recipe: Recipe::Mutex,
+        };
+        Scope::find::<Held<B>>(&key).map_or(0, |h| h.guards())
     }
 }

@@ -5,18 +5,21 @@ use std::time::Duration;
 
 use dlock_core::{Backend, EntryKind, LockName, Result};
 
-use crate::guard::{LockGuard, Recipe};
+use crate::guard::LockGuard;
 use crate::queue::Wait;
+use crate::reentry::{HoldKey, Recipe};
 use crate::Client;
 
 /// Shared readers, exclusive writers, granted in arrival order.
 ///
 /// Readers and writers queue in one sequence (Curator's `__READ__` / `__WRIT__` nodes),
 /// so a reader never overtakes a writer that arrived first: writers do not starve. Both
-/// sides are reentrant per task. A write holder may take the read lock and then release
-/// the write lock (downgrade): its read entry is placed beside its write entry, so no
-/// queued writer gets in between. A read holder asking for the write lock gets
-/// [`dlock_core::Error::WouldDeadlock`] instead of waiting forever (Curator hangs).
+/// sides are reentrant inside the holder's scope ([`LockGuard::scope`],
+/// [`LockGuard::reenter`]). A write holder may take the read lock and then release the
+/// write lock (downgrade, [`RwLock::downgrade`]): its read entry is placed beside its
+/// write entry, so no queued writer gets in between. Asking for the write lock inside a
+/// read hold's scope gets [`dlock_core::Error::WouldDeadlock`] instead of waiting forever
+/// (Curator hangs).
 pub struct RwLock<B: Backend + ?Sized = dyn Backend> {
     client: Client<B>,
     name: LockName,
@@ -51,8 +54,9 @@ impl<B: Backend + ?Sized> RwLock<B> {
     }
 
     /// Waits for the read lock; `timeout` of `None` waits forever. Shared with other
-    /// readers, granted once no writer holds or waits ahead. Re-entering from the task
-    /// that holds it, or taking it while holding the write lock (downgrade), returns at once.
+    /// readers, granted once no writer holds or waits ahead. Inside the scope of this
+    /// client's read hold it re-enters; inside the scope of its write hold it takes the
+    /// read lock beside the write (downgrade): both return at once.
     ///
     /// # Errors
     /// [`dlock_core::Error::Timeout`], [`dlock_core::Error::LockLost`], backend errors.
@@ -102,10 +106,11 @@ impl<B: Backend + ?Sized> RwLock<B> {
     }
 
     /// Waits for the write lock; `timeout` of `None` waits forever. Exclusive; granted
-    /// once every entry ahead (reader or writer) is gone. Re-entrant per task.
+    /// once every entry ahead (reader or writer) is gone. Re-entrant inside the scope of
+    /// this client's write hold.
     ///
     /// # Errors
-    /// [`dlock_core::Error::WouldDeadlock`] if the current task holds the read lock
+    /// [`dlock_core::Error::WouldDeadlock`] inside the scope of a read hold of this lock
     /// (upgrade); [`dlock_core::Error::Timeout`], [`dlock_core::Error::LockLost`].
     ///
     /// # Cancel safety
@@ -150,6 +155,34 @@ impl<B: Backend + ?Sized> RwLock<B> {
         self.client
             .acquire_reentrant(&self.name, Recipe::Write, EntryKind::Write, Wait::No)
             .await
+    }
+
+    /// Downgrades `write`, a write guard of this lock: takes the read lock beside it at
+    /// once, so that no writer queued behind can get in when `write` is then released.
+    /// The same as asking for the read lock inside `write.scope(..)`.
+    ///
+    /// # Errors
+    /// - [`dlock_core::Error::LockLost`] if the write hold's lost signal has fired, or
+    ///   the server no longer has its entry: a read never takes a dead writer's place;
+    /// - [`dlock_core::Error::NotHeld`] if `write` is not a live write guard of this lock
+    ///   taken through this client;
+    /// - backend errors.
+    ///
+    /// # Upstream
+    /// Curator: `writeLock().acquire()`, `readLock().acquire()`, `writeLock().release()`.
+    pub async fn downgrade(&self, write: &LockGuard<B>) -> Result<LockGuard<B>> {
+        let key = HoldKey {
+            client: self.client.id,
+            lock: self.name.clone(),
+            recipe: Recipe::Write,
+        };
+        if !write.is_hold_of(&key) {
+            return Err(dlock_core::Error::NotHeld(format!(
+                "{}: the guard given to downgrade is not a live write guard of this lock from this client",
+                self.name
+            )));
+        }
+        write.scope(self.read(None)).await
     }
 }
 

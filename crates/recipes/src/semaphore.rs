@@ -23,8 +23,9 @@ use std::time::Duration;
 use dlock_core::driver::lease_granted;
 use dlock_core::{Backend, EntryKind, Error, LockName, Position, QueuePath, Result, Ticket};
 
-use crate::guard::{current_owner, Held, LockGuard, Recipe};
+use crate::guard::{Held, LockGuard};
 use crate::queue::{self, AbandonOnDrop, Wait};
+use crate::reentry::{HoldKey, Recipe, Scope};
 use crate::rwlock::wait;
 use crate::Client;
 use tracing::Instrument;
@@ -152,8 +153,8 @@ impl<B: Backend + ?Sized> Semaphore<B> {
     /// algorithm and layout); Redisson `RPermitExpirableSemaphore.acquire()`, but the
     /// permit is bound to the session rather than to a client-clock expiry.
     pub async fn acquire(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
-        let held = self.acquire_lease(wait(timeout)).await?;
-        Ok(LockGuard::new(held, None))
+        let held = self.acquire_lease(wait(timeout), None).await?;
+        Ok(LockGuard::new(held))
     }
 
     /// Takes a permit only if one is free now; never waits. Also returns
@@ -177,8 +178,8 @@ impl<B: Backend + ?Sized> Semaphore<B> {
     /// # Upstream
     /// Curator `InterProcessSemaphoreV2.acquire(0, unit)`; Redisson `tryAcquire()`.
     pub async fn try_acquire(&self) -> Result<LockGuard<B>> {
-        let held = self.acquire_lease(Wait::No).await?;
-        Ok(LockGuard::new(held, None))
+        let held = self.acquire_lease(Wait::No, None).await?;
+        Ok(LockGuard::new(held))
     }
 
     /// Waits for `n` permits, all or none, under one deadline: on timeout or error the
@@ -217,8 +218,8 @@ impl<B: Backend + ?Sized> Semaphore<B> {
         let w = wait(timeout);
         let mut got = Vec::with_capacity(n as usize);
         for _ in 0..n {
-            match self.acquire_lease(w).await {
-                Ok(h) => got.push(LockGuard::new(h, None)),
+            match self.acquire_lease(w, None).await {
+                Ok(h) => got.push(LockGuard::new(h)),
                 Err(e) => {
                     for mut g in got.into_iter().rev() {
                         let _ = g.release().await;
@@ -230,14 +231,27 @@ impl<B: Backend + ?Sized> Semaphore<B> {
         Ok(got)
     }
 
-    pub(crate) async fn acquire_lease(&self, w: Wait) -> Result<std::sync::Arc<Held<B>>> {
+    /// Takes one lease; `key` names the hold for scopes (a semaphore-mutex's), `None`
+    /// for a plain permit.
+    pub(crate) async fn acquire_lease(
+        &self,
+        w: Wait,
+        key: Option<HoldKey>,
+    ) -> Result<std::sync::Arc<Held<B>>> {
         let span = tracing::debug_span!("acquire", lock = %self.name, kind = "lease");
-        let held = self.acquire_lease_inner(w).instrument(span.clone()).await?;
+        let held = self
+            .acquire_lease_inner(w, key)
+            .instrument(span.clone())
+            .await?;
         tracing::debug!(parent: &span, token = %held.token, "acquired");
         Ok(held)
     }
 
-    async fn acquire_lease_inner(&self, w: Wait) -> Result<std::sync::Arc<Held<B>>> {
+    async fn acquire_lease_inner(
+        &self,
+        w: Wait,
+        key: Option<HoldKey>,
+    ) -> Result<std::sync::Arc<Held<B>>> {
         let backend = &self.client.backend;
         let locks = QueuePath::sub(self.name.clone(), LOCKS);
         let leases = QueuePath::sub(self.name.clone(), LEASES);
@@ -343,7 +357,7 @@ impl<B: Backend + ?Sized> Semaphore<B> {
         match result {
             Ok(entry) => {
                 cleanup.disarm();
-                match Held::new(backend.clone(), leases.clone(), entry.clone()) {
+                match Held::new(backend.clone(), leases.clone(), entry.clone(), key) {
                     Ok(h) => Ok(h),
                     Err(e) => {
                         let _ = backend.remove(&leases, &entry).await;
@@ -388,8 +402,10 @@ impl<B: Backend + ?Sized> Drop for RemoveInner<B> {
 /// A non-reentrant mutex: a [`Semaphore`] with one permit (Curator's
 /// `InterProcessSemaphoreMutex`, same layout).
 ///
-/// Where Curator deadlocks when the same owner acquires it twice, dlock returns
-/// [`Error::WouldDeadlock`]. The guard may be released from any task.
+/// Asking for it again inside the holder's own scope ([`LockGuard::scope`]) returns
+/// [`Error::WouldDeadlock`] where Curator deadlocks; anyone else, a sibling future of the
+/// holding task included, waits like any contender. The guard may be released from any
+/// task.
 pub struct SemaphoreMutex<B: Backend + ?Sized = dyn Backend> {
     sem: Semaphore<B>,
 }
@@ -426,7 +442,7 @@ impl<B: Backend + ?Sized> SemaphoreMutex<B> {
     /// Waits for the lock; `timeout` of `None` waits forever.
     ///
     /// # Errors
-    /// [`Error::WouldDeadlock`] if the current task already holds it; as
+    /// [`Error::WouldDeadlock`] if called inside a scope of this lock's own hold; as
     /// [`Semaphore::acquire`].
     ///
     /// # Cancel safety
@@ -471,19 +487,20 @@ impl<B: Backend + ?Sized> SemaphoreMutex<B> {
 
     async fn lock_with(&self, w: Wait) -> Result<LockGuard<B>> {
         let client = &self.sem.client;
-        let owner = current_owner();
-        let key = (self.sem.name.clone(), Recipe::SemaphoreMutex);
-        if client.holds.count(&key, &owner) > 0 {
+        let key = HoldKey {
+            client: client.id,
+            lock: self.sem.name.clone(),
+            recipe: Recipe::SemaphoreMutex,
+        };
+        // Only code inside this very hold's scope is known to ask again; anyone else
+        // (a sibling future of the same task included) waits like any contender.
+        if Scope::find::<Held<B>>(&key).is_some_and(|h| h.guards() > 0) {
             return Err(Error::WouldDeadlock(format!(
-                "{} is not reentrant and the current task already holds it",
+                "{} is not reentrant and the current scope already holds it",
                 self.sem.name
             )));
         }
-        let held = self.sem.acquire_lease(w).await?;
-        client.holds.first(key.clone(), owner.clone(), held.clone());
-        Ok(LockGuard::new(
-            held,
-            Some((client.holds.clone(), key, owner)),
-        ))
+        let held = self.sem.acquire_lease(w, Some(key)).await?;
+        Ok(LockGuard::new(held))
     }
 }

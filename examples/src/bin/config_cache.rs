@@ -152,9 +152,9 @@ async fn publisher(
         t.published += 1;
         // Downgrade: the read entry goes beside the write entry, so no queued writer
         // can publish between our write and our check.
-        let mut read = match &rw {
-            Some(rw) => Some(rw.read(Some(Duration::from_secs(60))).await?),
-            None => None,
+        let mut read = match (&rw, &write) {
+            (Some(rw), Some(w)) => Some(rw.downgrade(w).await?),
+            _ => None,
         };
         if let Some(w) = &mut write {
             w.release().await?;

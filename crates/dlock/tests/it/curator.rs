@@ -228,7 +228,7 @@ pub async fn rwlock_interop(url: &str) {
     let mut w = rw.write(Some(GENEROUS)).await.expect("dlock write");
     java.send("w5", &format!("write {path}")).await;
     participants_reach(&a, &name, 2).await;
-    let mut r = rw.read(Some(GENEROUS)).await.expect("downgrade read");
+    let mut r = rw.downgrade(&w).await.expect("downgrade read");
     w.release().await.expect("release write");
     // Not a timing assertion: give the Curator writer ample chance to (wrongly) get in.
     tokio::time::sleep(Duration::from_millis(500)).await;

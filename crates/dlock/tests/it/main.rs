@@ -19,6 +19,7 @@ mod curator_peer;
 mod faults;
 mod fuzz;
 mod recipes;
+mod reentry;
 mod support;
 #[cfg(feature = "zookeeper")]
 mod zk_faults;
@@ -71,7 +72,12 @@ macro_rules! all_backends {
 
 all_backends! {
     mutex_excludes_and_tokens_grow => crate::recipes::mutex_excludes_and_tokens_grow,
-    mutex_is_reentrant => crate::recipes::mutex_is_reentrant,
+    joined_futures_never_share_a_hold => crate::reentry::joined_futures_never_share_a_hold,
+    select_branch_waits_for_the_holder => crate::reentry::select_branch_waits_for_the_holder,
+    moved_guard_leaves_no_reentry_behind => crate::reentry::moved_guard_leaves_no_reentry_behind,
+    nested_reentry_through_guard_and_scope => crate::reentry::nested_reentry_through_guard_and_scope,
+    lost_hold_is_never_reentered_or_downgraded => crate::reentry::lost_hold_is_never_reentered_or_downgraded,
+    non_reentrant_and_upgrade_in_scope_are_typed_errors => crate::reentry::non_reentrant_and_upgrade_in_scope_are_typed_errors,
     timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
     cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
     bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,

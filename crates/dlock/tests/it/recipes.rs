@@ -45,35 +45,6 @@ pub async fn mutex_excludes_and_tokens_grow(kind: Kind, url: &str) {
     );
 }
 
-/// A task locks three times; another session gets the lock only after the third release.
-pub async fn mutex_is_reentrant(_kind: Kind, url: &str) {
-    let name = unique("reentrant");
-    let a = client(url).await;
-    let b = client(url).await;
-    let ma = a.mutex(&name).expect("name");
-    let mb = b.mutex(&name).expect("name");
-    let mut g1 = ma.lock().await.expect("lock 1");
-    let mut g2 = ma.lock().await.expect("lock 2");
-    let mut g3 = ma.lock().await.expect("lock 3");
-    assert_eq!(ma.hold_count(), 3);
-    assert_eq!(g1.token(), g3.token(), "re-entry reuses the one entry");
-    // Exactly one entry on the server however often it was entered.
-    assert_eq!(leftovers(&a, &name).await, 1);
-    for g in [&mut g3, &mut g2] {
-        g.release().await.expect("release");
-        assert!(matches!(mb.try_lock().await, Err(Error::WouldBlock)));
-    }
-    g1.release().await.expect("last release");
-    let mut gb = mb
-        .lock_timeout(GENEROUS)
-        .await
-        .expect("b gets it after the last release");
-    assert!(gb.token() > g1.token());
-    gb.release().await.expect("release");
-    a.close().await.expect("close");
-    b.close().await.expect("close");
-}
-
 /// A held lock times out others cleanly: the right error, nothing left behind.
 pub async fn timeout_and_try_lock_leave_nothing(_kind: Kind, url: &str) {
     let name = unique("timeout");
@@ -151,19 +122,19 @@ pub async fn bad_input_gives_typed_errors(_kind: Kind, url: &str) {
     let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");
     g.release().await.expect("first release");
     assert!(matches!(g.release().await, Err(Error::NotHeld(_))));
-    // Upgrade read -> write.
+    // Upgrade read -> write, inside the read hold.
     let rw = c.rwlock(&name).expect("name");
     let mut r = rw.read(None).await.expect("read");
     assert!(matches!(
-        rw.write(Some(GENEROUS)).await,
+        r.scope(rw.write(Some(GENEROUS))).await,
         Err(Error::WouldDeadlock(_))
     ));
     r.release().await.expect("release");
-    // Semaphore-mutex taken twice by its owner.
+    // Semaphore-mutex taken twice inside its own hold.
     let sm = c.semaphore_mutex(&name).expect("name");
     let mut s = sm.lock(None).await.expect("lock");
     assert!(matches!(
-        sm.lock(Some(GENEROUS)).await,
+        s.scope(sm.lock(Some(GENEROUS))).await,
         Err(Error::WouldDeadlock(_))
     ));
     s.release().await.expect("release");
@@ -245,10 +216,7 @@ pub async fn rwlock_downgrade(_kind: Kind, url: &str) {
         })
         .await
     );
-    let mut r = ra
-        .read(Some(Duration::from_secs(5)))
-        .await
-        .expect("downgrade read");
+    let mut r = ra.downgrade(&w).await.expect("downgrade read");
     w.release().await.expect("release write");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(

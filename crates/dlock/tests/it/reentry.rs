@@ -1,0 +1,260 @@
+//! Reentrancy is by scope, never by task: futures that share a task (`join!`, `select!`,
+//! `FuturesUnordered`) are separate contenders, and a lost hold is never handed out
+//! again. Written once, run on every backend.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dlock::{Error, Mutex};
+use futures::stream::{FuturesUnordered, StreamExt};
+
+use crate::support::{client, eventually, leftovers, unique, Kind};
+
+const GENEROUS: Duration = Duration::from_secs(30);
+/// How long a holder stays inside: long enough that a wrongly admitted sibling is sure
+/// to be seen inside with it; never asserted as a speed.
+const HOLD: Duration = Duration::from_millis(300);
+
+/// Counts holders inside one critical section and remembers the most seen at once.
+#[derive(Default)]
+struct Occupancy {
+    now: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Occupancy {
+    fn enter(&self) {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak.fetch_max(n, Ordering::SeqCst);
+    }
+    fn leave(&self) {
+        self.now.fetch_sub(1, Ordering::SeqCst);
+    }
+    fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+}
+
+/// One critical section: lock (after `delay`), stay inside for [`HOLD`], release.
+/// Returns the token held.
+async fn section(m: &Mutex, occ: &Occupancy, delay: Duration) -> u64 {
+    tokio::time::sleep(delay).await;
+    let mut g = m.lock_timeout(GENEROUS).await.expect("lock");
+    occ.enter();
+    tokio::time::sleep(HOLD).await;
+    occ.leave();
+    let t = g.token().get();
+    g.release().await.expect("release");
+    t
+}
+
+/// Futures joined in one task contend like separate clients: never two inside, and each
+/// gets its own hold (its own fencing token). The reproduction from the review: the
+/// second asks 20 ms after the first got the lock.
+pub async fn joined_futures_never_share_a_hold(_kind: Kind, url: &str) {
+    let name = unique("join");
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let occ = Occupancy::default();
+    let (t1, t2) = tokio::join!(
+        section(&m, &occ, Duration::ZERO),
+        section(&m, &occ, Duration::from_millis(20)),
+    );
+    assert_eq!(
+        occ.peak(),
+        1,
+        "two futures of one task held the lock at once"
+    );
+    assert_ne!(t1, t2, "two holds shared one fencing token");
+
+    // FuturesUnordered (what `buffer_unordered` and `for_each_concurrent` run on).
+    let occ = Occupancy::default();
+    let mut all: FuturesUnordered<_> = (0..3u64)
+        .map(|i| section(&m, &occ, Duration::from_millis(20 * i)))
+        .collect();
+    let mut tokens = Vec::new();
+    while let Some(t) = all.next().await {
+        tokens.push(t);
+    }
+    assert_eq!(
+        occ.peak(),
+        1,
+        "FuturesUnordered members held the lock at once"
+    );
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 3, "holds shared a fencing token: {tokens:?}");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left"
+    );
+    c.close().await.expect("close");
+}
+
+/// In a `select!`, a branch asking for the lock the other branch holds waits; the branch
+/// holding it finishes first, and the dropped waiter leaves nothing behind.
+pub async fn select_branch_waits_for_the_holder(_kind: Kind, url: &str) {
+    let name = unique("select");
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let occ = Occupancy::default();
+    let winner = tokio::select! {
+        _ = section(&m, &occ, Duration::ZERO) => "holder",
+        _ = section(&m, &occ, Duration::from_millis(20)) => "sibling",
+    };
+    assert_eq!(
+        winner, "holder",
+        "the sibling branch got in while the holder was inside"
+    );
+    assert_eq!(occ.peak(), 1);
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "the cancelled sibling left its entry behind"
+    );
+    c.close().await.expect("close");
+}
+
+/// A guard moved to another task takes its hold along: the task that took it can no
+/// longer re-enter, and waits like anyone else.
+pub async fn moved_guard_leaves_no_reentry_behind(_kind: Kind, url: &str) {
+    let name = unique("moved");
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let mut g = m.lock().await.expect("lock");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let holder = tokio::spawn(async move {
+        let _ = rx.await;
+        g.release().await.expect("release in the other task");
+    });
+    assert!(
+        matches!(
+            m.lock_timeout(Duration::from_millis(500)).await,
+            Err(Error::Timeout(_))
+        ),
+        "the task that moved its guard away re-entered the hold"
+    );
+    let _ = tx.send(());
+    holder.await.expect("holder task");
+    let mut g2 = m.lock_timeout(GENEROUS).await.expect("lock after release");
+    g2.release().await.expect("release");
+    c.close().await.expect("close");
+}
+
+/// Nested re-entry through the guard and inside its scope: one entry, one token, one
+/// hold that ends with its last guard.
+pub async fn nested_reentry_through_guard_and_scope(_kind: Kind, url: &str) {
+    let name = unique("nested");
+    let a = client(url).await;
+    let b = client(url).await;
+    let ma = a.mutex(&name).expect("name");
+    let mb = b.mutex(&name).expect("name");
+    let mut g1 = ma.lock().await.expect("lock");
+    assert_eq!(
+        ma.hold_count(),
+        0,
+        "outside the scope nothing is re-entered"
+    );
+    let mut g2 = g1.reenter().expect("reenter through the guard");
+    assert_eq!(g2.token(), g1.token());
+    let mut g3 = g1
+        .scope(async {
+            let g3 = ma.lock().await.expect("re-entry inside the scope");
+            assert_eq!(ma.hold_count(), 3);
+            // Scopes nest: a scope of the re-entered guard re-enters the same hold.
+            g3.scope(async {
+                let mut g4 = ma.try_lock().await.expect("nested scope re-enters");
+                assert_eq!(ma.hold_count(), 4);
+                g4.release().await.expect("release 4");
+            })
+            .await;
+            // A re-entered guard dropped at once releases its count in the background.
+            drop(g3.reenter().expect("still re-enterable"));
+            g3
+        })
+        .await;
+    assert_eq!(g3.token(), g1.token(), "re-entry reuses the one entry");
+    assert_eq!(
+        leftovers(&a, &name).await,
+        1,
+        "one entry however often entered"
+    );
+    for g in [&mut g3, &mut g2] {
+        g.release().await.expect("release");
+        assert!(matches!(mb.try_lock().await, Err(Error::WouldBlock)));
+    }
+    g1.release().await.expect("last release");
+    let mut gb = mb
+        .lock_timeout(GENEROUS)
+        .await
+        .expect("b after the last release");
+    assert!(gb.token() > g1.token());
+    gb.release().await.expect("release");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
+/// A hold whose lost signal fired is never handed out again: re-entry through the guard
+/// or a scope, and a downgrade, all fail with `LockLost`.
+pub async fn lost_hold_is_never_reentered_or_downgraded(_kind: Kind, url: &str) {
+    let name = unique("lostre");
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let rw = c.rwlock(&format!("{name}-rw")).expect("name");
+    let g = m.lock().await.expect("lock");
+    let w = rw.write(None).await.expect("write");
+    // Closing the session ends every hold of this client and fires their lost signals.
+    c.close().await.expect("close");
+    assert!(
+        eventually(GENEROUS, || async { g.is_lost() && w.is_lost() }).await,
+        "lost never fired after close"
+    );
+    assert!(
+        matches!(g.reenter(), Err(Error::LockLost(_))),
+        "a lost hold was re-entered through its guard"
+    );
+    let in_scope = g.scope(m.lock()).await;
+    assert!(
+        matches!(in_scope, Err(Error::LockLost(_))),
+        "a lost hold was re-entered inside its scope: {in_scope:?}"
+    );
+    let down = rw.downgrade(&w).await;
+    assert!(
+        matches!(down, Err(Error::LockLost(_))),
+        "a lost write hold was downgraded: {down:?}"
+    );
+}
+
+/// Only the holder's own scope is refused a non-reentrant lock or an upgrade; a sibling
+/// future of the same task waits for it instead.
+pub async fn non_reentrant_and_upgrade_in_scope_are_typed_errors(_kind: Kind, url: &str) {
+    let name = unique("nonre");
+    let c = client(url).await;
+    let sm = c.semaphore_mutex(&name).expect("name");
+    let mut s = sm.lock(None).await.expect("lock");
+    assert!(matches!(
+        s.scope(sm.lock(Some(GENEROUS))).await,
+        Err(Error::WouldDeadlock(_))
+    ));
+    assert!(matches!(s.reenter(), Err(Error::WouldDeadlock(_))));
+    // Outside the scope, asking again waits (it may be a sibling future).
+    assert!(matches!(
+        sm.lock(Some(Duration::from_millis(300))).await,
+        Err(Error::Timeout(_))
+    ));
+    s.release().await.expect("release");
+    let rw = c.rwlock(&format!("{name}-rw")).expect("name");
+    let mut r = rw.read(None).await.expect("read");
+    assert!(matches!(
+        r.scope(rw.write(Some(GENEROUS))).await,
+        Err(Error::WouldDeadlock(_))
+    ));
+    r.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async {
+            leftovers(&c, &name).await == 0 && leftovers(&c, &format!("{name}-rw")).await == 0
+        })
+        .await,
+        "entries left"
+    );
+    c.close().await.expect("close");
+}
