@@ -17,6 +17,8 @@ pub const APT_PACKAGES: &[&str] = &[
     "protobuf-compiler",
     "libcurator-recipes-java",
     "libslf4j-java",
+    // `nft`: server-side partitions ([`crate::NetCut`]).
+    "nftables",
 ];
 
 // `javac`: the Curator interop tests compile their Curator peer at run time.
@@ -28,6 +30,7 @@ const PROGRAMS: &[&str] = &[
     "redis-server",
     "redis-cli",
     "protoc",
+    "nft",
 ];
 const FILES: &[&str] = &[ZK_JAR, "/usr/share/java/curator-recipes.jar"];
 

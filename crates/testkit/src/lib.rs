@@ -15,7 +15,9 @@
 //! - Writing a fault test: [`require_state`] loads the [`State`] of the running cluster;
 //!   [`State::kill`], [`State::stop`], [`State::cont`], [`State::restart`],
 //!   [`State::zk_leader`], [`State::etcd_leader`] and [`State::sentinel_primary`] act on
-//!   single nodes; [`State::wait_failover`] waits for the Sentinels to promote a replica.
+//!   single nodes; [`State::wait_failover`] waits for the Sentinels to promote a replica;
+//!   [`NetCut`] drops the packets of chosen connections between servers (a partition)
+//!   and [`connections_of`] finds them.
 //! - Starting servers yourself: build a [`ClusterSpec`] (state file from
 //!   [`scratch_state_path`]) and call [`Cluster::start_at_free_offset`] with the port
 //!   offsets it may use, or [`Cluster::start`] at a fixed one. The returned [`Cluster`] kills its servers when dropped unless you
@@ -48,6 +50,7 @@ mod config;
 mod env;
 mod error;
 mod install;
+mod netcut;
 mod ports;
 mod probe;
 mod process;
@@ -66,6 +69,7 @@ pub use env::{
 };
 pub use error::{Error, Result};
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
+pub use netcut::{connections_of, NetCut};
 pub use ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
 pub use probe::{etcd_healthy, redis_ping, redis_query, zk_mode, ZkMode};
 pub use service::LockService;

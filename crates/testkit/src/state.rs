@@ -224,6 +224,12 @@ impl State {
         }
     }
 
+    /// The ZooKeeper quorum and election ports of node `id` (where followers reach the
+    /// leader, and where leader election runs), for cutting them with [`crate::NetCut`].
+    pub fn zk_peer_ports(&self, id: u32) -> (u16, u16) {
+        crate::ports::zk_peer_ports(id, self.port_offset)
+    }
+
     /// Reads a state file written by `cargo xtask cluster up` or [`crate::Cluster::start`].
     pub fn load(path: impl AsRef<Path>) -> Result<State> {
         let path = path.as_ref();

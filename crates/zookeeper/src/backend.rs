@@ -68,6 +68,8 @@ pub struct ZkBackend {
     session_timeout: Duration,
     session_id: zk::SessionId,
     watcher: tokio::task::AbortHandle,
+    /// The leader heartbeat ([`crate::heartbeat`]); aborted on drop like `watcher`.
+    heartbeat: tokio::task::AbortHandle,
 }
 
 impl Drop for ZkBackend {
@@ -75,6 +77,7 @@ impl Drop for ZkBackend {
         // The task holds only a weak reference; abort it so it does not wait forever on
         // a state watcher of a session nobody uses.
         self.watcher.abort();
+        self.heartbeat.abort();
     }
 }
 
@@ -113,6 +116,9 @@ impl ZkBackend {
             });
         }
         let timeout = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TIMEOUT);
+        // The leader created the session after this: it lives at least a session timeout
+        // from here (the heartbeat's first proof).
+        let requested = tokio::time::Instant::now();
         let connecting = zk::Client::connector()
             .with_session_timeout(timeout)
             .connect(hosts);
@@ -127,11 +133,25 @@ impl ZkBackend {
             Ok(Ok(client)) => client,
         };
 
-        let servers: Arc<[std::net::SocketAddr]> = if zk_opts.tcp_nodelay {
+        let (resolved, tick) = {
             let hosts = hosts.to_owned();
-            let resolved = tokio::task::spawn_blocking(move || nodelay::resolve(&hosts))
-                .await
-                .unwrap_or_default();
+            let known = zk_opts.tick_time;
+            tokio::task::spawn_blocking(move || {
+                let resolved = nodelay::resolve(&hosts);
+                let tick = known.or_else(|| crate::heartbeat::probe_tick(&resolved));
+                (resolved, tick)
+            })
+            .await
+            .unwrap_or_default()
+        };
+        if tick.is_none() {
+            tracing::warn!(
+                "no ZooKeeper server answered `conf` (add it to 4lw.commands.whitelist, or set \
+                 ZkOptions::tick_time): assuming tickTime is half the session timeout, so the \
+                 lost signal will also fire on leader elections and reconnections"
+            );
+        }
+        let servers: Arc<[std::net::SocketAddr]> = if zk_opts.tcp_nodelay {
             nodelay::apply(&resolved);
             resolved.into()
         } else {
@@ -172,12 +192,20 @@ impl ZkBackend {
             session_timeout,
             servers,
         ));
+        let heartbeat = tokio::spawn(crate::heartbeat::run(
+            Arc::downgrade(&shared),
+            session_timeout,
+            requested,
+            states.clone(),
+            tick,
+        ));
         let backend = Arc::new(ZkBackend {
             shared,
             states,
             session_timeout,
             session_id,
             watcher: task.abort_handle(),
+            heartbeat: heartbeat.abort_handle(),
         });
         tracing::info!(session = %session_id, ?session_timeout, "ZooKeeper session established");
         Ok(backend)

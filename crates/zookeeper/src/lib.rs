@@ -40,6 +40,19 @@
 //! Curator waits a full `t` after SUSPENDED, which can be 0.4·`t` after the server already
 //! gave the lock away.
 //!
+//! A healthy connection is not enough either: the server answering the client may be a
+//! follower cut off from the leader, which keeps answering pings (for syncLimit ×
+//! tickTime) while the leader expires the session. So a second task sends a `sync` every
+//! `t`/16; a completed `sync` travels through the leader, and two of them on one
+//! connection at least two ticks apart prove the leader touched the session at the
+//! earlier one (see the `heartbeat` module; the tick comes from the servers' `conf`, from
+//! [`ZkOptions::tick_time`], or is taken as `t`/2). The session is declared lost once no such proof is newer than
+//! `t` − max(0.15·`t`, 100 ms): the lost signal fires at least max(0.15·`t`, 100 ms)
+//! before the leader can expire the session and grant the lock elsewhere. This assumes,
+//! as ZooKeeper's own minimum session does, that the session timeout is at least two
+//! ticks (`tickTime`); a session shorter than that is not safe against a partition
+//! between the servers.
+//!
 //! # Example
 //! ```no_run
 //! use dlock_core::{decide, Backend, Decision, EntryKind, LockName, NameRules, Position, QueuePath,
@@ -94,6 +107,7 @@
 #![deny(missing_docs)]
 mod backend;
 mod errors;
+mod heartbeat;
 mod nodelay;
 mod session;
 
@@ -111,11 +125,22 @@ pub struct ZkOptions {
     /// every socket of the process connected to one of the session's servers, so `false`
     /// here does not keep another session to the same servers from switching it on.
     pub tcp_nodelay: bool,
+    /// The servers' `tickTime`, which bounds how often a follower reports its clients'
+    /// activity to the leader; the lost signal's proof of a live session depends on it
+    /// (see the crate docs). Default `None`: asked of the servers with the `conf`
+    /// four-letter word at connect, and if no server answers it (`conf` not in
+    /// `4lw.commands.whitelist`), taken as half the session timeout, the most ZooKeeper
+    /// allows; the lost signal is then safe but fires during any leader election or
+    /// reconnection. Set it when `conf` is not whitelisted.
+    pub tick_time: Option<std::time::Duration>,
 }
 
 impl Default for ZkOptions {
     fn default() -> Self {
-        ZkOptions { tcp_nodelay: true }
+        ZkOptions {
+            tcp_nodelay: true,
+            tick_time: None,
+        }
     }
 }
 
@@ -123,6 +148,12 @@ impl ZkOptions {
     /// Sets [`ZkOptions::tcp_nodelay`].
     pub fn with_tcp_nodelay(mut self, on: bool) -> Self {
         self.tcp_nodelay = on;
+        self
+    }
+
+    /// Sets [`ZkOptions::tick_time`].
+    pub fn with_tick_time(mut self, tick: std::time::Duration) -> Self {
+        self.tick_time = Some(tick);
         self
     }
 }

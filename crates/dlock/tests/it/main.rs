@@ -143,4 +143,5 @@ zk_only! {
     shared revoke_interop_with_curator => crate::zk_revoke::revoke_interop_with_curator,
     shared cli_revoke => crate::zk_revoke::cli_revoke,
     exclusive locks_survive_leader_kill => crate::zk_faults::locks_survive_leader_kill,
+    exclusive follower_cut_from_leader_loses_before_the_next_grant => crate::zk_faults::follower_cut_from_leader_loses_before_the_next_grant,
 }

@@ -294,3 +294,128 @@ pub async fn cli_sigstop_past_session_exits_70(url: &str) {
     other.close().await.expect("close");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A follower cut off from its leader keeps answering its clients' pings until it
+/// notices (syncLimit × tickTime), while the leader stops hearing of their sessions,
+/// expires them after the session timeout and grants their locks elsewhere. The holder
+/// connected to that follower must see `lost()` before the leader grants its lock to
+/// anyone else, by at least the documented margin: max(10 % of the session timeout,
+/// 100 ms). Only the follower's connection to the leader's quorum port is cut (nftables),
+/// so both clients still reach their servers. (Before the leader heartbeat, the leader
+/// granted the lock 2.06 s after the cut with the holder not yet told.)
+pub async fn follower_cut_from_leader_loses_before_the_next_grant(url: &str) {
+    let _ = url;
+    let Some(state) = dlock_testkit::require_state() else {
+        return;
+    };
+    if state.servers_of(Server::Zookeeper).count() < 3 {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: a follower partition needs a 3-node ZooKeeper ensemble"
+        );
+        return;
+    }
+    let leader = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS))
+        .expect("a ZooKeeper leader");
+    let follower = state
+        .servers_of(Server::Zookeeper)
+        .map(|s| s.id)
+        .find(|id| *id != leader)
+        .expect("a follower");
+    let (f, l) = (
+        state.server(Server::Zookeeper, follower).expect("follower"),
+        state.server(Server::Zookeeper, leader).expect("leader"),
+    );
+    let (quorum_port, _) = state.zk_peer_ports(leader);
+    // The chaos suite's session: with the test ensemble's tick 200 ms and syncLimit 10,
+    // the follower notices the cut only after the leader may expire the session.
+    let session = Duration::from_secs(2);
+    let margin = (session / 10).max(Duration::from_millis(100));
+    let connect = |addr: String| async move {
+        dlock::connect_with(
+            &format!("zk://{addr}"),
+            dlock::SessionOptions::default().with_session_timeout(session),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"))
+    };
+    let a = connect(f.addr.clone()).await;
+    let b = connect(l.addr.clone()).await;
+    let name = unique("follower-cut");
+    let mut ga = a.mutex(&name).expect("name").lock().await.expect("lock");
+    let lost = ga.lost();
+    let lost_at = tokio::spawn(async move {
+        lost.await;
+        tokio::time::Instant::now()
+    });
+    let mb = b.mutex(&name).expect("name");
+    let granted = tokio::spawn(async move {
+        let g = mb.lock_timeout(GENEROUS).await;
+        (tokio::time::Instant::now(), g)
+    });
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&b, &name).await == 2 }).await,
+        "the waiter never queued"
+    );
+    let ports = dlock_testkit::connections_of(f.pid, quorum_port).expect("follower sockets");
+    assert!(
+        !ports.is_empty(),
+        "follower {follower} has no connection to the leader's quorum port {quorum_port}"
+    );
+    let pairs: Vec<(u16, u16)> = ports.iter().map(|p| (*p, quorum_port)).collect();
+    let cut = dlock_testkit::NetCut::new(&pairs, &[]).expect("cut the follower off");
+    let cut_at = tokio::time::Instant::now();
+    // Either the holder keeps its session (the follower rejoined in time) and the waiter
+    // gets the lock only after the release, or the session went and the holder was told
+    // first. Wait long enough for the leader to have expired the session if it will.
+    let mut granted = granted;
+    let outcome = tokio::time::timeout(3 * session, &mut granted).await;
+    cut.heal().expect("heal");
+    match outcome {
+        Ok(joined) => {
+            let (granted_at, g) = joined.expect("waiter task");
+            let mut g = g.expect("the waiter's lock");
+            let lost_time = if lost_at.is_finished() {
+                Some(lost_at.await.expect("lost task"))
+            } else {
+                lost_at.abort();
+                None
+            };
+            let lost_time = lost_time.unwrap_or_else(|| {
+                panic!(
+                    "the leader granted the lock {:?} after the cut while the holder behind \
+                     the cut-off follower had not been told it lost it",
+                    granted_at - cut_at
+                )
+            });
+            let kept = granted_at.saturating_duration_since(lost_time);
+            let _ = writeln!(
+                std::io::stderr(),
+                "follower cut: lost {:?} and granted {:?} after the cut (margin {kept:?})",
+                lost_time - cut_at,
+                granted_at - cut_at
+            );
+            assert!(
+                lost_time + margin <= granted_at,
+                "lost() fired only {kept:?} before the next grant (at least {margin:?} needed)"
+            );
+            g.release().await.expect("release");
+        }
+        Err(_) => {
+            // The session survived the cut: the holder still holds, the waiter still waits.
+            assert!(
+                !ga.is_lost(),
+                "the holder was told it lost the lock but nobody was granted it"
+            );
+            ga.release().await.expect("release");
+            let (_, g) = granted.await.expect("waiter task");
+            g.expect("the waiter after the release")
+                .release()
+                .await
+                .expect("release");
+        }
+    }
+    let _ = ga.release().await;
+    a.close().await.ok();
+    b.close().await.ok();
+}

@@ -1,0 +1,288 @@
+//! The session as the *leader* knows it: a heartbeat of `sync` requests that proves, from
+//! the client, until when the leader cannot have expired the session.
+//!
+//! # Why the connection state is not enough
+//! The server that answers a client's pings may be a follower cut off from the leader.
+//! It keeps answering until it notices (syncLimit × tickTime), while the leader, which
+//! alone expires sessions, no longer hears of the client and expires its session a
+//! session timeout `t` after the last touch the follower forwarded. With the test
+//! ensemble's timings (tick 200 ms, syncLimit 10) and a 2 s session, the leader granted a
+//! lock to another client 2.06 s after such a cut while the holder's connection still
+//! looked healthy (`follower_cut_from_leader_loses_before_the_next_grant`).
+//!
+//! # What a completed `sync` proves
+//! A `sync` is forwarded by a follower to the leader over the follower's one TCP
+//! connection to it, and answered over the same connection. The follower records every
+//! request of a session as a touch and reports its touches in its answer to the leader's
+//! next PING, which the leader sends every tickTime/2. TCP keeps order, so once a `sync`
+//! sent at `s2` completes, every message the follower sent the leader before forwarding
+//! it has arrived, including its answers to the PINGs that followed an earlier `sync`
+//! sent at `s1` (when `s2 - s1` is longer than a tick; ZooKeeper's minimum session is two
+//! ticks, so `t / 2` is). So the leader touched the session at or after `s1`, and cannot
+//! expire it before `s1 + t`. The argument needs both syncs on one connection: a
+//! follower that dropped out loses the touches it had not yet reported, and a
+//! reconnection does not reliably touch the session at the leader (seen in that test: a
+//! pair across a reconnection proved a touch that never reached the leader). So any
+//! change of the connection's state forgets every earlier sync.
+//!
+//! The heartbeat therefore sends a `sync` every [`interval`] and keeps the send times of
+//! the completed ones; the session is trusted until `s1 + t - margin`, where `s1` is the
+//! latest completed send at least `t / 2` before the latest completed one. When that
+//! moment passes without a newer proof, the session is declared lost.
+
+use std::collections::VecDeque;
+use std::sync::Weak;
+use std::time::Duration;
+
+use futures::FutureExt as _;
+use tokio::time::Instant;
+
+use crate::session::{Health, Shared};
+
+/// How much of the session timeout `t` the lost signal keeps in hand before the earliest
+/// moment the leader may expire the session: max(0.15·`t`, 100 ms), for the last round
+/// trip, scheduler delay and timer skew.
+pub(crate) fn margin(t: Duration) -> Duration {
+    (t * 3 / 20).max(Duration::from_millis(100))
+}
+
+/// How often the heartbeat sends a `sync`: `t`/16.
+pub(crate) fn interval(t: Duration) -> Duration {
+    t / 16
+}
+
+/// How far apart two completed syncs must be sent for the later one to prove the earlier
+/// one's touch reached the leader: two ticks (the leader PINGs every half tick, and the
+/// touch must be reported before the later sync is forwarded), at most `t`/2.
+pub(crate) fn pair_gap(t: Duration, tick: Option<Duration>) -> Duration {
+    tick.map_or(t / 2, |tick| (tick * 2).min(t / 2))
+}
+
+/// Asks the servers for their `tickTime` with the `conf` four-letter word (blocking; a
+/// second per server at most). `None` if no server answers it.
+pub(crate) fn probe_tick(servers: &[std::net::SocketAddr]) -> Option<Duration> {
+    use std::io::{Read as _, Write as _};
+    servers.iter().find_map(|addr| {
+        let limit = Duration::from_millis(500);
+        let mut s = std::net::TcpStream::connect_timeout(addr, limit).ok()?;
+        s.set_read_timeout(Some(limit)).ok()?;
+        s.write_all(b"conf").ok()?;
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        parse_tick(&out)
+    })
+}
+
+/// The `tickTime=N` line of a `conf` answer.
+fn parse_tick(conf: &str) -> Option<Duration> {
+    conf.lines()
+        .find_map(|l| l.trim().strip_prefix("tickTime="))
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis)
+}
+
+/// The leader-side expiry the client can prove, from the send times of completed syncs.
+#[derive(Debug)]
+pub(crate) struct LeaderLease {
+    t: Duration,
+    gap: Duration,
+    /// Send times of completed syncs, oldest first; only what a later pair may need.
+    confirmed: VecDeque<Instant>,
+    /// Until when the session is trusted.
+    deadline: Instant,
+}
+
+impl LeaderLease {
+    /// A lease for a session of timeout `t` created by a connect request sent at
+    /// `requested` (the leader created the session after that, so it lives until at least
+    /// `requested + t`).
+    pub(crate) fn new(t: Duration, gap: Duration, requested: Instant) -> Self {
+        LeaderLease {
+            t,
+            gap,
+            confirmed: VecDeque::new(),
+            deadline: requested + t - margin(t),
+        }
+    }
+
+    /// Until when the session is trusted.
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Forgets every completed sync: the connection changed, so none of them pairs with a
+    /// later one. The deadline already proven stands.
+    pub(crate) fn reconnected(&mut self) {
+        self.confirmed.clear();
+    }
+
+    /// Records a `sync` sent at `sent` that completed.
+    pub(crate) fn confirmed(&mut self, sent: Instant) {
+        self.confirmed.push_back(sent);
+        let pair_gap = self.gap;
+        // The latest earlier send at least a pair gap before this one proves a touch.
+        if let Some(proven) = self
+            .confirmed
+            .iter()
+            .rev()
+            .find(|s| sent.saturating_duration_since(**s) >= pair_gap)
+            .copied()
+        {
+            self.deadline = self.deadline.max(proven + self.t - margin(self.t));
+            // Sends before `proven` can never prove a later deadline.
+            while self.confirmed.front().is_some_and(|s| *s < proven) {
+                self.confirmed.pop_front();
+            }
+        }
+    }
+}
+
+/// Sends a `sync` every [`interval`] until the session ends, and declares the session
+/// lost when the leader-proven deadline passes. `requested` is when the connect request
+/// was sent; `states` tells of reconnections.
+pub(crate) async fn run(
+    shared: Weak<Shared>,
+    t: Duration,
+    requested: Instant,
+    mut states: zookeeper_client::StateWatcher,
+    tick: Option<Duration>,
+) {
+    let mut lease = LeaderLease::new(t, pair_gap(t, tick), requested);
+    let every = interval(t);
+    // True if the connection's state changed since the last look (a watch coalesces
+    // values, but `changed` still fires for a Disconnected -> SyncConnected round).
+    let mut moved = move || states.changed().now_or_never().is_some();
+    loop {
+        let Some(client) = shared
+            .upgrade()
+            .and_then(|s| (*s.health.borrow() == Health::Live).then(|| s.client.lock().clone()))
+            .flatten()
+        else {
+            return;
+        };
+        if moved() {
+            lease.reconnected();
+        }
+        let sent = Instant::now();
+        let answered = tokio::time::timeout_at(lease.deadline(), client.sync("/")).await;
+        drop(client);
+        if moved() {
+            lease.reconnected();
+        } else if let Ok(Ok(())) = answered {
+            lease.confirmed(sent);
+        }
+        if Instant::now() >= lease.deadline() {
+            if let Some(shared) = shared.upgrade() {
+                shared.conclude(Health::Lost(format!(
+                    "no ZooKeeper leader has confirmed the session for too long: it may expire \
+                     on the leader within {:?} (the server answering this client may be cut \
+                     off from the leader)",
+                    margin(t)
+                )));
+            }
+            return;
+        }
+        tokio::time::sleep_until((sent + every).min(lease.deadline())).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: Duration = Duration::from_secs(2);
+
+    #[test]
+    fn the_margin_is_at_least_a_tenth_and_100_ms() {
+        assert_eq!(margin(Duration::from_secs(2)), Duration::from_millis(300));
+        assert_eq!(
+            margin(Duration::from_millis(400)),
+            Duration::from_millis(100)
+        );
+        for ms in [200u64, 1_000, 4_000, 30_000] {
+            let t = Duration::from_millis(ms);
+            assert!(margin(t) >= t / 10 && margin(t) >= Duration::from_millis(100));
+        }
+    }
+
+    #[test]
+    fn the_pair_gap_is_two_ticks_at_most_half_a_session() {
+        assert_eq!(pair_gap(T, None), T / 2);
+        assert_eq!(
+            pair_gap(T, Some(Duration::from_millis(200))),
+            Duration::from_millis(400)
+        );
+        assert_eq!(pair_gap(T, Some(Duration::from_secs(2))), T / 2);
+        assert_eq!(
+            parse_tick("clientPort=2181\ntickTime=200\nmaxClientCnxns=60\n"),
+            Some(Duration::from_millis(200))
+        );
+        assert_eq!(
+            parse_tick("conf is not executed because it is not in the whitelist."),
+            None
+        );
+    }
+
+    #[test]
+    fn a_fresh_lease_trusts_the_connect_request_until_its_margin() {
+        let start = Instant::now();
+        let lease = LeaderLease::new(T, T / 2, start);
+        assert_eq!(lease.deadline(), start + T - margin(T));
+    }
+
+    #[test]
+    fn only_a_pair_of_syncs_half_a_session_apart_extends_the_lease() {
+        let start = Instant::now();
+        let mut lease = LeaderLease::new(T, T / 2, start);
+        let first = lease.deadline();
+        // Syncs closer together than t/2 prove nothing beyond the first one's send.
+        lease.confirmed(start + Duration::from_millis(100));
+        lease.confirmed(start + Duration::from_millis(500));
+        assert_eq!(lease.deadline(), first);
+        // 1,100 ms is 1,000 ms after the 100 ms send: that one is proven touched.
+        lease.confirmed(start + Duration::from_millis(1_100));
+        let proven = start + Duration::from_millis(100) + T - margin(T);
+        assert_eq!(lease.deadline(), proven.max(first));
+        // A later pair moves it on; the deadline never moves back.
+        lease.confirmed(start + Duration::from_millis(1_600));
+        assert_eq!(
+            lease.deadline(),
+            start + Duration::from_millis(500) + T - margin(T)
+        );
+    }
+
+    #[test]
+    fn a_reconnection_forgets_the_syncs_before_it() {
+        let start = Instant::now();
+        let mut lease = LeaderLease::new(T, T / 2, start);
+        let first = lease.deadline();
+        lease.confirmed(start + Duration::from_millis(100));
+        lease.reconnected();
+        // 1,100 ms would pair with the 100 ms sync, which came before the reconnection.
+        lease.confirmed(start + Duration::from_millis(1_100));
+        assert_eq!(lease.deadline(), first);
+        lease.confirmed(start + Duration::from_millis(2_100));
+        assert_eq!(
+            lease.deadline(),
+            start + Duration::from_millis(1_100) + T - margin(T)
+        );
+    }
+
+    #[test]
+    fn a_steady_heartbeat_stays_ahead_of_its_deadline() {
+        // Syncs every t/16 that each take up to t/16 to answer: the deadline, checked at
+        // each send, is always comfortably ahead (never tripped by a healthy session).
+        let start = Instant::now();
+        let mut lease = LeaderLease::new(T, T / 2, start);
+        let mut worst = T;
+        for k in 1..200u32 {
+            let sent = start + interval(T) * k;
+            let answered = sent + interval(T);
+            assert!(lease.deadline() > answered, "tripped at sync {k}");
+            worst = worst.min(lease.deadline() - answered);
+            lease.confirmed(sent);
+        }
+        assert!(worst >= T / 5, "headroom fell to {worst:?}");
+    }
+}
