@@ -20,6 +20,8 @@ mod faults;
 mod fuzz;
 mod recipes;
 mod reentry;
+#[cfg(all(feature = "etcd", feature = "zookeeper"))]
+mod server_faults;
 mod support;
 #[cfg(feature = "zookeeper")]
 mod zk_faults;
@@ -104,6 +106,29 @@ mod dlock_blocks_etcdctl_lock {
 }
 mod etcd_leader_kill_keeps_the_lock {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);
+}
+
+/// Server-side faults on a 3-node cluster: they stop servers, so they run alone.
+macro_rules! exclusive {
+    ($($test:ident => $kind:expr, $feature:literal, $path:path),* $(,)?) => {
+        $(
+            #[cfg(all(feature = "etcd", feature = "zookeeper", feature = $feature))]
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                let _cluster = crate::support::cluster_exclusive().await;
+                if let Some(url) = crate::support::url($kind) {
+                    $path(&url).await;
+                }
+            }
+        )*
+    };
+}
+
+exclusive! {
+    etcd_leader_paused_shorter_than_the_lease => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_leader_paused_shorter_than_the_lease,
+    etcd_leader_paused_longer_than_the_lease => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_leader_paused_longer_than_the_lease,
+    zk_leader_paused_longer_than_the_session => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_leader_paused_longer_than_the_session,
+    zk_leader_cut_from_the_quorum => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_leader_cut_from_the_quorum,
 }
 
 /// ZooKeeper-only tests: Curator interop, herd counting, faults. `shared` tests run

@@ -1,0 +1,275 @@
+//! Server-side faults: what happens between the servers, not between a client and its
+//! server. The property checked is the lost signal's promise: a holder is told before
+//! any other contender is granted its lock, by at least max(10 % of the session timeout,
+//! 100 ms). Each test is measured against the real cluster's leader.
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use dlock_testkit::{Backend as Server, State};
+use tokio::time::Instant;
+
+use crate::support::{eventually, leftovers, unique};
+
+const GENEROUS: Duration = Duration::from_secs(60);
+
+/// A holder and a waiter on one lock, each connected to one server of its own.
+struct Contest {
+    holder: dlock::Client,
+    name: String,
+    guard: dlock::LockGuard,
+    lost_at: tokio::task::JoinHandle<Instant>,
+    /// The first grant to the waiter: when, the guard, and the waiter's client.
+    granted: tokio::task::JoinHandle<(Instant, dlock::LockGuard, dlock::Client)>,
+}
+
+/// A client with `session`, connected to `url`.
+async fn connect(url: &str, session: Duration) -> dlock::Result<dlock::Client> {
+    dlock::connect_with(
+        url,
+        dlock::SessionOptions::default().with_session_timeout(session),
+    )
+    .await
+}
+
+impl Contest {
+    async fn start(holder_url: &str, waiter_url: &str, session: Duration) -> Contest {
+        let holder = connect(holder_url, session)
+            .await
+            .unwrap_or_else(|e| panic!("connect {holder_url}: {e}"));
+        let name = unique("server-fault");
+        let guard = holder
+            .mutex(&name)
+            .expect("name")
+            .lock()
+            .await
+            .expect("lock");
+        let lost = guard.lost();
+        let lost_at = tokio::spawn(async move {
+            lost.await;
+            Instant::now()
+        });
+        // The waiter queues, and queues again on a new session whenever its session ends
+        // (a leader election may end it): what matters is when anyone else is granted.
+        let (url, n) = (waiter_url.to_owned(), name.clone());
+        let queued = std::sync::Arc::new(tokio::sync::Notify::new());
+        let queued_tx = queued.clone();
+        let granted = tokio::spawn(async move {
+            loop {
+                let Ok(c) = connect(&url, session).await else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let m = c.mutex(&n).expect("name");
+                let attempt = m.lock_timeout(GENEROUS);
+                tokio::pin!(attempt);
+                let polled = tokio::select! {
+                    r = &mut attempt => Some(r),
+                    () = tokio::time::sleep(Duration::from_millis(200)) => None,
+                };
+                queued_tx.notify_one();
+                match polled {
+                    Some(Ok(g)) => return (Instant::now(), g, c),
+                    Some(Err(_)) => continue,
+                    None => match attempt.await {
+                        Ok(g) => return (Instant::now(), g, c),
+                        Err(_) => continue,
+                    },
+                }
+            }
+        });
+        queued.notified().await;
+        assert!(
+            eventually(GENEROUS, || async { leftovers(&holder, &name).await == 2 }).await,
+            "the waiter never queued"
+        );
+        Contest {
+            holder,
+            name,
+            guard,
+            lost_at,
+            granted,
+        }
+    }
+
+    /// Waits up to `limit` for the waiter's grant, then checks the promise: if the waiter
+    /// got the lock while the holder had not released it, the holder was told first, by
+    /// at least `margin`. Releases everything.
+    async fn check(mut self, fault_at: Instant, limit: Duration, margin: Duration) {
+        let outcome = tokio::time::timeout(limit, &mut self.granted).await;
+        match outcome {
+            Ok(joined) => {
+                let (granted_at, mut g, waiter) = joined.expect("waiter task");
+                let lost_time = if self.lost_at.is_finished() {
+                    Some(self.lost_at.await.expect("lost task"))
+                } else {
+                    self.lost_at.abort();
+                    None
+                };
+                let lost_time = lost_time.unwrap_or_else(|| {
+                    panic!(
+                        "the lock was granted {:?} after the fault while its holder had not \
+                         been told it lost it",
+                        granted_at - fault_at
+                    )
+                });
+                let kept = granted_at.saturating_duration_since(lost_time);
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "server fault: lost {:?} and granted {:?} after the fault (margin {kept:?})",
+                    lost_time.saturating_duration_since(fault_at),
+                    granted_at.saturating_duration_since(fault_at)
+                );
+                assert!(
+                    lost_time + margin <= granted_at,
+                    "lost() fired only {kept:?} before the next grant (at least {margin:?} needed)"
+                );
+                g.release().await.expect("release");
+                waiter.close().await.ok();
+            }
+            Err(_) => {
+                assert!(
+                    !self.guard.is_lost(),
+                    "the holder was told it lost the lock but nobody was granted it"
+                );
+                self.guard.release().await.expect("release");
+                let (_, mut g, waiter) = self.granted.await.expect("waiter task");
+                g.release().await.expect("release");
+                waiter.close().await.ok();
+            }
+        }
+        let _ = self.guard.release().await;
+        self.holder.close().await.ok();
+        let _ = self.name;
+    }
+}
+
+/// The 3-node cluster's state and its leader, or `None` (skipped: a one-node run).
+fn three_nodes(backend: Server) -> Option<(State, u32)> {
+    let state = dlock_testkit::require_state()?;
+    if state.servers_of(backend).count() < 3 {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: a server-side fault needs a 3-node {backend} cluster"
+        );
+        return None;
+    }
+    let leader =
+        tokio::task::block_in_place(|| state.wait_leader(backend, GENEROUS)).expect("a leader");
+    Some((state, leader))
+}
+
+/// The etcd leader is paused (SIGSTOP) for `pause`, then resumed, while the lock's holder
+/// is connected to it alone and a waiter to a follower. The followers elect a new leader
+/// within the election timeout; the holder's keep-alives go unanswered meanwhile. A
+/// resumed old leader still believes itself leader until it hears the new term, and
+/// etcd 3.4 renews a lease on such a stale leader without asking the quorum: a holder
+/// that trusted that renewal would hold on while the new leader expires its lease.
+async fn etcd_leader_paused(pause: Duration) {
+    let Some((state, leader)) = three_nodes(Server::Etcd) else {
+        return;
+    };
+    let follower = state
+        .servers_of(Server::Etcd)
+        .map(|s| s.id)
+        .find(|id| *id != leader)
+        .expect("a follower");
+    let addr = |id| state.server(Server::Etcd, id).expect("server").addr.clone();
+    let session = Duration::from_secs(2);
+    let margin = (session / 10).max(Duration::from_millis(100));
+    let contest = Contest::start(
+        &format!("etcd://{}", addr(leader)),
+        &format!("etcd://{}", addr(follower)),
+        session,
+    )
+    .await;
+    tokio::task::block_in_place(|| state.stop(Server::Etcd, leader)).expect("SIGSTOP leader");
+    let fault_at = Instant::now();
+    tokio::time::sleep(pause).await;
+    tokio::task::block_in_place(|| state.cont(Server::Etcd, leader)).expect("SIGCONT leader");
+    contest.check(fault_at, 4 * session, margin).await;
+}
+
+/// Paused for half the lease: a new leader is elected long before the lease ends, and
+/// the old one comes back while the holder still trusts its lease.
+pub async fn etcd_leader_paused_shorter_than_the_lease(_url: &str) {
+    etcd_leader_paused(Duration::from_millis(1_000)).await;
+}
+
+/// Paused for longer than the lease: the holder's lease ends at the new leader while the
+/// old one is stopped.
+pub async fn etcd_leader_paused_longer_than_the_lease(_url: &str) {
+    etcd_leader_paused(Duration::from_millis(3_000)).await;
+}
+
+/// The addresses of the leader and of one follower of a 3-node `backend` cluster.
+fn leader_and_follower(state: &State, backend: Server, leader: u32) -> (String, String) {
+    let follower = state
+        .servers_of(backend)
+        .map(|s| s.id)
+        .find(|id| *id != leader)
+        .expect("a follower");
+    let addr = |id| state.server(backend, id).expect("server").addr.clone();
+    (addr(leader), addr(follower))
+}
+
+/// The ZooKeeper leader is paused (SIGSTOP) for longer than the session while the lock's
+/// holder is connected to it alone and a waiter to a follower. The followers elect a new
+/// leader, which gives every session a full timeout from its election and then expires
+/// the holder's; the holder hears nothing meanwhile and must give the lock up first.
+pub async fn zk_leader_paused_longer_than_the_session(_url: &str) {
+    let Some((state, leader)) = three_nodes(Server::Zookeeper) else {
+        return;
+    };
+    let (l, f) = leader_and_follower(&state, Server::Zookeeper, leader);
+    let session = Duration::from_secs(2);
+    let margin = (session / 10).max(Duration::from_millis(100));
+    let contest = Contest::start(&format!("zk://{l}"), &format!("zk://{f}"), session).await;
+    tokio::task::block_in_place(|| state.stop(Server::Zookeeper, leader)).expect("SIGSTOP leader");
+    let fault_at = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::task::block_in_place(|| state.cont(Server::Zookeeper, leader)).expect("SIGCONT leader");
+    contest.check(fault_at, 4 * session, margin).await;
+    // The old leader rejoins as a follower before the next test uses the ensemble.
+    let _ = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS));
+}
+
+/// The ZooKeeper leader is cut off from the quorum (nftables drops its quorum and
+/// election traffic; its clients still reach it) while the lock's holder is connected to
+/// it alone and a waiter to a follower. The leader keeps answering its clients until it
+/// notices it lost the quorum (syncLimit × tickTime); the followers elect a new leader,
+/// which expires the holder's session a session timeout later. The holder must be told
+/// first.
+pub async fn zk_leader_cut_from_the_quorum(_url: &str) {
+    let Some((state, leader)) = three_nodes(Server::Zookeeper) else {
+        return;
+    };
+    let (l, f) = leader_and_follower(&state, Server::Zookeeper, leader);
+    let session = Duration::from_secs(2);
+    let margin = (session / 10).max(Duration::from_millis(100));
+    let contest = Contest::start(&format!("zk://{l}"), &format!("zk://{f}"), session).await;
+    let (lq, le) = state.zk_peer_ports(leader);
+    let pid = state.server(Server::Zookeeper, leader).expect("leader").pid;
+    // Connections the leader opened to the others' election ports, besides everything
+    // to or from its own quorum and election ports.
+    let mut pairs = Vec::new();
+    for other in state
+        .servers_of(Server::Zookeeper)
+        .filter(|s| s.id != leader)
+    {
+        let (_, oe) = state.zk_peer_ports(other.id);
+        for p in dlock_testkit::connections_of(pid, oe).expect("leader sockets") {
+            pairs.push((p, oe));
+        }
+    }
+    let cut = dlock_testkit::NetCut::new(&pairs, &[lq, le]).expect("cut the leader off");
+    let fault_at = Instant::now();
+    let check = contest.check(fault_at, 4 * session, margin);
+    // Heal only after the check's verdict, whatever it is.
+    let result = tokio::spawn(check).await;
+    cut.heal().expect("heal");
+    let _ = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS));
+    if let Err(e) = result {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
