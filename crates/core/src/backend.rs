@@ -127,6 +127,15 @@ pub struct Enqueued {
     pub queue: Vec<Entry>,
 }
 
+/// How long before the earliest moment the server may expire a session of timeout
+/// `session` every backend's [`Backend::lost`] fires: max(10 % of the timeout, 100 ms).
+/// It covers the last round trip, scheduler delay (a loaded machine, a slow poll) and
+/// timer skew between the client's and the server's clocks, which all run between the
+/// moment the client's deadline passes and the moment its holder stops.
+pub fn lost_margin(session: Duration) -> Duration {
+    (session / 10).max(Duration::from_millis(100))
+}
+
 /// A key/value store with session-bound, ordered queues: the one seam between the
 /// recipes and a server. See the module docs for the contract every implementation keeps.
 ///
@@ -263,6 +272,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Completes, with the reason, once `entry` can no longer be trusted to be held:
     /// the session expired, or was cut off from the servers for longer than its timeout,
     /// or the entry's lease could not be renewed. Never completes while it is held.
+    ///
+    /// It must complete before the server can let any other contender in: at least
+    /// [`lost_margin`] of the session timeout before the earliest moment the server may
+    /// expire the session, computed from when the request that last proved the session
+    /// alive was *sent* (the server renewed it after that).
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;
 
     /// Reads a small shared value stored at `key` under the lock (the semaphore's shared
@@ -320,4 +334,22 @@ fn unsupported(kind: &str, what: &str) -> Error {
         what.to_owned(),
         format!("the {kind} backend does not support {what} (needed for revocation)"),
     )
+}
+
+#[cfg(test)]
+mod margin_tests {
+    use super::*;
+
+    #[test]
+    fn the_lost_margin_is_a_tenth_of_the_session_and_at_least_100_ms() {
+        assert_eq!(
+            lost_margin(Duration::from_secs(2)),
+            Duration::from_millis(200)
+        );
+        assert_eq!(lost_margin(Duration::from_secs(30)), Duration::from_secs(3));
+        assert_eq!(
+            lost_margin(Duration::from_millis(300)),
+            Duration::from_millis(100)
+        );
+    }
 }

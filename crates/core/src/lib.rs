@@ -56,7 +56,7 @@ pub mod error;
 pub mod name;
 pub mod token;
 
-pub use backend::{Backend, Enqueued, Gone, Hints, Position, SessionOptions};
+pub use backend::{lost_margin, Backend, Enqueued, Gone, Hints, Position, SessionOptions};
 pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};
 pub use error::{Error, NameError, Result};

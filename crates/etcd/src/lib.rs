@@ -105,8 +105,11 @@
 //! One lease per client, TTL [`DEFAULT_SESSION_TTL`] (etcd's Go default) unless
 //! [`dlock_core::SessionOptions::session_timeout`] says otherwise, renewed every TTL/3 by
 //! a background task that re-opens the keep-alive stream whenever it breaks. Once no
-//! renewal has been acknowledged for a whole TTL, or the server reports the lease gone,
-//! [`dlock_core::Backend::lost`] completes for every entry on it. The next acquire grants
+//! renewal *sent* in the last TTL − [`dlock_core::lost_margin`] (max(10 % of the TTL,
+//! 100 ms)) has been acknowledged, or the server reports the lease gone,
+//! [`dlock_core::Backend::lost`] completes for every entry on it: the server renewed the
+//! lease after the request was sent, so it cannot expire it before that margin has
+//! passed. The next acquire grants
 //! a new lease. [`dlock_core::Backend::close`] revokes the lease.
 //!
 //! # What this crate never does

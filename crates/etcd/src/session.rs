@@ -174,8 +174,11 @@ impl KeepAlive {
         (self.ttl / 3).max(Duration::from_millis(100))
     }
 
+    /// When the lost signal fires: [`dlock_core::lost_margin`] before the earliest moment
+    /// the server may expire the lease (a whole TTL after the last acknowledged
+    /// keep-alive was sent).
     fn deadline(&self) -> Instant {
-        self.acked_at + self.ttl
+        self.acked_at + self.ttl.saturating_sub(dlock_core::lost_margin(self.ttl))
     }
 
     async fn run(mut self) {
@@ -213,8 +216,11 @@ impl KeepAlive {
                 Err(_) => End::Dropped,
             }),
             _ = sleep_until(deadline) => Err(End::Lost(format!(
-                "no keep-alive of lease {:x} was acknowledged within its TTL of {:?}",
-                self.id, self.ttl
+                "no keep-alive of lease {:x} was acknowledged within its TTL of {:?} less the \
+                 {:?} safety margin",
+                self.id,
+                self.ttl,
+                dlock_core::lost_margin(self.ttl)
             ))),
             out = fut => Ok(out),
         }

@@ -919,8 +919,14 @@ impl Shared {
         }
     }
 
+    /// When an entry renewed by a round sent at `renewed_at` is declared lost: the lease,
+    /// less the clock-drift allowance, less [`dlock_core::lost_margin`], so that `lost()`
+    /// fires that margin before the server may expire it.
     fn deadline_of(&self, renewed_at: Instant) -> Instant {
-        renewed_at + self.lease.saturating_sub(self.drift)
+        renewed_at
+            + self
+                .lease
+                .saturating_sub(self.drift + dlock_core::lost_margin(self.lease))
     }
 
     /// Fires `lost()` of every entry not renewed for a whole lease (minus drift): past
@@ -942,7 +948,10 @@ impl Shared {
             self.lose(
                 &q,
                 &name,
-                format!("no successful renewal for a whole lease ({:?})", self.lease),
+                format!(
+                    "no successful renewal for a whole lease ({:?}, less drift and the safety margin)",
+                    self.lease
+                ),
             );
         }
         next

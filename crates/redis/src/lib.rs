@@ -78,9 +78,11 @@
 //! [`dlock_core::SessionOptions::session_timeout`], default 30 s). A background task,
 //! like Redisson's watchdog, renews every live entry of this client every lease/3 with a
 //! script that only extends entries that still exist. A renewal that finds its entry gone,
-//! or no successful renewal for a whole lease (minus a drift allowance), fires that entry's
-//! [`dlock_core::Backend::lost`]. After every reconnect the watchdog runs a round at once:
-//! a Redis restarted without persistence has silently forgotten every key. Removing or
+//! or no successful renewal *sent* within the lease less the Redlock drift allowance (1 %
+//! plus 2 ms) and less [`dlock_core::lost_margin`] (max(10 % of the lease, 100 ms)),
+//! fires that entry's [`dlock_core::Backend::lost`]: the server extended the key after
+//! the renewal was sent, so it cannot expire it before that margin has passed. After
+//! every reconnect the watchdog runs a round at once: a Redis restarted without persistence has silently forgotten every key. Removing or
 //! abandoning an entry stops its renewal before the delete is sent, and dropping the
 //! backend aborts the task, so no renewal outlives a release. A dead client's entries
 //! expire by themselves; every listing drops members whose key has expired.

@@ -43,7 +43,7 @@ use crate::session::{Health, Shared};
 /// moment the leader may expire the session: max(0.15·`t`, 100 ms), for the last round
 /// trip, scheduler delay and timer skew.
 pub(crate) fn margin(t: Duration) -> Duration {
-    (t * 3 / 20).max(Duration::from_millis(100))
+    (t * 3 / 20).max(dlock_core::lost_margin(t))
 }
 
 /// How often the heartbeat sends a `sync`: `t`/16.

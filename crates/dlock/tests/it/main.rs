@@ -129,6 +129,8 @@ exclusive! {
     etcd_leader_paused_longer_than_the_lease => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_leader_paused_longer_than_the_lease,
     zk_leader_paused_longer_than_the_session => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_leader_paused_longer_than_the_session,
     zk_leader_cut_from_the_quorum => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_leader_cut_from_the_quorum,
+    etcd_holder_cut_off => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_holder_cut_off,
+    zk_holder_cut_off => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_holder_cut_off,
 }
 
 /// ZooKeeper-only tests: Curator interop, herd counting, faults. `shared` tests run

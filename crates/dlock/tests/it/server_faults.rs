@@ -273,3 +273,47 @@ pub async fn zk_leader_cut_from_the_quorum(_url: &str) {
         std::panic::resume_unwind(e.into_panic());
     }
 }
+
+/// The client port of one server cut off (nftables drops everything to and from it)
+/// while the lock's holder is connected to that server alone and a waiter to another.
+/// The holder can neither renew nor reconnect; the server side expires its session or
+/// lease a timeout after the last renewal and grants the lock to the waiter. The holder
+/// must be told first, by at least the margin: before the margin, etcd fired at the
+/// last acknowledged keep-alive's send time + TTL, with nothing to spare.
+async fn holder_cut_off(backend: Server, scheme: &str) {
+    let Some((state, leader)) = three_nodes(backend) else {
+        return;
+    };
+    let (l, f) = leader_and_follower(&state, backend, leader);
+    let session = Duration::from_secs(2);
+    let margin = (session / 10).max(Duration::from_millis(100));
+    // The holder on a follower (a cut leader would also lose its leadership).
+    let contest = Contest::start(
+        &format!("{scheme}://{f}"),
+        &format!("{scheme}://{l}"),
+        session,
+    )
+    .await;
+    let port: u16 = f
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("a port");
+    let cut = dlock_testkit::NetCut::new(&[], &[port]).expect("cut the holder's server off");
+    let fault_at = Instant::now();
+    let result = tokio::spawn(contest.check(fault_at, 4 * session, margin)).await;
+    cut.heal().expect("heal");
+    if let Err(e) = result {
+        std::panic::resume_unwind(e.into_panic());
+    }
+}
+
+/// [`holder_cut_off`] on etcd.
+pub async fn etcd_holder_cut_off(_url: &str) {
+    holder_cut_off(Server::Etcd, "etcd").await;
+}
+
+/// [`holder_cut_off`] on ZooKeeper.
+pub async fn zk_holder_cut_off(_url: &str) {
+    holder_cut_off(Server::Zookeeper, "zk").await;
+}
