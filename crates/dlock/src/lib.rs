@@ -38,7 +38,7 @@
 //! - `etcd` (default): the etcd backend, `dlock-etcd`.
 //! - `redis` (default): the Redis (single master or Sentinel) and Redlock backends,
 //!   `dlock-redis`.
-//! - `cli` (default): the `dlock` command line tool (`src/bin/dlock.rs`).
+//! - `cli` (default): the `dlock` command line tool (`src/bin/dlock/`).
 //!
 //! Turn off the backends you do not use with `default-features = false`.
 //!

@@ -183,6 +183,82 @@ pub async fn cli_paused_holder_exits_70(_kind: Kind, url: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A `dlock exec` that loses its lock stops everything its command started, not only the
+/// command: the command runs in a process group of its own, which gets SIGTERM and, after
+/// `--kill-after`, SIGKILL. Here the command is a shell whose two background children
+/// would outlive it: one that dies on SIGTERM, one that ignores it. Before, dlock
+/// signalled only the shell: both children kept running after dlock exited 70.
+pub async fn cli_lost_lock_stops_the_whole_process_group(_kind: Kind, url: &str) {
+    let name = unique("group");
+    let dir = tempdir("group");
+    let pids = dir.join("pids");
+    let errfile = dir.join("dlock.err");
+    let session = Duration::from_secs(2);
+    let mut holder = spawn_exec(
+        &[
+            "--url",
+            url,
+            "--session-timeout",
+            "2s",
+            "--kill-after",
+            "1s",
+            "exec",
+            &name,
+        ],
+        "sleep 600 & a=$!; (trap '' TERM; exec sleep 601) & b=$!; \
+         echo \"$a $b\" > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; wait",
+        &[&pids],
+        &errfile,
+    );
+    let dlock_pid = holder.0.id();
+    assert!(
+        eventually(GENEROUS, || async { pids.exists() }).await,
+        "the holder never ran its command"
+    );
+    let children: Vec<(u32, u64)> = std::fs::read_to_string(&pids)
+        .expect("pid file")
+        .split_whitespace()
+        .map(|p| {
+            let pid: u32 = p.parse().expect("pid");
+            (pid, start_time(pid).expect("the background child runs"))
+        })
+        .collect();
+    assert_eq!(children.len(), 2);
+    // Pause dlock alone (the command and its children go on), far past its session, so
+    // that it finds its lock lost when it resumes.
+    signal_group(dlock_pid, "STOP");
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .args(["-CONT", "--", &format!("-{}", self.0)])
+                .status();
+        }
+    }
+    let cont = Cont(dlock_pid);
+    tokio::time::sleep(3 * session).await;
+    drop(cont);
+    let status = wait_exit(&mut holder.0, GENEROUS).await;
+    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {err}"));
+    assert_eq!(status.code(), Some(70), "stderr: {err}");
+    // Checked as soon as dlock has exited: by then nothing of the group may run. (An
+    // orphan may stay a zombie until PID 1 reaps it; a zombie runs nothing.)
+    for (pid, start) in &children {
+        assert_ne!(
+            start_time(*pid),
+            Some(*start),
+            "process {pid} of the command's group outlived dlock's exit 70"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    for (pid, _) in children {
+        let _ = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+    }
+}
+
 /// The first endpoint of an `etcd://a,b,c` URL, for `etcdctl`.
 fn first_endpoint(url: &str) -> String {
     let hosts = url.strip_prefix("etcd://").expect("an etcd URL");

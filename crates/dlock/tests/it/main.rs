@@ -95,6 +95,7 @@ all_backends! {
     cli_status_shows_queue => crate::cli::cli_status_shows_queue,
     cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
     cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
+    cli_lost_lock_stops_the_whole_process_group => crate::faults::cli_lost_lock_stops_the_whole_process_group,
 }
 
 // etcd only: interop with etcd's own lock, and leader failover.

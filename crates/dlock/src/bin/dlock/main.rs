@@ -3,14 +3,19 @@
 //!
 //! Exit codes (a contract for scripts): the command's own exit code when it ran;
 //! 75 timed out; 69 backend unreachable; 64 bad usage, name or URL; 70 lock lost while
-//! the command ran (the command got SIGTERM, or the hold could not be confirmed on the
-//! server once the command had exited); 126/127 command not executable / not found.
+//! the command ran (the command's process group got SIGTERM, then SIGKILL after
+//! `--kill-after`, or the hold could not be confirmed on the server once the command had
+//! exited); 126/127 command not executable / not found.
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, Parser, Subcommand};
 use dlock::{exit_code, Client, Error, LockGuard, MultiGuard, SessionOptions};
+
+use crate::child::{Outcome, Run};
+
+mod child;
 
 /// Distributed locks from the shell, over ZooKeeper, etcd and Redis.
 #[derive(Debug, Parser)]
@@ -28,6 +33,11 @@ struct Cli {
     /// How long connecting may take before giving up with exit code 69.
     #[arg(long, global = true, value_parser = parse_duration, default_value = "5s")]
     connect_timeout: Duration,
+
+    /// When the lock is lost under the command: how long its process group (the command
+    /// and everything it started) has between SIGTERM and SIGKILL.
+    #[arg(long, global = true, value_parser = parse_duration, default_value = "5s")]
+    kill_after: Duration,
 
     #[command(subcommand)]
     command: Command,
@@ -181,8 +191,8 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
     dlock::BackendUrl::parse(&url)?;
     let client = dlock::connect_with(&url, opts).await?;
     let code = match cli.command {
-        Command::Exec(a) => exec(&client, a).await,
-        Command::Multi(a) => multi(&client, a).await,
+        Command::Exec(a) => exec(&client, a, cli.kill_after).await,
+        Command::Multi(a) => multi(&client, a, cli.kill_after).await,
         Command::Status(a) => status(&client, a).await,
         Command::Revoke(a) => revoke(&client, a).await,
     };
@@ -190,10 +200,10 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
     code
 }
 
-async fn exec(client: &Client, a: ExecArgs) -> Result<u8, Error> {
+async fn exec(client: &Client, a: ExecArgs, kill_after: Duration) -> Result<u8, Error> {
     let name = client.lock_name(&a.name)?;
     if a.revocable {
-        return exec_revocable(client, a, name).await;
+        return exec_revocable(client, a, name, kill_after).await;
     }
     let mut guard: LockGuard = if a.read {
         client.rwlock(name.as_str())?.read(a.timeout).await?
@@ -218,18 +228,24 @@ async fn exec(client: &Client, a: ExecArgs) -> Result<u8, Error> {
     };
     let token = guard.token().to_string();
     let lost = guard.lost();
-    let outcome = run_child(
-        &a.cmd,
-        &[("DLOCK_TOKEN", token), ("DLOCK_NAME", name.to_string())],
-        lost,
-    )
-    .await;
+    let env = [("DLOCK_TOKEN", token), ("DLOCK_NAME", name.to_string())];
+    let run = Run {
+        cmd: &a.cmd,
+        env: &env,
+        kill_after,
+    };
+    let outcome = child::run(&run, lost, None).await;
     let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
     finish(outcome, verified, released)
 }
 
-async fn exec_revocable(client: &Client, a: ExecArgs, name: dlock::LockName) -> Result<u8, Error> {
+async fn exec_revocable(
+    client: &Client,
+    a: ExecArgs,
+    name: dlock::LockName,
+    kill_after: Duration,
+) -> Result<u8, Error> {
     let mut guard = client
         .mutex(name.as_str())?
         .lock_revocable(a.timeout)
@@ -237,23 +253,22 @@ async fn exec_revocable(client: &Client, a: ExecArgs, name: dlock::LockName) -> 
     let token = guard.token().to_string();
     let lost = guard.lost();
     let revoked = guard.revoke_requested();
-    let outcome = run_child_revocable(
-        &a.cmd,
-        &[("DLOCK_TOKEN", token), ("DLOCK_NAME", name.to_string())],
-        lost,
-        revoked,
-    )
-    .await;
+    let env = [("DLOCK_TOKEN", token), ("DLOCK_NAME", name.to_string())];
+    let run = Run {
+        cmd: &a.cmd,
+        env: &env,
+        kill_after,
+    };
+    let outcome = run_child_revocable(&run, lost, revoked).await;
     let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
     finish(outcome, verified, released)
 }
 
-/// [`run_child`], and on a revocation request SIGTERM the command and wait for it: its
-/// exit code is dlock's.
+/// [`child::run`], and on a revocation request SIGTERM the command's group and wait for
+/// it: its exit code is dlock's.
 async fn run_child_revocable(
-    cmd: &[String],
-    env: &[(&str, String)],
+    run: &Run<'_>,
     lost: impl std::future::Future<Output = Error>,
     revoked: impl std::future::Future<Output = Result<(), Error>>,
 ) -> Outcome {
@@ -270,12 +285,12 @@ async fn run_child_revocable(
         std::future::pending::<std::convert::Infallible>().await
     };
     tokio::select! {
-        outcome = run_child_with(cmd, env, lost, Some(rx)) => outcome,
+        outcome = child::run(run, lost, Some(rx)) => outcome,
         never = watch => match never {},
     }
 }
 
-async fn multi(client: &Client, a: MultiArgs) -> Result<u8, Error> {
+async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8, Error> {
     let mut m = client.multi();
     for n in &a.names {
         m = m.mutex(n)?;
@@ -294,22 +309,16 @@ async fn multi(client: &Client, a: MultiArgs) -> Result<u8, Error> {
         .collect::<Vec<_>>()
         .join(",");
     let lost = guard.lost();
-    let outcome = run_child(
-        &a.cmd,
-        &[("DLOCK_TOKEN", tokens), ("DLOCK_NAME", names)],
-        lost,
-    )
-    .await;
+    let env = [("DLOCK_TOKEN", tokens), ("DLOCK_NAME", names)];
+    let run = Run {
+        cmd: &a.cmd,
+        env: &env,
+        kill_after,
+    };
+    let outcome = child::run(&run, lost, None).await;
     let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
     finish(outcome, verified, released)
-}
-
-/// How the child ended.
-enum Outcome {
-    Exited(u8),
-    Lost(Error),
-    SpawnFailed(u8, String),
 }
 
 /// After the command exited on its own, asks the server whether the lock is still held:
@@ -362,125 +371,6 @@ fn lost_while_running(e: Error) -> Error {
         e
     } else {
         Error::LockLost(format!("the hold could not be confirmed: {e}"))
-    }
-}
-
-async fn run_child(
-    cmd: &[String],
-    env: &[(&str, String)],
-    lost: impl std::future::Future<Output = Error>,
-) -> Outcome {
-    run_child_with(cmd, env, lost, None).await
-}
-
-/// Runs the command until it exits; stops it on `lost`; forwards SIGTERM/SIGINT; and
-/// sends it SIGTERM once when `stop` fires (a revocation request).
-async fn run_child_with(
-    cmd: &[String],
-    env: &[(&str, String)],
-    lost: impl std::future::Future<Output = Error>,
-    stop: Option<tokio::sync::oneshot::Receiver<()>>,
-) -> Outcome {
-    let Some((prog, args)) = cmd.split_first() else {
-        return Outcome::SpawnFailed(EX_USAGE, "no command given".into());
-    };
-    let mut command = tokio::process::Command::new(prog);
-    command.args(args).kill_on_drop(true);
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let mut child = match command.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let code = if e.kind() == std::io::ErrorKind::NotFound {
-                127
-            } else {
-                126
-            };
-            return Outcome::SpawnFailed(code, format!("cannot run {prog:?}: {e}"));
-        }
-    };
-    let mut sigterm =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
-    tokio::pin!(lost);
-    let mut stop = stop;
-    loop {
-        tokio::select! {
-            r = async {
-                match stop.as_mut() {
-                    Some(rx) => rx.await,
-                    None => std::future::pending().await,
-                }
-            }, if stop.is_some() => {
-                stop = None;
-                if r.is_ok() {
-                    forward(&child, libc::SIGTERM);
-                }
-            }
-            status = child.wait() => {
-                return Outcome::Exited(match status {
-                    Ok(s) => status_code(s),
-                    Err(_) => 1,
-                });
-            }
-            e = &mut lost => {
-                eprintln!("dlock: {e}; stopping the command");
-                terminate(&mut child).await;
-                return Outcome::Lost(e);
-            }
-            _ = recv(&mut sigterm) => forward(&child, libc::SIGTERM),
-            _ = recv(&mut sigint) => forward(&child, libc::SIGINT),
-        }
-    }
-}
-
-async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
-    match s {
-        Some(s) => {
-            s.recv().await;
-        }
-        None => std::future::pending::<()>().await,
-    }
-}
-
-/// Passes a signal dlock received on to the command, which decides how to end; dlock
-/// releases the lock once it has.
-fn forward(child: &tokio::process::Child, sig: libc::c_int) {
-    if let Some(pid) = child.id() {
-        send_signal(pid, sig);
-    }
-}
-
-/// SIGTERM, then SIGKILL if the command has not ended within 5 s.
-async fn terminate(child: &mut tokio::process::Child) {
-    forward(child, libc::SIGTERM);
-    if tokio::time::timeout(Duration::from_secs(5), child.wait())
-        .await
-        .is_err()
-    {
-        let _ = child.kill().await;
-    }
-}
-
-#[allow(unsafe_code)]
-fn send_signal(pid: u32, sig: libc::c_int) {
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return;
-    };
-    // SAFETY: kill(2) takes plain integers and has no memory effects; the pid is our
-    // own child's, which we have not reaped yet (so it cannot have been reused).
-    unsafe {
-        libc::kill(pid, sig);
-    }
-}
-
-fn status_code(s: std::process::ExitStatus) -> u8 {
-    use std::os::unix::process::ExitStatusExt;
-    match (s.code(), s.signal()) {
-        (Some(c), _) => u8::try_from(c).unwrap_or(1),
-        (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(1),
-        (None, None) => 1,
     }
 }
 

@@ -1,0 +1,164 @@
+//! Running the command under the lock: in a process group of its own, so that stopping it
+//! stops everything it started.
+//!
+//! A command is often a shell (`sh -c '...'`) whose children do the work. Signalling only
+//! the shell leaves those children running after dlock has exited 70 and the lock has a
+//! new holder: exactly the two writers the lock exists to prevent. So the command leads a
+//! new process group, every signal goes to the whole group, and on a lost lock dlock sends
+//! SIGTERM, waits until every process of the group is gone or the grace period
+//! (`--kill-after`) has passed, and then sends SIGKILL to whatever is left.
+
+use std::time::Duration;
+
+use dlock::Error;
+
+/// How the child ended.
+pub(crate) enum Outcome {
+    Exited(u8),
+    Lost(Error),
+    SpawnFailed(u8, String),
+}
+
+/// How a command is run: its argv, its extra environment, and how long its process group
+/// has between SIGTERM and SIGKILL.
+pub(crate) struct Run<'a> {
+    pub(crate) cmd: &'a [String],
+    pub(crate) env: &'a [(&'a str, String)],
+    pub(crate) kill_after: Duration,
+}
+
+/// Runs the command until it exits; stops its group on `lost`; forwards SIGTERM and
+/// SIGINT to its group; and sends its group SIGTERM once when `stop` fires (a revocation
+/// request).
+pub(crate) async fn run(
+    run: &Run<'_>,
+    lost: impl std::future::Future<Output = Error>,
+    stop: Option<tokio::sync::oneshot::Receiver<()>>,
+) -> Outcome {
+    let Some((prog, args)) = run.cmd.split_first() else {
+        return Outcome::SpawnFailed(crate::EX_USAGE, "no command given".into());
+    };
+    let mut command = tokio::process::Command::new(prog);
+    // A group of its own (pgid = its pid), so that signals reach every process it starts.
+    command.args(args).kill_on_drop(true).process_group(0);
+    for (k, v) in run.env {
+        command.env(k, v);
+    }
+    let mut child = match command.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
+            return Outcome::SpawnFailed(code, format!("cannot run {prog:?}: {e}"));
+        }
+    };
+    let group = child.id();
+    let mut sigterm =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
+    tokio::pin!(lost);
+    let mut stop = stop;
+    loop {
+        tokio::select! {
+            r = async {
+                match stop.as_mut() {
+                    Some(rx) => rx.await,
+                    None => std::future::pending().await,
+                }
+            }, if stop.is_some() => {
+                stop = None;
+                if r.is_ok() {
+                    signal_group(group, libc::SIGTERM);
+                }
+            }
+            status = child.wait() => {
+                return Outcome::Exited(match status {
+                    Ok(s) => status_code(s),
+                    Err(_) => 1,
+                });
+            }
+            e = &mut lost => {
+                eprintln!("dlock: {e}; stopping the command");
+                terminate(&mut child, group, run.kill_after).await;
+                return Outcome::Lost(e);
+            }
+            _ = recv(&mut sigterm) => signal_group(group, libc::SIGTERM),
+            _ = recv(&mut sigint) => signal_group(group, libc::SIGINT),
+        }
+    }
+}
+
+async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
+    match s {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+
+/// SIGTERM to the whole group; once the group is empty, or `grace` has passed, SIGKILL
+/// to whatever is left of it, and the command reaped. Returns only when no process of
+/// the group runs any more (or, past the grace, once SIGKILL was sent: a process in
+/// uninterruptible sleep dies when it wakes).
+async fn terminate(child: &mut tokio::process::Child, group: Option<u32>, grace: Duration) {
+    signal_group(group, libc::SIGTERM);
+    let deadline = tokio::time::Instant::now() + grace;
+    let mut leader_done = false;
+    loop {
+        if !leader_done {
+            leader_done = matches!(child.try_wait(), Ok(Some(_)) | Err(_));
+        }
+        // The leader is reaped (by try_wait) before the group is probed, so an empty group
+        // means every process it started has exited too.
+        if leader_done && !group_alive(group) {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            signal_group(group, libc::SIGKILL);
+            let _ = child.wait().await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends `sig` to every process of the command's group.
+fn signal_group(group: Option<u32>, sig: libc::c_int) {
+    if let Some(pgid) = group.and_then(|g| libc::pid_t::try_from(g).ok()) {
+        kill_group(pgid, sig);
+    }
+}
+
+/// True if any process of the group still exists (a zombie included: it exited, but its
+/// parent has not reaped it yet).
+fn group_alive(group: Option<u32>) -> bool {
+    match group.and_then(|g| libc::pid_t::try_from(g).ok()) {
+        Some(pgid) => kill_group(pgid, 0),
+        None => false,
+    }
+}
+
+/// kill(2) on a process group; true if it reached at least one process.
+#[allow(unsafe_code)]
+fn kill_group(pgid: libc::pid_t, sig: libc::c_int) -> bool {
+    if pgid <= 1 {
+        return false;
+    }
+    // SAFETY: kill(2) takes plain integers and has no memory effects. The group is the one
+    // our child leads: its id cannot be reused while any member lives, and signalling an
+    // empty group only fails with ESRCH.
+    unsafe { libc::kill(-pgid, sig) == 0 }
+}
+
+fn status_code(s: std::process::ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (Some(c), _) => u8::try_from(c).unwrap_or(1),
+        (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(1),
+        (None, None) => 1,
+    }
+}
