@@ -455,6 +455,17 @@ impl ZkBackend {
         ticket: &Ticket,
         kind: EntryKind,
     ) -> Result<Option<(zk::Stat, String)>> {
+        // The create whose reply was lost was not seen by this session, so a server this
+        // session reconnected to may not have applied it yet: sync through the leader first.
+        match retry(|| client.sync(parent)).await {
+            Ok(()) | Err(zk::Error::NoNode) => {}
+            Err(err) => {
+                return Err(map_err(
+                    "enqueue: syncing before a lost create's lookup",
+                    err,
+                ))
+            }
+        }
         let names = match retry(|| client.list_children(parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(None),
@@ -484,7 +495,15 @@ impl ZkBackend {
 
     async fn contains_inner(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
         let client = self.handle()?;
-        let path = format!("{}/{}", znode(q), entry.name);
+        let parent = znode(q);
+        // The session's server may be a follower that trails the leader (or is cut off
+        // from it and does not know yet): without a sync it would say "still there" about
+        // an entry the leader already deleted. A sync completes only through the leader.
+        match retry(|| client.sync(&parent)).await {
+            Ok(()) | Err(zk::Error::NoNode) => {}
+            Err(err) => return Err(map_err("syncing before looking up an entry", err)),
+        }
+        let path = format!("{parent}/{}", entry.name);
         match retry(|| client.check_stat(&path)).await {
             // A sequential name is never reused, but the czxid (the token) settles it.
             Ok(Some(stat)) => Ok(entry.token_matches(czxid_token(stat.czxid))),
@@ -571,7 +590,13 @@ impl ZkBackend {
     async fn abandon_inner(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
         let client = self.handle()?;
         let parent = znode(q);
-        // Listed after any create a dropped enqueue sent on this session, so it sees it.
+        // A create a dropped enqueue sent may have been committed without this session
+        // seeing its reply, and a server the session reconnected to may not have applied
+        // it yet: sync through the leader before listing.
+        match retry(|| client.sync(&parent)).await {
+            Ok(()) | Err(zk::Error::NoNode) => {}
+            Err(err) => return Err(map_err("abandoning an entry: syncing", err)),
+        }
         let names = match retry(|| client.list_children(&parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(()),
