@@ -133,23 +133,48 @@ impl ZkBackend {
             Ok(Ok(client)) => client,
         };
 
-        let (resolved, tick) = {
+        let (resolved, conf) = {
             let hosts = hosts.to_owned();
-            let known = zk_opts.tick_time;
             tokio::task::spawn_blocking(move || {
                 let resolved = nodelay::resolve(&hosts);
-                let tick = known.or_else(|| crate::heartbeat::probe_tick(&resolved));
-                (resolved, tick)
+                let conf = crate::heartbeat::probe_conf(&resolved);
+                (resolved, conf)
             })
             .await
             .unwrap_or_default()
         };
-        if tick.is_none() {
-            tracing::warn!(
+        let tick = zk_opts.tick_time.or(conf.map(|c| c.tick));
+        let negotiated = client.session_timeout();
+        match conf {
+            None if zk_opts.tick_time.is_some() => tracing::warn!(
+                session_timeout = ?negotiated,
+                "no ZooKeeper server answered `conf` (4lw.commands.whitelist), so the adapter \
+                 cannot check the ensemble's syncLimit: make sure the session timeout is at \
+                 least 2 x syncLimit x tickTime, or a follower cut off from its leader costs \
+                 every session behind it"
+            ),
+            None => tracing::warn!(
+                session_timeout = ?negotiated,
                 "no ZooKeeper server answered `conf` (add it to 4lw.commands.whitelist, or set \
                  ZkOptions::tick_time): assuming tickTime is half the session timeout, so the \
-                 lost signal will also fire on leader elections and reconnections"
-            );
+                 lost signal will also fire on leader elections and reconnections; and make \
+                 sure the session timeout is at least 2 x syncLimit x tickTime of the \
+                 ensemble, or a follower cut off from its leader costs every session behind it"
+            ),
+            Some(c) if !crate::heartbeat::session_outlasts_follower_detection(negotiated, &c) => {
+                tracing::warn!(
+                    session_timeout = ?negotiated,
+                    follower_detection = ?c.follower_detection,
+                    "the negotiated ZooKeeper session timeout is shorter than 2 x syncLimit x \
+                     tickTime: a follower cut off from its leader serves its clients for \
+                     syncLimit x tickTime while the leader may expire their sessions, so every \
+                     such partition will cost the session and its locks (the lost signal \
+                     still fires before the leader can grant them elsewhere); ask for a \
+                     session timeout of at least 2 x syncLimit x tickTime, or lower syncLimit \
+                     (and raise maxSessionTimeout if the server caps the request)"
+                );
+            }
+            Some(_) => {}
         }
         let servers: Arc<[std::net::SocketAddr]> = if zk_opts.tcp_nodelay {
             nodelay::apply(&resolved);

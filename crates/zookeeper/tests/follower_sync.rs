@@ -190,3 +190,74 @@ async fn abandon_behind_a_cut_off_follower_removes_an_entry_it_had_not_applied()
     let _ = s.a.close().await;
     let _ = s.b.close().await;
 }
+
+/// Collects everything the test's subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut out) = self.0.lock() {
+            out.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+/// A session shorter than 2 × syncLimit × tickTime (the test ensemble: 2 × 10 × 200 ms =
+/// 4 s) is warned about at connect, naming the rule; a longer one is not.
+#[tokio::test]
+async fn a_session_shorter_than_twice_the_follower_detection_is_warned_about() {
+    let Some(state) = dlock_testkit::require_state() else {
+        return;
+    };
+    if state.servers_of(Server::Zookeeper).count() < 3 {
+        eprintln!("SKIPPED: the rule concerns followers: needs a 3-node ZooKeeper ensemble");
+        return;
+    }
+    let hosts: Vec<String> = state
+        .servers_of(Server::Zookeeper)
+        .map(|s| s.addr.clone())
+        .collect();
+    let hosts = hosts.join(",");
+    let warned = |session: Duration| {
+        let hosts = hosts.clone();
+        async move {
+            let out = Captured::default();
+            let subscriber = tracing_subscriber::fmt()
+                .with_writer(out.clone())
+                .with_max_level(tracing::Level::WARN)
+                .with_ansi(false)
+                .finish();
+            let _default = tracing::subscriber::set_default(subscriber);
+            let opts = SessionOptions::default().with_session_timeout(session);
+            let zk = tokio::time::timeout(LONG, ZkBackend::connect(&hosts, opts))
+                .await
+                .expect("connect in time")
+                .expect("connect");
+            let _ = zk.close().await;
+            let text = out.0.lock().map(|v| v.clone()).unwrap_or_default();
+            String::from_utf8_lossy(&text).into_owned()
+        }
+    };
+    let short = warned(Duration::from_secs(2)).await;
+    assert!(
+        short.contains("2 x syncLimit x tickTime"),
+        "no warning for a 2 s session on a tick 200 ms, syncLimit 10 ensemble: {short:?}"
+    );
+    let long = warned(Duration::from_secs(6)).await;
+    assert!(
+        !long.contains("syncLimit"),
+        "a 6 s session was warned about: {long:?}"
+    );
+}
