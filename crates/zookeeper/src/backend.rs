@@ -133,23 +133,48 @@ impl ZkBackend {
             Ok(Ok(client)) => client,
         };
 
-        let (resolved, tick) = {
+        let (resolved, conf) = {
             let hosts = hosts.to_owned();
-            let known = zk_opts.tick_time;
             tokio::task::spawn_blocking(move || {
                 let resolved = nodelay::resolve(&hosts);
-                let tick = known.or_else(|| crate::heartbeat::probe_tick(&resolved));
-                (resolved, tick)
+                let conf = crate::heartbeat::probe_conf(&resolved);
+                (resolved, conf)
             })
             .await
             .unwrap_or_default()
         };
-        if tick.is_none() {
-            tracing::warn!(
+        let tick = zk_opts.tick_time.or(conf.map(|c| c.tick));
+        let negotiated = client.session_timeout();
+        match conf {
+            None if zk_opts.tick_time.is_some() => tracing::warn!(
+                session_timeout = ?negotiated,
+                "no ZooKeeper server answered `conf` (4lw.commands.whitelist), so the adapter \
+                 cannot check the ensemble's syncLimit: make sure the session timeout is at \
+                 least 2 x syncLimit x tickTime, or a follower cut off from its leader costs \
+                 every session behind it"
+            ),
+            None => tracing::warn!(
+                session_timeout = ?negotiated,
                 "no ZooKeeper server answered `conf` (add it to 4lw.commands.whitelist, or set \
                  ZkOptions::tick_time): assuming tickTime is half the session timeout, so the \
-                 lost signal will also fire on leader elections and reconnections"
-            );
+                 lost signal will also fire on leader elections and reconnections; and make \
+                 sure the session timeout is at least 2 x syncLimit x tickTime of the \
+                 ensemble, or a follower cut off from its leader costs every session behind it"
+            ),
+            Some(c) if !crate::heartbeat::session_outlasts_follower_detection(negotiated, &c) => {
+                tracing::warn!(
+                    session_timeout = ?negotiated,
+                    follower_detection = ?c.follower_detection,
+                    "the negotiated ZooKeeper session timeout is shorter than 2 x syncLimit x \
+                     tickTime: a follower cut off from its leader serves its clients for \
+                     syncLimit x tickTime while the leader may expire their sessions, so every \
+                     such partition will cost the session and its locks (the lost signal \
+                     still fires before the leader can grant them elsewhere); ask for a \
+                     session timeout of at least 2 x syncLimit x tickTime, or lower syncLimit \
+                     (and raise maxSessionTimeout if the server caps the request)"
+                );
+            }
+            Some(_) => {}
         }
         let servers: Arc<[std::net::SocketAddr]> = if zk_opts.tcp_nodelay {
             nodelay::apply(&resolved);
@@ -455,6 +480,17 @@ impl ZkBackend {
         ticket: &Ticket,
         kind: EntryKind,
     ) -> Result<Option<(zk::Stat, String)>> {
+        // The create whose reply was lost was not seen by this session, so a server this
+        // session reconnected to may not have applied it yet: sync through the leader first.
+        match retry(|| client.sync(parent)).await {
+            Ok(()) | Err(zk::Error::NoNode) => {}
+            Err(err) => {
+                return Err(map_err(
+                    "enqueue: syncing before a lost create's lookup",
+                    err,
+                ))
+            }
+        }
         let names = match retry(|| client.list_children(parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(None),
@@ -484,7 +520,15 @@ impl ZkBackend {
 
     async fn contains_inner(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
         let client = self.handle()?;
-        let path = format!("{}/{}", znode(q), entry.name);
+        let parent = znode(q);
+        // The session's server may be a follower that trails the leader (or is cut off
+        // from it and does not know yet): without a sync it would say "still there" about
+        // an entry the leader already deleted. A sync completes only through the leader.
+        match retry(|| client.sync(&parent)).await {
+            Ok(()) | Err(zk::Error::NoNode) => {}
+            Err(err) => return Err(map_err("syncing before looking up an entry", err)),
+        }
+        let path = format!("{parent}/{}", entry.name);
         match retry(|| client.check_stat(&path)).await {
             // A sequential name is never reused, but the czxid (the token) settles it.
             Ok(Some(stat)) => Ok(entry.token_matches(czxid_token(stat.czxid))),
@@ -571,7 +615,13 @@ impl ZkBackend {
     async fn abandon_inner(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
         let client = self.handle()?;
         let parent = znode(q);
-        // Listed after any create a dropped enqueue sent on this session, so it sees it.
+        // A create a dropped enqueue sent may have been committed without this session
+        // seeing its reply, and a server the session reconnected to may not have applied
+        // it yet: sync through the leader before listing.
+        match retry(|| client.sync(&parent)).await {
+            Ok(()) | Err(zk::Error::NoNode) => {}
+            Err(err) => return Err(map_err("abandoning an entry: syncing", err)),
+        }
         let names = match retry(|| client.list_children(&parent)).await {
             Ok(names) => names,
             Err(zk::Error::NoNode) => return Ok(()),

@@ -58,9 +58,20 @@ pub(crate) fn pair_gap(t: Duration, tick: Option<Duration>) -> Duration {
     tick.map_or(t / 2, |tick| (tick * 2).min(t / 2))
 }
 
-/// Asks the servers for their `tickTime` with the `conf` four-letter word (blocking; a
+/// What a server's `conf` four-letter word tells about the quorum's timing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ServerConf {
+    /// `tickTime`.
+    pub(crate) tick: Duration,
+    /// `syncLimit` × `tickTime`: how long a follower cut off from its leader keeps
+    /// serving its clients before it notices. `None` on a standalone server, which has no
+    /// leader to be cut off from.
+    pub(crate) follower_detection: Option<Duration>,
+}
+
+/// Asks the servers for their timing with the `conf` four-letter word (blocking; a
 /// second per server at most). `None` if no server answers it.
-pub(crate) fn probe_tick(servers: &[std::net::SocketAddr]) -> Option<Duration> {
+pub(crate) fn probe_conf(servers: &[std::net::SocketAddr]) -> Option<ServerConf> {
     use std::io::{Read as _, Write as _};
     servers.iter().find_map(|addr| {
         let limit = Duration::from_millis(500);
@@ -69,17 +80,34 @@ pub(crate) fn probe_tick(servers: &[std::net::SocketAddr]) -> Option<Duration> {
         s.write_all(b"conf").ok()?;
         let mut out = String::new();
         let _ = s.read_to_string(&mut out);
-        parse_tick(&out)
+        parse_conf(&out)
     })
 }
 
-/// The `tickTime=N` line of a `conf` answer.
-fn parse_tick(conf: &str) -> Option<Duration> {
-    conf.lines()
-        .find_map(|l| l.trim().strip_prefix("tickTime="))
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|ms| *ms > 0)
-        .map(Duration::from_millis)
+/// The `tickTime=N` and `syncLimit=N` lines of a `conf` answer.
+fn parse_conf(conf: &str) -> Option<ServerConf> {
+    let field = |name: &str| -> Option<u32> {
+        conf.lines()
+            .find_map(|l| l.trim().strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|n| *n > 0)
+    };
+    let tick = Duration::from_millis(u64::from(field("tickTime=")?));
+    Some(ServerConf {
+        tick,
+        follower_detection: field("syncLimit=").map(|n| tick * n),
+    })
+}
+
+/// Whether a session of timeout `t` is comfortably longer than the time a cut-off
+/// follower keeps serving (`syncLimit` × `tickTime`): the rule is `t` ≥ 2 × `syncLimit` ×
+/// `tickTime`. Behind a cut-off follower the client learns nothing until the follower
+/// drops it, then needs a reconnection and a fresh pair of syncs (two ticks apart) before
+/// the heartbeat can prove the session again, and the lost signal fires
+/// max(0.15·`t`, 100 ms) before the earliest expiry; with `t` under twice the follower's
+/// detection time, that leaves no room and every follower partition costs the session.
+pub(crate) fn session_outlasts_follower_detection(t: Duration, conf: &ServerConf) -> bool {
+    conf.follower_detection.map_or(true, |d| t >= d * 2)
 }
 
 /// The leader-side expiry the client can prove, from the send times of completed syncs.
@@ -215,13 +243,37 @@ mod tests {
         );
         assert_eq!(pair_gap(T, Some(Duration::from_secs(2))), T / 2);
         assert_eq!(
-            parse_tick("clientPort=2181\ntickTime=200\nmaxClientCnxns=60\n"),
+            parse_conf("clientPort=2181\ntickTime=200\nmaxClientCnxns=60\n").map(|c| c.tick),
             Some(Duration::from_millis(200))
         );
         assert_eq!(
-            parse_tick("conf is not executed because it is not in the whitelist."),
+            parse_conf("conf is not executed because it is not in the whitelist."),
             None
         );
+    }
+
+    #[test]
+    fn conf_gives_the_follower_detection_time_and_the_rule_checks_it() {
+        let conf = parse_conf("tickTime=200\ninitLimit=20\nsyncLimit=10\n").expect("conf");
+        assert_eq!(conf.tick, Duration::from_millis(200));
+        assert_eq!(conf.follower_detection, Some(Duration::from_secs(2)));
+        assert!(!session_outlasts_follower_detection(
+            Duration::from_secs(2),
+            &conf
+        ));
+        assert!(!session_outlasts_follower_detection(
+            Duration::from_millis(3_999),
+            &conf
+        ));
+        assert!(session_outlasts_follower_detection(
+            Duration::from_secs(4),
+            &conf
+        ));
+        let standalone = parse_conf("tickTime=200\n").expect("conf");
+        assert!(session_outlasts_follower_detection(
+            Duration::from_millis(400),
+            &standalone
+        ));
     }
 
     #[test]

@@ -51,7 +51,29 @@
 //! before the leader can expire the session and grant the lock elsewhere. This assumes,
 //! as ZooKeeper's own minimum session does, that the session timeout is at least two
 //! ticks (`tickTime`); a session shorter than that is not safe against a partition
-//! between the servers.
+//! between the servers. Exactly: the margin is `max(3·t/20, max(t/10, 100 ms))`, that is
+//! max(0.15·`t`, 100 ms) (300 ms for a 2 s session, 1.5 s for the default 10 s), counted
+//! from the send time of the latest sync the leader is proven to have seen.
+//!
+//! **Session timeout versus the quorum's failure detection.** A follower cut off from
+//! its leader notices only after `syncLimit` × `tickTime`, and until then it keeps its
+//! clients connected; only then do they reconnect elsewhere and prove the session again
+//! (a fresh pair of syncs two ticks apart). For a session to outlive such a partition, the
+//! lost signal's deadline (0.85·`t` after the last proof) must leave room for all of that,
+//! so the rule is: **session timeout ≥ 2 × `syncLimit` × `tickTime`**. At connect the
+//! adapter reads the negotiated session timeout and, when the servers answer `conf`
+//! (`4lw.commands.whitelist`), their `tickTime` and `syncLimit`, and logs a
+//! `tracing::warn!` when the rule does not hold (and, when `conf` is not answered, one
+//! that names the rule for the user to ensure). Below the rule locks stay safe, the lost
+//! signal still fires before the leader can expire the session, but every follower
+//! partition costs the session and its locks.
+//!
+//! **Reads go through the leader where a stale answer would be unsafe.** A follower
+//! answers reads from its own tree, which may trail the leader (and does, for a while,
+//! when it is cut off from it). So `contains` (what `LockGuard::verify` asks), the
+//! lookup of a create whose reply was lost, and `abandon`'s listing each issue a `sync`
+//! on the queue's znode first: they never say "still there" about an entry the leader
+//! already deleted, nor miss an entry it already created.
 //!
 //! # Example
 //! ```no_run
