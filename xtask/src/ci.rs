@@ -69,14 +69,17 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     if code != 0 {
         return Ok(code);
     }
-    // The short chaos run: holder SIGKILL and holder pause on every backend this build
-    // has, on its own servers far from the integration ports.
+    // The short chaos run: one seeded random round per backend this build has, every
+    // recipe, on its own servers far from the integration ports.
     crate::header("cargo xtask chaos --short");
     crate::chaos::run(
         root,
         &ChaosArgs {
             backends: Vec::new(),
             scenarios: Vec::new(),
+            recipes: Vec::new(),
+            seed: None,
+            rounds: None,
             list: false,
             short: true,
             no_docs: true,

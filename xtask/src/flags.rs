@@ -36,8 +36,8 @@ pub(crate) enum Task {
     /// One purchase: read the counter, decrement it, log the sale (internal).
     #[command(hide = true)]
     DemoBuy(BuyArgs),
-    /// Fault injection on real servers and processes: holder SIGKILL, holder pause,
-    /// leader SIGKILL, server restart, client cut off; prints the scenario x backend table.
+    /// Fault injection on real servers and processes, every recipe side by side; prints
+    /// the backend x scenario x recipe table and fails on any overlap of two holders.
     Chaos(ChaosArgs),
     /// One chaos worker process: takes the lock again and again (internal).
     #[command(hide = true)]
@@ -214,7 +214,20 @@ pub(crate) struct ChaosArgs {
     /// List the scenarios and exit.
     #[arg(long)]
     pub(crate) list: bool,
-    /// The CI version: holder kill and holder pause only, one fault each.
+    /// Recipes to run (repeat or comma-separate): mutex, reentrant-mutex,
+    /// semaphore-mutex, rwlock, semaphore, multi-lock. Default: all, side by side.
+    #[arg(long = "recipe", value_delimiter = ',')]
+    pub(crate) recipes: Vec<String>,
+    /// The seed every random choice (scenario, victim, timing) is drawn from; printed
+    /// when not given. A failing round prints the command that replays it.
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Randomized rounds instead of the whole backend x scenario matrix: round i runs
+    /// backend i (mod the backends asked) and draws its scenario, victims and timing
+    /// from its own seed (round 0's seed is `--seed`).
+    #[arg(long)]
+    pub(crate) rounds: Option<u32>,
+    /// The CI version: one randomized round per backend, one fault per victim.
     #[arg(long)]
     pub(crate) short: bool,
     /// Leave docs/safety.md alone (the short run never touches it).
@@ -242,6 +255,13 @@ pub(crate) struct ChaosWorkerArgs {
     /// Session timeout, e.g. 2s.
     #[arg(long)]
     pub(crate) session_timeout: String,
+    /// The recipe the worker takes (`--via lib`): mutex, reentrant-mutex, semaphore-mutex,
+    /// rwlock, semaphore or multi-lock.
+    #[arg(long, default_value = "mutex")]
+    pub(crate) recipe: String,
+    /// The semaphore's permits (`--recipe semaphore`).
+    #[arg(long, default_value_t = 2)]
+    pub(crate) permits: u32,
     #[command(flatten)]
     pub(crate) section: SectionParams,
     /// The worker stops before its next section once this file exists.

@@ -1,13 +1,22 @@
 //! `cargo xtask chaos`: what dlock does when the things distributed locks fail on happen,
 //! on real servers with real processes.
 //!
-//! Per backend and scenario: start four worker processes (two through the `dlock` CLI,
-//! two through the library) that take one lock again and again; each critical section
-//! logs its start and end ([`history`]) and writes to a fenced store ([`store`]) with its
-//! token. Inject the fault, let the workers run on, stop them, check that no entry is
-//! left under the lock, and check the history: overlaps, token order, stale writes the
-//! store accepted, lost signals, recovery time. The table goes to stdout (markdown),
-//! `target/chaos/summary.json` and, for a full run, `docs/safety.md`.
+//! A run is a list of rounds; a round is one scenario on one backend, with every recipe
+//! side by side ([`Recipe`]): per recipe, worker processes (two through the `dlock` CLI
+//! and two through the library for the mutex, two or three through the library for the
+//! others) take their lock again and again; each critical section logs its start, its
+//! end and how it held ([`history`]) and writes to its recipe's fenced store ([`store`])
+//! with its token. Inject the faults, let the workers run on, stop them, check that no
+//! entry is left under any lock, and check each history: overlaps of two holders, token
+//! order, stale writes the store accepted, lost signals and their margin before the next
+//! grant, recovery time. Any overlap, token-order violation, stale write accepted or
+//! entry left fails the run.
+//!
+//! Every random choice (a round's scenario, its victims, when in a section the fault
+//! hits, how long a pause lasts) comes from the round's seed, printed with the round; a
+//! failing round prints the command that replays it. The table goes to stdout
+//! (markdown), `target/chaos/summary.json` (one row per backend x scenario x recipe) and,
+//! for a full run, `docs/safety.md`.
 
 mod history;
 mod proxy;
@@ -26,8 +35,10 @@ use anyhow::{bail, Context as _};
 use dlock_testkit::{Backend, Cluster, ClusterSpec};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
 
-use self::history::{now_us, Fault, Record};
+use self::history::{now_us, Fault, Mode, Record, Rules};
 use self::proxy::Proxy;
 use self::report::Row;
 use self::store::Store;
@@ -40,7 +51,7 @@ const SESSION: Duration = Duration::from_secs(2);
 /// Work inside a section of a "fast" and a "slow" worker. Slow workers are the victims:
 /// their sections are long enough to be caught inside.
 const FAST_WORK_MS: u64 = 30;
-const SLOW_WORK_MS: u64 = 300;
+pub(crate) const SLOW_WORK_MS: u64 = 300;
 
 /// Generous bound for anything that should happen within a few session timeouts.
 const WAIT: Duration = Duration::from_secs(60);
@@ -87,23 +98,25 @@ async fn available(kind: Kind) -> bool {
 pub(crate) enum Scenario {
     HolderKill,
     HolderPause,
-    HolderPauseUnfenced,
+    ClientCut,
     LeaderKill,
+    LeaderPause,
+    LeaderCut,
     ServerRestart,
     ReplicaPromotion,
-    ClientCut,
     SentinelFailover,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 8] = [
+    const ALL: [Scenario; 9] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
-        Scenario::HolderPauseUnfenced,
+        Scenario::ClientCut,
         Scenario::LeaderKill,
+        Scenario::LeaderPause,
+        Scenario::LeaderCut,
         Scenario::ServerRestart,
         Scenario::ReplicaPromotion,
-        Scenario::ClientCut,
         Scenario::SentinelFailover,
     ];
 
@@ -111,11 +124,12 @@ impl Scenario {
         match self {
             Scenario::HolderKill => "holder-kill",
             Scenario::HolderPause => "holder-pause",
-            Scenario::HolderPauseUnfenced => "holder-pause-unfenced",
+            Scenario::ClientCut => "client-cut",
             Scenario::LeaderKill => "leader-kill",
+            Scenario::LeaderPause => "leader-pause",
+            Scenario::LeaderCut => "leader-cut",
             Scenario::ServerRestart => "server-restart",
             Scenario::ReplicaPromotion => "replica-promotion",
-            Scenario::ClientCut => "client-cut",
             Scenario::SentinelFailover => "sentinel-failover",
         }
     }
@@ -124,20 +138,25 @@ impl Scenario {
         match self {
             Scenario::HolderKill => "SIGKILL the holder (its process group) inside its section",
             Scenario::HolderPause => {
-                "SIGSTOP the holder inside its section past its session, SIGCONT; fenced store"
+                "SIGSTOP the holder inside its section past two sessions, SIGCONT; the fenced store judges its late write"
             }
-            Scenario::HolderPauseUnfenced => "the same pause; the store accepts every write",
+            Scenario::ClientCut => {
+                "a loopback proxy between the holder and the servers stops forwarding past the session"
+            }
             Scenario::LeaderKill => {
                 "SIGKILL the server leader (ZooKeeper, etcd 3-node), restart it"
+            }
+            Scenario::LeaderPause => {
+                "SIGSTOP the server leader (ZooKeeper, etcd 3-node) past two sessions, SIGCONT"
+            }
+            Scenario::LeaderCut => {
+                "cut the ZooKeeper leader off from the quorum (nftables) past two sessions, heal"
             }
             Scenario::ServerRestart => {
                 "restart Redis node 1 without persistence while a holder is inside"
             }
             Scenario::ReplicaPromotion => {
                 "promote a Redis replica that never saw the lock (its replication link cut, then the primary killed)"
-            }
-            Scenario::ClientCut => {
-                "a loopback proxy between the holder and the servers stops forwarding past the session"
             }
             Scenario::SentinelFailover => {
                 "SIGKILL the Sentinel group's primary while a holder is inside; Sentinels promote the replica, clients follow"
@@ -154,19 +173,31 @@ impl Scenario {
 
     fn applies_to(self, kind: Kind) -> bool {
         match self {
-            Scenario::LeaderKill => matches!(kind, Kind::Zk | Kind::Etcd),
+            Scenario::LeaderKill | Scenario::LeaderPause => matches!(kind, Kind::Zk | Kind::Etcd),
+            Scenario::LeaderCut => kind == Kind::Zk,
             Scenario::ServerRestart => matches!(kind, Kind::Redis | Kind::Redlock),
             Scenario::ReplicaPromotion => kind == Kind::Redis,
             // The Sentinel group is there for its failover; the holder faults behave as
             // on `redis`, and a proxy in front of the Sentinels would not cut the data
             // connection.
             Scenario::SentinelFailover => kind == Kind::RedisSentinel,
-            _ => kind != Kind::RedisSentinel,
+            Scenario::HolderKill | Scenario::HolderPause | Scenario::ClientCut => {
+                kind != Kind::RedisSentinel
+            }
         }
     }
 
-    fn fenced(self) -> bool {
-        self != Scenario::HolderPauseUnfenced
+    /// Whether the fault hits one worker per recipe (else the servers, under everyone).
+    fn hits_holders(self) -> bool {
+        matches!(
+            self,
+            Scenario::HolderKill
+                | Scenario::HolderPause
+                | Scenario::ClientCut
+                | Scenario::ServerRestart
+                | Scenario::ReplicaPromotion
+                | Scenario::SentinelFailover
+        )
     }
 
     /// How long a slow worker's section works: past the session where the fault must
@@ -182,13 +213,140 @@ impl Scenario {
     }
 }
 
-/// The four workers of every run: (id, via, slow).
-const WORKERS: [(u32, &str, bool); 4] = [
-    (0, "cli", true),
-    (1, "cli", false),
-    (2, "lib", true),
-    (3, "lib", false),
-];
+/// A recipe under faults: each runs beside the others, on a lock of its own, with its own
+/// workers, history and fenced store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recipe {
+    Mutex,
+    /// The mutex, each section on a nested re-entry of the hold.
+    ReentrantMutex,
+    SemaphoreMutex,
+    /// Writers that downgrade to a read hold, and readers.
+    RwLock,
+    /// Holders never above its permits.
+    Semaphore,
+    /// Two mutexes taken all-or-nothing.
+    MultiLock,
+}
+
+impl Recipe {
+    const ALL: [Recipe; 6] = [
+        Recipe::Mutex,
+        Recipe::ReentrantMutex,
+        Recipe::SemaphoreMutex,
+        Recipe::RwLock,
+        Recipe::Semaphore,
+        Recipe::MultiLock,
+    ];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Recipe::Mutex => "mutex",
+            Recipe::ReentrantMutex => "reentrant-mutex",
+            Recipe::SemaphoreMutex => "semaphore-mutex",
+            Recipe::RwLock => "rwlock",
+            Recipe::Semaphore => "semaphore",
+            Recipe::MultiLock => "multi-lock",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> anyhow::Result<Recipe> {
+        Recipe::ALL
+            .into_iter()
+            .find(|r| r.label() == s.trim())
+            .with_context(|| {
+                format!("unknown recipe {s:?}: expected mutex, reentrant-mutex, semaphore-mutex, rwlock, semaphore or multi-lock")
+            })
+    }
+
+    /// The semaphore's permits (1 for the exclusive recipes).
+    fn permits(self) -> u32 {
+        match self {
+            Recipe::Semaphore => 2,
+            _ => 1,
+        }
+    }
+
+    /// The lock names its workers take (the multi-lock's two parts).
+    fn names(self, base: &str) -> Vec<String> {
+        match self {
+            Recipe::MultiLock => vec![format!("{base}/a"), format!("{base}/b")],
+            _ => vec![base.to_string()],
+        }
+    }
+
+    /// Its workers: (via, slow). The slow ones are the victims. The mutex has CLI workers
+    /// too; a semaphore of two permits has three workers, so one always waits.
+    fn workers(self) -> &'static [(&'static str, bool)] {
+        match self {
+            Recipe::Mutex => &[("cli", true), ("cli", false), ("lib", true), ("lib", false)],
+            Recipe::Semaphore => &[("lib", true), ("lib", false), ("lib", false)],
+            _ => &[("lib", true), ("lib", false)],
+        }
+    }
+}
+
+/// One round: a scenario on a backend, every random choice drawn from `seed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Round {
+    kind: Kind,
+    scenario: Scenario,
+    seed: u64,
+}
+
+/// Round `i`'s seed: `seed` itself for round 0, so a printed round seed replays alone.
+fn round_seed(seed: u64, i: u32) -> u64 {
+    if i == 0 {
+        return seed;
+    }
+    // SplitMix64's mixer: well-spread seeds from consecutive indexes.
+    let mut z = seed.wrapping_add(u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The rounds of a run: with `rounds`, round i runs backend i (mod the backends) and a
+/// scenario drawn from its seed; without, every backend x scenario once.
+fn plan(kinds: &[Kind], scenarios: &[Scenario], seed: u64, rounds: Option<u32>) -> Vec<Round> {
+    match rounds {
+        Some(n) => (0..n)
+            .filter_map(|i| {
+                let kind = kinds[i as usize % kinds.len()];
+                let seed = round_seed(seed, i);
+                let fits: Vec<Scenario> = scenarios
+                    .iter()
+                    .copied()
+                    .filter(|s| s.applies_to(kind))
+                    .collect();
+                if fits.is_empty() {
+                    return None;
+                }
+                let scenario = fits[StdRng::seed_from_u64(seed).gen_range(0..fits.len())];
+                Some(Round {
+                    kind,
+                    scenario,
+                    seed,
+                })
+            })
+            .collect(),
+        None => {
+            let mut out = Vec::new();
+            let mut i = 0;
+            for &kind in kinds {
+                for &scenario in scenarios.iter().filter(|s| s.applies_to(kind)) {
+                    out.push(Round {
+                        kind,
+                        scenario,
+                        seed: round_seed(seed, i),
+                    });
+                    i += 1;
+                }
+            }
+            out
+        }
+    }
+}
 
 pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
     if args.list {
@@ -210,6 +368,14 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
             .map(|b| parse_kind(b))
             .collect::<anyhow::Result<_>>()?
     };
+    let recipes: Vec<Recipe> = if args.recipes.is_empty() {
+        Recipe::ALL.to_vec()
+    } else {
+        args.recipes
+            .iter()
+            .map(|r| Recipe::parse(r))
+            .collect::<anyhow::Result<_>>()?
+    };
     let mut kinds = Vec::new();
     let mut notes = Vec::new();
     for k in asked {
@@ -229,35 +395,43 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
             .iter()
             .map(|s| Scenario::parse(s))
             .collect::<anyhow::Result<_>>()?
-    } else if args.short {
-        // The failover runs only on redis-sentinel, where nothing else does.
-        vec![
-            Scenario::HolderKill,
-            Scenario::HolderPause,
-            Scenario::SentinelFailover,
-        ]
     } else {
         Scenario::ALL.to_vec()
     };
     if kinds.is_empty() {
         bail!("no backend to run");
     }
+    let seed = args
+        .seed
+        .unwrap_or_else(|| now_us() ^ u64::from(std::process::id()));
+    let rounds = args
+        .rounds
+        .or(args.short.then(|| u32::try_from(kinds.len()).unwrap_or(1)));
+    let plan = plan(&kinds, &scenarios, seed, rounds);
+    if plan.is_empty() {
+        bail!("no scenario asked applies to the backends asked");
+    }
     let out_dir = crate::target_dir(root).join("chaos");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let dlock = crate::demo::build_dlock(root)?;
 
+    let used: Vec<Kind> = kinds
+        .iter()
+        .copied()
+        .filter(|k| plan.iter().any(|r| r.kind == *k))
+        .collect();
     let mut spec = ClusterSpec {
-        zk: if kinds.contains(&Kind::Zk) { 3 } else { 0 },
-        etcd: if kinds.contains(&Kind::Etcd) { 3 } else { 0 },
-        redis: if kinds.contains(&Kind::Redlock) {
+        zk: if used.contains(&Kind::Zk) { 3 } else { 0 },
+        etcd: if used.contains(&Kind::Etcd) { 3 } else { 0 },
+        redis: if used.contains(&Kind::Redlock) {
             5
-        } else if kinds.contains(&Kind::Redis) {
+        } else if used.contains(&Kind::Redis) {
             // A second node to promote in replica-promotion.
             2
         } else {
             0
         },
-        sentinel_replicas: u32::from(kinds.contains(&Kind::RedisSentinel)),
+        sentinel_replicas: u32::from(used.contains(&Kind::RedisSentinel)),
         port_offset: args.port_offset,
         state_path: Some(out_dir.join("cluster.json")),
         base_dir: None,
@@ -271,15 +445,11 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         }
     }
     crate::header(&format!(
-        "chaos: backends {}, scenarios {}",
-        kinds
+        "chaos: seed {seed}, {} round(s), recipes {}",
+        plan.len(),
+        recipes
             .iter()
-            .map(|k| k.label())
-            .collect::<Vec<_>>()
-            .join(", "),
-        scenarios
-            .iter()
-            .map(|s| s.label())
+            .map(|r| r.label())
             .collect::<Vec<_>>()
             .join(", ")
     ));
@@ -293,35 +463,58 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         dlock,
         out_dir: out_dir.clone(),
         short: args.short,
+        recipes,
     };
-    let mut rows = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     let mut failures = Vec::new();
-    for &kind in &kinds {
-        for &scenario in &scenarios {
-            if !scenario.applies_to(kind) {
-                continue;
+    for (i, round) in plan.iter().enumerate() {
+        crate::header(&format!(
+            "chaos round {i}: {} on {} (seed {})",
+            round.scenario.label(),
+            round.kind.label(),
+            round.seed
+        ));
+        let replay = format!(
+            "cargo xtask chaos --backend {} --scenario {} --seed {}{}",
+            round.kind.label(),
+            round.scenario.label(),
+            round.seed,
+            if args.recipes.is_empty() {
+                String::new()
+            } else {
+                format!(" --recipe {}", args.recipes.join(","))
             }
-            crate::header(&format!("chaos: {} on {}", scenario.label(), kind.label()));
-            match run_one(&ctx, &rt, &mut cluster, kind, scenario) {
-                Ok(row) => {
+        );
+        let found = match run_round(&ctx, &rt, &mut cluster, *round) {
+            Ok(got) => {
+                let mut found = Vec::new();
+                for row in got {
                     eprintln!("{}", report::row_line(&row));
-                    failures.extend(row.failures());
-                    rows.push(row);
+                    found.extend(row.failures());
+                    report::merge(&mut rows, row);
                 }
-                Err(e) => {
-                    let msg = format!("{} on {}: {e:#}", scenario.label(), kind.label());
-                    eprintln!("xtask chaos: FAILED {msg}");
-                    failures.push(msg);
-                }
+                found
             }
+            Err(e) => vec![format!(
+                "{} on {}: {e:#}",
+                round.scenario.label(),
+                round.kind.label()
+            )],
+        };
+        if !found.is_empty() {
+            for f in &found {
+                eprintln!("xtask chaos: FAILED {f}");
+            }
+            eprintln!("xtask chaos: replay this round with: {replay}");
+            failures.extend(found.into_iter().map(|f| format!("{f} (replay: {replay})")));
         }
     }
     cluster.down().context("tearing the cluster down")?;
-    let markdown = report::markdown(&rows, &notes);
+    let markdown = report::markdown(&rows, &notes, seed, plan.len());
     println!("{markdown}");
     report::write_summary(&out_dir.join("summary.json"), &rows)?;
     eprintln!("summary: {}", out_dir.join("summary.json").display());
-    if !args.short && !args.no_docs {
+    if !args.short && !args.no_docs && rounds.is_none() {
         let doc = root.join("docs").join("safety.md");
         report::update_doc(&doc, &markdown)?;
         eprintln!("updated {}", doc.display());
@@ -329,7 +522,10 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
     if failures.is_empty() {
         Ok(0)
     } else {
-        eprintln!("\nxtask chaos: {} check(s) failed:", failures.len());
+        eprintln!(
+            "\nxtask chaos: {} check(s) failed (seed {seed}):",
+            failures.len()
+        );
         for f in &failures {
             eprintln!("  - {f}");
         }
@@ -341,6 +537,7 @@ struct Ctx {
     dlock: PathBuf,
     out_dir: PathBuf,
     short: bool,
+    recipes: Vec<Recipe>,
 }
 
 /// One worker process (group).
@@ -441,37 +638,101 @@ impl Drop for Workers {
     }
 }
 
-fn run_one(
+/// One recipe's lock, workers, history and store in a round.
+struct Group {
+    recipe: Recipe,
+    name: String,
+    history: PathBuf,
+    store: Store,
+    /// Its workers' ids, and whether each is slow (a victim candidate).
+    ids: Vec<(u32, bool)>,
+    /// The workers the round's holder faults hit, in order.
+    victims: Vec<u32>,
+    faults: Vec<Fault>,
+    /// A paused library holder's late write must reach the store and be rejected:
+    /// without one, the run did not exercise what fencing is for.
+    expects_stale_write: bool,
+}
+
+impl Group {
+    fn records(&self) -> anyhow::Result<Vec<Record>> {
+        history::read(&self.history)
+    }
+
+    fn ends_after(&self, after: u64) -> anyhow::Result<usize> {
+        Ok(self
+            .records()?
+            .iter()
+            .filter(|r| matches!(r, Record::End { at_us, .. } if *at_us > after))
+            .count())
+    }
+
+    fn via(&self, id: u32) -> &'static str {
+        let k = (id % 10) as usize;
+        self.recipe.workers().get(k).map(|w| w.0).unwrap_or("lib")
+    }
+}
+
+/// Runs one round: every recipe's workers side by side, the faults, the checks; one row
+/// per recipe.
+fn run_round(
     ctx: &Ctx,
     rt: &tokio::runtime::Runtime,
     cluster: &mut Cluster,
-    kind: Kind,
-    scenario: Scenario,
-) -> anyhow::Result<Row> {
+    round: Round,
+) -> anyhow::Result<Vec<Row>> {
+    let Round {
+        kind,
+        scenario,
+        seed,
+    } = round;
+    let mut rng = StdRng::seed_from_u64(seed);
     let dir = ctx
         .out_dir
         .join(format!("{}-{}", kind.label(), scenario.label()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let history_path = dir.join("history.log");
     let stop_path = dir.join("stop");
-    let name = format!("chaos/{}/{}", scenario.label(), std::process::id());
     let addrs = cluster_addrs(kind, cluster);
-    let url = kind.url(&addrs);
-    let store = Store::start(scenario.fenced())?;
 
-    // Victims: the CLI slow worker first, then the library one.
-    let victims: Vec<u32> = match (scenario, ctx.short) {
-        (Scenario::LeaderKill, true) => vec![u32::MAX],
-        (Scenario::LeaderKill, false) => vec![u32::MAX, u32::MAX],
-        (Scenario::HolderKill, true) => vec![0],
-        (_, true) => vec![2],
-        (_, false) => vec![0, 2],
-    };
+    let mut groups = Vec::new();
+    for (g, &recipe) in ctx.recipes.iter().enumerate() {
+        let ids: Vec<(u32, bool)> = recipe
+            .workers()
+            .iter()
+            .enumerate()
+            .map(|(k, &(_, slow))| (g as u32 * 10 + k as u32, slow))
+            .collect();
+        let slow: Vec<u32> = ids.iter().filter(|w| w.1).map(|w| w.0).collect();
+        // Holder faults: every slow worker in a full run; one drawn at random otherwise.
+        let victims = if !scenario.hits_holders() {
+            Vec::new()
+        } else if ctx.short || slow.len() == 1 {
+            vec![slow[rng.gen_range(0..slow.len())]]
+        } else {
+            slow
+        };
+        groups.push(Group {
+            recipe,
+            name: format!(
+                "chaos/{}/{}/{}",
+                scenario.label(),
+                recipe.label(),
+                std::process::id()
+            ),
+            history: dir.join(format!("{}.history.log", recipe.label())),
+            store: Store::start(true)?,
+            ids,
+            victims,
+            faults: Vec::new(),
+            expects_stale_write: false,
+        });
+    }
+
     // Each victim reaches the servers through its own proxies, so a cut hits only it.
     let mut proxies: HashMap<u32, Vec<Proxy>> = HashMap::new();
     if scenario == Scenario::ClientCut {
-        for &v in &victims {
+        for v in groups.iter().flat_map(|g| g.victims.iter().copied()) {
             let mut ps = Vec::new();
             for a in &addrs {
                 let upstream: SocketAddr = a.parse().with_context(|| format!("address {a}"))?;
@@ -480,7 +741,6 @@ fn run_one(
             proxies.insert(v, ps);
         }
     }
-
     // Replica promotion: every client reaches Redis through one address that moves to
     // the promoted replica, as a virtual IP (or Sentinel-aware clients) would.
     let vip = match scenario {
@@ -495,123 +755,190 @@ fn run_one(
     let mut primary = 1;
     let url = match &vip {
         Some(v) => kind.url(&[v.addr().to_string()]),
-        None => url,
+        None => kind.url(&addrs),
     };
+
     let me = std::env::current_exe().context("locating the xtask binary")?;
     let mut workers = Workers(Vec::new());
-    for (id, via, slow) in WORKERS {
-        let worker_url = match proxies.get(&id) {
-            Some(ps) => kind.url(&ps.iter().map(|p| p.addr().to_string()).collect::<Vec<_>>()),
-            None => url.clone(),
-        };
-        let work = if slow {
-            scenario.slow_work_ms()
-        } else {
-            FAST_WORK_MS
-        };
-        let mut cmd = Command::new(&me);
-        cmd.arg("chaos-worker")
-            .args(["--via", via])
-            .arg("--dlock")
-            .arg(&ctx.dlock)
-            .args(["--url", &worker_url, "--name", &name])
-            .arg("--session-timeout")
-            .arg(format!("{}ms", SESSION.as_millis()))
-            .arg("--stop")
-            .arg(&stop_path)
-            .args(["--worker", &id.to_string()])
-            .args(["--store", &store.addr().to_string()])
-            .arg("--history")
-            .arg(&history_path)
-            .args(["--work-ms", &work.to_string()])
-            .stdin(Stdio::null())
-            .stderr(Stdio::from(
-                std::fs::File::create(dir.join(format!("worker{id}.log")))
-                    .context("creating a worker log")?,
-            ))
-            .process_group(0);
-        let child = cmd.spawn().context("starting a worker")?;
-        let pgid = i32::try_from(child.id()).context("pid")?;
-        workers.0.push(Worker {
-            id,
-            child,
-            pgid,
-            gone_at: None,
-            stopped: false,
-        });
-    }
-
-    let started = now_us();
-    let h = || history::read(&history_path);
-    let ends = |after: u64| -> anyhow::Result<usize> {
-        Ok(h()?
-            .iter()
-            .filter(|r| matches!(r, Record::End { at_us, .. } if *at_us > after))
-            .count())
-    };
-    wait_for("8 warm-up sections", WAIT, || Ok(ends(0)? >= 8))?;
-
-    let mut faults = Vec::new();
-    let mut notes = Vec::new();
-    for &victim in &victims {
-        let fault = inject(
-            scenario,
-            kind,
-            cluster,
-            &mut workers,
-            &proxies,
-            vip.as_ref(),
-            &mut primary,
-            victim,
-            &history_path,
-        )?;
-        faults.push(fault);
-        // Let the others run a few sections after the fault.
-        let after = now_us();
-        let alive = workers.alive();
-        let r = wait_for("8 sections after the fault", WAIT, || Ok(ends(after)? >= 8));
-        if let Err(e) = r {
-            notes.push(format!("{e:#} (alive workers {alive:?})"));
+    for g in &groups {
+        for &(id, slow) in &g.ids {
+            let worker_url = match proxies.get(&id) {
+                Some(ps) => kind.url(&ps.iter().map(|p| p.addr().to_string()).collect::<Vec<_>>()),
+                None => url.clone(),
+            };
+            let work = if slow {
+                scenario.slow_work_ms()
+            } else {
+                FAST_WORK_MS
+            };
+            let mut cmd = Command::new(&me);
+            cmd.arg("chaos-worker")
+                .args(["--via", g.via(id)])
+                .arg("--dlock")
+                .arg(&ctx.dlock)
+                .args(["--url", &worker_url, "--name", &g.name])
+                .args(["--recipe", g.recipe.label()])
+                .args(["--permits", &g.recipe.permits().to_string()])
+                .arg("--session-timeout")
+                .arg(format!("{}ms", SESSION.as_millis()))
+                .arg("--stop")
+                .arg(&stop_path)
+                .args(["--worker", &id.to_string()])
+                .args(["--store", &g.store.addr().to_string()])
+                .arg("--history")
+                .arg(&g.history)
+                .args(["--work-ms", &work.to_string()])
+                .stdin(Stdio::null())
+                .stderr(Stdio::from(
+                    std::fs::File::create(dir.join(format!("worker{id}.log")))
+                        .context("creating a worker log")?,
+                ))
+                .process_group(0);
+            let child = cmd.spawn().context("starting a worker")?;
+            let pgid = i32::try_from(child.id()).context("pid")?;
+            workers.0.push(Worker {
+                id,
+                child,
+                pgid,
+                gone_at: None,
+                stopped: false,
+            });
         }
     }
 
-    // Many sections per run, whatever the faults left running.
-    let want = if ctx.short { 20 } else { 50 };
-    // A shortfall is reported, not failed: the faults themselves were checked above.
-    if let Err(e) = wait_for(&format!("{want} sections in all"), WAIT, || {
-        Ok(ends(0)? >= want)
-    }) {
-        eprintln!("  note: {e:#}");
+    let started = now_us();
+    for g in &groups {
+        wait_for(
+            &format!("4 warm-up sections of {}", g.recipe.label()),
+            WAIT,
+            || Ok(g.ends_after(0)? >= 4),
+        )?;
+    }
+
+    let mut notes = Vec::new();
+    if scenario.hits_holders() {
+        for (gi, g) in groups.iter_mut().enumerate() {
+            let victims = g.victims.clone();
+            for victim in victims {
+                let hit = inject_holder(scenario, g, &mut workers, &proxies, victim, &mut rng)?;
+                if hit.exercised_fence && g.via(victim) == "lib" {
+                    g.expects_stale_write = true;
+                }
+                g.faults.push(hit.fault);
+                let after = now_us();
+                let r = wait_for(
+                    &format!("4 sections of {} after the fault", g.recipe.label()),
+                    WAIT,
+                    || Ok(g.ends_after(after)? >= 4),
+                );
+                if let Err(e) = r {
+                    notes.push((gi, format!("{e:#} (alive workers {:?})", workers.alive())));
+                }
+            }
+        }
+    } else {
+        let count = if ctx.short { 1 } else { 2 };
+        for _ in 0..count {
+            // The fault waits until this recipe's victim is inside, where that matters.
+            let anchor = rng.gen_range(0..groups.len());
+            let slow: Vec<u32> = groups[anchor]
+                .ids
+                .iter()
+                .filter(|w| w.1)
+                .map(|w| w.0)
+                .collect();
+            let victim = slow[rng.gen_range(0..slow.len())];
+            let fault = inject_server(
+                scenario,
+                kind,
+                cluster,
+                &groups,
+                &groups[anchor],
+                vip.as_ref(),
+                &mut primary,
+                victim,
+                &mut rng,
+            )?;
+            for (gi, g) in groups.iter_mut().enumerate() {
+                let mut f = fault.clone();
+                if gi != anchor {
+                    f.victim = None;
+                    f.measure_margin = false;
+                }
+                g.faults.push(f);
+            }
+            let after = now_us();
+            for (gi, g) in groups.iter().enumerate() {
+                let r = wait_for(
+                    &format!("4 sections of {} after the fault", g.recipe.label()),
+                    WAIT,
+                    || Ok(g.ends_after(after)? >= 4),
+                );
+                if let Err(e) = r {
+                    notes.push((gi, format!("{e:#} (alive workers {:?})", workers.alive())));
+                }
+            }
+        }
+    }
+
+    // Many sections per recipe, whatever the faults left running. A shortfall is
+    // reported, not failed: the faults themselves were checked above.
+    let want = if ctx.short { 10 } else { 20 };
+    for g in &groups {
+        if let Err(e) = wait_for(
+            &format!("{want} sections of {} in all", g.recipe.label()),
+            WAIT,
+            || Ok(g.ends_after(0)? >= want),
+        ) {
+            eprintln!("  note: {e:#}");
+        }
     }
     std::fs::write(&stop_path, "").context("writing the stop file")?;
     let killed = workers.finish(WAIT);
-    if !killed.is_empty() {
-        notes.push(format!("workers {killed:?} did not stop and were killed"));
-    }
     let run_end = now_us();
-    // Every client has gone: nothing may remain under the lock once the killed clients'
-    // sessions have expired.
-    let leaked = rt.block_on(leftovers(&url, &name))?;
-    let records = h()?;
-    let verdict = history::check(&records, &faults, &workers.closed(), run_end);
     drop(proxies);
-    Ok(Row {
-        scenario: scenario.label().to_string(),
-        backend: kind.label().to_string(),
-        fenced: scenario.fenced(),
-        // Only the library victim writes without looking at its lost signal; with it in
-        // the run, a late write must reach the store.
-        expects_stale_write: matches!(
-            scenario,
-            Scenario::HolderPause | Scenario::HolderPauseUnfenced
-        ) && victims.contains(&2),
-        verdict,
-        store: store.stats(),
-        leaked,
-        faults: faults.len(),
-        seconds: (run_end.saturating_sub(started)) / 1_000_000,
-        notes,
-    })
+    let closed = workers.closed();
+    let mut rows = Vec::new();
+    for (gi, g) in groups.iter().enumerate() {
+        // Every client has gone: nothing may remain under the lock once the killed
+        // clients' sessions have expired.
+        let mut leaked = 0;
+        for name in g.recipe.names(&g.name) {
+            leaked += rt.block_on(leftovers(&url, &name))?;
+        }
+        let rules = Rules {
+            permits: g.recipe.permits(),
+            pause_hold_us: u64::try_from(SESSION.as_micros() / 2).unwrap_or(u64::MAX),
+        };
+        let verdict = history::check(&g.records()?, &g.faults, &closed, run_end, rules);
+        let mut row_notes: Vec<String> = notes
+            .iter()
+            .filter(|(i, _)| *i == gi)
+            .map(|(_, n)| n.clone())
+            .collect();
+        let mine: Vec<u32> = killed
+            .iter()
+            .copied()
+            .filter(|id| g.ids.iter().any(|w| w.0 == *id))
+            .collect();
+        if !mine.is_empty() {
+            row_notes.push(format!("workers {mine:?} did not stop and were killed"));
+        }
+        rows.push(Row {
+            scenario: scenario.label().to_string(),
+            backend: kind.label().to_string(),
+            recipe: g.recipe.label().to_string(),
+            expects_stale_write: g.expects_stale_write,
+            verdict,
+            store: g.store.stats(),
+            leaked,
+            faults: g.faults.len(),
+            seconds: (run_end.saturating_sub(started)) / 1_000_000,
+            seeds: vec![seed],
+            notes: row_notes,
+        });
+    }
+    Ok(rows)
 }
 
 /// Polls `cond` every 20 ms until it holds or `limit` passes.
@@ -645,40 +972,62 @@ fn victim_lost_after(records: &[Record], victim: u32, t: u64) -> bool {
     )
 }
 
-/// Injects one fault of `scenario` and waits until the lock serves another worker.
-// Each argument is a different handle of the run (servers, processes, proxies, history);
-// bundling them would only rename the list.
-#[allow(clippy::too_many_arguments)]
-fn inject(
+/// True while `worker` is inside a section that writes to the fenced store (any
+/// section, for a semaphore's permit holders, which never write).
+fn inside_writing(records: &[Record], worker: u32, recipe: Recipe) -> bool {
+    history::sections(records).iter().any(|s| {
+        s.worker == worker
+            && s.end_us.is_none()
+            && (s.mode == Mode::Exclusive || recipe == Recipe::Semaphore)
+    })
+}
+
+/// A holder fault as injected.
+struct Hit {
+    fault: Fault,
+    /// A paused holder was inside a section that writes to the fenced store: its late
+    /// write must reach the store.
+    exercised_fence: bool,
+}
+
+/// Injects one holder fault of `scenario` on `victim` (of `group`), at a moment inside its
+/// section drawn from `rng`, and waits until the lock serves another worker.
+fn inject_holder(
     scenario: Scenario,
-    kind: Kind,
-    cluster: &mut Cluster,
+    group: &Group,
     workers: &mut Workers,
     proxies: &HashMap<u32, Vec<Proxy>>,
-    vip: Option<&Proxy>,
-    primary: &mut u32,
     victim: u32,
-    history_path: &Path,
-) -> anyhow::Result<Fault> {
-    let h = || history::read(history_path);
-    let wait_inside = |what: &str| wait_for(what, WAIT, || Ok(history::in_section(&h()?, victim)));
+    rng: &mut StdRng,
+) -> anyhow::Result<Hit> {
+    let h = || group.records();
+    let recipe = group.recipe;
+    wait_for("the victim inside its section", WAIT, || {
+        Ok(inside_writing(&h()?, victim, recipe))
+    })?;
+    // When in the section the fault hits: the slow section lasts at least 300 ms.
+    std::thread::sleep(Duration::from_millis(rng.gen_range(0..150)));
+    let inside = inside_writing(&h()?, victim, recipe);
     match scenario {
         Scenario::HolderKill => {
-            wait_inside("the victim inside its section")?;
             let t = now_us();
             workers.signal(victim, Signal::SIGKILL)?;
-            eprintln!("  killed worker {victim} inside its section");
+            eprintln!("  {}: killed worker {victim}", recipe.label());
             wait_for("another holder after the kill", WAIT, || {
                 Ok(other_began(&h()?, victim, t))
             })?;
-            Ok(Fault {
-                at_us: t,
-                victim: Some(victim),
-                signal_from_us: None,
+            Ok(Hit {
+                fault: Fault {
+                    at_us: t,
+                    victim: Some(victim),
+                    signal_from_us: None,
+                    paused: false,
+                    measure_margin: false,
+                },
+                exercised_fence: false,
             })
         }
-        Scenario::HolderPause | Scenario::HolderPauseUnfenced => {
-            wait_inside("the victim inside its section")?;
+        Scenario::HolderPause => {
             let t = now_us();
             workers.signal(victim, Signal::SIGSTOP)?;
             let stopped = Instant::now();
@@ -686,14 +1035,15 @@ fn inject(
                 Ok(other_began(&h()?, victim, t))
             });
             // Stay paused past two sessions whatever happened, like a long GC pause.
-            let min = 2 * SESSION + Duration::from_secs(1);
+            let min = 2 * SESSION + Duration::from_millis(rng.gen_range(1000..2000));
             if let Some(rest) = min.checked_sub(stopped.elapsed()) {
                 std::thread::sleep(rest);
             }
             let resumed = now_us();
             workers.signal(victim, Signal::SIGCONT)?;
             eprintln!(
-                "  paused worker {victim} for {:.1?} inside its section",
+                "  {}: paused worker {victim} for {:.1?}",
+                recipe.label(),
                 stopped.elapsed()
             );
             taken?;
@@ -702,43 +1052,160 @@ fn inject(
             wait_for("the resumed section to end", WAIT, || {
                 Ok(!history::in_section(&h()?, victim) || !workers.alive().contains(&victim))
             })?;
-            Ok(Fault {
-                at_us: t,
-                victim: Some(victim),
-                signal_from_us: Some(resumed),
+            Ok(Hit {
+                fault: Fault {
+                    at_us: t,
+                    victim: Some(victim),
+                    signal_from_us: Some(resumed),
+                    paused: true,
+                    measure_margin: false,
+                },
+                exercised_fence: inside && recipe != Recipe::Semaphore,
             })
         }
+        Scenario::ClientCut => {
+            let ps = proxies.get(&victim).context("victim without proxies")?;
+            let t = now_us();
+            for p in ps {
+                p.cut();
+            }
+            eprintln!(
+                "  {}: cut worker {victim} off from the servers",
+                recipe.label()
+            );
+            let r = wait_for("the victim's lost signal and another holder", WAIT, || {
+                let recs = h()?;
+                Ok(other_began(&recs, victim, t)
+                    && (!inside || victim_lost_after(&recs, victim, t)))
+            });
+            for p in ps {
+                p.restore();
+            }
+            r?;
+            Ok(Hit {
+                fault: Fault {
+                    at_us: t,
+                    victim: Some(victim),
+                    signal_from_us: Some(t),
+                    paused: false,
+                    measure_margin: true,
+                },
+                exercised_fence: false,
+            })
+        }
+        other => bail!("{} is not a holder fault", other.label()),
+    }
+}
+
+/// Waits until every group's lock served a worker (other than `victim`) after `t`.
+fn wait_all_recovered(groups: &[Group], victim: u32, t: u64, what: &str) -> anyhow::Result<()> {
+    for g in groups {
+        wait_for(&format!("{what} ({})", g.recipe.label()), WAIT, || {
+            Ok(other_began(&g.records()?, victim, t))
+        })?;
+    }
+    Ok(())
+}
+
+/// Injects one server fault of `scenario` (for the Redis ones, while `victim` of
+/// `anchor` is inside its section) and waits until every lock serves a worker again.
+// Each argument is a different handle of the run (servers, groups, proxy, randomness);
+// bundling them would only rename the list.
+#[allow(clippy::too_many_arguments)]
+fn inject_server(
+    scenario: Scenario,
+    kind: Kind,
+    cluster: &mut Cluster,
+    groups: &[Group],
+    anchor: &Group,
+    vip: Option<&Proxy>,
+    primary: &mut u32,
+    victim: u32,
+    rng: &mut StdRng,
+) -> anyhow::Result<Fault> {
+    let h = || anchor.records();
+    let recipe = anchor.recipe;
+    let wait_inside =
+        |what: &str| wait_for(what, WAIT, || Ok(inside_writing(&h()?, victim, recipe)));
+    let long = 2 * SESSION + Duration::from_millis(rng.gen_range(1000..2000));
+    let server_wide = |t: u64| Fault {
+        at_us: t,
+        victim: None,
+        signal_from_us: None,
+        paused: false,
+        measure_margin: false,
+    };
+    // A fault under a holder that keeps running: it must be told before anyone else is
+    // let in.
+    let under_victim = |t: u64| Fault {
+        at_us: t,
+        victim: Some(victim),
+        signal_from_us: Some(t),
+        paused: false,
+        measure_margin: true,
+    };
+    match scenario {
         Scenario::LeaderKill => {
             let server = kind.server();
             let leader = cluster.wait_leader(server, WAIT)?;
             let t = now_us();
             cluster.kill(server, leader)?;
             eprintln!("  killed {server} leader (node {leader})");
-            let recovered = wait_for("a holder after the leader kill", WAIT, || {
-                Ok(other_began(&h()?, u32::MAX, t))
-            });
+            let recovered =
+                wait_all_recovered(groups, u32::MAX, t, "a holder after the leader kill");
             cluster.restart(server, leader)?;
             eprintln!("  restarted node {leader}");
             recovered?;
-            Ok(Fault {
-                at_us: t,
-                victim: None,
-                signal_from_us: None,
-            })
+            Ok(server_wide(t))
+        }
+        Scenario::LeaderPause => {
+            let server = kind.server();
+            let leader = cluster.wait_leader(server, WAIT)?;
+            let t = now_us();
+            cluster.stop(server, leader)?;
+            std::thread::sleep(long);
+            cluster.cont(server, leader)?;
+            eprintln!("  paused {server} leader (node {leader}) for {long:.1?}");
+            wait_all_recovered(groups, u32::MAX, t, "a holder after the leader pause")?;
+            cluster.wait_leader(server, WAIT)?;
+            Ok(server_wide(t))
+        }
+        Scenario::LeaderCut => {
+            let leader = cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            let (lq, le) = cluster.zk_peer_ports(leader);
+            let pid = cluster.server(Backend::Zookeeper, leader)?.pid;
+            // Connections the leader opened to the others' election ports, besides
+            // everything to or from its own quorum and election ports.
+            let mut pairs = Vec::new();
+            let others: Vec<u32> = cluster
+                .servers_of(Backend::Zookeeper)
+                .map(|s| s.id)
+                .filter(|id| *id != leader)
+                .collect();
+            for other in others {
+                let (_, oe) = cluster.zk_peer_ports(other);
+                for p in dlock_testkit::connections_of(pid, oe)? {
+                    pairs.push((p, oe));
+                }
+            }
+            let t = now_us();
+            let cut = dlock_testkit::NetCut::new(&pairs, &[lq, le])?;
+            std::thread::sleep(long);
+            cut.heal()?;
+            eprintln!(
+                "  cut the ZooKeeper leader (node {leader}) off from the quorum for {long:.1?}"
+            );
+            wait_all_recovered(groups, u32::MAX, t, "a holder after the leader cut")?;
+            cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            Ok(server_wide(t))
         }
         Scenario::ServerRestart => {
             wait_inside("the victim inside its section")?;
             let t = now_us();
             cluster.restart(Backend::Redis, 1)?;
             eprintln!("  restarted Redis node 1 (no persistence) under worker {victim}");
-            wait_for("another holder after the restart", WAIT, || {
-                Ok(other_began(&h()?, victim, t))
-            })?;
-            Ok(Fault {
-                at_us: t,
-                victim: Some(victim),
-                signal_from_us: Some(t),
-            })
+            wait_all_recovered(groups, victim, t, "another holder after the restart")?;
+            Ok(under_victim(t))
         }
         Scenario::ReplicaPromotion => {
             let vip = vip.context("replica promotion without its proxy")?;
@@ -804,17 +1271,12 @@ fn inject(
                 "  killed primary (node {p}) under worker {victim}; promoted node {r}, which never saw the hold"
             );
             *primary = r;
-            let recovered = wait_for("another holder on the promoted replica", WAIT, || {
-                Ok(other_began(&h()?, victim, t))
-            });
+            let recovered =
+                wait_all_recovered(groups, victim, t, "another holder on the promoted replica");
             // The old primary comes back empty, ready to be the next round's replica.
             cluster.restart(Backend::Redis, p)?;
             recovered?;
-            Ok(Fault {
-                at_us: t,
-                victim: Some(victim),
-                signal_from_us: Some(t),
-            })
+            Ok(under_victim(t))
         }
         Scenario::SentinelFailover => {
             let primary = cluster.wait_sentinel_group(WAIT)?;
@@ -826,43 +1288,16 @@ fn inject(
                 "  killed the primary (node {primary}) under worker {victim}; the Sentinels promoted node {promoted} after {} ms",
                 (now_us() - t) / 1000
             );
-            let recovered = wait_for("another holder after the failover", WAIT, || {
-                Ok(other_began(&h()?, victim, t))
-            });
+            let recovered =
+                wait_all_recovered(groups, victim, t, "another holder after the failover");
             // Back only after the promotion (an empty master brought back earlier would
             // be kept as the primary), and whole again before the next fault.
             cluster.restart(Backend::RedisHa, primary)?;
             cluster.wait_sentinel_group(WAIT)?;
             recovered?;
-            Ok(Fault {
-                at_us: t,
-                victim: Some(victim),
-                // The lost signal is measured from the kill.
-                signal_from_us: Some(t),
-            })
+            Ok(under_victim(t))
         }
-        Scenario::ClientCut => {
-            let ps = proxies.get(&victim).context("victim without proxies")?;
-            wait_inside("the victim inside its section")?;
-            let t = now_us();
-            for p in ps {
-                p.cut();
-            }
-            eprintln!("  cut worker {victim} off from the servers");
-            let r = wait_for("the victim's lost signal and another holder", WAIT, || {
-                let recs = h()?;
-                Ok(other_began(&recs, victim, t) && victim_lost_after(&recs, victim, t))
-            });
-            for p in ps {
-                p.restore();
-            }
-            r?;
-            Ok(Fault {
-                at_us: t,
-                victim: Some(victim),
-                signal_from_us: Some(t),
-            })
-        }
+        other => bail!("{} is not a server fault", other.label()),
     }
 }
 

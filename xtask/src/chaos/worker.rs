@@ -5,8 +5,8 @@
 //! Two kinds, so both the CLI and the library are exercised:
 //! - `--via cli`: every section is `dlock exec NAME -- xtask chaos-section`, a fresh
 //!   process with the token in `$DLOCK_TOKEN`;
-//! - `--via lib`: one process with one client, `Mutex::lock_timeout`, and the section run
-//!   on a blocking thread while a task watches the guard's lost signal.
+//! - `--via lib`: one process with one client taking one recipe ([`Recipe`]), and the
+//!   section run on a blocking thread while a task watches the guard's lost signal.
 //!
 //! The section never looks at the lost signal between its work and its write: a pause
 //! right after such a check is exactly what fencing exists for.
@@ -18,27 +18,33 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 
-use super::history::{self, now_us, Record, WriteOutcome};
+use super::history::{self, now_us, Mode, Record, WriteOutcome};
 use super::store;
+use super::Recipe;
 use crate::flags::{ChaosSectionArgs, ChaosWorkerArgs, SectionParams};
 
 /// How long one acquire may wait before the worker checks its stop file again.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Runs one critical section holding `token`.
-pub(crate) fn section(p: &SectionParams, token: u64) -> anyhow::Result<WriteOutcome> {
+/// Runs one critical section holding `token` in `mode`. Only an exclusive section writes
+/// to the fenced store: holders that may overlap cannot be judged by one highest token.
+pub(crate) fn section(p: &SectionParams, token: u64, mode: Mode) -> anyhow::Result<WriteOutcome> {
     let pid = std::process::id();
     let begin = Record::Begin {
         worker: p.worker,
         pid,
         token,
         at_us: now_us(),
+        mode,
     };
     history::append(&p.history, &begin.line())?;
     // The work: a deadline-based sleep, so time spent stopped counts and a resumed
     // section goes straight on to its write.
     std::thread::sleep(Duration::from_millis(p.work_ms));
-    let write = store::write(&p.store, token, p.worker);
+    let write = match mode {
+        Mode::Exclusive => store::write(&p.store, token, p.worker),
+        Mode::Shared | Mode::Permit => WriteOutcome::None,
+    };
     let end = Record::End {
         worker: p.worker,
         pid,
@@ -72,7 +78,7 @@ pub(crate) fn chaos_section(args: &ChaosSectionArgs) -> anyhow::Result<i32> {
         std::process::exit(143);
     })
     .context("installing the SIGTERM handler")?;
-    section(&args.section, token)?;
+    section(&args.section, token, Mode::Exclusive)?;
     Ok(0)
 }
 
@@ -82,7 +88,7 @@ pub(crate) fn worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
         .with_context(|| format!("--session-timeout {:?}", args.session_timeout))?;
     match args.via.as_str() {
         "cli" => cli_worker(args),
-        "lib" => lib_worker(args, session),
+        "lib" => lib_worker(args, session, Recipe::parse(&args.recipe)?),
         other => bail!("--via {other:?}: expected cli or lib"),
     }
 }
@@ -164,21 +170,31 @@ fn cli_worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-fn lib_worker(args: &ChaosWorkerArgs, session: Duration) -> anyhow::Result<i32> {
+fn lib_worker(args: &ChaosWorkerArgs, session: Duration, recipe: Recipe) -> anyhow::Result<i32> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the runtime")?;
-    rt.block_on(lib_loop(args, session))?;
+    rt.block_on(lib_loop(args, session, recipe))?;
     rt.shutdown_timeout(Duration::from_millis(500));
     Ok(0)
 }
 
-async fn lib_loop(args: &ChaosWorkerArgs, session: Duration) -> anyhow::Result<()> {
+/// Why one turn of the loop ended without all its sections.
+enum Turn {
+    /// The acquire timed out: check the stop file and try again.
+    Again,
+    /// Something broke (a lost session, an unreachable cluster): start over on a fresh
+    /// client.
+    Broken,
+}
+
+async fn lib_loop(args: &ChaosWorkerArgs, session: Duration, recipe: Recipe) -> anyhow::Result<()> {
     let p = &args.section;
     let opts = dlock::SessionOptions::default().with_session_timeout(session);
     let mut client: Option<dlock::Client> = None;
+    let mut turn = 0u64;
     while !stopped(&args.stop) {
         let c = match &client {
             Some(c) => c.clone(),
@@ -194,44 +210,174 @@ async fn lib_loop(args: &ChaosWorkerArgs, session: Duration) -> anyhow::Result<(
                 }
             },
         };
-        let mutex = c.mutex(&args.name).context("lock name")?;
-        let mut guard = match mutex.lock_timeout(ACQUIRE_TIMEOUT).await {
-            Ok(g) => g,
-            Err(dlock::Error::Timeout(_)) => continue,
-            Err(e) => {
-                // Whatever broke (a lost session, an unreachable cluster), start over on a
-                // fresh session.
-                eprintln!("chaos worker {}: lock: {e}", p.worker);
+        turn += 1;
+        match one_turn(&c, args, recipe, turn).await {
+            Ok(()) | Err(Turn::Again) => {}
+            Err(Turn::Broken) => {
                 let _ = tokio::time::timeout(Duration::from_secs(2), c.close()).await;
                 client = None;
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
             }
-        };
-        let token = guard.token().get();
-        let signal = guard.lost();
-        let params = p.clone();
-        let watcher = tokio::spawn(async move {
-            let e = signal.await;
-            lost(&params, &format!("lost signal: {e}"));
-        });
-        let params = p.clone();
-        let outcome = tokio::task::spawn_blocking(move || section(&params, token)).await;
-        let was_lost = watcher.is_finished() || guard.is_lost();
-        watcher.abort();
-        let released = guard.release().await;
-        match outcome {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => eprintln!("chaos worker {}: section: {e:#}", p.worker),
-            Err(e) => eprintln!("chaos worker {}: section panicked: {e}", p.worker),
-        }
-        if was_lost || released.is_err() {
-            let _ = tokio::time::timeout(Duration::from_secs(2), c.close()).await;
-            client = None;
         }
     }
     if let Some(c) = client {
         let _ = tokio::time::timeout(Duration::from_secs(5), c.close()).await;
     }
     Ok(())
+}
+
+/// An acquire's error, sorted into what the loop does next.
+fn acquire_failed(worker: u32, e: dlock::Error) -> Turn {
+    match e {
+        dlock::Error::Timeout(_) => Turn::Again,
+        e => {
+            eprintln!("chaos worker {worker}: acquire: {e}");
+            Turn::Broken
+        }
+    }
+}
+
+/// One turn of `recipe`: acquire, run its section(s) while watching the lost signal,
+/// release.
+async fn one_turn(
+    c: &dlock::Client,
+    args: &ChaosWorkerArgs,
+    recipe: Recipe,
+    turn: u64,
+) -> Result<(), Turn> {
+    let p = &args.section;
+    let w = p.worker;
+    let name = args.name.as_str();
+    let t = Some(ACQUIRE_TIMEOUT);
+    let named = |e: dlock::Error| {
+        eprintln!("chaos worker {w}: {e}");
+        Turn::Broken
+    };
+    match recipe {
+        Recipe::Mutex => {
+            let m = c.mutex(name).map_err(named)?;
+            let g = m
+                .lock_timeout(ACQUIRE_TIMEOUT)
+                .await
+                .map_err(|e| acquire_failed(w, e))?;
+            held(p, g, Mode::Exclusive).await
+        }
+        Recipe::ReentrantMutex => {
+            let m = c.mutex(name).map_err(named)?;
+            let mut outer = m
+                .lock_timeout(ACQUIRE_TIMEOUT)
+                .await
+                .map_err(|e| acquire_failed(w, e))?;
+            // The section runs on a nested hold; the outer one is released after it.
+            let inner = match outer.reenter() {
+                Ok(g) => g,
+                Err(e) => {
+                    eprintln!("chaos worker {w}: re-entry: {e}");
+                    let _ = outer.release().await;
+                    return Err(Turn::Broken);
+                }
+            };
+            let r = held(p, inner, Mode::Exclusive).await;
+            let released = outer.release().await;
+            r?;
+            released.map_err(|_| Turn::Broken)
+        }
+        Recipe::SemaphoreMutex => {
+            let m = c.semaphore_mutex(name).map_err(named)?;
+            let g = m.lock(t).await.map_err(|e| acquire_failed(w, e))?;
+            held(p, g, Mode::Exclusive).await
+        }
+        Recipe::RwLock => {
+            let rw = c.rwlock(name).map_err(named)?;
+            // The slow worker writes and downgrades; the others alternate reads and
+            // writes, so readers meet readers, writers and downgraded writers.
+            if p.work_ms < super::SLOW_WORK_MS && turn % 2 == 1 {
+                let g = rw.read(t).await.map_err(|e| acquire_failed(w, e))?;
+                return held(p, g, Mode::Shared).await;
+            }
+            let mut write = rw.write(t).await.map_err(|e| acquire_failed(w, e))?;
+            let lost = write.lost();
+            let r = run_section(p, write.token().get(), Mode::Exclusive, lost, || {
+                write.is_lost()
+            })
+            .await;
+            let read = if r.is_ok() {
+                rw.downgrade(&write).await.map_err(|e| {
+                    eprintln!("chaos worker {w}: downgrade: {e}");
+                    Turn::Broken
+                })
+            } else {
+                Err(Turn::Broken)
+            };
+            let released = write.release().await;
+            let read = read?;
+            released.map_err(|_| Turn::Broken)?;
+            r?;
+            held(p, read, Mode::Shared).await
+        }
+        Recipe::Semaphore => {
+            let s = c.semaphore(name, args.permits).map_err(named)?;
+            let g = s.acquire(t).await.map_err(|e| acquire_failed(w, e))?;
+            held(p, g, Mode::Permit).await
+        }
+        Recipe::MultiLock => {
+            let multi = c
+                .multi()
+                .mutex(&format!("{name}/a"))
+                .and_then(|m| m.mutex(&format!("{name}/b")))
+                .map_err(named)?;
+            let mut g = multi.acquire(t).await.map_err(|e| acquire_failed(w, e))?;
+            // The store is fenced by the first part's token: every section holds it.
+            let token = g
+                .tokens()
+                .iter()
+                .find(|(n, _)| n.as_str().ends_with("/a"))
+                .map(|(_, t)| t.get())
+                .unwrap_or(0);
+            let lost = g.lost();
+            let r = run_section(p, token, Mode::Exclusive, lost, || false).await;
+            let released = g.release().await;
+            r?;
+            released.map_err(|_| Turn::Broken)
+        }
+    }
+}
+
+/// Runs one section on `guard` and releases it.
+async fn held(p: &SectionParams, mut guard: dlock::LockGuard, mode: Mode) -> Result<(), Turn> {
+    let lost = guard.lost();
+    let r = run_section(p, guard.token().get(), mode, lost, || guard.is_lost()).await;
+    let released = guard.release().await;
+    r?;
+    released.map_err(|_| Turn::Broken)
+}
+
+/// Runs the section on a blocking thread while a task logs the lost signal the moment it
+/// fires. `Err(Broken)` when the hold was lost: the worker starts over on a new session.
+async fn run_section(
+    p: &SectionParams,
+    token: u64,
+    mode: Mode,
+    signal: impl std::future::Future<Output = dlock::Error> + Send + 'static,
+    is_lost: impl FnOnce() -> bool,
+) -> Result<(), Turn> {
+    let params = p.clone();
+    let watcher = tokio::spawn(async move {
+        let e = signal.await;
+        lost(&params, &format!("lost signal: {e}"));
+    });
+    let params = p.clone();
+    let outcome = tokio::task::spawn_blocking(move || section(&params, token, mode)).await;
+    let was_lost = watcher.is_finished() || is_lost();
+    watcher.abort();
+    match outcome {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => eprintln!("chaos worker {}: section: {e:#}", p.worker),
+        Err(e) => eprintln!("chaos worker {}: section panicked: {e}", p.worker),
+    }
+    if was_lost {
+        Err(Turn::Broken)
+    } else {
+        Ok(())
+    }
 }
