@@ -103,12 +103,13 @@ pub(crate) enum Scenario {
     LeaderPause,
     LeaderCut,
     ServerRestart,
+    ClockJump,
     ReplicaPromotion,
     SentinelFailover,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 9] = [
+    const ALL: [Scenario; 10] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::ClientCut,
@@ -116,6 +117,7 @@ impl Scenario {
         Scenario::LeaderPause,
         Scenario::LeaderCut,
         Scenario::ServerRestart,
+        Scenario::ClockJump,
         Scenario::ReplicaPromotion,
         Scenario::SentinelFailover,
     ];
@@ -129,6 +131,7 @@ impl Scenario {
             Scenario::LeaderPause => "leader-pause",
             Scenario::LeaderCut => "leader-cut",
             Scenario::ServerRestart => "server-restart",
+            Scenario::ClockJump => "clock-jump",
             Scenario::ReplicaPromotion => "replica-promotion",
             Scenario::SentinelFailover => "sentinel-failover",
         }
@@ -155,6 +158,9 @@ impl Scenario {
             Scenario::ServerRestart => {
                 "restart Redis node 1 without persistence while a holder is inside"
             }
+            Scenario::ClockJump => {
+                "Redis node 1 expires keys as if its clock jumped forward by 1.5 sessions (every TTL shortened at once) while a holder is inside"
+            }
             Scenario::ReplicaPromotion => {
                 "promote a Redis replica that never saw the lock (its replication link cut, then the primary killed)"
             }
@@ -175,7 +181,9 @@ impl Scenario {
         match self {
             Scenario::LeaderKill | Scenario::LeaderPause => matches!(kind, Kind::Zk | Kind::Etcd),
             Scenario::LeaderCut => kind == Kind::Zk,
-            Scenario::ServerRestart => matches!(kind, Kind::Redis | Kind::Redlock),
+            Scenario::ServerRestart | Scenario::ClockJump => {
+                matches!(kind, Kind::Redis | Kind::Redlock)
+            }
             Scenario::ReplicaPromotion => kind == Kind::Redis,
             // The Sentinel group is there for its failover; the holder faults behave as
             // on `redis`, and a proxy in front of the Sentinels would not cut the data
@@ -203,6 +211,7 @@ impl Scenario {
         !matches!(
             (self, kind),
             (Scenario::ServerRestart, Kind::Redis)
+                | (Scenario::ClockJump, Kind::Redis)
                 | (Scenario::ReplicaPromotion, Kind::Redis)
                 | (Scenario::SentinelFailover, Kind::RedisSentinel)
         )
@@ -214,6 +223,7 @@ impl Scenario {
         match self {
             Scenario::ClientCut
             | Scenario::ServerRestart
+            | Scenario::ClockJump
             | Scenario::ReplicaPromotion
             | Scenario::SentinelFailover => 2 * SESSION.as_millis() as u64,
             _ => SLOW_WORK_MS,
@@ -1228,6 +1238,21 @@ fn inject_server(
             wait_all_recovered(groups, victim, t, "another holder after the restart")?;
             Ok(under_victim(t))
         }
+        Scenario::ClockJump => {
+            wait_inside("the victim inside its section")?;
+            let addr = cluster.server(Backend::Redis, 1)?.addr.clone();
+            let jump_ms = (SESSION * 3 / 2).as_millis().to_string();
+            let t = now_us();
+            // What a forward jump of the server's wall clock does to locks: every key
+            // with a TTL expires that much sooner, all at once. (libfaketime, which would
+            // jump the clock itself, crashes Debian's redis-server at start.)
+            redis_cli(&addr, &["EVAL", JUMP_SCRIPT, "0", &jump_ms])?;
+            eprintln!(
+                "  jumped Redis node 1's expiry clock forward {jump_ms} ms under worker {victim}"
+            );
+            wait_all_recovered(groups, victim, t, "another holder after the jump")?;
+            Ok(under_victim(t))
+        }
         Scenario::ReplicaPromotion => {
             let vip = vip.context("replica promotion without its proxy")?;
             let p = *primary;
@@ -1321,6 +1346,19 @@ fn inject_server(
         other => bail!("{} is not a server fault", other.label()),
     }
 }
+
+/// Shortens the TTL of every key by ARGV[1] ms (deleting those it would take past zero),
+/// as a forward jump of the server's clock would. The chaos servers hold nothing else.
+const JUMP_SCRIPT: &str = "local n = 0 \
+    for _, k in ipairs(redis.call('KEYS', '*')) do \
+      local t = redis.call('PTTL', k) \
+      if t > 0 then \
+        if t <= tonumber(ARGV[1]) then redis.call('DEL', k) \
+        else redis.call('PEXPIRE', k, t - tonumber(ARGV[1])) end \
+        n = n + 1 \
+      end \
+    end \
+    return n";
 
 /// Runs `redis-cli` against `addr` and returns its output; a Redis error is an error.
 fn redis_cli(addr: &str, args: &[&str]) -> anyhow::Result<String> {
