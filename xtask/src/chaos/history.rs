@@ -289,7 +289,7 @@ pub(crate) struct Fault {
     /// From when the victim's lost signal is timed: the resume of a paused holder, the
     /// start of a cut. `None` when no lost signal is expected (the holder is dead).
     pub(crate) signal_from_us: Option<u64>,
-    /// The victim's process was stopped (SIGSTOP) at `at_us`: see [`Rules::pause_hold`].
+    /// The victim's process was stopped (SIGSTOP) at `at_us`: see [`Rules::pause_hold_us`].
     pub(crate) paused: bool,
     /// The victim keeps running and must be told by its lost signal before anyone else
     /// is let in: the margin between the two is measured (a cut, a server that forgot).

@@ -1347,7 +1347,7 @@ fn inject_server(
     }
 }
 
-/// Shortens the TTL of every key by ARGV[1] ms (deleting those it would take past zero),
+/// Shortens the TTL of every key by `ARGV[1]` ms (deleting those it would take past zero),
 /// as a forward jump of the server's clock would. The chaos servers hold nothing else.
 const JUMP_SCRIPT: &str = "local n = 0 \
     for _, k in ipairs(redis.call('KEYS', '*')) do \
