@@ -405,9 +405,9 @@ impl EtcdBackend {
         at: Position<'_>,
         data: &[u8],
     ) -> Result<Enqueued> {
-        let beside = match at {
+        let writer = match at {
             Position::Tail => None,
-            Position::Beside(e) if kind == EntryKind::Read => Some(e.seq),
+            Position::Beside(e) if kind == EntryKind::Read => Some(e),
             Position::Beside(_) => {
                 return Err(Error::WouldDeadlock(format!(
                     "only a read entry can be placed beside a held entry, not a {kind} entry"
@@ -417,7 +417,23 @@ impl EtcdBackend {
         let prefix = layout::queue_prefix(q);
         let session = self.live_session().await?;
         let lease = session.id();
-        let value = layout::encode_value(ticket, beside, data);
+        let value = layout::encode_value(ticket, writer.map(|w| w.seq), data);
+        // A downgrade's read entry may only sit beside a write that is still ours: the
+        // same entry (its creation revision is its token) under this session's lease. A
+        // write deleted from outside, or left under a lease this session replaced, fails
+        // the transaction instead of leaving a read entry in a dead writer's place.
+        let writer_check = match writer {
+            None => None,
+            Some(w) => {
+                let Some(rev) = w.token.and_then(|t| i64::try_from(t.get()).ok()) else {
+                    return Err(Error::LockLost(format!(
+                        "the write entry {} to downgrade has no token",
+                        w.name
+                    )));
+                };
+                Some((format!("{prefix}{}", w.name), rev))
+            }
+        };
         let mut avoid_primary = false;
         let mut cleaned = false;
         loop {
@@ -441,8 +457,17 @@ impl EtcdBackend {
             // read the queue. The else branch (my key exists: a retry whose first answer
             // was lost) reads the same queue, so retrying is idempotent.
             let put = etcd_client::PutOptions::new().with_lease(lease);
+            let mut when = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
+            if let Some((wkey, rev)) = &writer_check {
+                when.push(Compare::create_revision(
+                    wkey.clone(),
+                    CompareOp::Equal,
+                    *rev,
+                ));
+                when.push(Compare::lease(wkey.clone(), CompareOp::Equal, lease));
+            }
             let txn = Txn::new()
-                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                .when(when)
                 .and_then([
                     TxnOp::put(key.clone(), value.clone(), Some(put)),
                     TxnOp::get(prefix.clone(), Some(queue_read())),
@@ -480,6 +505,20 @@ impl EtcdBackend {
                     "the transaction's answer has no queue read",
                 ));
             };
+            if let Some((wkey, rev)) = &writer_check {
+                let ours = get.kvs().iter().any(|kv| {
+                    kv.key() == wkey.as_bytes()
+                        && kv.create_revision() == *rev
+                        && kv.lease() == lease
+                });
+                if !ours {
+                    // Only reachable when the transaction failed: it put nothing now (an
+                    // earlier attempt's read entry, if any, is the caller's to abandon).
+                    return Err(Error::LockLost(format!(
+                        "the write entry {wkey} to downgrade is gone or no longer this session's"
+                    )));
+                }
+            }
             let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
             let name = &key[prefix.len()..];
             let Some(mine) = queue.iter().find(|e| e.name == name).cloned() else {

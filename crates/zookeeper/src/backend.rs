@@ -11,6 +11,7 @@ use dlock_core::{
     QueuePath, Result, SessionOptions, Ticket,
 };
 use futures::future::BoxFuture;
+use futures::FutureExt;
 use tracing::Instrument;
 use zookeeper_client as zk;
 
@@ -298,6 +299,14 @@ impl ZkBackend {
         };
         let sequential = matches!(mode, zk::CreateMode::EphemeralSequential);
         let path = format!("{parent}/{name}");
+        // A downgrade's read entry is created in one multi with a check that its write
+        // entry still exists: a write deleted from outside fails the multi, and no read
+        // entry takes a dead writer's place. (The write is this session's ephemeral, and a
+        // session is never replaced, so existing means ours.)
+        let writer_path = match at {
+            Position::Beside(writer) => Some(format!("{parent}/{}", writer.name)),
+            Position::Tail => None,
+        };
         let options = mode.with_acls(zk::Acls::anyone_all());
         // Set when a create's reply was lost: it may have happened on the server.
         let mut maybe_created = false;
@@ -315,12 +324,60 @@ impl ZkBackend {
             }
             // Both requests are written when called, in this order, so the listing is taken
             // right after the create on the server: one round trip for both.
-            let create = client.create(&path, data, &options);
+            let create = match &writer_path {
+                None => client
+                    .create(&path, data, &options)
+                    .map(|r| r.map(|(stat, seq)| (stat, Some(seq))))
+                    .boxed(),
+                Some(writer_path) => {
+                    let mut multi = client.new_multi_writer();
+                    multi
+                        .add_check_version(writer_path, -1)
+                        .and_then(|()| multi.add_create(&path, data, &options))
+                        .map_err(|e| map_err("enqueue: building the multi", e))?;
+                    multi
+                        .commit()
+                        .map(|r| match r {
+                            Ok(results) => match results.into_iter().nth(1) {
+                                Some(zk::MultiWriteResult::Create { stat, .. }) => Ok((stat, None)),
+                                _ => Err(zk::Error::UnexpectedError(
+                                    "the server's multi reply has no create result".into(),
+                                )),
+                            },
+                            Err(zk::MultiWriteError::OperationFailed {
+                                index: 0,
+                                source: zk::Error::NoNode,
+                            }) => Err(zk::Error::BadVersion),
+                            Err(e) => Err(e.into()),
+                        })
+                        .boxed()
+                }
+            };
             let list = client.get_children(&parent);
             let (created, listed) = futures::join!(create, list);
             let (stat, mine) = match created {
-                Ok((stat, seq)) if sequential => (stat, format!("{name}{seq}")),
-                Ok((stat, _)) => (stat, name.clone()),
+                Ok((stat, Some(seq))) => (stat, format!("{name}{seq}")),
+                // ZooKeeper before 3.9 answers a create inside a multi without its stat
+                // (ZOOKEEPER-4026); the token is the czxid, so read it.
+                Ok((stat, None)) if stat.is_invalid() => {
+                    match retry(|| client.check_stat(&path)).await {
+                        Ok(Some(stat)) => (stat, name.clone()),
+                        Ok(None) => {
+                            return Err(Error::LockLost(format!(
+                                "entry {path} vanished right after it was created"
+                            )))
+                        }
+                        Err(err) => return Err(map_err("enqueue: reading the entry", err)),
+                    }
+                }
+                Ok((stat, None)) => (stat, name.clone()),
+                // Only the multi's check of the write entry fails so: a version of -1
+                // matches any node that exists.
+                Err(zk::Error::BadVersion) if writer_path.is_some() => {
+                    return Err(Error::LockLost(format!(
+                        "the write entry beside which the read entry was asked for is gone from {parent}"
+                    )))
+                }
                 Err(zk::Error::NoNode) => {
                     // The parent was never created, or its container was reaped while empty.
                     self.make_parent(&client, &parent).await?;

@@ -85,6 +85,7 @@ all_backends! {
     bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,
     rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,
     rwlock_downgrade => crate::recipes::rwlock_downgrade,
+    downgrade_beside_a_deleted_write_is_lost => crate::recipes::downgrade_beside_a_deleted_write_is_lost,
     semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
     multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,

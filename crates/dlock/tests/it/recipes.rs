@@ -230,6 +230,51 @@ pub async fn rwlock_downgrade(_kind: Kind, url: &str) {
     b.close().await.expect("close");
 }
 
+/// A read entry never takes a dead writer's place: asked to go beside a write entry that
+/// was deleted from outside, the backend fails with `LockLost` and puts nothing (the
+/// backend is asked directly, so the write's lost signal cannot answer first); the
+/// recipe's downgrade of that write fails the same way and leaves nothing either.
+pub async fn downgrade_beside_a_deleted_write_is_lost(_kind: Kind, url: &str) {
+    use dlock::core::{EntryKind, Position, Ticket};
+    let name = unique("downgone");
+    let a = client(url).await;
+    let b = client(url).await;
+    let ra = a.rwlock(&name).expect("n");
+    let w = ra.write(None).await.expect("write");
+    let (q, entry) = holder_entry(&b, &name).await;
+    b.backend()
+        .remove(&q, &entry)
+        .await
+        .expect("delete the write entry from outside");
+    let ticket = Ticket::new();
+    let beside = a
+        .backend()
+        .enqueue(&q, &ticket, EntryKind::Read, Position::Beside(&entry), b"")
+        .await;
+    assert!(
+        matches!(beside, Err(Error::LockLost(_))),
+        "a read entry was put beside a deleted write: {:?}",
+        beside.map(|e| e.mine)
+    );
+    assert_eq!(
+        leftovers(&b, &name).await,
+        0,
+        "the refused read entry was left in the queue"
+    );
+    let down = ra.downgrade(&w).await;
+    assert!(
+        matches!(down, Err(Error::LockLost(_))),
+        "the downgrade of a deleted write succeeded: {:?}",
+        down.map(|g| g.token())
+    );
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&b, &name).await == 0 }).await,
+        "the refused downgrade left an entry"
+    );
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
 /// Eight sessions share a semaphore of 3: the peak is exactly 3, never more.
 pub async fn semaphore_peak_equals_permits(_kind: Kind, url: &str) {
     let name = unique("sem");
