@@ -278,8 +278,9 @@ impl<B: Backend + ?Sized> LockGuard<B> {
     /// # Errors
     /// - [`Error::NotHeld`] if this guard was already released;
     /// - [`Error::LockLost`] if the lock had been lost before the release;
-    /// - a backend error if the removal failed (the entry then still goes with the
-    ///   session, and a background retry is made).
+    /// - a backend error if the removal failed: it is then retried in the background
+    ///   until it succeeds or the session ends, never given up while the session lives
+    ///   (an entry left under a live session would block every other contender).
     ///
     /// # Cancel safety
     /// If the future is dropped before it completes, the guard counts as released and the

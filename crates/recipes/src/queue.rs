@@ -88,44 +88,86 @@ impl<B: Backend + ?Sized> Drop for AbandonOnDrop<B> {
     }
 }
 
-/// Background removal of a ticket's entry, retried a few times: the entry's session
-/// would remove it in the end anyway, but a live session must not keep a ghost waiter.
+/// The longest pause between two attempts of a background removal.
+const REMOVAL_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// The pause after failed background removal attempt `attempt` (from 0): 100 ms,
+/// doubling, at most [`REMOVAL_BACKOFF_MAX`].
+fn removal_backoff(attempt: u32) -> Duration {
+    Duration::from_millis(100u64 << attempt.min(10)).min(REMOVAL_BACKOFF_MAX)
+}
+
+/// Runs `op` (a removal) until it succeeds, fails with an error after which the
+/// session's entries are gone anyway ([`Error::is_lost`]: lost, or the client closed),
+/// or `ended` completes (the session that keeps the entry ended, so the server removes
+/// it). It never gives up while the session lives: an entry left under a live session
+/// (an etcd lease or a Redis watchdog that keeps renewing it, a ZooKeeper session that
+/// keeps pinging) is a ghost that every other contender waits behind for as long as the
+/// process runs.
+async fn remove_until_done<F>(
+    q: &QueuePath,
+    what: &str,
+    mut op: F,
+    ended: BoxFuture<'static, Error>,
+) where
+    F: FnMut() -> BoxFuture<'static, Result<()>>,
+{
+    let retry = async {
+        for attempt in 0u32.. {
+            match op().await {
+                Ok(()) => return,
+                Err(e) if e.is_lost() => return,
+                Err(e) => {
+                    // Loud now and then, so a removal that keeps failing (a server that
+                    // refuses it) is seen, without a line per attempt.
+                    if attempt % 10 == 4 {
+                        tracing::warn!(queue = %q, attempt, error = %e, "background {what} still failing; retrying while the session lives");
+                    } else {
+                        tracing::debug!(queue = %q, attempt, error = %e, "background {what} failed");
+                    }
+                    tokio::time::sleep(removal_backoff(attempt)).await;
+                }
+            }
+        }
+    };
+    tokio::select! {
+        () = retry => {}
+        e = ended => tracing::debug!(queue = %q, reason = %e, "session ended; its entries go with it"),
+    }
+}
+
+/// Background removal of a ticket's entry, retried while the session lives (see
+/// [`remove_until_done`]).
 fn spawn_abandon<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, ticket: Ticket) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         tracing::warn!(queue = %q, "no tokio runtime to remove an abandoned entry; it goes with the session");
         return;
     };
     rt.spawn(async move {
-        for attempt in 0..5u32 {
-            match backend.abandon(&q, &ticket).await {
-                Ok(()) => return,
-                Err(e) if e.is_lost() => return,
-                Err(e) => {
-                    tracing::debug!(queue = %q, attempt, error = %e, "background abandon failed");
-                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-                }
-            }
-        }
+        // An abandoned attempt has no entry to ask `lost()` about: the retries end on
+        // success, or when the backend says the session is gone or closed.
+        let op = || {
+            let (backend, q, ticket) = (backend.clone(), q.clone(), ticket.clone());
+            Box::pin(async move { backend.abandon(&q, &ticket).await }) as BoxFuture<'static, _>
+        };
+        remove_until_done(&q, "abandon", op, Box::pin(futures::future::pending())).await;
     });
 }
 
-/// Background removal of a held entry (a guard dropped without `release`).
+/// Background removal of a held entry (a guard dropped without `release`, or a release
+/// that failed), retried while the session lives (see [`remove_until_done`]).
 pub(crate) fn spawn_remove<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, entry: Entry) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         tracing::warn!(queue = %q, "no tokio runtime to release a dropped guard; the entry goes with the session");
         return;
     };
     rt.spawn(async move {
-        for attempt in 0..5u32 {
-            match backend.remove(&q, &entry).await {
-                Ok(()) => return,
-                Err(e) if e.is_lost() => return,
-                Err(e) => {
-                    tracing::debug!(queue = %q, attempt, error = %e, "background release failed");
-                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-                }
-            }
-        }
+        let ended = backend.lost(&q, &entry);
+        let op = || {
+            let (backend, q, entry) = (backend.clone(), q.clone(), entry.clone());
+            Box::pin(async move { backend.remove(&q, &entry).await }) as BoxFuture<'static, _>
+        };
+        remove_until_done(&q, "release", op, ended).await;
     });
 }
 

@@ -20,6 +20,7 @@ mod faults;
 mod fuzz;
 mod recipes;
 mod reentry;
+mod removal;
 #[cfg(all(feature = "etcd", feature = "zookeeper"))]
 mod server_faults;
 mod support;
@@ -87,6 +88,7 @@ all_backends! {
     rwlock_downgrade => crate::recipes::rwlock_downgrade,
     downgrade_beside_a_deleted_write_is_lost => crate::recipes::downgrade_beside_a_deleted_write_is_lost,
     semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
+    failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
     multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
     verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
