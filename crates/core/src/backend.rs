@@ -116,6 +116,12 @@ pub enum Gone {
     /// backend reports this only when the removal itself observed it atomically (one
     /// script, one transaction); on several masters, only when a majority did.
     Head,
+    /// Found missing by a check, not seen being removed: the server may have lost it
+    /// together with other entries (a restart that kept no data, a failover to a replica
+    /// that never had them), the waiter's own entry included. The waiter must list the
+    /// queue again before it takes the lock: a view taken before the loss would let it
+    /// in with no entry of its own on the server.
+    Vanished,
 }
 
 /// The result of [`Backend::enqueue`].

@@ -238,8 +238,11 @@ pub(crate) async fn acquire<B: Backend + ?Sized>(
                 r = &mut gone => {
                     // Told the blocker went as the head, the view needs no listing
                     // however stale it is (see `Snapshot::without_head`).
+                    // Found vanished, it may have gone with mine: only a fresh listing,
+                    // which would no longer name mine, can tell.
                     let granted = match r? {
                         Gone::Head => view.without_head(&blocker.name, &mine.name),
+                        Gone::Vanished => false,
                         _ => view.without(&blocker.name, &mine.name),
                     };
                     if granted {

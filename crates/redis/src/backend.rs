@@ -1201,8 +1201,11 @@ impl Backend for RedisBackend {
 
     /// On one master, [`Gone::Head`] when the message that woke the waiter said the entry
     /// was removed as the head of its queue (the remove script checks it atomically).
-    /// Redlock always says [`Gone::Unknown`]: one master's message does not speak for a
-    /// majority, so its waiters list the queue as before.
+    /// Redlock says [`Gone::Unknown`] after a message: one master's message does not
+    /// speak for a majority, so its waiters list the queue as before. On either, an entry
+    /// found missing with no removal message heard is [`Gone::Vanished`]: it expired, or
+    /// the server lost it (with the waiter's own entry, perhaps), so the waiter lists
+    /// the queue before it may hold.
     fn wait_gone_detail<'a>(
         &'a self,
         q: &'a QueuePath,
@@ -1240,7 +1243,15 @@ impl Backend for RedisBackend {
                     let ttls = s.quorum(results)?;
                     let Some(longest) = ttls.iter().flatten().max().copied() else {
                         s.count_recheck(by_timer);
-                        return Ok(Gone::Unknown);
+                        // No removal message: the key expired, or the server lost it
+                        // with others (a restart without persistence, a failover to a
+                        // replica that never had it), the waiter's own entry perhaps
+                        // too, so the waiter must list again before it holds.
+                        return Ok(if listener.heard.load(Ordering::SeqCst) {
+                            Gone::Unknown
+                        } else {
+                            Gone::Vanished
+                        });
                     };
                     // An expiry nobody publishes (a dead client's entry) is caught when the
                     // key's TTL runs out; anything else (a message lost in a way no

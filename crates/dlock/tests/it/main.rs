@@ -19,6 +19,8 @@ mod curator_peer;
 mod faults;
 mod fuzz;
 mod recipes;
+#[cfg(feature = "redis")]
+mod redis_faults;
 mod reentry;
 mod removal;
 #[cfg(all(feature = "etcd", feature = "zookeeper"))]
@@ -135,6 +137,7 @@ exclusive! {
     zk_leader_cut_from_the_quorum => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_leader_cut_from_the_quorum,
     etcd_holder_cut_off => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_holder_cut_off,
     zk_holder_cut_off => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_holder_cut_off,
+    redis_waiter_whose_entry_was_wiped_never_grants_itself => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_was_wiped_never_grants_itself,
 }
 
 /// ZooKeeper-only tests: Curator interop, herd counting, faults. `shared` tests run

@@ -1,0 +1,83 @@
+//! Redis faults the shared suite cannot stage: the server losing a lock's keys while a
+//! waiter waits.
+
+use std::process::Command;
+use std::time::Duration;
+
+use dlock::{Error, SessionOptions};
+
+use crate::support::{client, eventually, leftovers, unique};
+
+/// Runs `redis-cli` against the server of `url` (`redis://host:port`).
+fn redis_cli(url: &str, args: &[&str]) -> String {
+    let addr = url.strip_prefix("redis://").unwrap_or(url);
+    let (host, port) = addr.rsplit_once(':').expect("redis://host:port");
+    let out = Command::new("redis-cli")
+        .args(["-h", host, "-p", port])
+        .args(args)
+        .output()
+        .expect("redis-cli runs");
+    assert!(out.status.success(), "redis-cli {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A waiter whose own entry the server lost never takes the lock from the view it had
+/// before the loss: it lists the queue again, finds its entry gone and fails with
+/// `LockLost`, so it cannot hold beside a newcomer that queued into the emptied lock.
+///
+/// The loss is staged as a restart without persistence would leave the lock: every key
+/// of the lock deleted at once, with no removal published; the waiter's subscriber
+/// connection is then cut, and its reconnect wakes every waiter to re-check. The waiter's
+/// session is long, so its watchdog (every lease/3) does not notice its own entry's loss
+/// first.
+pub async fn waiter_whose_entry_was_wiped_never_grants_itself(url: &str) {
+    let name = unique("wiped");
+    let a = client(url).await;
+    let b = dlock::connect_with(
+        url,
+        SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
+    )
+    .await
+    .expect("connect");
+    let _held = a.mutex(&name).expect("name").lock().await.expect("lock");
+    let mb = b.mutex(&name).expect("name");
+    let waiter = tokio::spawn(async move { mb.lock().await });
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            leftovers(&a, &name).await == 2
+        })
+        .await,
+        "the waiter queued"
+    );
+
+    let pattern = format!("dlock:{{{name}}}:*");
+    let wiped = redis_cli(
+        url,
+        &[
+            "EVAL",
+            "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do n = n + redis.call('DEL', k) end return n",
+            "0",
+            &pattern,
+        ],
+    );
+    assert!(
+        wiped.trim().parse::<u32>().is_ok_and(|n| n >= 2),
+        "both entries and the queue were deleted: {wiped}"
+    );
+    redis_cli(url, &["CLIENT", "KILL", "TYPE", "pubsub"]);
+
+    let woke = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter re-checks after its subscriber reconnects")
+        .expect("join");
+    match woke {
+        Ok(g) => panic!(
+            "the waiter took the lock with no entry of its own on the server (verify: {:?})",
+            g.verify().await
+        ),
+        Err(e) => assert!(matches!(e, Error::LockLost(_)), "{e:?}"),
+    }
+    assert_eq!(leftovers(&a, &name).await, 0, "nothing is left of the lock");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
