@@ -1,0 +1,416 @@
+//! Fault injection: what a round does to the holders (SIGKILL, SIGSTOP, a proxy cut) and
+//! to the servers (leader kill, pause and nftables cut, Redis restart, clock jump, replica
+//! promotion, Sentinel failover), and the waits that tell the fault took.
+
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use dlock_testkit::{Backend, Cluster};
+use nix::sys::signal::Signal;
+use rand::rngs::StdRng;
+use rand::Rng as _;
+
+use super::history::{self, now_us, Fault, Mode, Record};
+use super::proxy::Proxy;
+use super::scenario::{Recipe, Scenario};
+use super::{wait_for, Group, Kind, Workers, SESSION, WAIT};
+
+/// True once a worker other than `victim` began a section after `t`.
+fn other_began(records: &[Record], victim: u32, t: u64) -> bool {
+    records.iter().any(
+        |r| matches!(r, Record::Begin { worker, at_us, .. } if *worker != victim && *at_us > t),
+    )
+}
+
+fn victim_lost_after(records: &[Record], victim: u32, t: u64) -> bool {
+    records.iter().any(
+        |r| matches!(r, Record::Lost { worker, at_us, .. } if *worker == victim && *at_us >= t),
+    )
+}
+
+/// True while `worker` is inside a section begun after `since` that writes to the fenced
+/// store (any section, for a semaphore's permit holders, which never write). Waiting for
+/// a fresh section puts the fault near its start: a fault that hits a section about to
+/// end tests little.
+fn inside_writing(records: &[Record], worker: u32, recipe: Recipe, since: u64) -> bool {
+    history::sections(records).iter().any(|s| {
+        s.worker == worker
+            && s.start_us > since
+            && s.end_us.is_none()
+            && (s.mode == Mode::Exclusive || recipe == Recipe::Semaphore)
+    })
+}
+
+/// A holder fault as injected.
+pub(super) struct Hit {
+    pub(super) fault: Fault,
+    /// A paused holder was inside a section that writes to the fenced store: its late
+    /// write must reach the store.
+    pub(super) exercised_fence: bool,
+}
+
+/// Injects one holder fault of `scenario` on `victim` (of `group`), at a moment inside its
+/// section drawn from `rng`, and waits until the lock serves another worker.
+pub(super) fn inject_holder(
+    scenario: Scenario,
+    group: &Group,
+    workers: &mut Workers,
+    proxies: &HashMap<u32, Vec<Proxy>>,
+    victim: u32,
+    rng: &mut StdRng,
+) -> anyhow::Result<Hit> {
+    let h = || group.records();
+    let recipe = group.recipe;
+    let since = now_us();
+    wait_for("the victim inside a new section", WAIT, || {
+        Ok(inside_writing(&h()?, victim, recipe, since))
+    })?;
+    // When in the section the fault hits: the slow section lasts at least 300 ms.
+    std::thread::sleep(Duration::from_millis(rng.gen_range(0..150)));
+    let inside = inside_writing(&h()?, victim, recipe, since);
+    match scenario {
+        Scenario::HolderKill => {
+            let t = now_us();
+            workers.signal(victim, Signal::SIGKILL)?;
+            eprintln!("  {}: killed worker {victim}", recipe.label());
+            wait_for("another holder after the kill", WAIT, || {
+                Ok(other_began(&h()?, victim, t))
+            })?;
+            Ok(Hit {
+                fault: Fault {
+                    at_us: t,
+                    victim: Some(victim),
+                    signal_from_us: None,
+                    paused: false,
+                    measure_margin: false,
+                },
+                exercised_fence: false,
+            })
+        }
+        Scenario::HolderPause => {
+            let t = now_us();
+            workers.signal(victim, Signal::SIGSTOP)?;
+            let stopped = Instant::now();
+            let taken = wait_for("another holder while paused", WAIT, || {
+                Ok(other_began(&h()?, victim, t))
+            });
+            // Stay paused past two sessions whatever happened, like a long GC pause.
+            let min = 2 * SESSION + Duration::from_millis(rng.gen_range(1000..2000));
+            if let Some(rest) = min.checked_sub(stopped.elapsed()) {
+                std::thread::sleep(rest);
+            }
+            let resumed = now_us();
+            workers.signal(victim, Signal::SIGCONT)?;
+            eprintln!(
+                "  {}: paused worker {victim} for {:.1?}",
+                recipe.label(),
+                stopped.elapsed()
+            );
+            taken?;
+            // The resumed section finishes (its write is judged by the store) or its
+            // dlock stops it.
+            wait_for("the resumed section to end", WAIT, || {
+                Ok(!history::in_section(&h()?, victim) || !workers.alive().contains(&victim))
+            })?;
+            Ok(Hit {
+                fault: Fault {
+                    at_us: t,
+                    victim: Some(victim),
+                    signal_from_us: Some(resumed),
+                    paused: true,
+                    measure_margin: false,
+                },
+                exercised_fence: inside && recipe != Recipe::Semaphore,
+            })
+        }
+        Scenario::ClientCut => {
+            let ps = proxies.get(&victim).context("victim without proxies")?;
+            let t = now_us();
+            for p in ps {
+                p.cut();
+            }
+            eprintln!(
+                "  {}: cut worker {victim} off from the servers",
+                recipe.label()
+            );
+            let r = wait_for("the victim's lost signal and another holder", WAIT, || {
+                let recs = h()?;
+                // A victim still inside its section must be told; one whose section
+                // ended first had nothing to lose.
+                Ok(other_began(&recs, victim, t)
+                    && (victim_lost_after(&recs, victim, t) || !history::in_section(&recs, victim)))
+            });
+            for p in ps {
+                p.restore();
+            }
+            r?;
+            Ok(Hit {
+                fault: Fault {
+                    at_us: t,
+                    victim: Some(victim),
+                    signal_from_us: Some(t),
+                    paused: false,
+                    // A free permit may go to another worker at once: the margin is a
+                    // mutual-exclusion measure (the permit count is checked instead).
+                    measure_margin: recipe != Recipe::Semaphore,
+                },
+                exercised_fence: false,
+            })
+        }
+        other => bail!("{} is not a holder fault", other.label()),
+    }
+}
+
+/// Waits until every group's lock served a worker (other than `victim`) after `t`.
+fn wait_all_recovered(groups: &[Group], victim: u32, t: u64, what: &str) -> anyhow::Result<()> {
+    for g in groups {
+        wait_for(&format!("{what} ({})", g.recipe.label()), WAIT, || {
+            Ok(other_began(&g.records()?, victim, t))
+        })?;
+    }
+    Ok(())
+}
+
+/// Injects one server fault of `scenario` (for the Redis ones, while `victim` of
+/// `anchor` is inside its section) and waits until every lock serves a worker again.
+// Each argument is a different handle of the run (servers, groups, proxy, randomness);
+// bundling them would only rename the list.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn inject_server(
+    scenario: Scenario,
+    kind: Kind,
+    cluster: &mut Cluster,
+    groups: &[Group],
+    anchor: &Group,
+    vip: Option<&Proxy>,
+    primary: &mut u32,
+    victim: u32,
+    rng: &mut StdRng,
+) -> anyhow::Result<Fault> {
+    let h = || anchor.records();
+    let recipe = anchor.recipe;
+    let since = now_us();
+    let wait_inside = |what: &str| {
+        wait_for(what, WAIT, || {
+            Ok(inside_writing(&h()?, victim, recipe, since))
+        })
+    };
+    let long = 2 * SESSION + Duration::from_millis(rng.gen_range(1000..2000));
+    let server_wide = |t: u64| Fault {
+        at_us: t,
+        victim: None,
+        signal_from_us: None,
+        paused: false,
+        measure_margin: false,
+    };
+    // A fault under a holder that keeps running: it must be told before anyone else is
+    // let in.
+    let under_victim = |t: u64| Fault {
+        at_us: t,
+        victim: Some(victim),
+        signal_from_us: Some(t),
+        paused: false,
+        measure_margin: recipe != Recipe::Semaphore,
+    };
+    match scenario {
+        Scenario::LeaderKill => {
+            let server = kind.server();
+            let leader = cluster.wait_leader(server, WAIT)?;
+            let t = now_us();
+            cluster.kill(server, leader)?;
+            eprintln!("  killed {server} leader (node {leader})");
+            let recovered =
+                wait_all_recovered(groups, u32::MAX, t, "a holder after the leader kill");
+            cluster.restart(server, leader)?;
+            eprintln!("  restarted node {leader}");
+            recovered?;
+            Ok(server_wide(t))
+        }
+        Scenario::LeaderPause => {
+            let server = kind.server();
+            let leader = cluster.wait_leader(server, WAIT)?;
+            let t = now_us();
+            cluster.stop(server, leader)?;
+            std::thread::sleep(long);
+            cluster.cont(server, leader)?;
+            eprintln!("  paused {server} leader (node {leader}) for {long:.1?}");
+            wait_all_recovered(groups, u32::MAX, t, "a holder after the leader pause")?;
+            cluster.wait_leader(server, WAIT)?;
+            Ok(server_wide(t))
+        }
+        Scenario::LeaderCut => {
+            let leader = cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            let (lq, le) = cluster.zk_peer_ports(leader);
+            let pid = cluster.server(Backend::Zookeeper, leader)?.pid;
+            // Connections the leader opened to the others' election ports, besides
+            // everything to or from its own quorum and election ports.
+            let mut pairs = Vec::new();
+            let others: Vec<u32> = cluster
+                .servers_of(Backend::Zookeeper)
+                .map(|s| s.id)
+                .filter(|id| *id != leader)
+                .collect();
+            for other in others {
+                let (_, oe) = cluster.zk_peer_ports(other);
+                for p in dlock_testkit::connections_of(pid, oe)? {
+                    pairs.push((p, oe));
+                }
+            }
+            let t = now_us();
+            let cut = dlock_testkit::NetCut::new(&pairs, &[lq, le])?;
+            std::thread::sleep(long);
+            cut.heal()?;
+            eprintln!(
+                "  cut the ZooKeeper leader (node {leader}) off from the quorum for {long:.1?}"
+            );
+            wait_all_recovered(groups, u32::MAX, t, "a holder after the leader cut")?;
+            cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            Ok(server_wide(t))
+        }
+        Scenario::ServerRestart => {
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            cluster.restart(Backend::Redis, 1)?;
+            eprintln!("  restarted Redis node 1 (no persistence) under worker {victim}");
+            wait_all_recovered(groups, victim, t, "another holder after the restart")?;
+            Ok(under_victim(t))
+        }
+        Scenario::ClockJump => {
+            wait_inside("the victim inside its section")?;
+            let addr = cluster.server(Backend::Redis, 1)?.addr.clone();
+            let jump_ms = (SESSION * 3 / 2).as_millis().to_string();
+            let t = now_us();
+            // What a forward jump of the server's wall clock does to locks: every key
+            // with a TTL expires that much sooner, all at once. (libfaketime, which would
+            // jump the clock itself, crashes Debian's redis-server at start.)
+            redis_cli(&addr, &["EVAL", JUMP_SCRIPT, "0", &jump_ms])?;
+            eprintln!(
+                "  jumped Redis node 1's expiry clock forward {jump_ms} ms under worker {victim}"
+            );
+            wait_all_recovered(groups, victim, t, "another holder after the jump")?;
+            Ok(under_victim(t))
+        }
+        Scenario::ReplicaPromotion => {
+            let vip = vip.context("replica promotion without its proxy")?;
+            let p = *primary;
+            let r = if p == 1 { 2 } else { 1 };
+            let p_addr = cluster.server(Backend::Redis, p)?.addr.clone();
+            let r_addr = cluster.server(Backend::Redis, r)?.addr.clone();
+            // The replica follows the primary through a proxy, so the stream can be cut
+            // for real. A SIGSTOP of the replica would not do: the kernel keeps taking
+            // the stream into the stopped process's socket buffer, and the replica
+            // applies all of it when it resumes, holds included.
+            let link = Proxy::start(
+                p_addr
+                    .parse()
+                    .with_context(|| format!("address {p_addr}"))?,
+            )?;
+            let link_addr = link.addr();
+            redis_cli(&p_addr, &["CONFIG", "SET", "repl-diskless-sync-delay", "0"])?;
+            redis_cli(
+                &r_addr,
+                &[
+                    "REPLICAOF",
+                    &link_addr.ip().to_string(),
+                    &link_addr.port().to_string(),
+                ],
+            )?;
+            wait_for("the replica in sync", WAIT, || {
+                Ok(redis_cli(&r_addr, &["INFO", "replication"])?.contains("master_link_status:up"))
+            })?;
+            // From here the replica sees none of the primary's writes.
+            link.cut();
+            let stopped = now_us();
+            // The victim must hold an entry it created after the stop: its next section
+            // after one that ended after the stop (every section is a new entry).
+            wait_for(
+                "the victim inside a section it queued for after the replica stopped",
+                WAIT,
+                || {
+                    let secs = history::sections(&h()?);
+                    let Some(first_end) = secs
+                        .iter()
+                        .filter(|s| s.worker == victim)
+                        .filter_map(|s| s.end_us.filter(|&e| e > stopped))
+                        .min()
+                    else {
+                        return Ok(false);
+                    };
+                    Ok(secs.iter().any(|s| {
+                        s.worker == victim && s.start_us > first_end && s.end_us.is_none()
+                    }))
+                },
+            )?;
+            let t = now_us();
+            cluster.kill(Backend::Redis, p)?;
+            redis_cli(&r_addr, &["REPLICAOF", "NO", "ONE"])?;
+            drop(link);
+            vip.retarget(
+                r_addr
+                    .parse()
+                    .with_context(|| format!("address {r_addr}"))?,
+            )?;
+            eprintln!(
+                "  killed primary (node {p}) under worker {victim}; promoted node {r}, which never saw the hold"
+            );
+            *primary = r;
+            let recovered =
+                wait_all_recovered(groups, victim, t, "another holder on the promoted replica");
+            // The old primary comes back empty, ready to be the next round's replica.
+            cluster.restart(Backend::Redis, p)?;
+            recovered?;
+            Ok(under_victim(t))
+        }
+        Scenario::SentinelFailover => {
+            let primary = cluster.wait_sentinel_group(WAIT)?;
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            cluster.kill(Backend::RedisHa, primary)?;
+            let promoted = cluster.wait_failover(primary, WAIT)?;
+            eprintln!(
+                "  killed the primary (node {primary}) under worker {victim}; the Sentinels promoted node {promoted} after {} ms",
+                (now_us() - t) / 1000
+            );
+            let recovered =
+                wait_all_recovered(groups, victim, t, "another holder after the failover");
+            // Back only after the promotion (an empty master brought back earlier would
+            // be kept as the primary), and whole again before the next fault.
+            cluster.restart(Backend::RedisHa, primary)?;
+            cluster.wait_sentinel_group(WAIT)?;
+            recovered?;
+            Ok(under_victim(t))
+        }
+        other => bail!("{} is not a server fault", other.label()),
+    }
+}
+
+/// Shortens the TTL of every key by `ARGV[1]` ms (deleting those it would take past zero),
+/// as a forward jump of the server's clock would. The chaos servers hold nothing else.
+const JUMP_SCRIPT: &str = "local n = 0 \
+    for _, k in ipairs(redis.call('KEYS', '*')) do \
+      local t = redis.call('PTTL', k) \
+      if t > 0 then \
+        if t <= tonumber(ARGV[1]) then redis.call('DEL', k) \
+        else redis.call('PEXPIRE', k, t - tonumber(ARGV[1])) end \
+        n = n + 1 \
+      end \
+    end \
+    return n";
+
+/// Runs `redis-cli` against `addr` and returns its output; a Redis error is an error.
+fn redis_cli(addr: &str, args: &[&str]) -> anyhow::Result<String> {
+    let (host, port) = addr.rsplit_once(':').context("address")?;
+    let out = Command::new("redis-cli")
+        .args(["-h", host, "-p", port])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("running redis-cli")?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    if !out.status.success() || text.starts_with("ERR") {
+        bail!("redis-cli -p {port} {}: {text}", args.join(" "));
+    }
+    Ok(text)
+}

@@ -1,0 +1,286 @@
+//! The scenario catalogue: the fault scenarios and the recipes they run on, which
+//! backends each scenario applies to, and the seeded plan of a run's rounds.
+
+use anyhow::Context as _;
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
+
+use super::{Kind, SESSION, SLOW_WORK_MS};
+
+/// A fault scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scenario {
+    HolderKill,
+    HolderPause,
+    ClientCut,
+    LeaderKill,
+    LeaderPause,
+    LeaderCut,
+    ServerRestart,
+    ClockJump,
+    ReplicaPromotion,
+    SentinelFailover,
+}
+
+impl Scenario {
+    pub(super) const ALL: [Scenario; 10] = [
+        Scenario::HolderKill,
+        Scenario::HolderPause,
+        Scenario::ClientCut,
+        Scenario::LeaderKill,
+        Scenario::LeaderPause,
+        Scenario::LeaderCut,
+        Scenario::ServerRestart,
+        Scenario::ClockJump,
+        Scenario::ReplicaPromotion,
+        Scenario::SentinelFailover,
+    ];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Scenario::HolderKill => "holder-kill",
+            Scenario::HolderPause => "holder-pause",
+            Scenario::ClientCut => "client-cut",
+            Scenario::LeaderKill => "leader-kill",
+            Scenario::LeaderPause => "leader-pause",
+            Scenario::LeaderCut => "leader-cut",
+            Scenario::ServerRestart => "server-restart",
+            Scenario::ClockJump => "clock-jump",
+            Scenario::ReplicaPromotion => "replica-promotion",
+            Scenario::SentinelFailover => "sentinel-failover",
+        }
+    }
+
+    pub(super) fn describe(self) -> &'static str {
+        match self {
+            Scenario::HolderKill => "SIGKILL the holder (its process group) inside its section",
+            Scenario::HolderPause => {
+                "SIGSTOP the holder inside its section past two sessions, SIGCONT; the fenced store judges its late write"
+            }
+            Scenario::ClientCut => {
+                "a loopback proxy between the holder and the servers stops forwarding past the session"
+            }
+            Scenario::LeaderKill => {
+                "SIGKILL the server leader (ZooKeeper, etcd 3-node), restart it"
+            }
+            Scenario::LeaderPause => {
+                "SIGSTOP the server leader (ZooKeeper, etcd 3-node) past two sessions, SIGCONT"
+            }
+            Scenario::LeaderCut => {
+                "cut the ZooKeeper leader off from the quorum (nftables) past two sessions, heal"
+            }
+            Scenario::ServerRestart => {
+                "restart Redis node 1 without persistence while a holder is inside"
+            }
+            Scenario::ClockJump => {
+                "Redis node 1 expires keys as if its clock jumped forward by 1.5 sessions (every TTL shortened at once) while a holder is inside"
+            }
+            Scenario::ReplicaPromotion => {
+                "promote a Redis replica that never saw the lock (its replication link cut, then the primary killed)"
+            }
+            Scenario::SentinelFailover => {
+                "SIGKILL the Sentinel group's primary while a holder is inside; Sentinels promote the replica, clients follow"
+            }
+        }
+    }
+
+    pub(super) fn parse(s: &str) -> anyhow::Result<Scenario> {
+        Scenario::ALL
+            .into_iter()
+            .find(|sc| sc.label() == s.trim())
+            .with_context(|| format!("unknown scenario {s:?}; `cargo xtask chaos --list`"))
+    }
+
+    pub(super) fn applies_to(self, kind: Kind) -> bool {
+        match self {
+            Scenario::LeaderKill | Scenario::LeaderPause => matches!(kind, Kind::Zk | Kind::Etcd),
+            Scenario::LeaderCut => kind == Kind::Zk,
+            Scenario::ServerRestart | Scenario::ClockJump => {
+                matches!(kind, Kind::Redis | Kind::Redlock)
+            }
+            Scenario::ReplicaPromotion => kind == Kind::Redis,
+            // The Sentinel group is there for its failover; the holder faults behave as
+            // on `redis`, and a proxy in front of the Sentinels would not cut the data
+            // connection.
+            Scenario::SentinelFailover => kind == Kind::RedisSentinel,
+            Scenario::HolderKill | Scenario::HolderPause | Scenario::ClientCut => {
+                kind != Kind::RedisSentinel
+            }
+        }
+    }
+
+    /// Whether the fault hits one worker per recipe (else the servers, under everyone).
+    pub(super) fn hits_holders(self) -> bool {
+        matches!(
+            self,
+            Scenario::HolderKill | Scenario::HolderPause | Scenario::ClientCut
+        )
+    }
+
+    /// Whether `kind` promises mutual exclusion under this fault. One Redis server
+    /// (`redis://`, and `redis+sentinel://`, whose replication is asynchronous) does not
+    /// when it forgets its keys: a restart without persistence, a replica promoted before
+    /// it saw the lock. Redlock keeps its majority when one master of five restarts.
+    pub(super) fn guaranteed_on(self, kind: Kind) -> bool {
+        !matches!(
+            (self, kind),
+            (Scenario::ServerRestart, Kind::Redis)
+                | (Scenario::ClockJump, Kind::Redis)
+                | (Scenario::ReplicaPromotion, Kind::Redis)
+                | (Scenario::SentinelFailover, Kind::RedisSentinel)
+        )
+    }
+
+    /// How long a slow worker's section works: past the session where the fault must
+    /// catch the holder inside for longer than that.
+    pub(super) fn slow_work_ms(self) -> u64 {
+        match self {
+            Scenario::ClientCut
+            | Scenario::ServerRestart
+            | Scenario::ClockJump
+            | Scenario::ReplicaPromotion
+            | Scenario::SentinelFailover => 2 * SESSION.as_millis() as u64,
+            _ => SLOW_WORK_MS,
+        }
+    }
+}
+
+/// A recipe under faults: each runs beside the others, on a lock of its own, with its own
+/// workers, history and fenced store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recipe {
+    Mutex,
+    /// The mutex, each section on a nested re-entry of the hold.
+    ReentrantMutex,
+    SemaphoreMutex,
+    /// Writers that downgrade to a read hold, and readers.
+    RwLock,
+    /// Holders never above its permits.
+    Semaphore,
+    /// Two mutexes taken all-or-nothing.
+    MultiLock,
+}
+
+impl Recipe {
+    pub(super) const ALL: [Recipe; 6] = [
+        Recipe::Mutex,
+        Recipe::ReentrantMutex,
+        Recipe::SemaphoreMutex,
+        Recipe::RwLock,
+        Recipe::Semaphore,
+        Recipe::MultiLock,
+    ];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Recipe::Mutex => "mutex",
+            Recipe::ReentrantMutex => "reentrant-mutex",
+            Recipe::SemaphoreMutex => "semaphore-mutex",
+            Recipe::RwLock => "rwlock",
+            Recipe::Semaphore => "semaphore",
+            Recipe::MultiLock => "multi-lock",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> anyhow::Result<Recipe> {
+        Recipe::ALL
+            .into_iter()
+            .find(|r| r.label() == s.trim())
+            .with_context(|| {
+                format!("unknown recipe {s:?}: expected mutex, reentrant-mutex, semaphore-mutex, rwlock, semaphore or multi-lock")
+            })
+    }
+
+    /// The semaphore's permits (1 for the exclusive recipes).
+    pub(super) fn permits(self) -> u32 {
+        match self {
+            Recipe::Semaphore => 2,
+            _ => 1,
+        }
+    }
+
+    /// The lock names its workers take (the multi-lock's two parts).
+    pub(super) fn names(self, base: &str) -> Vec<String> {
+        match self {
+            Recipe::MultiLock => vec![format!("{base}/a"), format!("{base}/b")],
+            _ => vec![base.to_string()],
+        }
+    }
+
+    /// Its workers: (via, slow). The slow ones are the victims. The mutex has CLI workers
+    /// too; a semaphore of two permits has three workers, so one always waits.
+    pub(super) fn workers(self) -> &'static [(&'static str, bool)] {
+        match self {
+            Recipe::Mutex => &[("cli", true), ("cli", false), ("lib", true), ("lib", false)],
+            Recipe::Semaphore => &[("lib", true), ("lib", false), ("lib", false)],
+            _ => &[("lib", true), ("lib", false)],
+        }
+    }
+}
+
+/// One round: a scenario on a backend, every random choice drawn from `seed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Round {
+    pub(super) kind: Kind,
+    pub(super) scenario: Scenario,
+    pub(super) seed: u64,
+}
+
+/// Round `i`'s seed: `seed` itself for round 0, so a printed round seed replays alone.
+fn round_seed(seed: u64, i: u32) -> u64 {
+    if i == 0 {
+        return seed;
+    }
+    // SplitMix64's mixer: well-spread seeds from consecutive indexes.
+    let mut z = seed.wrapping_add(u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The rounds of a run: with `rounds`, round i runs backend i (mod the backends) and a
+/// scenario drawn from its seed; without, every backend x scenario once.
+pub(super) fn plan(
+    kinds: &[Kind],
+    scenarios: &[Scenario],
+    seed: u64,
+    rounds: Option<u32>,
+) -> Vec<Round> {
+    match rounds {
+        Some(n) => (0..n)
+            .filter_map(|i| {
+                let kind = kinds[i as usize % kinds.len()];
+                let seed = round_seed(seed, i);
+                let fits: Vec<Scenario> = scenarios
+                    .iter()
+                    .copied()
+                    .filter(|s| s.applies_to(kind))
+                    .collect();
+                if fits.is_empty() {
+                    return None;
+                }
+                let scenario = fits[StdRng::seed_from_u64(seed).gen_range(0..fits.len())];
+                Some(Round {
+                    kind,
+                    scenario,
+                    seed,
+                })
+            })
+            .collect(),
+        None => {
+            let mut out = Vec::new();
+            let mut i = 0;
+            for &kind in kinds {
+                for &scenario in scenarios.iter().filter(|s| s.applies_to(kind)) {
+                    out.push(Round {
+                        kind,
+                        scenario,
+                        seed: round_seed(seed, i),
+                    });
+                    i += 1;
+                }
+            }
+            out
+        }
+    }
+}
