@@ -285,8 +285,13 @@ pub trait Backend: Send + Sync + 'static {
     /// alive was *sent* (the server renewed it after that).
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;
 
-    /// Reads a small shared value stored at `key` under the lock (the semaphore's shared
-    /// permit count), or `None` if it is not set.
+    /// Reads the small value stored at the queue `q` itself (not in one of its entries),
+    /// or `None` if none is set. The recipes use it for the semaphore's shared permit
+    /// count (Curator's `SharedCount`), read at [`QueuePath::root`] of the count's name.
+    ///
+    /// The default returns `None`: the backend stores no such value. ZooKeeper
+    /// overrides it and reads the data of `q`'s znode, where empty data or a missing
+    /// znode counts as not set.
     fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
         let _ = q;
         Box::pin(async { Ok(None) })

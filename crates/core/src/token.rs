@@ -1,14 +1,31 @@
-//! Fencing tokens: numbers that only grow for a lock, across all its holders.
+//! Fencing tokens: numbers a lock's grants carry, in grant order where the backend can
+//! give one.
 //!
 //! A storage service that accepts a write only with a token at least as high as the
 //! highest it has seen rejects a paused former holder's late write (Kleppmann's fencing).
-//! Each backend draws tokens from its own linearizable order: the entry's `czxid` on
-//! ZooKeeper, its create revision on etcd, an `INCR` inside the acquire script on Redis.
+//! Each backend makes its tokens differently, and the order they give differs with it:
+//! - ZooKeeper: the entry's `czxid`, the zxid of the transaction that created it, assigned
+//!   by the leader and committed by a quorum.
+//! - etcd: the entry key's create revision, the cluster-wide revision committed by Raft.
+//! - Redis, one master (also behind Sentinel): the enqueue script, atomic on the server,
+//!   gives the entry the lock's token counter + 1, floored at the server clock in
+//!   microseconds (a new entry into an empty queue takes the clock alone). The counter
+//!   goes with an idle lock and expires with the lease, so across an idle lock, a
+//!   restart without persistence or a failover to a replica that missed the last writes
+//!   only the clock floor keeps tokens growing: they grow as long as the server's clock
+//!   never steps back (after a failover: the new server's clock is not behind the old
+//!   one's by more than the failover took).
+//! - Redlock: every master that takes the entry draws its own token the same way, and the
+//!   entry's token is the highest of those. The masters' counters are independent, so
+//!   after a master restart or a partition a later holder can get a *smaller* token:
+//!   Redlock tokens give no order to fence with.
 
 use std::fmt;
 
-/// A fencing token. Two tokens of the same lock compare in the order the locks were
-/// granted: a later holder always has a larger token.
+/// A fencing token. On ZooKeeper and etcd, a later exclusive grant of a lock (mutex,
+/// semaphore-mutex, write lock) always has a larger token than every earlier one; on one
+/// Redis master only as long as the server's clock does not step back, and on Redlock
+/// not at all (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 

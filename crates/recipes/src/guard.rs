@@ -207,9 +207,12 @@ impl<B: Backend + ?Sized> LockGuard<B> {
         !self.released && self.held.key.as_ref() == Some(key)
     }
 
-    /// The fencing token of this hold: larger than the token of every earlier holder of
-    /// the same lock. Pass it to the storage you protect, which must reject a write whose
-    /// token is lower than one it has seen (see `dlock_core::FenceGate`).
+    /// The fencing token of this hold. On ZooKeeper and etcd an exclusive hold's token is
+    /// larger than that of every earlier exclusive holder of the same lock; on one Redis
+    /// master only as long as the server's clock does not step back; Redlock tokens give
+    /// no such order (see `dlock_core::FencingToken`). Pass it to the storage you protect,
+    /// which must reject a write whose token is lower than one it has seen (see
+    /// `dlock_core::FenceGate`).
     pub fn token(&self) -> FencingToken {
         self.held.token
     }

@@ -10,8 +10,9 @@
 //!   `Arc<ZkBackend>` that any number of locks and tasks share.
 //! - [`ZkOptions`] holds the adapter's own settings; [`DEFAULT_SESSION_TIMEOUT`] (10 s) is
 //!   used when [`dlock_core::SessionOptions`] does not set one.
-//! - [`ZkBackend::client`] hands out the underlying [`zk::Client`] for guarded writes or
-//!   inspection.
+//! - [`ZkBackend::client`] hands out the underlying [`zookeeper_client::Client`] for
+//!   guarded writes or inspection (naming its types takes a dependency on the same
+//!   zookeeper-client version as this crate's).
 //!
 //! # Layout (Curator-compatible)
 //! Lock `orders/42` is the znode `/orders/42` under the chroot; a semaphore's queues are
@@ -134,7 +135,6 @@ mod nodelay;
 mod session;
 
 pub use backend::{ZkBackend, DEFAULT_SESSION_TIMEOUT};
-pub use zookeeper_client as zk;
 
 /// Adapter-specific connect options; [`ZkOptions::default`] is right for almost everyone.
 #[derive(Debug, Clone, PartialEq, Eq)]

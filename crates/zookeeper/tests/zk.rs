@@ -13,7 +13,8 @@ use dlock_core::{
     decide, Backend, Decision, Enqueued, Entry, EntryKind, Error, LockName, NameRules, Position,
     QueuePath, SessionOptions, Ticket,
 };
-use dlock_zookeeper::{zk, ZkBackend};
+use dlock_zookeeper::ZkBackend;
+use zookeeper_client as zk;
 
 /// Generous bound for anything that should happen "soon": a hang fails the test, a slow
 /// machine does not.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use dlock::Error;
 use dlock_testkit::{Backend as Server, State};
-use dlock_zookeeper::zk;
+use zookeeper_client as zk;
 
 use crate::support::{
     client, dlock, eventually, leftovers, tempdir, unique, zk_hosts, SESSION_TIMEOUT,

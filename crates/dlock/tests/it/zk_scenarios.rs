@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock::{Backend, Error, SessionOptions};
-use dlock_zookeeper::{zk, ZkBackend};
+use dlock_zookeeper::ZkBackend;
+use zookeeper_client as zk;
 
 use crate::support::{eventually, leftovers, unique, zk_hosts, SESSION_TIMEOUT};
 
