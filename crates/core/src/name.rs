@@ -10,25 +10,56 @@ use std::fmt;
 
 use crate::error::{Error, NameError};
 
-/// The rules a backend puts on lock names.
+/// The rules a backend puts on lock names, beyond those every backend shares.
+///
+/// Every name is checked for what any backend needs: not empty, no control or private-use
+/// characters, no empty, `.` or `..` segment (so the prefix of one lock is never the
+/// prefix of another), at most [`NameRules::MAX_LEN`] bytes. A backend adds what its
+/// storage needs on top: a first segment it reserves (ZooKeeper's `/zookeeper` tree),
+/// characters it cannot take in a name (Redis's `{` and `}`, which would break the hash
+/// tag). Each adapter publishes its rules; the core names no backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum NameRules {
-    /// ZooKeeper paths: no empty, `.` or `..` segments, no control characters, not under
-    /// the reserved `/zookeeper` tree, and short enough to leave room for entry names.
-    ZooKeeper,
-    /// etcd keys: any UTF-8 without control characters; segments as for ZooKeeper so the
-    /// prefix of one lock is never the prefix of another.
-    Etcd,
-    /// Redis keys: as etcd, and no `{` or `}` because the name becomes the hash tag.
-    Redis,
+pub struct NameRules {
+    reserved: Option<&'static str>,
+    forbidden: &'static [char],
 }
 
 impl NameRules {
     /// The longest name accepted, in bytes. ZooKeeper's limit leaves room for the
     /// chroot, a sub-directory and a 60-byte entry name under its 1 MiB packet limit;
-    /// the others are kept equal so a name valid on one backend is valid on all.
+    /// every backend keeps the same limit so a name valid on one backend is valid on all
+    /// whose extra rules it meets.
     pub const MAX_LEN: usize = 1024;
+
+    /// Only the rules every backend shares (etcd needs no more).
+    pub const fn common() -> Self {
+        NameRules {
+            reserved: None,
+            forbidden: &[],
+        }
+    }
+
+    /// These rules, and a name may not be `root` nor start with the segment `root`.
+    pub const fn reserving(self, root: &'static str) -> Self {
+        NameRules {
+            reserved: Some(root),
+            ..self
+        }
+    }
+
+    /// These rules, and a name may contain none of `chars`.
+    pub const fn forbidding(self, chars: &'static [char]) -> Self {
+        NameRules {
+            forbidden: chars,
+            ..self
+        }
+    }
+}
+
+impl Default for NameRules {
+    fn default() -> Self {
+        NameRules::common()
+    }
 }
 
 /// A lock name that passed validation. Always without leading or trailing `/`.
@@ -75,18 +106,13 @@ impl LockName {
         {
             return Err(NameError::BadSegment);
         }
-        match rules {
-            NameRules::ZooKeeper => {
-                if trimmed == "zookeeper" || trimmed.starts_with("zookeeper/") {
-                    return Err(NameError::Reserved("zookeeper"));
-                }
+        if let Some(root) = rules.reserved {
+            if trimmed.split('/').next() == Some(root) {
+                return Err(NameError::Reserved(root));
             }
-            NameRules::Etcd => {}
-            NameRules::Redis => {
-                if let Some(c) = trimmed.chars().find(|c| *c == '{' || *c == '}') {
-                    return Err(NameError::BadChar(c));
-                }
-            }
+        }
+        if let Some(c) = trimmed.chars().find(|c| rules.forbidden.contains(c)) {
+            return Err(NameError::BadChar(c));
         }
         Ok(LockName(trimmed.to_owned()))
     }
@@ -146,6 +172,11 @@ impl fmt::Display for QueuePath {
 mod tests {
     use super::*;
 
+    /// Rules shaped like the adapters' (each adapter's own tests check its constant).
+    const ZK: NameRules = NameRules::common().reserving("zookeeper");
+    const ETCD: NameRules = NameRules::common();
+    const REDIS: NameRules = NameRules::common().forbidding(&['{', '}']);
+
     fn bad(name: &str, rules: NameRules) -> NameError {
         match LockName::new(name, rules) {
             Err(Error::InvalidName { reason, .. }) => reason,
@@ -155,37 +186,32 @@ mod tests {
 
     #[test]
     fn accepts_and_normalises() {
-        let n = LockName::new("/a/b/", NameRules::ZooKeeper).expect("valid");
+        let n = LockName::new("/a/b/", ZK).expect("valid");
         assert_eq!(n.as_str(), "a/b");
         assert_eq!(
-            LockName::new("orders-42", NameRules::Redis)
-                .expect("valid")
-                .as_str(),
+            LockName::new("orders-42", REDIS).expect("valid").as_str(),
             "orders-42"
         );
     }
 
     #[test]
     fn rejects_bad_names() {
-        assert_eq!(bad("", NameRules::ZooKeeper), NameError::Empty);
-        assert_eq!(bad("///", NameRules::Etcd), NameError::Empty);
-        assert_eq!(bad("a\0b", NameRules::Etcd), NameError::ControlChar(1));
-        assert_eq!(bad("a//b", NameRules::ZooKeeper), NameError::BadSegment);
-        assert_eq!(bad("a/../b", NameRules::ZooKeeper), NameError::BadSegment);
-        assert_eq!(
-            bad("zookeeper/quota", NameRules::ZooKeeper),
-            NameError::Reserved("zookeeper")
-        );
-        assert_eq!(bad("a{b}", NameRules::Redis), NameError::BadChar('{'));
+        assert_eq!(bad("", ZK), NameError::Empty);
+        assert_eq!(bad("///", ETCD), NameError::Empty);
+        assert_eq!(bad("a\0b", ETCD), NameError::ControlChar(1));
+        assert_eq!(bad("a//b", ZK), NameError::BadSegment);
+        assert_eq!(bad("a/../b", ZK), NameError::BadSegment);
+        assert_eq!(bad("zookeeper/quota", ZK), NameError::Reserved("zookeeper"));
+        assert_eq!(bad("a{b}", REDIS), NameError::BadChar('{'));
         assert!(matches!(
-            bad(&"x".repeat(2000), NameRules::Etcd),
+            bad(&"x".repeat(2000), ETCD),
             NameError::TooLong { .. }
         ));
     }
 
     #[test]
     fn queue_paths() {
-        let n = LockName::new("s", NameRules::ZooKeeper).expect("valid");
+        let n = LockName::new("s", ZK).expect("valid");
         assert_eq!(QueuePath::root(n.clone()).relative(), "s");
         assert_eq!(QueuePath::sub(n, "leases").relative(), "s/leases");
     }
@@ -194,7 +220,7 @@ mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        const RULES: [NameRules; 3] = [NameRules::ZooKeeper, NameRules::Etcd, NameRules::Redis];
+        const RULES: [NameRules; 3] = [ZK, ETCD, REDIS];
 
         /// Names built from the characters validation cares about, so the interesting
         /// branches (segments, reserved prefix, braces, control bytes) are hit often.

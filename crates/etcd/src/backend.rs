@@ -837,7 +837,7 @@ impl Backend for EtcdBackend {
     }
 
     fn name_rules(&self) -> NameRules {
-        NameRules::Etcd
+        crate::NAME_RULES
     }
 
     fn session_timeout(&self) -> Duration {

@@ -231,7 +231,7 @@ pub(crate) fn lease_of(entry: &Entry) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dlock_core::{LockName, NameRules};
+    use dlock_core::LockName;
 
     fn kv<'a>(key: &'a str, value: &'a [u8], rev: i64) -> RawKv<'a> {
         RawKv {
@@ -293,7 +293,7 @@ mod tests {
 
     #[test]
     fn queue_filters_depth_and_sorts_beside() {
-        let name = LockName::new("orders/42", NameRules::Etcd).expect("valid");
+        let name = LockName::new("orders/42", crate::NAME_RULES).expect("valid");
         let prefix = queue_prefix(&QueuePath::root(name));
         assert_eq!(prefix, "orders/42/");
         let t = Ticket::new();

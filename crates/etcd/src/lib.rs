@@ -144,6 +144,10 @@
 
 #![deny(missing_docs)]
 
+/// The lock-name rules of etcd: the shared rules only (a key takes any UTF-8; segments
+/// keep one lock's prefix from being another's).
+pub const NAME_RULES: dlock_core::NameRules = dlock_core::NameRules::common();
+
 mod backend;
 mod errors;
 mod layout;
@@ -151,3 +155,14 @@ mod session;
 mod watches;
 
 pub use backend::{EtcdBackend, DEFAULT_SESSION_TTL};
+
+#[cfg(test)]
+mod name_rule_tests {
+    use dlock_core::LockName;
+
+    #[test]
+    fn only_the_shared_rules_apply() {
+        assert!(LockName::new("zookeeper/a{b}", crate::NAME_RULES).is_ok());
+        assert!(LockName::new("a//b", crate::NAME_RULES).is_err());
+    }
+}

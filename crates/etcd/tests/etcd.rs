@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use dlock_core::driver::{decide, Decision};
 use dlock_core::{
-    Backend, Entry, EntryKind, Error, LockName, NameRules, Position, QueuePath, SessionOptions,
-    Ticket,
+    Backend, Entry, EntryKind, Error, LockName, Position, QueuePath, SessionOptions, Ticket,
 };
 use dlock_etcd::EtcdBackend;
 use tokio::time::{timeout, Instant};
@@ -64,7 +63,7 @@ fn init_tracing() {
 
 fn unique_name(test: &str) -> LockName {
     let n = format!("dlock-test/{test}/{}", uuid::Uuid::new_v4().simple());
-    LockName::new(&n, NameRules::Etcd).expect("valid test name")
+    LockName::new(&n, dlock_etcd::NAME_RULES).expect("valid test name")
 }
 
 async fn connect(eps: &[String]) -> Arc<EtcdBackend> {

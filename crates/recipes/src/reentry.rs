@@ -116,7 +116,7 @@ mod tests {
     fn key(client: ClientId, recipe: Recipe) -> HoldKey {
         HoldKey {
             client,
-            lock: LockName::new("a", NameRules::Redis).expect("name"),
+            lock: LockName::new("a", NameRules::common()).expect("name"),
             recipe,
         }
     }

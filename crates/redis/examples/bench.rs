@@ -9,9 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_core::{
-    Backend, EntryKind, LockName, NameRules, Position, QueuePath, SessionOptions, Ticket,
-};
+use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions, Ticket};
 use dlock_redis::RedisBackend;
 
 #[tokio::main]
@@ -33,7 +31,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let b = backend.clone();
         let q = QueuePath::root(LockName::new(
             &format!("bench/{}/{t}", Ticket::new().as_str()),
-            NameRules::Redis,
+            dlock_redis::NAME_RULES,
         )?);
         handles.push(tokio::spawn(async move {
             for _ in 0..cycles {

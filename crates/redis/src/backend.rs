@@ -1137,7 +1137,7 @@ impl Backend for RedisBackend {
     }
 
     fn name_rules(&self) -> NameRules {
-        NameRules::Redis
+        crate::NAME_RULES
     }
 
     fn session_timeout(&self) -> Duration {

@@ -75,11 +75,11 @@ fn key(q: &QueuePath, what: &str, sub: Option<&str>, suffix: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dlock_core::{LockName, NameRules};
+    use dlock_core::LockName;
 
     #[test]
     fn keys_share_the_hash_tag() {
-        let lock = LockName::new("orders/42", NameRules::Redis).expect("valid");
+        let lock = LockName::new("orders/42", crate::NAME_RULES).expect("valid");
         let k = QueueKeys::new(&QueuePath::sub(lock.clone(), "leases"));
         assert_eq!(k.queue, "dlock:{orders/42}:q:leases");
         assert_eq!(

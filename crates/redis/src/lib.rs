@@ -18,7 +18,7 @@
 //! # async fn demo() -> Result<(), dlock_core::Error> {
 //! let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
 //! let redis = RedisBackend::connect("127.0.0.1:6379", opts).await?;
-//! let q = QueuePath::root(LockName::new("orders/42", NameRules::Redis)?);
+//! let q = QueuePath::root(LockName::new("orders/42", dlock_redis::NAME_RULES)?);
 //! let ticket = Ticket::new();
 //! let added = redis.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"me").await?;
 //! if let Decision::Wait(ahead) = decide(&added.queue, &added.mine.name) {
@@ -167,6 +167,11 @@
 
 #![deny(missing_docs)]
 
+/// The lock-name rules of Redis: the shared rules, and no `{` or `}`, since the name
+/// becomes the hash tag of every key of the lock.
+pub const NAME_RULES: dlock_core::NameRules =
+    dlock_core::NameRules::common().forbidding(&['{', '}']);
+
 mod backend;
 mod keys;
 mod node;
@@ -174,3 +179,17 @@ mod reply;
 mod scripts;
 
 pub use backend::{RedisBackend, Stats, DEFAULT_LEASE, MIN_LEASE};
+
+#[cfg(test)]
+mod name_rule_tests {
+    use dlock_core::{Error, LockName};
+
+    #[test]
+    fn braces_are_refused_since_the_name_is_the_hash_tag() {
+        assert!(matches!(
+            LockName::new("a{b}", crate::NAME_RULES),
+            Err(Error::InvalidName { .. })
+        ));
+        assert!(LockName::new("zookeeper/orders", crate::NAME_RULES).is_ok());
+    }
+}

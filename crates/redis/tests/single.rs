@@ -229,7 +229,7 @@ async fn child_holder() {
     };
     let b = connect(&addr, Duration::from_secs(1)).await;
     let q = dlock_core::QueuePath::root(
-        dlock_core::LockName::new(&lock, dlock_core::NameRules::Redis).expect("name"),
+        dlock_core::LockName::new(&lock, dlock_redis::NAME_RULES).expect("name"),
     );
     let e = b
         .enqueue(

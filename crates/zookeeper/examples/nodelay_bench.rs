@@ -11,9 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dlock_core::{
-    Backend, EntryKind, LockName, NameRules, Position, QueuePath, SessionOptions, Ticket,
-};
+use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions, Ticket};
 use dlock_zookeeper::{ZkBackend, ZkOptions};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -58,7 +56,7 @@ async fn main() -> anyhow::Result<()> {
 /// percentile in µs. Percentiles shrug off the load spikes of a shared machine that
 /// swamp a throughput figure.
 async fn latency(b: &Arc<ZkBackend>, cycles: usize) -> anyhow::Result<(u128, u128)> {
-    let q = QueuePath::root(LockName::new("bench/latency", NameRules::ZooKeeper)?);
+    let q = QueuePath::root(LockName::new("bench/latency", dlock_zookeeper::NAME_RULES)?);
     let mut samples = Vec::with_capacity(cycles);
     for _ in 0..cycles {
         let start = Instant::now();
@@ -81,7 +79,10 @@ async fn run(b: &Arc<ZkBackend>, tasks: usize, cycles: usize) -> anyhow::Result<
         let b = b.clone();
         let n = cycles / tasks;
         handles.push(tokio::spawn(async move {
-            let q = QueuePath::root(LockName::new(&format!("bench/{i}"), NameRules::ZooKeeper)?);
+            let q = QueuePath::root(LockName::new(
+                &format!("bench/{i}"),
+                dlock_zookeeper::NAME_RULES,
+            )?);
             for _ in 0..n {
                 let t = Ticket::new();
                 let done = b

@@ -798,7 +798,7 @@ impl Backend for ZkBackend {
     }
 
     fn name_rules(&self) -> NameRules {
-        NameRules::ZooKeeper
+        crate::NAME_RULES
     }
 
     fn session_timeout(&self) -> Duration {
@@ -1095,7 +1095,7 @@ mod tests {
 
     #[test]
     fn znode_paths() {
-        let lock = dlock_core::LockName::new("a/b", NameRules::ZooKeeper).expect("valid");
+        let lock = dlock_core::LockName::new("a/b", crate::NAME_RULES).expect("valid");
         assert_eq!(znode(&QueuePath::root(lock.clone())), "/a/b");
         assert_eq!(znode(&QueuePath::sub(lock, "leases")), "/a/b/leases");
     }

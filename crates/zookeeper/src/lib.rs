@@ -84,7 +84,7 @@
 //!
 //! # async fn demo() -> dlock_core::Result<()> {
 //! let zk = ZkBackend::connect("127.0.0.1:2181/myapp", SessionOptions::default()).await?;
-//! let q = QueuePath::root(LockName::new("orders/42", NameRules::ZooKeeper)?);
+//! let q = QueuePath::root(LockName::new("orders/42", dlock_zookeeper::NAME_RULES)?);
 //! let ticket = Ticket::new();
 //! let mut done = zk.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"worker-1").await?;
 //! loop {
@@ -128,6 +128,11 @@
 //! is on the wire once the future was first polled); `abandon` with the same ticket removes
 //! it, since it lists the queue after that create on the same session.
 #![deny(missing_docs)]
+/// The lock-name rules of ZooKeeper: the shared rules, and no name under the reserved
+/// `/zookeeper` tree.
+pub const NAME_RULES: dlock_core::NameRules =
+    dlock_core::NameRules::common().reserving("zookeeper");
+
 mod backend;
 mod errors;
 mod heartbeat;
@@ -177,5 +182,19 @@ impl ZkOptions {
     pub fn with_tick_time(mut self, tick: std::time::Duration) -> Self {
         self.tick_time = Some(tick);
         self
+    }
+}
+
+#[cfg(test)]
+mod name_rule_tests {
+    use dlock_core::{Error, LockName};
+
+    #[test]
+    fn the_reserved_tree_is_refused_and_the_rest_accepted() {
+        assert!(matches!(
+            LockName::new("zookeeper/quota", crate::NAME_RULES),
+            Err(Error::InvalidName { .. })
+        ));
+        assert!(LockName::new("zookeeper-like/a{b}", crate::NAME_RULES).is_ok());
     }
 }

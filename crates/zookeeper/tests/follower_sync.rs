@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use dlock_core::{Backend, EntryKind, Error, LockName, NameRules, Position, QueuePath};
+use dlock_core::{Backend, EntryKind, Error, LockName, Position, QueuePath};
 use dlock_core::{SessionOptions, Ticket};
 use dlock_testkit::Backend as Server;
 use dlock_zookeeper::ZkBackend;
@@ -86,7 +86,7 @@ impl Setup {
 }
 
 fn queue() -> QueuePath {
-    QueuePath::root(LockName::new("trailing", NameRules::ZooKeeper).expect("name"))
+    QueuePath::root(LockName::new("trailing", dlock_zookeeper::NAME_RULES).expect("name"))
 }
 
 /// A follower cut off from its leader still answers reads from its own, now stale, tree

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    decide, Backend, Decision, Enqueued, Entry, EntryKind, Error, LockName, NameRules, Position,
-    QueuePath, SessionOptions, Ticket,
+    decide, Backend, Decision, Enqueued, Entry, EntryKind, Error, LockName, Position, QueuePath,
+    SessionOptions, Ticket,
 };
 use dlock_zookeeper::ZkBackend;
 use zookeeper_client as zk;
@@ -49,7 +49,7 @@ async fn connect(hosts: &str, chroot: &str) -> Arc<ZkBackend> {
 }
 
 fn queue(name: &str) -> QueuePath {
-    QueuePath::root(LockName::new(name, NameRules::ZooKeeper).expect("valid name"))
+    QueuePath::root(LockName::new(name, dlock_zookeeper::NAME_RULES).expect("valid name"))
 }
 
 async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
@@ -440,7 +440,7 @@ async fn semaphore_sub_queues_and_shared_value() {
     let Some(hosts) = zk_hosts() else { return };
     let root = fresh_chroot();
     let a = connect(&hosts, &root).await;
-    let lock = LockName::new("sem", NameRules::ZooKeeper).expect("valid");
+    let lock = LockName::new("sem", dlock_zookeeper::NAME_RULES).expect("valid");
     let leases = QueuePath::sub(lock.clone(), "leases");
     let done = within(a.enqueue(
         &leases,
