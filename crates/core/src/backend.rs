@@ -104,6 +104,31 @@ impl Hints {
     }
 }
 
+/// An optional ability of a backend, beyond the queue every backend keeps. A recipe
+/// that needs one asks [`Backend::supports`] before it writes anything, so asking a
+/// backend for what it cannot do is [`Error::Unsupported`] at the call, never a silent
+/// default and never a half-done operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Capability {
+    /// Writing and watching an entry's payload ([`Backend::set_data`],
+    /// [`Backend::wait_data_changed`]): how a holder is asked to release (Curator's
+    /// revocation).
+    Revocation,
+    /// A small value stored at a queue itself ([`Backend::read_value`]): the semaphore's
+    /// shared permit count (Curator's `SharedCount`).
+    SharedValue,
+}
+
+impl std::fmt::Display for Capability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Capability::Revocation => "revocation (an entry's payload, written and watched)",
+            Capability::SharedValue => "a shared value stored at the lock (a shared permit count)",
+        })
+    }
+}
+
 /// How a watched entry left its queue, as far as the backend can tell
 /// ([`Backend::wait_gone_detail`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +187,14 @@ pub trait Backend: Send + Sync + 'static {
     /// The default asks for nothing beyond the minimum number of requests.
     fn hints(&self) -> Hints {
         Hints::default()
+    }
+
+    /// Whether this backend has `capability`. The default has none; a backend that
+    /// overrides the methods of a capability says so here, and the recipes check it
+    /// before they start an operation that needs it.
+    fn supports(&self, capability: Capability) -> bool {
+        let _ = capability;
+        false
     }
 
     /// Adds an entry of `kind` for `ticket` to queue `q`, bound to the session, and
@@ -289,19 +322,19 @@ pub trait Backend: Send + Sync + 'static {
     /// or `None` if none is set. The recipes use it for the semaphore's shared permit
     /// count (Curator's `SharedCount`), read at [`QueuePath::root`] of the count's name.
     ///
-    /// The default returns `None`: the backend stores no such value. ZooKeeper
-    /// overrides it and reads the data of `q`'s znode, where empty data or a missing
-    /// znode counts as not set.
+    /// Part of [`Capability::SharedValue`]. The default fails with
+    /// [`Error::Unsupported`]. ZooKeeper overrides it and reads the data of `q`'s znode,
+    /// where empty data or a missing znode counts as not set.
     fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
         let _ = q;
-        Box::pin(async { Ok(None) })
+        Box::pin(async move { Err(unsupported(self.kind(), Capability::SharedValue)) })
     }
 
     /// Replaces the payload of `entry` in `q` with `data`: how a revocation request is
     /// delivered (Curator's `Revoker.attemptRevoke` writes [`crate::entry::REVOKE_MESSAGE`]
     /// into the holder's node). Succeeds if the entry is already gone, as Curator's does.
     ///
-    /// The default returns an [`Error::Backend`] saying the backend does not support it;
+    /// Part of [`Capability::Revocation`]. The default fails with [`Error::Unsupported`];
     /// backends that can watch an entry's payload override it together with
     /// [`Backend::wait_data_changed`].
     fn set_data<'a>(
@@ -311,14 +344,14 @@ pub trait Backend: Send + Sync + 'static {
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<()>> {
         let _ = (q, entry, data);
-        Box::pin(async move { Err(unsupported(self.kind(), "setting an entry's payload")) })
+        Box::pin(async move { Err(unsupported(self.kind(), Capability::Revocation)) })
     }
 
     /// Completes with the payload of `entry` once it differs from `seen` (at once if it
     /// already does), or with `None` once the entry is gone. Arms its watch before it
     /// reads, so no change is missed.
     ///
-    /// The default returns an [`Error::Backend`] saying the backend does not support it.
+    /// Part of [`Capability::Revocation`]. The default fails with [`Error::Unsupported`].
     fn wait_data_changed<'a>(
         &'a self,
         q: &'a QueuePath,
@@ -326,7 +359,7 @@ pub trait Backend: Send + Sync + 'static {
         seen: &'a [u8],
     ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
         let _ = (q, entry, seen);
-        Box::pin(async move { Err(unsupported(self.kind(), "watching an entry's payload")) })
+        Box::pin(async move { Err(unsupported(self.kind(), Capability::Revocation)) })
     }
 
     /// The queue `q` with every detail the backend can give (tokens, data, creation
@@ -340,11 +373,11 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// The error of a trait method a backend does not implement.
-fn unsupported(kind: &str, what: &str) -> Error {
-    Error::backend(
-        what.to_owned(),
-        format!("the {kind} backend does not support {what} (needed for revocation)"),
-    )
+fn unsupported(backend: &'static str, capability: Capability) -> Error {
+    Error::Unsupported {
+        backend,
+        capability,
+    }
 }
 
 #[cfg(test)]

@@ -95,6 +95,16 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
+    /// The backend does not have an ability the operation needs (revocation, a shared
+    /// value: see [`crate::Capability`]). Checked before anything is written, so nothing
+    /// is left behind.
+    #[error("the {backend} backend does not support {capability}")]
+    Unsupported {
+        /// The backend's label ([`crate::Backend::kind`]).
+        backend: &'static str,
+        /// What it lacks.
+        capability: crate::backend::Capability,
+    },
     /// The client was closed (or its runtime shut down) while the operation was running.
     #[error("client closed")]
     Closed,

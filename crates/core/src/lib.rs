@@ -56,7 +56,9 @@ pub mod error;
 pub mod name;
 pub mod token;
 
-pub use backend::{lost_margin, Backend, Enqueued, Gone, Hints, Position, SessionOptions};
+pub use backend::{
+    lost_margin, Backend, Capability, Enqueued, Gone, Hints, Position, SessionOptions,
+};
 pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};
 pub use error::{Error, NameError, Result};

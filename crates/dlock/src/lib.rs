@@ -69,7 +69,8 @@ use std::sync::Arc;
 
 #[doc(inline)]
 pub use dlock_core::{
-    Backend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName, Result, SessionOptions,
+    Backend, Capability, Entry, EntryKind, Error, FenceGate, FencingToken, LockName, Result,
+    SessionOptions,
 };
 pub use dlock_recipes::{
     semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
@@ -182,7 +183,8 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
 
 /// The exit code the `dlock` CLI uses for an error (BSD sysexits): 75 (`EX_TEMPFAIL`)
 /// for a timeout or a lock held elsewhere, 69 (`EX_UNAVAILABLE`) for an unreachable
-/// backend, 64 (`EX_USAGE`) for a bad name, URL or argument, 70 (`EX_SOFTWARE`) for a lost
+/// backend, 64 (`EX_USAGE`) for a bad name, URL or argument or an ability the backend
+/// lacks (`--revocable` off ZooKeeper), 70 (`EX_SOFTWARE`) for a lost
 /// lock, 1 otherwise.
 pub fn exit_code(e: &Error) -> i32 {
     match e {
@@ -191,7 +193,8 @@ pub fn exit_code(e: &Error) -> i32 {
         Error::InvalidName { .. }
         | Error::InvalidUrl { .. }
         | Error::InvalidPermits(_)
-        | Error::WouldDeadlock(_) => 64,
+        | Error::WouldDeadlock(_)
+        | Error::Unsupported { .. } => 64,
         Error::LockLost(_) | Error::Closed => 70,
         _ => 1,
     }

@@ -4,7 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::driver::holders;
-use dlock_core::{Backend, Entry, EntryKind, Error, LockName, Position, QueuePath, Result};
+use dlock_core::{
+    Backend, Capability, Entry, EntryKind, Error, LockName, Position, QueuePath, Result,
+};
 use tracing::Instrument;
 
 use crate::guard::{Held, LockGuard};
@@ -179,9 +181,10 @@ impl<B: Backend + ?Sized> Client<B> {
     /// Returns how many holding entries were asked (0 if the lock is free).
     ///
     /// # Errors
-    /// [`Error::InvalidName`]; a backend error, including "unsupported" on backends
-    /// without entry payload watches.
+    /// [`Error::InvalidName`]; [`Error::Unsupported`] on a backend without
+    /// [`Capability::Revocation`]; a backend error.
     pub async fn revoke(&self, name: &str) -> Result<usize> {
+        self.require(Capability::Revocation)?;
         let parts = self.participants(name).await?;
         let lock = self.lock_name(name)?;
         let mut asked = 0;
@@ -204,6 +207,19 @@ impl<B: Backend + ?Sized> Client<B> {
     }
 
     /// The reentrant acquire shared by the mutex, the read and the write lock.
+    /// [`Error::Unsupported`] unless the backend has `capability`: checked before an
+    /// operation that needs it writes anything.
+    pub(crate) fn require(&self, capability: Capability) -> Result<()> {
+        if self.backend.supports(capability) {
+            Ok(())
+        } else {
+            Err(Error::Unsupported {
+                backend: self.backend.kind(),
+                capability,
+            })
+        }
+    }
+
     pub(crate) async fn acquire_reentrant(
         &self,
         lock: &LockName,

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use dlock_core::{Backend, EntryKind, LockName, Result};
+use dlock_core::{Backend, Capability, EntryKind, LockName, Result};
 
 use crate::guard::{Held, LockGuard, RevocableGuard};
 use crate::queue::Wait;
@@ -148,8 +148,8 @@ impl<B: Backend + ?Sized> Mutex<B> {
     /// an empty payload, as Curator's `makeRevocable` does.
     ///
     /// # Errors
-    /// As [`Mutex::lock_timeout`]; a backend without entry payload watches fails only
-    /// when `revoke_requested` is awaited.
+    /// As [`Mutex::lock_timeout`]; [`dlock_core::Error::Unsupported`] at once, with nothing
+    /// written, on a backend without [`Capability::Revocation`] (only ZooKeeper has it).
     ///
     /// # Cancel safety
     /// As [`Mutex::lock`].
@@ -161,6 +161,7 @@ impl<B: Backend + ?Sized> Mutex<B> {
     /// # Upstream
     /// Curator `InterProcessMutex.makeRevocable(listener)` + `acquire()`.
     pub async fn lock_revocable(&self, timeout: Option<Duration>) -> Result<RevocableGuard<B>> {
+        self.client.require(Capability::Revocation)?;
         let wait = timeout.map_or(Wait::Forever, Wait::timeout);
         let guard = self
             .client

@@ -21,7 +21,9 @@
 use std::time::Duration;
 
 use dlock_core::driver::lease_granted;
-use dlock_core::{Backend, EntryKind, Error, LockName, Position, QueuePath, Result, Ticket};
+use dlock_core::{
+    Backend, Capability, EntryKind, Error, LockName, Position, QueuePath, Result, Ticket,
+};
 
 use crate::guard::{Held, LockGuard};
 use crate::queue::{self, AbandonOnDrop, Wait};
@@ -88,8 +90,10 @@ impl<B: Backend + ?Sized> Semaphore<B> {
     /// `count_name` (Curator's `SharedCount` format), instead of a fixed number.
     ///
     /// # Errors
-    /// [`Error::InvalidName`].
+    /// [`Error::InvalidName`]; [`Error::Unsupported`] on a backend without
+    /// [`Capability::SharedValue`] (only ZooKeeper has it).
     pub fn with_shared_count(client: &Client<B>, name: &str, count_name: &str) -> Result<Self> {
+        client.require(Capability::SharedValue)?;
         Ok(Semaphore {
             client: client.clone(),
             name: client.lock_name(name)?,

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use dlock_core::entry::{format_seq, sort_queue};
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, FencingToken, Hints, NameRules, Position,
-    QueuePath, Result, SessionOptions, Ticket,
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, FencingToken, Hints, NameRules,
+    Position, QueuePath, Result, SessionOptions, Ticket,
 };
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -809,6 +809,12 @@ impl Backend for ZkBackend {
         // A listing queues behind pending synced writes on the server, so a handoff that
         // needs none is faster; `enqueue_removing` is one multi.
         Hints::new(true, true)
+    }
+
+    /// Both: an entry's payload is its znode's data, watched with a data watch; a
+    /// shared value is the data of the queue's znode (Curator's layouts).
+    fn supports(&self, capability: Capability) -> bool {
+        matches!(capability, Capability::Revocation | Capability::SharedValue)
     }
 
     fn enqueue<'a>(

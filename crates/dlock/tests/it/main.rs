@@ -86,6 +86,7 @@ all_backends! {
     timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
     cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
     bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,
+    missing_capabilities_fail_at_the_call => crate::recipes::missing_capabilities_fail_at_the_call,
     rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,
     rwlock_downgrade => crate::recipes::rwlock_downgrade,
     downgrade_beside_a_deleted_write_is_lost => crate::recipes::downgrade_beside_a_deleted_write_is_lost,

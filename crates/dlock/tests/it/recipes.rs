@@ -473,3 +473,48 @@ mod parking_lot_free {
         }
     }
 }
+
+/// An ability the backend lacks is a typed error at the call, with nothing written: a
+/// revocable lock, a revocation request and a shared permit count on every backend but
+/// ZooKeeper; the CLI says so with exit code 64. Where the backend has the ability, the
+/// same calls work.
+pub async fn missing_capabilities_fail_at_the_call(_kind: Kind, url: &str) {
+    use dlock::Capability;
+    let name = unique("caps");
+    let c = client(url).await;
+    let backend = c.backend().clone();
+    let unsupported = |e: &Error, wanted: Capability| matches!(e, Error::Unsupported { capability, .. } if *capability == wanted);
+    let mutex = c.mutex(&name).expect("n");
+    if backend.supports(Capability::Revocation) {
+        let mut g = mutex.lock_revocable(None).await.expect("revocable lock");
+        assert_eq!(c.revoke(&name).await.expect("revoke"), 1);
+        g.release().await.expect("release");
+    } else {
+        let e = mutex
+            .lock_revocable(None)
+            .await
+            .map(|_| ())
+            .expect_err("a revocable lock needs revocation");
+        assert!(unsupported(&e, Capability::Revocation), "{e:?}");
+        let e = c.revoke(&name).await.expect_err("revoke needs revocation");
+        assert!(unsupported(&e, Capability::Revocation), "{e:?}");
+        let code = crate::support::dlock()
+            .args(["--url", url, "exec", &name, "--revocable", "--", "true"])
+            .output()
+            .expect("run dlock")
+            .status
+            .code();
+        assert_eq!(code, Some(64), "`exec --revocable` without revocation");
+    }
+    let shared = dlock::Semaphore::with_shared_count(&c, &name, &format!("{name}-count"));
+    if backend.supports(Capability::SharedValue) {
+        assert!(shared.is_ok(), "{:?}", shared.err());
+    } else {
+        let e = shared
+            .map(|_| ())
+            .expect_err("a shared count needs a shared value");
+        assert!(unsupported(&e, Capability::SharedValue), "{e:?}");
+    }
+    assert_eq!(leftovers(&c, &name).await, 0, "nothing was written");
+    c.close().await.expect("close");
+}
