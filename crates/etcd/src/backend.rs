@@ -192,7 +192,7 @@ impl EtcdBackend {
             .with_require_leader(true);
         let span = tracing::debug_span!("etcd.connect", endpoints = %joined);
         let attempt = async {
-            let client =
+            let mut client =
                 Client::connect(endpoints, Some(co))
                     .await
                     .map_err(|e| match map(&joined, e) {
@@ -202,6 +202,7 @@ impl EtcdBackend {
                         },
                         other => other,
                     })?;
+            crate::server_version::warn_if_affected(&mut client).await;
             let session = Session::start(client.lease_client(), ttl).await?;
             Ok::<_, Error>((client, session))
         }

@@ -151,10 +151,12 @@ pub const NAME_RULES: dlock_core::NameRules = dlock_core::NameRules::common();
 mod backend;
 mod errors;
 mod layout;
+mod server_version;
 mod session;
 mod watches;
 
 pub use backend::{EtcdBackend, DEFAULT_SESSION_TTL};
+pub use server_version::revokes_live_leases_on_leader_resume;
 
 #[cfg(test)]
 mod name_rule_tests {

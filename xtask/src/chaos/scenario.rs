@@ -120,15 +120,19 @@ impl Scenario {
     /// Whether `kind` promises mutual exclusion under this fault. One Redis server
     /// (`redis://`, and `redis+sentinel://`, whose replication is asynchronous) does not
     /// when it forgets its keys: a restart without persistence, a replica promoted before
-    /// it saw the lock. Redlock keeps its majority when one master of five restarts.
+    /// it saw the lock. Redlock keeps its majority when one master of five restarts. An
+    /// etcd server with etcd#15247 (before 3.4.31 / 3.5.13) does not when its leader
+    /// pauses past a lease: the resumed old leader revokes leases their clients kept
+    /// alive elsewhere, so a holder's entry goes before its lost signal can fire.
     pub(super) fn guaranteed_on(self, kind: Kind) -> bool {
-        !matches!(
-            (self, kind),
+        match (self, kind) {
             (Scenario::ServerRestart, Kind::Redis)
-                | (Scenario::ClockJump, Kind::Redis)
-                | (Scenario::ReplicaPromotion, Kind::Redis)
-                | (Scenario::SentinelFailover, Kind::RedisSentinel)
-        )
+            | (Scenario::ClockJump, Kind::Redis)
+            | (Scenario::ReplicaPromotion, Kind::Redis)
+            | (Scenario::SentinelFailover, Kind::RedisSentinel) => false,
+            (Scenario::LeaderPause, Kind::Etcd) => !etcd_revokes_live_leases(),
+            _ => true,
+        }
     }
 
     /// How long a slow worker's section works: past the session where the fault must
@@ -283,4 +287,24 @@ pub(super) fn plan(
             out
         }
     }
+}
+
+/// Whether the `etcd` binary the suite starts has etcd#15247
+/// ([`dlock_etcd::revokes_live_leases_on_leader_resume`]); asked once per run. A binary
+/// whose version cannot be read counts as affected.
+fn etcd_revokes_live_leases() -> bool {
+    static AFFECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AFFECTED.get_or_init(|| {
+        let version = std::process::Command::new("etcd")
+            .arg("--version")
+            .output()
+            .ok()
+            .and_then(|out| {
+                String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .find_map(|l| l.strip_prefix("etcd Version: ").map(str::to_owned))
+            })
+            .unwrap_or_default();
+        dlock_etcd::revokes_live_leases_on_leader_resume(&version)
+    })
 }

@@ -138,6 +138,7 @@ exclusive! {
     zk_leader_cut_from_the_quorum => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_leader_cut_from_the_quorum,
     etcd_holder_cut_off => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_holder_cut_off,
     zk_holder_cut_off => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_holder_cut_off,
+    etcd_resumed_leader_and_a_lease_kept_alive_elsewhere => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_resumed_leader_and_a_lease_kept_alive_elsewhere,
     redis_waiter_whose_entry_was_wiped_never_grants_itself => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_was_wiped_never_grants_itself,
 }
 

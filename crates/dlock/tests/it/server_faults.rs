@@ -7,6 +7,7 @@ use std::io::Write as _;
 use std::time::Duration;
 
 use dlock_testkit::{Backend as Server, State};
+use futures::FutureExt;
 use tokio::time::Instant;
 
 use crate::support::{eventually, leftovers, unique};
@@ -316,4 +317,76 @@ pub async fn etcd_holder_cut_off(_url: &str) {
 /// [`holder_cut_off`] on ZooKeeper.
 pub async fn zk_holder_cut_off(_url: &str) {
     holder_cut_off(Server::Zookeeper, "zk").await;
+}
+
+/// etcd#15247, characterized: a holder connected to a follower keeps its lease alive the
+/// whole time while the leader is paused past the lease; on an affected server (before
+/// 3.4.31 / 3.5.13, `dlock_etcd::revokes_live_leases_on_leader_resume`) the resumed old
+/// leader still revokes that live lease, so the holder's entry vanishes and its `lost()`
+/// fires only afterwards; a fixed server keeps both. The test pins the version rule the
+/// chaos suite and the connect warning rely on to what this cluster really does.
+pub async fn etcd_resumed_leader_and_a_lease_kept_alive_elsewhere(_url: &str) {
+    let Some((state, leader)) = three_nodes(Server::Etcd) else {
+        return;
+    };
+    let (_, f) = leader_and_follower(&state, Server::Etcd, leader);
+    let url = format!("etcd://{f}");
+    let version = etcd_version();
+    let affected = dlock_etcd::revokes_live_leases_on_leader_resume(&version);
+    let holder = connect(&url, Duration::from_secs(2))
+        .await
+        .expect("connect to a follower");
+    let observer = connect(&url, Duration::from_secs(10))
+        .await
+        .expect("connect to a follower");
+    let name = unique("resumed-leader");
+    let guard = holder
+        .mutex(&name)
+        .expect("name")
+        .lock()
+        .await
+        .expect("lock");
+    tokio::task::block_in_place(|| state.stop(Server::Etcd, leader)).expect("SIGSTOP leader");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        guard.lost().now_or_never().is_none(),
+        "the holder kept its lease alive through a follower during the pause"
+    );
+    tokio::task::block_in_place(|| state.cont(Server::Etcd, leader)).expect("SIGCONT leader");
+    let vanished = eventually(Duration::from_secs(3), || async {
+        leftovers(&observer, &name).await == 0
+    })
+    .await;
+    assert_eq!(
+        vanished,
+        affected,
+        "etcd {version}: a live lease {} revoked by the resumed leader",
+        if vanished { "was" } else { "was not" }
+    );
+    if vanished {
+        // The holder is told, but only after its entry went.
+        tokio::time::timeout(Duration::from_secs(5), guard.lost())
+            .await
+            .expect("lost() fires once the next keep-alive is refused");
+    } else {
+        let mut guard = guard;
+        guard.release().await.expect("release");
+    }
+    let _ = tokio::task::block_in_place(|| state.wait_leader(Server::Etcd, GENEROUS));
+    holder.close().await.ok();
+    observer.close().await.ok();
+}
+
+/// The version of the `etcd` binary the testkit starts.
+fn etcd_version() -> String {
+    let out = std::process::Command::new("etcd")
+        .arg("--version")
+        .output()
+        .expect("etcd --version");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("etcd Version: "))
+        .unwrap_or("")
+        .trim()
+        .to_owned()
 }
