@@ -47,6 +47,7 @@
 
 mod cluster;
 mod config;
+pub mod contract;
 mod env;
 mod error;
 mod install;
