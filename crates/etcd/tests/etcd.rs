@@ -112,9 +112,17 @@ fn etcdctl(eps: &[String]) -> tokio::process::Command {
     c
 }
 
+// The contract every backend keeps (order, FIFO, tokens, beside, abandon, close,
+// sub-queues, unsupported capabilities) is dlock-testkit's contract suite, instantiated in
+// tests/contract.rs. The tests below check what only etcd has: its mutex's key layout,
+// leases, etcdctl interop.
+
+/// A mutex entry is etcd's own key, `<name>/<lease hex>`, its token the create revision;
+/// a second contender of the same client gets a key of its own; retrying an enqueue with
+/// the same ticket finds the same entry.
 #[tokio::test]
-async fn enqueue_returns_the_queue_with_mine_in_order() {
-    let eps = etcd_or_skip!("enqueue_returns_the_queue_with_mine_in_order");
+async fn entries_are_etcds_mutex_keys_and_a_retry_is_idempotent() {
+    let eps = etcd_or_skip!("entries_are_etcds_mutex_keys_and_a_retry_is_idempotent");
     init_tracing();
     let (a, b) = (connect(&eps).await, connect(&eps).await);
     let q = QueuePath::root(unique_name("order"));
@@ -127,13 +135,8 @@ async fn enqueue_returns_the_queue_with_mine_in_order() {
     );
     assert_eq!(q1, vec![a1.clone()]);
     assert_eq!(a1.token.map(|t| t.get()), Some(a1.seq));
-    assert_eq!(a1.data, b"test");
-
     let (_, b1, q2) = enqueue(&b, &q, EntryKind::Lock).await;
-    assert_eq!(q2.len(), 2);
-    assert_eq!(q2[0].name, a1.name);
     assert_eq!(q2[1], b1);
-    assert!(b1.seq > a1.seq);
 
     // A second contender of client `a` on the same name gets its own key, behind `b`.
     let (t3, a2, q3) = enqueue(&a, &q, EntryKind::Lock).await;
@@ -152,59 +155,42 @@ async fn enqueue_returns_the_queue_with_mine_in_order() {
         .expect("retried enqueue");
     assert_eq!(again.mine, a2);
     assert_eq!(again.queue.len(), 3);
-
-    for (client, e) in [(&a, &a1), (&b, &b1), (&a, &a2)] {
-        client.remove(&q, e).await.expect("remove");
-        client.remove(&q, e).await.expect("remove is idempotent");
-    }
-    assert!(a.participants(&q).await.expect("queue").is_empty());
     a.close().await.expect("close a");
     b.close().await.expect("close b");
 }
 
+/// Enqueues dropped after one poll and then abandoned free the client's claim on its
+/// mutex key: the next mutex entry is etcd's own key again, and no key is left.
 #[tokio::test]
-async fn two_clients_queue_fifo_and_wait_gone_wakes_on_delete() {
-    let eps = etcd_or_skip!("two_clients_queue_fifo_and_wait_gone_wakes_on_delete");
+async fn abandoned_drops_free_the_clients_mutex_key() {
+    let eps = etcd_or_skip!("abandoned_drops_free_the_clients_mutex_key");
+    init_tracing();
+    let a = connect(&eps).await;
+    let mut c = raw(&eps).await;
+    let name = unique_name("abandon");
+    let q = QueuePath::root(name.clone());
+    for _ in 0..20 {
+        let t = Ticket::new();
+        let enqueue = a.enqueue(&q, &t, EntryKind::Lock, Position::Tail, b"x");
+        let _ = futures::FutureExt::now_or_never(enqueue);
+        a.abandon(&q, &t).await.expect("abandon");
+    }
+    assert!(keys_under(&mut c, &format!("{name}/")).await.is_empty());
+    let (_, e, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert_eq!(e.name, format!("{:x}", a.lease_id()));
+    a.close().await.expect("close");
+    assert!(keys_under(&mut c, &format!("{name}/")).await.is_empty());
+}
+
+/// The same key created again is a different entry: waiting on the old one returns.
+#[tokio::test]
+async fn an_older_entry_under_a_reused_key_counts_as_gone() {
+    let eps = etcd_or_skip!("an_older_entry_under_a_reused_key_counts_as_gone");
     init_tracing();
     let (a, b) = (connect(&eps).await, connect(&eps).await);
-    let q = QueuePath::root(unique_name("fifo"));
-
-    let (_, a1, qa) = enqueue(&a, &q, EntryKind::Lock).await;
-    assert_eq!(decide(&qa, &a1.name), Decision::Acquired);
-    let (_, b1, qb) = enqueue(&b, &q, EntryKind::Lock).await;
-    let blocker = match decide(&qb, &b1.name) {
-        Decision::Wait(e) => e.clone(),
-        other => panic!("b should wait for a, got {other:?}"),
-    };
-    assert_eq!(blocker, a1);
-
-    let waiter = {
-        let (b, q, blocker) = (b.clone(), q.clone(), blocker.clone());
-        tokio::spawn(async move { b.wait_gone(&q, &blocker).await })
-    };
-    // While a holds, b's wait does not return.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !waiter.is_finished(),
-        "wait_gone returned while the entry exists"
-    );
-
+    let q = QueuePath::root(unique_name("reused"));
+    let (_, a1, _) = enqueue(&a, &q, EntryKind::Lock).await;
     a.remove(&q, &a1).await.expect("release a");
-    timeout(SOON, waiter)
-        .await
-        .expect("wait_gone returns after the delete")
-        .expect("task")
-        .expect("wait_gone ok");
-    let qb = b.queue(&q).await.expect("queue");
-    assert_eq!(decide(&qb, &b1.name), Decision::Acquired);
-
-    // Gone already: returns without waiting for any event.
-    timeout(SOON, b.wait_gone(&q, &a1))
-        .await
-        .expect("wait_gone on a gone entry returns")
-        .expect("ok");
-
-    // The same key created again is a different entry: waiting on the old one returns.
     let (_, a2, _) = enqueue(&a, &q, EntryKind::Lock).await;
     assert_eq!(a2.name, a1.name);
     assert_ne!(a2.token, a1.token);
@@ -212,26 +198,47 @@ async fn two_clients_queue_fifo_and_wait_gone_wakes_on_delete() {
         .await
         .expect("an older entry under a reused key counts as gone")
         .expect("ok");
-
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
 
+/// A downgrade's read is named `-r` beside its writer's `-w` key and carries its own
+/// create revision as its token (above a writer queued later); a write `Beside` is
+/// refused as a deadlock.
 #[tokio::test]
-async fn tokens_strictly_increase() {
-    let eps = etcd_or_skip!("tokens_strictly_increase");
+async fn beside_read_has_its_own_revision_and_a_beside_write_would_deadlock() {
+    let eps = etcd_or_skip!("beside_read_has_its_own_revision_and_a_beside_write_would_deadlock");
+    init_tracing();
     let (a, b) = (connect(&eps).await, connect(&eps).await);
-    let q = QueuePath::root(unique_name("tokens"));
-    let mut last = 0u64;
-    for i in 0..20 {
-        let client = if i % 2 == 0 { &a } else { &b };
-        let (_, e, queue) = enqueue(client, &q, EntryKind::Lock).await;
-        assert_eq!(decide(&queue, &e.name), Decision::Acquired);
-        let token = e.token.expect("etcd entries carry a token").get();
-        assert!(token > last, "token {token} after {last}");
-        last = token;
-        client.remove(&q, &e).await.expect("remove");
-    }
+    let root = QueuePath::root(unique_name("rw"));
+    let (_, w, _) = enqueue(&a, &root, EntryKind::Write).await;
+    assert!(w.name.ends_with("-w"));
+    let (_, w2, _) = enqueue(&b, &root, EntryKind::Write).await;
+    let down = a
+        .enqueue(
+            &root,
+            &Ticket::new(),
+            EntryKind::Read,
+            Position::Beside(&w),
+            b"",
+        )
+        .await
+        .expect("enqueue beside");
+    assert!(
+        down.mine.token > w2.token,
+        "the token is still its own revision"
+    );
+    assert!(matches!(
+        a.enqueue(
+            &root,
+            &Ticket::new(),
+            EntryKind::Write,
+            Position::Beside(&w),
+            b""
+        )
+        .await,
+        Err(Error::WouldDeadlock(_))
+    ));
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
@@ -327,57 +334,6 @@ async fn dlock_holder_keeps_etcdctl_lock_waiting() {
     assert!(out.status.success(), "etcdctl lock after release: {out:?}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("held"));
     a.close().await.expect("close");
-}
-
-#[tokio::test]
-async fn dropped_enqueues_then_abandon_leave_nothing() {
-    let eps = etcd_or_skip!("dropped_enqueues_then_abandon_leave_nothing");
-    init_tracing();
-    let a = connect(&eps).await;
-    let mut c = raw(&eps).await;
-    let name = unique_name("abandon");
-    let q = QueuePath::root(name.clone());
-    let (mut dropped, mut finished) = (0, 0);
-    for i in 0..200u64 {
-        let t = Ticket::new();
-        let kind = [
-            EntryKind::Lock,
-            EntryKind::Read,
-            EntryKind::Write,
-            EntryKind::Lock,
-        ][i as usize % 4];
-        // Every fifth future is polled once (which sends the transaction) and dropped;
-        // a zero timeout would not do: its timer fires at the next millisecond tick,
-        // by which time a release build may have had its answer.
-        let budget = Duration::from_micros((i % 5) * 400);
-        let enqueue = a.enqueue(&q, &t, kind, Position::Tail, b"x");
-        let outcome = if budget.is_zero() {
-            futures::FutureExt::now_or_never(enqueue).ok_or(())
-        } else {
-            timeout(budget, enqueue).await.map_err(|_| ())
-        };
-        match outcome {
-            Ok(r) => {
-                r.expect("enqueue");
-                finished += 1;
-            }
-            Err(()) => dropped += 1,
-        }
-        a.abandon(&q, &t).await.expect("abandon");
-        a.abandon(&q, &t).await.expect("abandon is idempotent");
-    }
-    eprintln!("dropped {dropped} enqueues mid-flight, {finished} completed; all abandoned");
-    assert!(
-        dropped >= 40,
-        "every fifth enqueue is dropped after one poll"
-    );
-    let left = keys_under(&mut c, &format!("{name}/")).await;
-    assert!(left.is_empty(), "keys left behind: {left:?}");
-    // Nothing is still claimed locally: the next mutex entry is etcd's own key again.
-    let (_, e, _) = enqueue(&a, &q, EntryKind::Lock).await;
-    assert_eq!(e.name, format!("{:x}", a.lease_id()));
-    a.close().await.expect("close");
-    assert!(keys_under(&mut c, &format!("{name}/")).await.is_empty());
 }
 
 #[tokio::test]
@@ -477,85 +433,6 @@ async fn a_dead_endpoint_in_the_list_is_skipped() {
         a.remove(&q, &e).await.expect("remove");
     }
     a.close().await.expect("close");
-}
-
-#[tokio::test]
-async fn read_write_beside_and_sub_queues() {
-    let eps = etcd_or_skip!("read_write_beside_and_sub_queues");
-    init_tracing();
-    let (a, b) = (connect(&eps).await, connect(&eps).await);
-    let name = unique_name("rw");
-    let root = QueuePath::root(name.clone());
-    let leases = QueuePath::sub(name.clone(), "leases");
-
-    let (_, w, _) = enqueue(&a, &root, EntryKind::Write).await;
-    assert!(w.name.ends_with("-w"));
-    let (_, w2, _) = enqueue(&b, &root, EntryKind::Write).await;
-    // Downgrade: a read beside the held write, ahead of the waiting writer.
-    let down = a
-        .enqueue(
-            &root,
-            &Ticket::new(),
-            EntryKind::Read,
-            Position::Beside(&w),
-            b"",
-        )
-        .await
-        .expect("enqueue beside");
-    assert_eq!(down.mine.seq, w.seq);
-    assert!(
-        down.mine.token > w2.token,
-        "the token is still its own revision"
-    );
-    assert_eq!(decide(&down.queue, &down.mine.name), Decision::Acquired);
-    assert!(matches!(
-        a.enqueue(
-            &root,
-            &Ticket::new(),
-            EntryKind::Write,
-            Position::Beside(&w),
-            b""
-        )
-        .await,
-        Err(Error::WouldDeadlock(_))
-    ));
-
-    // Leases live one level down and never show up in the root queue.
-    let (_, l1, _) = enqueue(&a, &leases, EntryKind::Lease).await;
-    let (_, l2, lq) = enqueue(&b, &leases, EntryKind::Lease).await;
-    assert_eq!(lq.len(), 2);
-    let rq = a.queue(&root).await.expect("root queue");
-    assert_eq!(rq.len(), 3, "root queue: {rq:?}");
-    assert!(rq.iter().all(|e| e.kind != EntryKind::Lease));
-
-    // wait_changed: returns when a lease goes, not for root-queue traffic.
-    let waiter = {
-        let (b, leases, seen) = (b.clone(), leases.clone(), lq.clone());
-        tokio::spawn(async move { b.wait_changed(&leases, &seen).await })
-    };
-    a.remove(&root, &down.mine).await.expect("remove read");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!waiter.is_finished(), "root traffic woke a lease waiter");
-    a.remove(&leases, &l1).await.expect("return lease");
-    timeout(SOON, waiter)
-        .await
-        .expect("wait_changed returns")
-        .expect("task")
-        .expect("ok");
-    // Already different: returns at once.
-    timeout(SOON, b.wait_changed(&leases, &lq))
-        .await
-        .expect("returns")
-        .expect("ok");
-
-    b.remove(&leases, &l2).await.expect("remove");
-    a.remove(&root, &w).await.expect("remove");
-    b.remove(&root, &w2).await.expect("remove");
-    // `queue()` may be served by a member that has not yet applied b's delete (it can
-    // only show entries already gone, never miss one); status reads are linearizable.
-    assert!(a.participants(&root).await.expect("queue").is_empty());
-    a.close().await.expect("close");
-    b.close().await.expect("close");
 }
 
 /// W2 of the baselines: 8 workers, each with its own client, on one lock name, for 3 s.

@@ -10,6 +10,8 @@
 //! - Writing a test that needs a server: call [`require_zk`], [`require_etcd`],
 //!   [`require_redis`], [`require_redlock`] or [`require_redis_sentinel`] at the top. They return the endpoint that
 //!   `cargo xtask integration` exported, or skip loudly (fail under `CI`) when it is missing.
+//! - Writing or instantiating the backend contract: [`contract`] holds the tests every
+//!   `Backend` passes, and [`backend_contract!`] generates them for one backend.
 //! - Naming a service in a test or a runner: [`LockService`] maps each one to its
 //!   `DLOCK_TEST_*` variable, URL scheme and servers.
 //! - Writing a fault test: [`require_state`] loads the [`State`] of the running cluster;
@@ -47,6 +49,7 @@
 
 mod cluster;
 mod config;
+pub mod contract;
 mod env;
 mod error;
 mod install;

@@ -1,0 +1,62 @@
+//! The backend contract (`dlock_testkit::contract`) on the three Redis deployments: one
+//! master (`DLOCK_TEST_REDIS`), Redlock over independent masters (`DLOCK_TEST_REDLOCK`)
+//! and the primary of a Sentinel group (`DLOCK_TEST_REDIS_SENTINEL`).
+
+/// One master.
+mod single {
+    use dlock_redis::RedisBackend;
+    use dlock_testkit::contract::{connect_fn, Connect};
+
+    fn connect(addr: String) -> Connect {
+        connect_fn(move |opts| {
+            let addr = addr.clone();
+            async move { RedisBackend::connect(&addr, opts).await }
+        })
+    }
+
+    dlock_testkit::backend_contract! {
+        endpoint: dlock_testkit::ENV_REDIS,
+        connect: connect,
+        supports: [],
+    }
+}
+
+/// Redlock: every entry on a majority of independent masters.
+mod redlock {
+    use dlock_redis::RedisBackend;
+    use dlock_testkit::contract::{connect_fn, Connect};
+
+    fn connect(masters: String) -> Connect {
+        let masters: Vec<String> = masters.split(',').map(|s| s.trim().to_owned()).collect();
+        connect_fn(move |opts| {
+            let masters = masters.clone();
+            async move { RedisBackend::connect_redlock(&masters, opts).await }
+        })
+    }
+
+    dlock_testkit::backend_contract! {
+        endpoint: dlock_testkit::ENV_REDLOCK,
+        connect: connect,
+        supports: [],
+    }
+}
+
+/// The primary of a Sentinel group, found through its Sentinels.
+mod sentinel {
+    use dlock_redis::RedisBackend;
+    use dlock_testkit::contract::{connect_fn, Connect};
+
+    fn connect(group: String) -> Connect {
+        let url = format!("redis+sentinel://{group}");
+        connect_fn(move |opts| {
+            let url = url.clone();
+            async move { RedisBackend::connect_url(&url, opts).await }
+        })
+    }
+
+    dlock_testkit::backend_contract! {
+        endpoint: dlock_testkit::ENV_REDIS_SENTINEL,
+        connect: connect,
+        supports: [],
+    }
+}
