@@ -36,6 +36,9 @@
 //! }
 //! ```
 //!
+//! - Testing recipes with no server at all, or under seeded faults on a virtual clock:
+//!   [`mem::MemServer`] and its [`mem::MemBackend`] sessions.
+//!
 //! # Feature flags
 //! None. The crate is `publish = false`: it serves dlock's tests and `cargo xtask`.
 //!
@@ -53,6 +56,7 @@ pub mod contract;
 mod env;
 mod error;
 mod install;
+pub mod mem;
 mod netcut;
 mod ports;
 mod probe;

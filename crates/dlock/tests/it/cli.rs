@@ -129,6 +129,7 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
         Kind::Redis => "redis://127.0.0.1:1",
         Kind::Redlock => "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
         Kind::RedisSentinel => "redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster",
+        Kind::Mem => panic!("the CLI tests need a real server: they are not instantiated on mem"),
     };
     assert_eq!(
         code(&[

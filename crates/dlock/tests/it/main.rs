@@ -3,7 +3,9 @@
 //! `cargo xtask integration` starts the servers and exports their endpoints
 //! (`DLOCK_TEST_ZK`, `DLOCK_TEST_ETCD`, `DLOCK_TEST_REDIS`, `DLOCK_TEST_REDLOCK`,
 //! `DLOCK_TEST_REDIS_SENTINEL`); a test
-//! whose endpoint is missing says so loudly, and fails under CI.
+//! whose endpoint is missing says so loudly, and fails under CI. Every shared recipe test
+//! that needs no real server and no second process also runs on dlock-testkit's
+//! in-memory backend (`mem`), which needs no endpoint.
 
 // Without any backend feature there is nothing to instantiate the tests for.
 #![cfg_attr(
@@ -61,8 +63,24 @@ macro_rules! paste_test {
     };
 }
 
+/// One `#[tokio::test]` running a shared test on the in-memory backend. It needs no
+/// server and no endpoint, so it never skips, and it does not take the cluster lock:
+/// server faults cannot touch it.
+macro_rules! mem_test {
+    ($test:path) => {
+        mod mem {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn run() {
+                $test(crate::support::Kind::Mem, crate::support::MEM_URL).await;
+            }
+        }
+    };
+}
+
+/// Instantiates each shared test on every real backend, and on mem where it is marked
+/// `mem`. Tests marked `servers` run on real backends only: each says why.
 macro_rules! all_backends {
-    ($($test:ident => $path:path),* $(,)?) => {
+    ($($on:ident $test:ident => $path:path),* $(,)?) => {
         $(
             mod $test {
                 backend_tests!(zk, crate::support::Kind::Zk, "zookeeper"; $path);
@@ -70,39 +88,52 @@ macro_rules! all_backends {
                 backend_tests!(redis, crate::support::Kind::Redis, "redis"; $path);
                 backend_tests!(redlock, crate::support::Kind::Redlock, "redis"; $path);
                 backend_tests!(redis_sentinel, crate::support::Kind::RedisSentinel, "redis"; $path);
+                all_backends!(@$on $path);
             }
         )*
     };
+    (@mem $path:path) => { mem_test!($path); };
+    (@servers $path:path) => {};
 }
 
 all_backends! {
-    mutex_excludes_and_tokens_grow => crate::recipes::mutex_excludes_and_tokens_grow,
-    joined_futures_never_share_a_hold => crate::reentry::joined_futures_never_share_a_hold,
-    select_branch_waits_for_the_holder => crate::reentry::select_branch_waits_for_the_holder,
-    moved_guard_leaves_no_reentry_behind => crate::reentry::moved_guard_leaves_no_reentry_behind,
-    nested_reentry_through_guard_and_scope => crate::reentry::nested_reentry_through_guard_and_scope,
-    lost_hold_is_never_reentered_or_downgraded => crate::reentry::lost_hold_is_never_reentered_or_downgraded,
-    non_reentrant_and_upgrade_in_scope_are_typed_errors => crate::reentry::non_reentrant_and_upgrade_in_scope_are_typed_errors,
-    timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
-    cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
-    bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,
-    missing_capabilities_fail_at_the_call => crate::recipes::missing_capabilities_fail_at_the_call,
-    rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,
-    rwlock_downgrade => crate::recipes::rwlock_downgrade,
-    downgrade_beside_a_deleted_write_is_lost => crate::recipes::downgrade_beside_a_deleted_write_is_lost,
-    semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
-    failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
-    multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
-    lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
-    verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
-    cli_processes_never_overlap => crate::cli::cli_processes_never_overlap,
-    cli_exit_codes => crate::cli::cli_exit_codes,
-    cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
-    cli_status_shows_queue => crate::cli::cli_status_shows_queue,
-    cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
-    cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
-    cli_lost_lock_stops_the_whole_process_group => crate::faults::cli_lost_lock_stops_the_whole_process_group,
+    mem mutex_excludes_and_tokens_grow => crate::recipes::mutex_excludes_and_tokens_grow,
+    mem joined_futures_never_share_a_hold => crate::reentry::joined_futures_never_share_a_hold,
+    mem select_branch_waits_for_the_holder => crate::reentry::select_branch_waits_for_the_holder,
+    mem moved_guard_leaves_no_reentry_behind => crate::reentry::moved_guard_leaves_no_reentry_behind,
+    mem nested_reentry_through_guard_and_scope => crate::reentry::nested_reentry_through_guard_and_scope,
+    mem lost_hold_is_never_reentered_or_downgraded => crate::reentry::lost_hold_is_never_reentered_or_downgraded,
+    mem non_reentrant_and_upgrade_in_scope_are_typed_errors => crate::reentry::non_reentrant_and_upgrade_in_scope_are_typed_errors,
+    mem timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
+    mem cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
+    mem bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,
+    mem missing_capabilities_fail_at_the_call => crate::recipes::missing_capabilities_fail_at_the_call,
+    mem rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,
+    mem rwlock_downgrade => crate::recipes::rwlock_downgrade,
+    mem downgrade_beside_a_deleted_write_is_lost => crate::recipes::downgrade_beside_a_deleted_write_is_lost,
+    mem semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
+    mem failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
+    mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
+    mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
+    mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
+    // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
+    // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
+    // an in-memory server lives inside this test process and has none.
+    servers cli_processes_never_overlap => crate::cli::cli_processes_never_overlap,
+    servers cli_exit_codes => crate::cli::cli_exit_codes,
+    servers cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
+    servers cli_status_shows_queue => crate::cli::cli_status_shows_queue,
+    servers cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
+    servers cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
+    servers cli_lost_lock_stops_the_whole_process_group => crate::faults::cli_lost_lock_stops_the_whole_process_group,
 }
+
+// Not on mem either, below: etcdctl interop (another program, etcd's own keys), server
+// faults (they kill, pause or cut off real server processes, which mem does not model:
+// its own fault hooks are tested in dlock-testkit), and the ZooKeeper-only tests, which
+// are written for ZooKeeper itself (Curator interop in a JVM, znodes read and deleted
+// through the client crate, the herd counts' expectations of ZooKeeper's queue, CLI
+// processes).
 
 // etcd only: interop with etcd's own lock, and leader failover.
 mod etcdctl_lock_blocks_dlock {

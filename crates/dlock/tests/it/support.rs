@@ -5,10 +5,54 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use dlock::{Client, SessionOptions};
+use std::sync::{Arc, OnceLock};
 
-/// Which backend a test instance runs on: testkit's list, shared with `cargo xtask chaos`.
-pub use dlock_testkit::LockService as Kind;
+use dlock::{Backend, Client, SessionOptions};
+use dlock_testkit::mem::MemServer;
+use dlock_testkit::LockService;
+
+/// Which backend a test instance runs on: one of testkit's services (the list shared
+/// with `cargo xtask chaos`), or the in-memory backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// ZooKeeper.
+    Zk,
+    /// etcd.
+    Etcd,
+    /// One Redis master.
+    Redis,
+    /// Redlock over independent Redis masters.
+    Redlock,
+    /// The primary of a Redis Sentinel group.
+    RedisSentinel,
+    /// dlock-testkit's `MemBackend` on one process-wide `MemServer`: no server, no
+    /// endpoint, never skipped.
+    Mem,
+}
+
+impl Kind {
+    /// The real service behind this kind, `None` for [`Kind::Mem`].
+    pub fn service(self) -> Option<LockService> {
+        match self {
+            Kind::Zk => Some(LockService::Zk),
+            Kind::Etcd => Some(LockService::Etcd),
+            Kind::Redis => Some(LockService::Redis),
+            Kind::Redlock => Some(LockService::Redlock),
+            Kind::RedisSentinel => Some(LockService::RedisSentinel),
+            Kind::Mem => None,
+        }
+    }
+}
+
+/// The URL [`url`] gives [`Kind::Mem`]: only [`client`] understands it (`dlock::connect`
+/// and the CLI do not), so a test that needs a real URL cannot run on mem by mistake.
+pub const MEM_URL: &str = "mem://process";
+
+/// The one in-memory server of this test process.
+fn mem_server() -> &'static Arc<MemServer> {
+    static SERVER: OnceLock<Arc<MemServer>> = OnceLock::new();
+    SERVER.get_or_init(MemServer::new)
+}
 
 /// The session timeout the tests use on every backend: short, so crash tests finish
 /// quickly, but long enough for a loaded 2-core machine not to expire live sessions.
@@ -18,6 +62,9 @@ pub const SESSION_TIMEOUT: Duration = Duration::from_secs(4);
 /// not exported. Under CI a missing endpoint fails the test instead: CI must never pass
 /// by skipping.
 pub fn url(kind: Kind) -> Option<String> {
+    let Some(kind) = kind.service() else {
+        return Some(MEM_URL.to_owned());
+    };
     match std::env::var(kind.env_var()) {
         Ok(v) if !v.is_empty() => Some(kind.url_of_endpoint(&v)),
         _ => {
@@ -40,14 +87,20 @@ pub fn url(kind: Kind) -> Option<String> {
     }
 }
 
-/// A fresh client (its own session) on `url`.
+/// A fresh client (its own session) on `url`; on [`MEM_URL`], a session on the
+/// process's in-memory server.
 pub async fn client(url: &str) -> Client {
-    dlock::connect_with(
-        url,
-        SessionOptions::default().with_session_timeout(SESSION_TIMEOUT),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("connect {url}: {e}"))
+    let opts = SessionOptions::default().with_session_timeout(SESSION_TIMEOUT);
+    if url == MEM_URL {
+        let backend = mem_server()
+            .connect(opts)
+            .await
+            .unwrap_or_else(|e| panic!("connect to the in-memory server: {e}"));
+        return Client::new(backend as Arc<dyn Backend>);
+    }
+    dlock::connect_with(url, opts)
+        .await
+        .unwrap_or_else(|e| panic!("connect {url}: {e}"))
 }
 
 /// A lock name no other test (or earlier run) uses.

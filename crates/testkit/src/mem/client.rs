@@ -1,0 +1,448 @@
+//! The client side: one session on a [`MemServer`], its heartbeat keeper, its lost
+//! signal, and the [`Backend`] trait over the server's operations.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::backend::lost_margin;
+use dlock_core::{
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, Hints, NameRules, Position,
+    QueuePath, Result, Ticket,
+};
+use futures::future::BoxFuture;
+use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
+
+use super::faults::Request;
+use super::server::{not_behind, Ops};
+use super::{MemServer, SessionId};
+
+/// One client session on a [`MemServer`], implementing [`Backend`] with the semantics of
+/// the real adapters (see the [module docs](super)).
+///
+/// A heartbeat task keeps the session alive every third of its timeout. Its
+/// [`Backend::lost`] fires [`lost_margin`] before the server's deadline, counted from when
+/// the last acknowledged heartbeat was sent, or when a refused call or heartbeat says the
+/// session expired, or on [`Backend::close`]. Dropping it closes the session.
+#[derive(Debug)]
+pub struct MemBackend {
+    link: Arc<Link>,
+    timeout: Duration,
+    recheck: Duration,
+}
+
+/// What the client and its keeper share: the way to the server, and the session's
+/// health as the client knows it.
+#[derive(Debug)]
+struct Link {
+    server: Arc<MemServer>,
+    id: SessionId,
+    health: watch::Sender<Health>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Health {
+    Live,
+    /// The session can no longer be trusted: expired, or unconfirmed past its deadline.
+    Lost(String),
+    /// Closed by the client.
+    Closed,
+}
+
+impl Health {
+    /// The error of a call made in this state.
+    fn call_error(&self) -> Option<Error> {
+        match self {
+            Health::Live => None,
+            Health::Lost(why) => Some(Error::LockLost(why.clone())),
+            Health::Closed => Some(Error::Closed),
+        }
+    }
+
+    /// The reason `lost()` gives in this state.
+    fn lost_error(&self) -> Error {
+        match self {
+            Health::Live | Health::Lost(_) => self
+                .call_error()
+                .unwrap_or_else(|| Error::LockLost("the session ended".into())),
+            Health::Closed => Error::LockLost("the session was closed".into()),
+        }
+    }
+}
+
+impl Link {
+    /// Moves the health out of `Live` (the first verdict stays).
+    fn conclude(&self, verdict: Health) {
+        self.health.send_if_modified(|h| {
+            let first = *h == Health::Live;
+            if first {
+                *h = verdict;
+            }
+            first
+        });
+    }
+
+    /// Completes with the call error once the session is no longer live.
+    fn ended(&self) -> impl Future<Output = Error> + 'static {
+        let mut rx = self.health.subscribe();
+        async move {
+            match rx.wait_for(|h| *h != Health::Live).await {
+                Ok(h) => h.call_error().unwrap_or(Error::Closed),
+                Err(_) => Error::Closed,
+            }
+        }
+    }
+
+    /// Sends one request: refused at once unless the session is live, cut off by a
+    /// partition, applied by the server, then its reply delayed or lost by the faults.
+    async fn call<T>(
+        &self,
+        request: Request,
+        op: impl FnOnce(&mut Ops<'_>) -> Result<T>,
+    ) -> Result<T> {
+        if let Some(e) = self.health.borrow().call_error() {
+            return Err(e);
+        }
+        let reply = self.server.request(self.id, request, op)?;
+        if !reply.fate.delay.is_zero() {
+            tokio::select! {
+                () = tokio::time::sleep(reply.fate.delay) => {}
+                e = self.ended() => return Err(e),
+            }
+        }
+        if reply.fate.dropped {
+            return Err(Error::Unreachable(format!(
+                "the in-memory server's reply to session {} was lost",
+                self.id
+            )));
+        }
+        if reply.expired {
+            self.conclude(Health::Lost(format!("session {} expired", self.id)));
+        }
+        reply.result
+    }
+}
+
+impl MemBackend {
+    /// Starts the client of session `id`, opened at `connected`, and its keeper.
+    pub(crate) fn start(
+        server: Arc<MemServer>,
+        id: SessionId,
+        timeout: Duration,
+        connected: Instant,
+    ) -> Arc<MemBackend> {
+        let (health, _) = watch::channel(Health::Live);
+        let link = Arc::new(Link { server, id, health });
+        tokio::spawn(keep(link.clone(), timeout, connected));
+        Arc::new(MemBackend {
+            link,
+            timeout,
+            recheck: (timeout / 3).min(Duration::from_secs(1)),
+        })
+    }
+
+    /// This client's session, by which the [`MemServer`]'s fault hooks name it.
+    pub fn session(&self) -> SessionId {
+        self.link.id
+    }
+
+    /// The server this client talks to.
+    pub fn server(&self) -> &Arc<MemServer> {
+        &self.link.server
+    }
+
+    /// How long a wait goes without a watch event before it checks again: a third of
+    /// the session timeout, at most a second (as the Redis adapter's re-check).
+    pub fn recheck_interval(&self) -> Duration {
+        self.recheck
+    }
+
+    async fn call<T>(&self, op: impl FnOnce(&mut Ops<'_>) -> Result<T>) -> Result<T> {
+        self.link.call(Request::Call, op).await
+    }
+
+    /// Waits for an armed watch's event (`Some`), or for the re-check timer (`None`): a
+    /// lost event leaves only the timer.
+    async fn wait_armed(&self, armed: oneshot::Receiver<Gone>) -> Result<Option<Gone>> {
+        let event = async {
+            match armed.await {
+                Ok(gone) => gone,
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            gone = event => Ok(Some(gone)),
+            () = tokio::time::sleep(self.recheck) => Ok(None),
+            e = self.link.ended() => Err(e),
+        }
+    }
+}
+
+impl Drop for MemBackend {
+    fn drop(&mut self) {
+        close_session(&self.link);
+    }
+}
+
+/// Ends the session on the client, then on the server unless the close cannot get
+/// there (a partition: the server then expires it by its timeout).
+fn close_session(link: &Link) {
+    link.conclude(Health::Closed);
+    if !link.server.is_partitioned(link.id) {
+        link.server.close(link.id);
+    }
+}
+
+/// The session keeper: heartbeats every third of the timeout, and the lost verdict once
+/// `lost_margin` before the server's earliest deadline passes without an acknowledged
+/// heartbeat, counted from when that heartbeat was sent.
+async fn keep(link: Arc<Link>, timeout: Duration, connected: Instant) {
+    let margin = lost_margin(timeout);
+    let beat_every = timeout / 3;
+    let retry_every = (beat_every / 4).max(Duration::from_millis(1));
+    let mut acked_sent = connected;
+    let mut next_beat = connected + beat_every;
+    let mut in_flight: Option<(Instant, BoxFuture<'static, Result<()>>)> = None;
+    loop {
+        let lost_at = (acked_sent + timeout)
+            .checked_sub(margin)
+            .unwrap_or(acked_sent);
+        let idle = in_flight.is_none();
+        let reply = async {
+            match in_flight.as_mut() {
+                Some((_, beat)) => beat.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            _ = link.ended() => return,
+            () = tokio::time::sleep_until(lost_at) => {
+                link.conclude(Health::Lost(format!(
+                    "no heartbeat of session {} acknowledged within {:?} of the session \
+                     timeout {timeout:?}",
+                    link.id,
+                    timeout.saturating_sub(margin),
+                )));
+                return;
+            }
+            result = reply => {
+                let sent = in_flight.take().map_or(acked_sent, |(sent, _)| sent);
+                match result {
+                    Ok(()) => {
+                        acked_sent = acked_sent.max(sent);
+                        next_beat = sent + beat_every;
+                    }
+                    Err(Error::Unreachable(_)) => next_beat = Instant::now() + retry_every,
+                    // Expired (the call concluded it) or closed.
+                    Err(_) => return,
+                }
+            }
+            () = tokio::time::sleep_until(next_beat), if idle => {
+                let beat_link = link.clone();
+                let beat = Box::pin(async move {
+                    beat_link.call(Request::Heartbeat, |_| Ok(())).await
+                });
+                in_flight = Some((Instant::now(), beat));
+            }
+        }
+    }
+}
+
+impl Backend for MemBackend {
+    fn kind(&self) -> &'static str {
+        "mem"
+    }
+
+    /// ZooKeeper's: the in-memory server models ZooKeeper's queue (sequential entries,
+    /// a read beside its writer, payload watches, a value at the lock's own node), so a
+    /// name it accepts is one the backend it models most closely accepts too.
+    /// ZooKeeper's rules: mem keeps ZooKeeper's layout (sequential entries, a value at
+    /// the lock's own node), so a name it takes is one ZooKeeper takes too.
+    fn name_rules(&self) -> NameRules {
+        NameRules::common().reserving("zookeeper")
+    }
+
+    fn session_timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Both: watches cost nothing here, and `enqueue_removing` is one atomic step, so the
+    /// recipes take the paths ZooKeeper takes.
+    fn hints(&self) -> Hints {
+        Hints::new(true, true)
+    }
+
+    /// Both, as on ZooKeeper: payloads are written and watched, and a queue keeps a
+    /// value of its own ([`MemServer::set_value`]).
+    fn supports(&self, capability: Capability) -> bool {
+        matches!(capability, Capability::Revocation | Capability::SharedValue)
+    }
+
+    fn enqueue<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        at: Position<'a>,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<Enqueued>> {
+        Box::pin(self.call(move |ops| ops.enqueue(q, ticket, kind, at, data)))
+    }
+
+    fn enqueue_removing<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        data: &'a [u8],
+        gone_q: &'a QueuePath,
+        gone: &'a Entry,
+    ) -> BoxFuture<'a, Result<Entry>> {
+        Box::pin(self.call(move |ops| ops.enqueue_removing(q, ticket, kind, data, gone_q, gone)))
+    }
+
+    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(self.call(move |ops| Ok(ops.queue(q))))
+    }
+
+    fn queue_ahead<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(self.call(move |ops| {
+            Ok(ops
+                .queue(q)
+                .into_iter()
+                .filter(|e| not_behind(e, mine))
+                .collect())
+        }))
+    }
+
+    /// Compares the token too: an entry re-created under the same name does not count.
+    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(self.call(move |ops| Ok(ops.contains(q, entry))))
+    }
+
+    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.wait_gone_detail(q, entry).await.map(|_| ()) })
+    }
+
+    /// [`Gone::Head`] when the removal the watch reported found no other entry with a
+    /// sequence up to the watched one's, in the same atomic step; [`Gone::Unknown`] when
+    /// the entry was found gone by a check. Never [`Gone::Vanished`]: the server loses
+    /// no data.
+    fn wait_gone_detail<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<Gone>> {
+        Box::pin(async move {
+            loop {
+                let Some(armed) = self.call(|ops| Ok(ops.arm_gone(q, entry))).await? else {
+                    return Ok(Gone::Unknown);
+                };
+                if let Some(gone) = self.wait_armed(armed).await? {
+                    return Ok(gone);
+                }
+            }
+        })
+    }
+
+    fn wait_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        seen: &'a [Entry],
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            loop {
+                let Some(armed) = self.call(|ops| Ok(ops.arm_changed(q, seen))).await? else {
+                    return Ok(());
+                };
+                if self.wait_armed(armed).await?.is_some() {
+                    return Ok(());
+                }
+            }
+        })
+    }
+
+    /// Never removes a newer entry of the same name (the token is compared).
+    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.call(move |ops| {
+            ops.remove(q, entry);
+            Ok(())
+        }))
+    }
+
+    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.call(move |ops| {
+            ops.abandon(q, ticket);
+            Ok(())
+        }))
+    }
+
+    fn lost(&self, _q: &QueuePath, _entry: &Entry) -> BoxFuture<'static, Error> {
+        let mut rx = self.link.health.subscribe();
+        Box::pin(async move {
+            match rx.wait_for(|h| *h != Health::Live).await {
+                Ok(h) => h.lost_error(),
+                Err(_) => Error::LockLost("the session ended".into()),
+            }
+        })
+    }
+
+    /// The value set by [`MemServer::set_value`]; empty counts as not set, as on
+    /// ZooKeeper.
+    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        Box::pin(self.call(move |ops| Ok(ops.read_value(q))))
+    }
+
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.call(move |ops| {
+            ops.set_data(q, entry, data);
+            Ok(())
+        }))
+    }
+
+    fn wait_data_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        seen: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        Box::pin(async move {
+            loop {
+                match self.call(|ops| Ok(ops.arm_data(q, entry, seen))).await? {
+                    Ok(now) => return Ok(now),
+                    Err(armed) => {
+                        // An event or a re-check: read again either way.
+                        self.wait_armed(armed).await?;
+                    }
+                }
+            }
+        })
+    }
+
+    /// The queue with every entry's token and payload (no creation time: the server
+    /// keeps only `tokio::time`).
+    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        self.queue(q)
+    }
+
+    /// Closes the session: its entries go at once (unless it is cut off, when the server
+    /// expires it by its timeout), its `lost()` fires, and every later call fails with
+    /// [`Error::Closed`]. Idempotent.
+    fn close(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            close_session(&self.link);
+            Ok(())
+        })
+    }
+}
