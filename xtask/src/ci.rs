@@ -1,5 +1,5 @@
 //! `cargo xtask ci`: the whole gate, fail fast: fmt, clippy, rustdoc (warnings denied),
-//! then integration (tests, doc tests, the examples, a dlock-bench smoke pass whose
+//! the seeded simulation (10,000 seeds over the in-memory backend), then integration (tests, doc tests, the examples, a dlock-bench smoke pass whose
 //! figures are never asserted), the demo, then the short chaos run. `.ci/run` calls
 //! exactly this.
 
@@ -52,6 +52,14 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         eprintln!("xtask ci: `{title}` failed ({status})");
         return Ok(status.code().unwrap_or(1));
     }
+    // The seeded simulation: every recipe over the in-memory backend under drawn faults,
+    // 10,000 seeds on virtual time (about 20 s), before anything needs a server.
+    crate::header("cargo xtask sim --seeds 10000");
+    crate::sim::run(&crate::flags::SimArgs {
+        seeds: 10_000,
+        seed: 0,
+        recipe: None,
+    })?;
     let code = crate::integration::run_with(root, args, true)?;
     if code != 0 {
         return Ok(code);

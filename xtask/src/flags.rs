@@ -39,6 +39,10 @@ pub(crate) enum Task {
     /// Fault injection on real servers and processes, every recipe side by side; prints
     /// the backend x scenario x recipe table and fails on any overlap of two holders.
     Chaos(ChaosArgs),
+    /// Seeded simulation: every recipe over the in-memory backend under drawn fault
+    /// schedules, on virtual time; fails on any overlap, token-order violation or leftover
+    /// entry and prints the seed that replays it.
+    Sim(SimArgs),
     /// One chaos worker process: takes the lock again and again (internal).
     #[command(hide = true)]
     ChaosWorker(ChaosWorkerArgs),
@@ -200,6 +204,20 @@ pub(crate) struct WorkerArgs {
 pub(crate) struct BuyArgs {
     /// The shop directory (counter and sales log).
     pub(crate) dir: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct SimArgs {
+    /// How many seeds to run (consecutive, from `--seed`).
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) seeds: u64,
+    /// The first seed; a failing seed is printed with the command that replays it.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// One recipe only (mutex, reentrant-mutex, semaphore-mutex, rwlock, semaphore,
+    /// multi-lock); default: each seed runs the next recipe in turn.
+    #[arg(long)]
+    pub(crate) recipe: Option<String>,
 }
 
 #[derive(Debug, Args)]

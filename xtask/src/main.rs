@@ -17,6 +17,7 @@ mod demo;
 mod examples;
 mod flags;
 mod integration;
+mod sim;
 mod teardown;
 
 use std::path::{Path, PathBuf};
@@ -37,6 +38,10 @@ fn main() -> anyhow::Result<()> {
         flags::Task::DemoWorker(args) => demo::worker(&args)?,
         flags::Task::DemoBuy(args) => demo::buy(&args.dir)?,
         flags::Task::Chaos(args) => chaos::run(&root, &args)?,
+        flags::Task::Sim(args) => {
+            sim::run(&args)?;
+            0
+        }
         flags::Task::ChaosWorker(args) => chaos::worker::worker(&args)?,
         flags::Task::ChaosSection(args) => chaos::worker::chaos_section(&args)?,
     };

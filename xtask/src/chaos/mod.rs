@@ -22,7 +22,7 @@
 //! scenario catalogue and the round plan are in [`scenario`], the code that injects each
 //! fault in [`inject`]; the workers, checker, store, proxy and report have a module each.
 
-mod history;
+pub(crate) mod history;
 mod inject;
 mod proxy;
 mod report;
@@ -48,7 +48,8 @@ use self::history::{now_us, Fault, Record, Rules};
 use self::inject::{inject_holder, inject_server};
 use self::proxy::Proxy;
 use self::report::Row;
-use self::scenario::{plan, Recipe, Round, Scenario};
+pub(crate) use self::scenario::Recipe;
+use self::scenario::{plan, Round, Scenario};
 use self::store::Store;
 use crate::flags::ChaosArgs;
 

@@ -166,7 +166,7 @@ pub(crate) enum Recipe {
 }
 
 impl Recipe {
-    pub(super) const ALL: [Recipe; 6] = [
+    pub(crate) const ALL: [Recipe; 6] = [
         Recipe::Mutex,
         Recipe::ReentrantMutex,
         Recipe::SemaphoreMutex,
