@@ -168,9 +168,14 @@
 #![deny(missing_docs)]
 
 mod backend;
+mod connect;
 mod keys;
 mod node;
+mod pubsub;
+mod redlock;
 mod reply;
 mod scripts;
+mod watchdog;
 
-pub use backend::{RedisBackend, Stats, DEFAULT_LEASE, MIN_LEASE};
+pub use backend::{RedisBackend, Stats};
+pub use connect::{DEFAULT_LEASE, MIN_LEASE};
