@@ -129,6 +129,7 @@
 //! it, since it lists the queue after that create on the same session.
 #![deny(missing_docs)]
 mod backend;
+mod enqueue;
 mod errors;
 mod heartbeat;
 mod nodelay;
