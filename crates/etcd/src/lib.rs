@@ -11,6 +11,11 @@
 //! implementation:
 //! - `layout`: the key layout (below), pure and unit-tested;
 //! - `session`: the lease and its keep-alive task, and the lost signal;
+//! - `claims`: the key each ticket's entry takes, the enqueue transaction, and the
+//!   deletes that free a claimed key;
+//! - `reads`: queue reads and the revision floor no read goes back before;
+//! - `waits`: `wait_gone` and `wait_changed` on watches, and their retries;
+//! - `watches`: the one watch stream every watch of a client shares;
 //! - `errors`: how etcd-client's errors map to [`dlock_core::Error`].
 //!
 //! # The design decision: etcd's own mutex keys
@@ -149,10 +154,13 @@
 pub const NAME_RULES: dlock_core::NameRules = dlock_core::NameRules::common();
 
 mod backend;
+mod claims;
 mod errors;
 mod layout;
+mod reads;
 mod server_version;
 mod session;
+mod waits;
 mod watches;
 
 pub use backend::{EtcdBackend, DEFAULT_SESSION_TTL};

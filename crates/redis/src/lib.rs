@@ -173,12 +173,17 @@ pub const NAME_RULES: dlock_core::NameRules =
     dlock_core::NameRules::common().forbidding(&['{', '}']);
 
 mod backend;
+mod connect;
 mod keys;
 mod node;
+mod pubsub;
+mod redlock;
 mod reply;
 mod scripts;
+mod watchdog;
 
-pub use backend::{RedisBackend, Stats, DEFAULT_LEASE, MIN_LEASE};
+pub use backend::{RedisBackend, Stats};
+pub use connect::{DEFAULT_LEASE, MIN_LEASE};
 
 #[cfg(test)]
 mod name_rule_tests {

@@ -134,6 +134,7 @@ pub const NAME_RULES: dlock_core::NameRules =
     dlock_core::NameRules::common().reserving("zookeeper");
 
 mod backend;
+mod enqueue;
 mod errors;
 mod heartbeat;
 mod nodelay;

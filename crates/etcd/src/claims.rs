@@ -1,0 +1,336 @@
+//! Claims: the key each ticket's entry takes (etcd's mutex key or a ticketed one), the
+//! pending tickets that let a cancelled enqueue be cleaned up, the enqueue's put-if-absent
+//! transaction, and the deletes that free a claimed key.
+
+use std::collections::HashMap;
+
+use dlock_core::{Enqueued, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use tokio::sync::{oneshot, watch};
+use tokio::time::timeout;
+
+use crate::backend::{request, EtcdBackend};
+use crate::errors::map;
+use crate::layout;
+use crate::reads::{header_rev, queue_read, raw};
+
+/// What this client's own contenders have claimed, so that two of them never share a key
+/// and a cancelled enqueue can be cleaned up.
+#[derive(Default)]
+pub(crate) struct Local {
+    /// etcd's mutex key `NAME/<lease hex>` → the ticket using it. A lease has only one
+    /// such key per name, so a second local contender on the same name takes a ticketed
+    /// key instead (see the crate docs).
+    pub(crate) primary: HashMap<String, String>,
+    /// Ticket → the key its enqueue created, or may have created.
+    pub(crate) tickets: HashMap<String, Pending>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Pending {
+    pub(crate) key: String,
+    pub(crate) primary: bool,
+    lease: i64,
+    /// Becomes `true` once the enqueue's transaction has been answered (or failed): only
+    /// then can a delete not be overtaken by it.
+    pub(crate) done: watch::Receiver<bool>,
+}
+
+impl EtcdBackend {
+    /// Picks the key for `ticket`'s entry and records it before anything is sent, so
+    /// `abandon` finds it even if the enqueue future is dropped mid-flight.
+    fn claim(
+        &self,
+        prefix: &str,
+        ticket: &Ticket,
+        kind: EntryKind,
+        lease: i64,
+        avoid_primary: bool,
+    ) -> (String, bool, Option<watch::Receiver<bool>>) {
+        let mut local = self.local.lock();
+        if let Some(p) = local.tickets.get(ticket.as_str()) {
+            if p.lease == lease && p.key.starts_with(prefix) && !(avoid_primary && p.primary) {
+                // A retry with the same ticket: the same key, so the retry is idempotent.
+                return (p.key.clone(), p.primary, Some(p.done.clone()));
+            }
+        }
+        if let Some(old) = local.tickets.remove(ticket.as_str()) {
+            if old.primary
+                && local.primary.get(&old.key).map(String::as_str) == Some(ticket.as_str())
+            {
+                local.primary.remove(&old.key);
+            }
+        }
+        let primary_key = format!("{prefix}{}", layout::entry_name(lease, ticket, kind, true));
+        let primary =
+            kind == EntryKind::Lock && !avoid_primary && !local.primary.contains_key(&primary_key);
+        let key = if primary {
+            local
+                .primary
+                .insert(primary_key.clone(), ticket.as_str().to_owned());
+            primary_key
+        } else {
+            format!("{prefix}{}", layout::entry_name(lease, ticket, kind, false))
+        };
+        (key, primary, None)
+    }
+
+    /// `Some(primary)` if `key` is the key `ticket` claimed under the live session's
+    /// lease and its enqueue has been answered: then no entry newer than the one to
+    /// remove can exist under `key`, since only this client writes keys named after its
+    /// lease, and it writes `key` again only after the claim is forgotten.
+    ///
+    /// A primary key (the only kind a later contender of this client can take again) is
+    /// retired on the way: [`Self::delete_claimed`] frees it only once its delete is
+    /// answered, so a second release of the same entry running meanwhile, or a plain
+    /// delete dropped mid-flight, can never meet a newer entry under it.
+    pub(crate) fn take_claim(
+        &self,
+        key: &str,
+        ticket: Option<&str>,
+        lease: Option<i64>,
+    ) -> Option<bool> {
+        let ticket = ticket?;
+        let session = self.session.lock().clone();
+        if lease != Some(session.id()) || !session.is_alive() {
+            return None;
+        }
+        let mut local = self.local.lock();
+        let primary = local
+            .tickets
+            .get(ticket)
+            .filter(|p| p.key == key && p.lease == session.id() && *p.done.borrow())?
+            .primary;
+        if primary {
+            match local.primary.get_mut(key) {
+                Some(owner) if owner == ticket => owner.clear(),
+                _ => return None,
+            }
+        }
+        Some(primary)
+    }
+
+    /// Releases an entry [`Self::take_claim`] took with a plain delete, as etcd's own
+    /// unlock does: no compare, so the server skips the read a transaction makes before
+    /// it writes (measured: about a tenth of W1's server CPU per lock). One attempt
+    /// only: a retry could let a lost first attempt land after the key is free again, on
+    /// a newer entry. If the attempt fails, a primary key stays retired for this session
+    /// (the delete may still land) and `false` tells the caller to remove the entry
+    /// another way (a release: with the compare; an abandon: with retries, the key
+    /// staying retired). `primary` is whether the caller retired the key for this call.
+    pub(crate) async fn delete_claimed(&self, key: &str, primary: bool) -> bool {
+        let attempt = async {
+            let _slot = self.in_flight.acquire().await.ok();
+            self.kv.clone().delete(key, None).await
+        };
+        let why = match timeout(self.request_timeout, attempt).await {
+            Ok(Ok(resp)) => {
+                self.observe(header_rev(resp.header()));
+                if primary {
+                    let mut local = self.local.lock();
+                    if local.primary.get(key).is_some_and(String::is_empty) {
+                        local.primary.remove(key);
+                    }
+                }
+                return true;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {:?}", self.request_timeout),
+        };
+        tracing::debug!(key, error = %why, "plain delete got no answer; the key stays retired");
+        false
+    }
+
+    /// Forgets what `ticket` claimed for `key`. A primary key retired by
+    /// [`Self::take_claim`] stays retired.
+    pub(crate) fn forget(&self, ticket: Option<&str>, key: &str) {
+        let Some(ticket) = ticket else { return };
+        let mut local = self.local.lock();
+        if local.tickets.get(ticket).is_some_and(|p| p.key == key) {
+            local.tickets.remove(ticket);
+        }
+        if local.primary.get(key).map(String::as_str) == Some(ticket) {
+            local.primary.remove(key);
+        }
+    }
+
+    pub(crate) async fn enqueue_impl(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        at: Position<'_>,
+        data: &[u8],
+    ) -> Result<Enqueued> {
+        let writer = match at {
+            Position::Tail => None,
+            Position::Beside(e) if kind == EntryKind::Read => Some(e),
+            Position::Beside(_) => {
+                return Err(Error::WouldDeadlock(format!(
+                    "only a read entry can be placed beside a held entry, not a {kind} entry"
+                )))
+            }
+        };
+        let prefix = layout::queue_prefix(q);
+        let session = self.live_session().await?;
+        let lease = session.id();
+        let value = layout::encode_value(ticket, writer.map(|w| w.seq), data);
+        // A downgrade's read entry may only sit beside a write that is still ours: the
+        // same entry (its creation revision is its token) under this session's lease. A
+        // write deleted from outside, or left under a lease this session replaced, fails
+        // the transaction instead of leaving a read entry in a dead writer's place.
+        let writer_check = match writer {
+            None => None,
+            Some(w) => {
+                let Some(rev) = w.token.and_then(|t| i64::try_from(t.get()).ok()) else {
+                    return Err(Error::LockLost(format!(
+                        "the write entry {} to downgrade has no token",
+                        w.name
+                    )));
+                };
+                Some((format!("{prefix}{}", w.name), rev))
+            }
+        };
+        let mut avoid_primary = false;
+        let mut cleaned = false;
+        loop {
+            let (key, primary, previous) = self.claim(&prefix, ticket, kind, lease, avoid_primary);
+            if let Some(mut prev) = previous {
+                // Let an earlier attempt with this ticket land first, so that this one
+                // finds its key instead of racing it.
+                let _ = timeout(self.request_timeout, prev.wait_for(|d| *d)).await;
+            }
+            let (done_tx, done_rx) = watch::channel(false);
+            self.local.lock().tickets.insert(
+                ticket.as_str().to_owned(),
+                Pending {
+                    key: key.clone(),
+                    primary,
+                    lease,
+                    done: done_rx,
+                },
+            );
+            // etcd's Go Mutex in one round trip: create my key if it does not exist, and
+            // read the queue. The else branch (my key exists: a retry whose first answer
+            // was lost) reads the same queue, so retrying is idempotent.
+            let put = etcd_client::PutOptions::new().with_lease(lease);
+            let mut when = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
+            if let Some((wkey, rev)) = &writer_check {
+                when.push(Compare::create_revision(
+                    wkey.clone(),
+                    CompareOp::Equal,
+                    *rev,
+                ));
+                when.push(Compare::lease(wkey.clone(), CompareOp::Equal, lease));
+            }
+            let txn = Txn::new()
+                .when(when)
+                .and_then([
+                    TxnOp::put(key.clone(), value.clone(), Some(put)),
+                    TxnOp::get(prefix.clone(), Some(queue_read())),
+                ])
+                .or_else([TxnOp::get(prefix.clone(), Some(queue_read()))]);
+            // The transaction runs in its own task: a dropped enqueue cannot cancel it
+            // halfway, and `abandon` waits for its answer before deleting the key. (Polling
+            // it in place and handing it to a task only when dropped was measured: no
+            // faster in W1, and more context switches per lock.)
+            let (tx, rx) = oneshot::channel();
+            let kv = self.kv.clone();
+            let budget = self.request_timeout;
+            let limit = self.in_flight.clone();
+            tokio::spawn(async move {
+                let r = request(&limit, budget, || {
+                    let (mut kv, txn) = (kv.clone(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await;
+                // `done` first: a release right after the answer must find it set.
+                let _ = done_tx.send(true);
+                let _ = tx.send(r);
+            });
+            let resp = rx
+                .await
+                .map_err(|_| Error::Closed)?
+                .map_err(|e| map(&format!("enqueue on {q}"), e))?;
+            self.observe(header_rev(resp.header()));
+            let Some(get) = resp.op_responses().into_iter().find_map(|op| match op {
+                TxnOpResponse::Get(g) => Some(g),
+                _ => None,
+            }) else {
+                return Err(Error::backend(
+                    format!("enqueue on {q}"),
+                    "the transaction's answer has no queue read",
+                ));
+            };
+            if let Some((wkey, rev)) = &writer_check {
+                let ours = get.kvs().iter().any(|kv| {
+                    kv.key() == wkey.as_bytes()
+                        && kv.create_revision() == *rev
+                        && kv.lease() == lease
+                });
+                if !ours {
+                    // Only reachable when the transaction failed: it put nothing now (an
+                    // earlier attempt's read entry, if any, is the caller's to abandon).
+                    return Err(Error::LockLost(format!(
+                        "the write entry {wkey} to downgrade is gone or no longer this session's"
+                    )));
+                }
+            }
+            let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
+            let name = &key[prefix.len()..];
+            let Some(mine) = queue.iter().find(|e| e.name == name).cloned() else {
+                return Err(Error::backend(
+                    format!("enqueue on {q}"),
+                    format!("the queue read does not contain the new key {key}"),
+                ));
+            };
+            if !resp.succeeded() && mine.ticket.as_deref() != Some(ticket.as_str()) {
+                // etcd's key for this lease exists, but another ticket wrote it, and no
+                // local contender claims it (this ticket holds the claim): an orphan that
+                // would hold the lock until the session ends. Delete exactly that entry
+                // and try again; if that fails, queue under a ticketed key instead.
+                if primary && !cleaned {
+                    cleaned = true;
+                    tracing::warn!(key = %key, token = mine.token.map(|t| t.get()).unwrap_or(0), "removing an orphaned entry under this lease's mutex key");
+                    if self.remove_exact(&key, mine.token).await.is_ok() {
+                        continue;
+                    }
+                }
+                avoid_primary = true;
+                continue;
+            }
+            tracing::debug!(
+                queue = %q,
+                entry = %mine.name,
+                token = mine.token.map(|t| t.get()).unwrap_or(0),
+                created = resp.succeeded(),
+                "enqueued"
+            );
+            return Ok(Enqueued { mine, queue });
+        }
+    }
+
+    /// Deletes `key` if it still holds the entry created at revision `token` (any entry
+    /// under `key` if `token` is unknown). Never deletes a newer entry of the same name:
+    /// a late retried release must not free someone else's lock.
+    pub(crate) async fn remove_exact(
+        &self,
+        key: &str,
+        token: Option<dlock_core::FencingToken>,
+    ) -> Result<()> {
+        let txn = match token.and_then(|t| i64::try_from(t.get()).ok()) {
+            Some(rev) => Txn::new()
+                .when([Compare::create_revision(key, CompareOp::Equal, rev)])
+                .and_then([TxnOp::delete(key, None)]),
+            None => Txn::new().and_then([TxnOp::delete(key, None)]),
+        };
+        let resp = request(&self.in_flight, self.request_timeout, || {
+            let (mut kv, txn) = (self.kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await
+        .map_err(|e| map(&format!("releasing {key}"), e))?;
+        self.observe(header_rev(resp.header()));
+        Ok(())
+    }
+}

@@ -1,0 +1,218 @@
+//! Waits: one attempt of `wait_gone` and of `wait_changed` on a watch armed from now,
+//! the re-reads that cover a watch the server left unsynced, and the retry around them.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use dlock_core::{Entry, Error, Result};
+use etcd_client::{EventType, GetOptions, GetResponse, WatchFilterType, WatchOptions};
+use tokio::time::{sleep, timeout, Instant};
+
+use crate::backend::EtcdBackend;
+use crate::errors::map;
+use crate::layout;
+use crate::reads::{header_rev, holds_entry, queue_read, raw};
+use crate::watches::Watch;
+
+/// How often `wait_gone` re-reads its key while its watch may still be unsynced.
+const UNSYNCED_CHECK: Duration = Duration::from_millis(25);
+/// How long `wait_gone` keeps re-reading (two reads). The server's catch-up loop syncs
+/// a lagging watcher within 100 ms anyway; measured under W2 (8 workers, about 1 % of
+/// watches unsynced), every delete a re-read found first was found by the 25 ms one, and
+/// without the re-reads W2 lost a quarter of its rate to 100 ms stalls.
+const UNSYNCED_WINDOW: Duration = Duration::from_millis(55);
+
+impl EtcdBackend {
+    /// Arms a watch from "now" on `key` (a prefix if `prefix`) on the client's shared
+    /// watch stream and waits for its `created` answer; returns the watch and the
+    /// revision it starts after.
+    ///
+    /// Watching from now (no start revision) is what keeps the handoff fast: the server
+    /// puts such a watcher in its *synced* group and sends it each event as it is
+    /// committed, where a watch from a past revision (etcd's own Mutex) is served by the
+    /// loop that catches up unsynced watchers every 100 ms.
+    async fn arm(&self, key: &str, prefix: bool, no_put: bool) -> Result<(Watch, i64)> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let mut opts = WatchOptions::new();
+        if prefix {
+            opts = opts.with_prefix();
+        }
+        if no_put {
+            opts = opts.with_filters([WatchFilterType::NoPut]);
+        }
+        let opened = timeout(self.request_timeout, async {
+            let mut w = self
+                .watches
+                .watch(key, opts)
+                .await
+                .map_err(|e| map(&format!("watching {key}"), e))?;
+            match w.message().await {
+                Some(m) if m.created() && !m.canceled() => Ok((w, header_rev(m.header()))),
+                Some(m) => Err(Error::backend(
+                    format!("watching {key}"),
+                    format!("watch refused: {}", m.cancel_reason()),
+                )),
+                None => Err(Error::Unreachable(format!(
+                    "watching {key}: stream closed before the watch was created"
+                ))),
+            }
+        })
+        .await;
+        match opened {
+            Ok(r) => r,
+            Err(_) => Err(Error::Unreachable(format!(
+                "watching {key}: no answer within {:?}",
+                self.request_timeout
+            ))),
+        }
+    }
+
+    /// True if a read answered at `read_rev`, sent after the `created` answer of a watch
+    /// that starts after `watch_rev`, proves that watch synced (see [`Self::wait_gone_once`]).
+    fn proves_synced(&self, read_rev: i64, watch_rev: i64) -> bool {
+        // Revisions of two members are only comparable this way on one member.
+        self.endpoints.len() == 1 && read_rev == watch_rev
+    }
+
+    /// One attempt of `wait_gone`: `Ok` once the entry is gone.
+    ///
+    /// Costs one watch create on the shared stream and one read; a waiter that stays
+    /// queued costs nothing more until its predecessor goes.
+    pub(crate) async fn wait_gone_once(&self, key: &str, entry: &Entry) -> Result<()> {
+        let exists = |r: &GetResponse| holds_entry(r, key, entry);
+        // Arm the watch first, then read the key at or after the revision the watch
+        // starts after: a delete is then either in the read or reported by the watch.
+        let (mut watch, watch_rev) = self.arm(key, false, true).await?;
+        let read = self
+            .fresh_get(key, GetOptions::new(), watch_rev)
+            .await
+            .map_err(|e| map(&format!("reading {key}"), e))?;
+        if !exists(&read) {
+            return Ok(());
+        }
+        // The server starts a watch from "now" as synced, unless a write lands between the
+        // moment it reads its revision and the moment it registers the watcher; such a
+        // watcher is caught up by the 100 ms loop, and a delete in that gap would reach
+        // us up to 100 ms late, stalling every waiter behind us. If the read shows that
+        // nothing was written since the watch's start, it is synced; otherwise two cheap
+        // reads, 25 and 50 ms in, bound that stall without waiting on the loop.
+        let now = Instant::now();
+        let mut next_check = now + UNSYNCED_CHECK;
+        let last_check = if self.proves_synced(header_rev(read.header()), watch_rev) {
+            now
+        } else {
+            now + UNSYNCED_WINDOW
+        };
+        loop {
+            let msg = tokio::select! {
+                m = watch.message() => m,
+                _ = tokio::time::sleep_until(next_check), if next_check <= last_check => {
+                    next_check += UNSYNCED_CHECK;
+                    let r = self
+                        .fresh_get(key, GetOptions::new(), watch_rev)
+                        .await
+                        .map_err(|e| map(&format!("reading {key}"), e))?;
+                    if !exists(&r) {
+                        tracing::debug!(target: "dlock_etcd::unsynced", key, "delete found by a re-read before the watch reported it");
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            match msg {
+                Some(m) => {
+                    self.observe(header_rev(m.header()));
+                    if m.canceled() {
+                        return Err(Error::Unreachable(format!(
+                            "watch on {key} cancelled by the server (compacted at {}): {}",
+                            m.compact_revision(),
+                            m.cancel_reason()
+                        )));
+                    }
+                    if m.events()
+                        .iter()
+                        .any(|e| e.event_type() == EventType::Delete)
+                    {
+                        return Ok(());
+                    }
+                }
+                None => return Err(Error::Unreachable(format!("watch on {key}: stream closed"))),
+            }
+        }
+    }
+
+    /// One attempt of `wait_changed`.
+    pub(crate) async fn wait_changed_once(&self, prefix: &str, seen: &[Entry]) -> Result<()> {
+        let same = |q: &[Entry]| {
+            q.len() == seen.len()
+                && q.iter()
+                    .all(|e| seen.iter().any(|s| s.name == e.name && s.token == e.token))
+        };
+        let (mut watch, watch_rev) = self.arm(prefix, true, false).await?;
+        let resp = self
+            .fresh_get(prefix, queue_read(), watch_rev)
+            .await
+            .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
+        let queue = layout::queue_from_kvs(prefix, resp.kvs().iter().map(raw));
+        if !same(&queue) {
+            return Ok(());
+        }
+        loop {
+            match watch.message().await {
+                Some(m) => {
+                    self.observe(header_rev(m.header()));
+                    if m.canceled() {
+                        return Err(Error::Unreachable(format!(
+                            "watch on {prefix} cancelled by the server (compacted at {}): {}",
+                            m.compact_revision(),
+                            m.cancel_reason()
+                        )));
+                    }
+                    // Only keys directly in the queue count; a sub-queue's traffic does not.
+                    let relevant = m.events().iter().any(|e| {
+                        e.kv().is_some_and(|kv| {
+                            kv.key()
+                                .strip_prefix(prefix.as_bytes())
+                                .and_then(|n| std::str::from_utf8(n).ok())
+                                .and_then(layout::parse_name)
+                                .is_some()
+                        })
+                    });
+                    if relevant {
+                        return Ok(());
+                    }
+                }
+                None => {
+                    return Err(Error::Unreachable(format!(
+                        "watch on {prefix}: stream closed"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Retries a watch attempt after transient failures (a broken stream, a server that
+    /// went away, a compaction) for up to one session TTL; the caller's `lost` fires first
+    /// if the outage outlives the session.
+    pub(crate) async fn retry_watch<'a, F, Fut>(&'a self, what: &str, mut attempt: F) -> Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<()>> + 'a,
+    {
+        let started = Instant::now();
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            match attempt().await {
+                Ok(()) => return Ok(()),
+                Err(e @ Error::Unreachable(_)) if started.elapsed() < self.session.lock().ttl() => {
+                    tracing::debug!(what, error = %e, "watch failed; re-arming");
+                    sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}

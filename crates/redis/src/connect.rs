@@ -1,0 +1,280 @@
+//! Connecting: [`RedisBackend::connect`] and its Sentinel, Redlock and URL variants, the
+//! validation of addresses and leases, and the start of the background tasks.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::{Error, Result, SessionOptions};
+use fred::prelude::{EventInterface, Value};
+use futures::future::join_all;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::backend::{Counters, Mode, RedisBackend, Shared};
+use crate::node::{Node, Tuning};
+use crate::scripts::Scripts;
+use crate::watchdog::watchdog;
+
+/// The lease when [`SessionOptions::session_timeout`] is not set: Redisson's watchdog
+/// default.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// The shortest lease accepted; below it the watchdog's lease/3 period is shorter than a
+/// loaded machine's scheduling jitter.
+pub const MIN_LEASE: Duration = Duration::from_millis(300);
+
+impl RedisBackend {
+    /// Connects to one Redis master at `addr` (`host:port`).
+    ///
+    /// The lease of every entry is `opts.session_timeout` (default [`DEFAULT_LEASE`],
+    /// at least [`MIN_LEASE`]); the watchdog renews it every lease/3.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for a malformed address or a lease below [`MIN_LEASE`];
+    /// [`Error::Unreachable`] if the server does not accept a connection within
+    /// `opts.connect_timeout`.
+    pub async fn connect(addr: &str, opts: SessionOptions) -> Result<Arc<RedisBackend>> {
+        Self::connect_mode(Mode::Single, &[addr.to_owned()], None, opts).await
+    }
+
+    /// Connects to the primary of the Sentinel-monitored `service`, found through the
+    /// Sentinels at `sentinels` (`host:port` each; the first that answers is asked).
+    ///
+    /// Behaves as [`RedisBackend::connect`] against that primary, and follows failovers:
+    /// on every reconnection both the command and the subscriber connection ask the
+    /// Sentinels again and check that the server they name answers `ROLE` with
+    /// `master`, and every Sentinel's `+switch-master` announcement for `service`
+    /// forces that reconnection at once (also when the old primary is still up), so after
+    /// the Sentinels promote a replica the clients, the watchdog and the pub/sub
+    /// wake-ups all move to it. The watchdog runs a round right after the
+    /// reconnection: an entry the failover lost (Redis replicates asynchronously, so a
+    /// write acknowledged just before the primary died may never have reached the
+    /// replica) fires `lost()` then, and an entry that survived keeps being renewed.
+    /// Fencing tokens stay monotonic across a failover as long as the servers' clocks do
+    /// (see the crate docs).
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for an empty or repeated Sentinel list, a malformed address,
+    /// an empty service name or a lease below [`MIN_LEASE`]; [`Error::Unreachable`] if no
+    /// primary accepts a connection within `opts.connect_timeout` (Sentinels down, the
+    /// service unknown to them, or a failover still under way).
+    pub async fn connect_sentinel(
+        sentinels: &[String],
+        service: &str,
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        if service.is_empty()
+            || !service
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            return Err(Error::InvalidUrl {
+                url: format!("{}/{service}", sentinels.join(",")),
+                reason:
+                    "the Sentinel service name must be non-empty letters, digits, '-', '_' or '.'"
+                        .into(),
+            });
+        }
+        Self::connect_mode(Mode::Single, sentinels, Some(service), opts).await
+    }
+
+    /// Connects to N independent masters for Redlock (see the crate docs for what that
+    /// does and does not guarantee). Succeeds once a majority is connected within
+    /// `opts.connect_timeout`; the others keep reconnecting in the background.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for an empty list, a malformed or repeated address, or a lease
+    /// below [`MIN_LEASE`]; [`Error::Unreachable`] if fewer than a majority connect in time.
+    pub async fn connect_redlock(
+        addrs: &[String],
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        Self::connect_mode(Mode::Redlock, addrs, None, opts).await
+    }
+
+    /// Connects from a URL: `redis://host:port` (one master),
+    /// `redlock://h1:p1,h2:p2,...` (independent masters) or
+    /// `redis+sentinel://s1:p1,s2:p2,.../service` (the primary of a Sentinel group).
+    ///
+    /// # Errors
+    /// As [`RedisBackend::connect`], [`RedisBackend::connect_redlock`] and
+    /// [`RedisBackend::connect_sentinel`]; a URL with another scheme, a path (other than
+    /// the Sentinel service), or credentials is [`Error::InvalidUrl`].
+    pub async fn connect_url(url: &str, opts: SessionOptions) -> Result<Arc<RedisBackend>> {
+        let bad = |reason: &str| Error::InvalidUrl {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("missing scheme"))?;
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if scheme == "redis+sentinel" {
+            let (hosts, service) = rest
+                .split_once('/')
+                .ok_or_else(|| bad("expected redis+sentinel://host:port,.../service-name"))?;
+            if hosts.contains(['@', '?']) || service.contains(['/', '@', '?']) {
+                return Err(bad(
+                    "only a host:port list and a service name are supported (no credentials or query)",
+                ));
+            }
+            let sentinels: Vec<String> = hosts.split(',').map(str::to_owned).collect();
+            return Self::connect_sentinel(&sentinels, service, opts).await;
+        }
+        if rest.contains(['/', '@', '?']) {
+            return Err(bad(
+                "only host:port lists are supported (no path, credentials or query)",
+            ));
+        }
+        match scheme {
+            "redis" => Self::connect(rest, opts).await,
+            "redlock" => {
+                let addrs: Vec<String> = rest.split(',').map(str::to_owned).collect();
+                Self::connect_redlock(&addrs, opts).await
+            }
+            _ => Err(bad("scheme must be redis, redlock or redis+sentinel")),
+        }
+    }
+
+    /// `addrs` are the masters, or with `sentinel_service` the Sentinels of that service
+    /// (one node: the primary they name).
+    async fn connect_mode(
+        mode: Mode,
+        addrs: &[String],
+        sentinel_service: Option<&str>,
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        let lease = opts.session_timeout.unwrap_or(DEFAULT_LEASE);
+        let what = match sentinel_service {
+            Some(service) => format!("{}/{service}", addrs.join(",")),
+            None => addrs.join(","),
+        };
+        if lease < MIN_LEASE {
+            return Err(Error::InvalidUrl {
+                url: what,
+                reason: format!("session timeout {lease:?} is below the minimum {MIN_LEASE:?}"),
+            });
+        }
+        if addrs.is_empty() {
+            return Err(Error::InvalidUrl {
+                url: what,
+                reason: "no server given".into(),
+            });
+        }
+        let distinct: HashSet<&String> = addrs.iter().collect();
+        if distinct.len() != addrs.len() {
+            return Err(Error::InvalidUrl {
+                url: what,
+                reason: "a server is listed twice".into(),
+            });
+        }
+        for a in addrs {
+            crate::node::check_addr(a)?;
+        }
+        let tuning = Tuning {
+            connect_timeout: opts.connect_timeout,
+            command_timeout: (lease / 2).clamp(Duration::from_secs(1), Duration::from_secs(5)),
+        };
+        let nodes = match sentinel_service {
+            Some(service) => vec![Node::start_sentinel(addrs, service, tuning)?],
+            None => addrs
+                .iter()
+                .map(|a| Node::start(a, tuning))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let majority = nodes.len() / 2 + 1;
+        let deadline = Instant::now() + opts.connect_timeout;
+        let results = join_all(nodes.iter().map(|n| n.wait_connected(deadline))).await;
+        let connected = results.iter().filter(|r| r.is_ok()).count();
+        if connected < majority {
+            for n in &nodes {
+                n.shutdown().await;
+            }
+            let first = results.into_iter().find_map(|r| r.err());
+            return Err(match (mode, first) {
+                (Mode::Single, Some(e)) => e,
+                _ => Error::Unreachable(format!(
+                    "only {connected} of {} redis masters connected within {:?}; a majority ({majority}) is needed",
+                    addrs.len(),
+                    opts.connect_timeout
+                )),
+            });
+        }
+        for (n, r) in nodes.iter().zip(&results) {
+            if let Err(e) = r {
+                warn!(master = %n.addr, error = %e, "redlock master not connected yet; it keeps reconnecting");
+            }
+        }
+        let shared = Arc::new(Shared {
+            mode,
+            majority,
+            lease,
+            lease_ms: Value::from(lease.as_millis().to_string()),
+            recheck: (lease / 3).min(Duration::from_secs(1)),
+            drift: lease / 100 + Duration::from_millis(2),
+            scripts: Scripts::new(),
+            live: Mutex::new(HashMap::new()),
+            chans: Mutex::new(HashMap::new()),
+            idle_chans: Mutex::new(Vec::new()),
+            sub_ops: tokio::sync::Mutex::new(()),
+            seq_hint: Mutex::new(HashMap::new()),
+            wake: Arc::new(Notify::new()),
+            closed: AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+            nodes,
+        });
+        shared.start_tasks();
+        info!(kind = shared.kind(), masters = %what, ?lease, "redis backend connected");
+        Ok(Arc::new(RedisBackend { shared }))
+    }
+}
+
+impl Shared {
+    /// Starts the watchdog, one pub/sub dispatcher per master, and the reconnect hooks.
+    /// Every task holds a `Weak` or is aborted on drop/close, so none keeps the clients
+    /// alive past their owner.
+    fn start_tasks(self: &Arc<Self>) {
+        let mut tasks = Vec::new();
+        let weak = Arc::downgrade(self);
+        tasks.push(tokio::spawn(watchdog(weak.clone())).abort_handle());
+        for node in &self.nodes {
+            let mut rx = node.sub.message_rx();
+            let w = weak.clone();
+            tasks.push(
+                tokio::spawn(async move {
+                    use tokio::sync::broadcast::error::RecvError;
+                    loop {
+                        let msg = rx.recv().await;
+                        let Some(s) = w.upgrade() else { return };
+                        match msg {
+                            Ok(m) => s.dispatch(&m.channel, &m.value),
+                            // Missed messages: let every waiter re-check.
+                            Err(RecvError::Lagged(_)) => s.wake_all_waiters(),
+                            Err(RecvError::Closed) => return,
+                        }
+                    }
+                })
+                .abort_handle(),
+            );
+            let (w1, w2) = (weak.clone(), weak.clone());
+            for h in node.on_reconnect(
+                move || {
+                    if let Some(s) = w1.upgrade() {
+                        s.wake.notify_one();
+                    }
+                },
+                move || {
+                    if let Some(s) = w2.upgrade() {
+                        s.wake_all_waiters();
+                    }
+                },
+            ) {
+                tasks.push(h.abort_handle());
+            }
+        }
+        self.tasks.lock().extend(tasks);
+    }
+}

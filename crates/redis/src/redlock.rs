@@ -1,0 +1,368 @@
+//! Running scripts on the masters and agreeing: the gather with its straggler grace, the
+//! majority check, the merge of the masters' views, and the enqueue's Redlock sequence
+//! proposals with their randomised backoff.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::{Enqueued, Entry, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use fred::prelude::Value;
+use tokio::time::Instant;
+use tracing::debug;
+
+use crate::backend::{Mode, RedisBackend, Shared};
+use crate::keys::QueueKeys;
+use crate::reply;
+
+/// At most this many Redlock sequence proposals per enqueue, before it gives up with an
+/// error. Proposals are also bounded in time: no new one once a third of the lease has
+/// passed (the entry must still be valid when a majority took it).
+const REDLOCK_ATTEMPTS: usize = 64;
+
+/// Longest random pause between two refused Redlock proposals. Contenders that proposed
+/// the same sequence and split the masters would otherwise collide again in lockstep.
+const REDLOCK_MAX_BACKOFF: Duration = Duration::from_millis(25);
+
+/// How long a Redlock call waits for the remaining masters once a majority answered.
+const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
+
+impl Shared {
+    pub(crate) async fn eval_all(
+        &self,
+        what: &str,
+        script: &fred::types::scripts::Script,
+        keys: &QueueKeys,
+        args: Vec<Value>,
+    ) -> Vec<Result<Value>> {
+        let k = keys.script_keys();
+        if let [node] = self.nodes.as_slice() {
+            // One master: no copies of the request, no straggler bookkeeping.
+            return vec![node.eval(what, script, k, args).await];
+        }
+        self.gather(
+            self.nodes
+                .iter()
+                .map(|n| n.eval(what, script, k.clone(), args.clone())),
+        )
+        .await
+    }
+
+    /// Runs one request per master and collects the answers, in no particular order.
+    /// Once a majority has answered, the others get [`STRAGGLER_GRACE`] more and then
+    /// count as failed: a dead master would otherwise hold every call for its whole
+    /// command timeout. On one master this is just that master's answer.
+    pub(crate) async fn gather<T, F>(&self, requests: impl IntoIterator<Item = F>) -> Vec<Result<T>>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
+        use futures::StreamExt;
+        let mut pending: futures::stream::FuturesUnordered<F> = requests.into_iter().collect();
+        let n = pending.len();
+        let mut out = Vec::with_capacity(n);
+        let mut oks = 0;
+        let grace = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(grace);
+        let mut grace_armed = false;
+        loop {
+            tokio::select! {
+                r = pending.next() => match r {
+                    Some(r) => {
+                        oks += usize::from(r.is_ok());
+                        out.push(r);
+                        if oks >= self.majority && !grace_armed && out.len() < n {
+                            grace.as_mut().reset(Instant::now() + STRAGGLER_GRACE);
+                            grace_armed = true;
+                        }
+                    }
+                    None => break,
+                },
+                _ = &mut grace, if grace_armed => {
+                    for _ in out.len()..n {
+                        out.push(Err(Error::Unreachable(format!(
+                            "a redis master did not answer within {STRAGGLER_GRACE:?} of the majority"
+                        ))));
+                    }
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// Keeps the answers if a majority answered (on one master: the answer), otherwise
+    /// returns the error to report.
+    pub(crate) fn quorum<T>(&self, results: Vec<Result<T>>) -> Result<Vec<T>> {
+        let n = results.len();
+        let mut oks = Vec::with_capacity(n);
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(v) => oks.push(v),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if oks.len() >= self.majority {
+            return Ok(oks);
+        }
+        Err(match (self.mode, first_err) {
+            (Mode::Single, Some(e)) => e,
+            (_, e) => Error::Unreachable(format!(
+                "only {} of {n} redis masters answered, a majority ({}) is needed{}",
+                oks.len(),
+                self.majority,
+                e.map(|e| format!(": {e}")).unwrap_or_default()
+            )),
+        })
+    }
+
+    pub(crate) fn q_args(keys: &QueueKeys) -> Vec<Value> {
+        vec![
+            Value::from(keys.entry_prefix.as_str()),
+            Value::from(keys.gone_prefix.as_str()),
+            Value::from(keys.changed.as_str()),
+        ]
+    }
+
+    /// Lists the live queue, or with `upto` only the entries whose sequence is at most
+    /// that (the part ahead of an entry).
+    pub(crate) async fn list(
+        &self,
+        keys: &QueueKeys,
+        detail: bool,
+        upto: Option<u64>,
+    ) -> Result<Vec<Entry>> {
+        let mut args = Self::q_args(keys);
+        args.push(Value::from(if detail { "1" } else { "0" }));
+        args.push(Value::from(upto.map(|s| s.to_string()).unwrap_or_default()));
+        let results = self
+            .eval_all("listing a queue", &self.scripts.list, keys, args)
+            .await;
+        let views = self
+            .quorum(results)?
+            .into_iter()
+            .map(|v| reply::entries(v, detail))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.merge(keys, views))
+    }
+
+    /// Merges the masters' views: the union of their live entries, in queue order. On one
+    /// master this is its view. On N masters every entry carries the same name (and so
+    /// the same sequence) wherever it exists, so the union is one consistent order; an
+    /// entry present on a minority only (a failed enqueue not yet cleaned up) only makes
+    /// later entries wait, never lets two in. The token shown is the highest any master
+    /// reported.
+    pub(crate) fn merge(&self, keys: &QueueKeys, mut views: Vec<Vec<Entry>>) -> Vec<Entry> {
+        if self.mode == Mode::Single && views.len() == 1 {
+            // One view: nothing to merge, and no Redlock proposals to hint.
+            let mut q = views.pop().unwrap_or_default();
+            dlock_core::entry::sort_queue(&mut q);
+            return q;
+        }
+        let mut by_name: BTreeMap<String, Entry> = BTreeMap::new();
+        for e in views.into_iter().flatten() {
+            match by_name.get_mut(&e.name) {
+                Some(seen) => {
+                    seen.token = seen.token.max(e.token);
+                }
+                None => {
+                    by_name.insert(e.name.clone(), e);
+                }
+            }
+        }
+        let mut q: Vec<Entry> = by_name.into_values().collect();
+        dlock_core::entry::sort_queue(&mut q);
+        if let Some(max) = q.iter().map(|e| e.seq).max() {
+            let mut hints = self.seq_hint.lock();
+            let h = hints.entry(keys.queue.clone()).or_insert(0);
+            *h = (*h).max(max);
+        }
+        q
+    }
+
+    pub(crate) async fn remove_names(&self, keys: &QueueKeys, names: &[String]) -> Result<()> {
+        let mut args = Self::q_args(keys);
+        args.extend(names.iter().map(|n| Value::from(n.as_str())));
+        let results = self
+            .eval_all("removing an entry", &self.scripts.remove, keys, args)
+            .await;
+        self.quorum(results).map(|_| ())
+    }
+}
+
+impl RedisBackend {
+    pub(crate) async fn enqueue_inner(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        at: Position<'_>,
+        data: &[u8],
+    ) -> Result<Enqueued> {
+        let s = &self.shared;
+        s.check_open()?;
+        let keys = Arc::new(QueueKeys::new(q));
+        let started = Instant::now();
+        let prefix = ticket.name_prefix(kind);
+        // Redlock proposals: each is above every counter a master reported and every
+        // sequence seen, plus a random offset that widens with each refusal, so that
+        // contenders stop proposing the same sequence and splitting the masters.
+        let mut rng = Jitter::new(ticket.as_str());
+        let mut proposal = 0u64;
+        let mut attempts = 0usize;
+        for attempt in 0..REDLOCK_ATTEMPTS {
+            attempts = attempt + 1;
+            let (mode, p, writer) = match (at, s.mode) {
+                (Position::Beside(w), _) => ("beside", w.seq, w.name.as_str()),
+                (Position::Tail, Mode::Single) => ("tail", 0, ""),
+                (Position::Tail, Mode::Redlock) => {
+                    let hint = s.seq_hint.lock().get(&keys.queue).copied().unwrap_or(0);
+                    let spread = 1u64 << attempt.min(5);
+                    proposal = proposal.max(hint) + 1 + rng.below(spread);
+                    ("cas", proposal, "")
+                }
+            };
+            let mut args = Shared::q_args(&keys);
+            args.extend([
+                Value::from(prefix.as_str()),
+                s.lease_ms.clone(),
+                Value::from(data),
+                Value::from(mode),
+                Value::from(p.to_string()),
+                Value::from(writer),
+            ]);
+            let sent_at = Instant::now();
+            let results = s
+                .eval_all("adding an entry", &s.scripts.enqueue, &keys, args)
+                .await;
+            let mut added = Vec::new();
+            let (mut rejected, mut missing, mut failed) = (0usize, 0usize, Vec::new());
+            for r in results {
+                match r.and_then(reply::enqueue) {
+                    Ok(reply::Enqueue::Added { mine, queue }) => added.push((mine, queue)),
+                    Ok(reply::Enqueue::Rejected { counter }) => {
+                        rejected += 1;
+                        proposal = proposal.max(counter);
+                    }
+                    Ok(reply::Enqueue::Missing) => missing += 1,
+                    Err(e) => failed.push(e),
+                }
+            }
+            // Redlock validity: the entry is only worth having if a majority took it with
+            // time left on its lease (monotonic clock, drift allowance as in the Redis docs).
+            let valid = started.elapsed() + s.drift < s.lease;
+            if added.len() >= s.majority && valid {
+                let mut mine = added[0].0.clone();
+                mine.data = data.to_vec();
+                mine.token = added.iter().filter_map(|(m, _)| m.token).max();
+                s.register(&keys, &mine.name, Some(ticket.as_str().to_owned()), sent_at);
+                let views = added.into_iter().map(|(_, q)| q).collect();
+                let queue = s.merge(&keys, views);
+                debug!(entry = %mine.name, seq = mine.seq, token = ?mine.token, waiting = queue.len(), "entry added");
+                return Ok(Enqueued { mine, queue });
+            }
+            if !added.is_empty() || !failed.is_empty() {
+                // Added on a minority, too late, or maybe added where the reply was lost:
+                // take it back everywhere before proposing again.
+                let mut args = Shared::q_args(&keys);
+                args.push(Value::from(ticket.protected_prefix()));
+                let _ = s
+                    .eval_all("abandoning an entry", &s.scripts.abandon, &keys, args)
+                    .await;
+            }
+            let n = s.nodes.len();
+            if s.mode == Mode::Single {
+                if !failed.is_empty() {
+                    return Err(failed.swap_remove(0));
+                }
+            } else if failed.len() > n - s.majority {
+                return Err(Error::Unreachable(format!(
+                    "only {} of {n} redis masters answered, a majority ({}) is needed: {}",
+                    n - failed.len(),
+                    s.majority,
+                    failed
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )));
+            }
+            if missing > 0 && missing + failed.len() > n - s.majority {
+                return Err(Error::LockLost(format!(
+                    "the write entry {} beside which the read entry was asked for is gone",
+                    match at {
+                        Position::Beside(w) => w.name.as_str(),
+                        Position::Tail => "",
+                    }
+                )));
+            }
+            if !valid {
+                return Err(Error::Unreachable(format!(
+                    "redlock: adding the entry took {:?}, longer than its lease {:?}",
+                    started.elapsed(),
+                    s.lease
+                )));
+            }
+            if rejected == 0 {
+                break;
+            }
+            debug!(
+                attempt,
+                proposal, rejected, "redlock: sequence refused, proposing a higher one"
+            );
+            {
+                let mut hints = s.seq_hint.lock();
+                let h = hints.entry(keys.queue.clone()).or_insert(0);
+                *h = (*h).max(proposal);
+            }
+            if started.elapsed() + s.drift >= s.lease / 3 {
+                break;
+            }
+            // Contenders that split the masters retry at random moments, not in lockstep.
+            let cap = REDLOCK_MAX_BACKOFF.as_micros() as u64;
+            let pause = rng.below((250u64 << attempt.min(7)).min(cap));
+            tokio::time::sleep(Duration::from_micros(pause)).await;
+        }
+        Err(Error::backend(
+            "adding an entry",
+            format!(
+                "redlock: the masters did not agree on a sequence after {attempts} proposals in {:?}",
+                started.elapsed()
+            ),
+        ))
+    }
+}
+
+/// A small xorshift generator for Redlock proposal offsets and pauses: seeded from the
+/// ticket and the clock, so that contenders (even in one process) draw differently. Not
+/// for anything security related.
+struct Jitter(u64);
+
+impl Jitter {
+    fn new(ticket: &str) -> Self {
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let seed = ticket.bytes().fold(clock ^ 0x9E37_79B9_7F4A_7C15, |a, b| {
+            a.wrapping_mul(0x100_0000_01B3).wrapping_add(u64::from(b))
+        });
+        Jitter(seed | 1)
+    }
+
+    /// A number in `0..n` (0 when `n` is 0).
+    fn below(&mut self, n: u64) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        if n == 0 {
+            0
+        } else {
+            x % n
+        }
+    }
+}
