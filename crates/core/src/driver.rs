@@ -1211,8 +1211,9 @@ mod tests {
         /// included), sometimes garbage that `Entry::from_name` must refuse.
         fn name() -> impl Strategy<Value = String> {
             prop_oneof![
-                4 => (0usize..4, 0u64..20).prop_map(|(k, seq)| {
-                    format!("{}{}", Ticket::new().name_prefix(EntryKind::ALL[k]), format_seq(seq))
+                4 => (0usize..4, 0u64..20, any::<[u8; 16]>()).prop_map(|(k, seq, id)| {
+                    let t = Ticket::from_random_bytes(id);
+                    format!("{}{}", t.name_prefix(EntryKind::ALL[k]), format_seq(seq))
                 }),
                 1 => any::<String>(),
             ]

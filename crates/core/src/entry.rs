@@ -74,9 +74,16 @@ impl fmt::Display for EntryKind {
 pub struct Ticket(String);
 
 impl Ticket {
-    /// A fresh random ticket (a v4 uuid, as Curator uses).
-    pub fn new() -> Self {
-        Ticket(uuid::Uuid::new_v4().to_string())
+    /// The ticket whose id is the version-4 uuid (as Curator uses) made of `random`, with
+    /// its version and variant bits set. The caller draws the bytes (`dlock-recipes` from
+    /// the operating system, a simulation from its seed): the core reads no randomness,
+    /// so the same bytes always make the same ticket.
+    pub fn from_random_bytes(random: [u8; 16]) -> Self {
+        Ticket(
+            uuid::Builder::from_random_bytes(random)
+                .into_uuid()
+                .to_string(),
+        )
     }
 
     /// The id text, a hyphenated uuid.
@@ -93,12 +100,6 @@ impl Ticket {
     /// `_c_<uuid>-lock-`; the server appends the 10-digit sequence.
     pub fn name_prefix(&self, kind: EntryKind) -> String {
         format!("{}{}", self.protected_prefix(), kind.marker())
-    }
-}
-
-impl Default for Ticket {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -282,7 +283,13 @@ mod tests {
 
     #[test]
     fn ticket_prefix_round_trips() {
-        let t = Ticket::new();
+        let t = Ticket::from_random_bytes([0xab; 16]);
+        assert_eq!(
+            t,
+            Ticket::from_random_bytes([0xab; 16]),
+            "same bytes, same ticket"
+        );
+        assert_ne!(t, Ticket::from_random_bytes([0xac; 16]));
         let name = format!("{}{}", t.name_prefix(EntryKind::Write), format_seq(12));
         let e = Entry::from_name(name).expect("entry");
         assert!(e.is_from(&t));
@@ -311,9 +318,9 @@ mod tests {
         }
 
         #[test]
-        fn format_then_parse(seq in 0u64..10_000_000_000, k in 0usize..4) {
+        fn format_then_parse(seq in 0u64..10_000_000_000, k in 0usize..4, id in any::<[u8; 16]>()) {
             let kind = EntryKind::ALL[k];
-            let t = Ticket::new();
+            let t = Ticket::from_random_bytes(id);
             let e = Entry::from_name(format!("{}{}", t.name_prefix(kind), format_seq(seq))).expect("entry");
             prop_assert_eq!(e.kind, kind);
             prop_assert_eq!(e.seq, seq);

@@ -1,6 +1,7 @@
 //! The sans-I/O protocol core of dlock.
 //!
-//! This crate does no I/O, reads no clock and runs no async runtime: every function is a
+//! This crate does no I/O, reads no clock, draws no randomness (a [`Ticket`] is made
+//! from bytes the caller drew) and runs no async runtime: every function is a
 //! deterministic function of its arguments, tested without servers. The adapters
 //! (`dlock-zookeeper`, ...) talk to servers; the recipes (`dlock-recipes`) drive them
 //! through the [`Backend`] trait defined here.

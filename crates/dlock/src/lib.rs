@@ -74,7 +74,7 @@ pub use dlock_core::{
 };
 pub use dlock_recipes::{
     semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
-    SemaphoreMutex,
+    SemaphoreMutex, TicketSource,
 };
 pub use url::BackendUrl;
 

@@ -243,7 +243,7 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        let t = Ticket::new();
+        let t = dlock_testkit::ticket();
         let lease = 0x694d_7a1b_2c3d_4e5f;
         assert_eq!(
             entry_name(lease, &t, EntryKind::Lock, true),
@@ -277,7 +277,7 @@ mod tests {
 
     #[test]
     fn values_round_trip() {
-        let t = Ticket::new();
+        let t = dlock_testkit::ticket();
         let v = encode_value(&t, Some(42), b"host:1 pid 7\nmore");
         let d = decode_value(&v);
         assert_eq!(d.ticket, Some(t.as_str()));
@@ -296,7 +296,7 @@ mod tests {
         let name = LockName::new("orders/42", crate::NAME_RULES).expect("valid");
         let prefix = queue_prefix(&QueuePath::root(name));
         assert_eq!(prefix, "orders/42/");
-        let t = Ticket::new();
+        let t = dlock_testkit::ticket();
         let w = format!(
             "orders/42/{}",
             entry_name(0x10, &t, EntryKind::Write, false)

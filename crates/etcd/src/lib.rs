@@ -130,7 +130,9 @@
 //! # async fn run() -> Result<(), dlock_core::Error> {
 //! let etcd = EtcdBackend::connect(&["127.0.0.1:2379".to_owned()], SessionOptions::default()).await?;
 //! let q = QueuePath::root(LockName::new("orders/42", etcd.name_rules())?);
-//! let ticket = Ticket::new();
+//! // A ticket names this contender's entry; draw its 16 bytes at random.
+//! # let random_bytes = [7u8; 16];
+//! let ticket = Ticket::from_random_bytes(random_bytes);
 //! let mut e = etcd.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"me").await?;
 //! loop {
 //!     let ahead = match decide(&e.queue, &e.mine.name) {

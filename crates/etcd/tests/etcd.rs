@@ -96,7 +96,7 @@ async fn keys_under(c: &mut etcd_client::Client, prefix: &str) -> Vec<(String, i
 }
 
 async fn enqueue(b: &EtcdBackend, q: &QueuePath, kind: EntryKind) -> (Ticket, Entry, Vec<Entry>) {
-    let t = Ticket::new();
+    let t = dlock_testkit::ticket();
     let e = b
         .enqueue(q, &t, kind, Position::Tail, b"test")
         .await
@@ -170,7 +170,7 @@ async fn abandoned_drops_free_the_clients_mutex_key() {
     let name = unique_name("abandon");
     let q = QueuePath::root(name.clone());
     for _ in 0..20 {
-        let t = Ticket::new();
+        let t = dlock_testkit::ticket();
         let enqueue = a.enqueue(&q, &t, EntryKind::Lock, Position::Tail, b"x");
         let _ = futures::FutureExt::now_or_never(enqueue);
         a.abandon(&q, &t).await.expect("abandon");
@@ -217,7 +217,7 @@ async fn beside_read_has_its_own_revision_and_a_beside_write_would_deadlock() {
     let down = a
         .enqueue(
             &root,
-            &Ticket::new(),
+            &dlock_testkit::ticket(),
             EntryKind::Read,
             Position::Beside(&w),
             b"",
@@ -231,7 +231,7 @@ async fn beside_read_has_its_own_revision_and_a_beside_write_would_deadlock() {
     assert!(matches!(
         a.enqueue(
             &root,
-            &Ticket::new(),
+            &dlock_testkit::ticket(),
             EntryKind::Write,
             Position::Beside(&w),
             b""
@@ -394,8 +394,14 @@ async fn keepalive_holds_and_revoked_lease_fires_lost() {
         "close revokes the lease"
     );
     assert!(matches!(
-        a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
-            .await,
+        a.enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b""
+        )
+        .await,
         Err(Error::Closed)
     ));
     a.close().await.expect("close is idempotent");

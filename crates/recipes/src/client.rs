@@ -12,6 +12,7 @@ use tracing::Instrument;
 use crate::guard::{Held, LockGuard};
 use crate::queue::{self, Wait};
 use crate::reentry::{ClientId, HoldKey, Recipe, Scope};
+use crate::tickets::TicketSource;
 use crate::{MultiLock, Mutex, RwLock, Semaphore, SemaphoreMutex};
 
 /// A session on one backend: every lock made from it shares the session (its entries
@@ -24,6 +25,7 @@ pub struct Client<B: Backend + ?Sized = dyn Backend> {
     pub(crate) backend: Arc<B>,
     pub(crate) id: ClientId,
     pub(crate) data: Arc<[u8]>,
+    pub(crate) tickets: TicketSource,
 }
 
 impl<B: Backend + ?Sized> Clone for Client<B> {
@@ -32,6 +34,7 @@ impl<B: Backend + ?Sized> Clone for Client<B> {
             backend: self.backend.clone(),
             id: self.id,
             data: self.data.clone(),
+            tickets: self.tickets.clone(),
         }
     }
 }
@@ -64,7 +67,16 @@ impl<B: Backend + ?Sized> Client<B> {
             backend,
             id: ClientId::next(),
             data: Arc::from(data.into_bytes()),
+            tickets: TicketSource::os(),
         }
+    }
+
+    /// This client, drawing its tickets from `tickets` instead of the operating system:
+    /// a seeded source makes a simulation's entry names the same on every run.
+    #[must_use]
+    pub fn with_tickets(mut self, tickets: TicketSource) -> Self {
+        self.tickets = tickets;
+        self
     }
 
     /// The backend this client runs on.
@@ -287,7 +299,8 @@ impl<B: Backend + ?Sized> Client<B> {
             Some(w) => Position::Beside(&w.entry),
             None => Position::Tail,
         };
-        let entry = queue::acquire(&self.backend, &q, kind, at, data, wait)
+        let ticket = self.tickets.ticket();
+        let entry = queue::acquire(&self.backend, &q, ticket, kind, at, data, wait)
             .instrument(span.clone())
             .await?;
         let held = match Held::new(self.backend.clone(), q.clone(), entry.clone(), Some(key)) {

@@ -71,6 +71,7 @@ mod queue;
 mod reentry;
 mod rwlock;
 pub mod semaphore;
+mod tickets;
 
 pub use client::{Client, Participant};
 pub use guard::{LockGuard, RevocableGuard};
@@ -78,6 +79,7 @@ pub use multi::{MultiGuard, MultiLock, Part};
 pub use mutex::Mutex;
 pub use rwlock::RwLock;
 pub use semaphore::{Semaphore, SemaphoreMutex};
+pub use tickets::TicketSource;
 
 // Handles over `dyn Backend` (what the facade hands out) must be cloneable and printable,
 // so they can be shared between tasks.

@@ -189,12 +189,12 @@ fn watch_gone<B: Backend + ?Sized>(
 pub(crate) async fn acquire<B: Backend + ?Sized>(
     backend: &Arc<B>,
     q: &QueuePath,
+    ticket: Ticket,
     kind: EntryKind,
     at: Position<'_>,
     data: &[u8],
     wait: Wait,
 ) -> Result<Entry> {
-    let ticket = Ticket::new();
     let cleanup = AbandonOnDrop::new(backend.clone(), q.clone(), ticket.clone());
     let attempt = async {
         let enq = backend.enqueue(q, &ticket, kind, at, data).await?;

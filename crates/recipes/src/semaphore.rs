@@ -21,9 +21,7 @@
 use std::time::Duration;
 
 use dlock_core::driver::lease_granted;
-use dlock_core::{
-    Backend, Capability, EntryKind, Error, LockName, Position, QueuePath, Result, Ticket,
-};
+use dlock_core::{Backend, Capability, EntryKind, Error, LockName, Position, QueuePath, Result};
 
 use crate::guard::{Held, LockGuard};
 use crate::queue::{self, AbandonOnDrop, Wait};
@@ -264,6 +262,7 @@ impl<B: Backend + ?Sized> Semaphore<B> {
         let inner = queue::acquire(
             backend,
             &locks,
+            self.client.tickets.ticket(),
             EntryKind::Lock,
             Position::Tail,
             &self.client.data,
@@ -276,7 +275,7 @@ impl<B: Backend + ?Sized> Semaphore<B> {
             q: locks.clone(),
             entry: Some(inner),
         };
-        let ticket = Ticket::new();
+        let ticket = self.client.tickets.ticket();
         let cleanup = AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone());
         let attempt = async {
             // While this contender holds the internal mutex nobody else adds a lease, so

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions, Ticket};
+use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions};
 use dlock_redis::RedisBackend;
 
 #[tokio::main]
@@ -30,13 +30,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for t in 0..tasks {
         let b = backend.clone();
         let q = QueuePath::root(LockName::new(
-            &format!("bench/{}/{t}", Ticket::new().as_str()),
+            &format!("bench/{}/{t}", dlock_testkit::ticket().as_str()),
             dlock_redis::NAME_RULES,
         )?);
         handles.push(tokio::spawn(async move {
             for _ in 0..cycles {
                 let e = b
-                    .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                    .enqueue(
+                        &q,
+                        &dlock_testkit::ticket(),
+                        EntryKind::Lock,
+                        Position::Tail,
+                        b"",
+                    )
                     .await?;
                 b.remove(&q, &e.mine).await?;
             }

@@ -19,7 +19,9 @@
 //! let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
 //! let redis = RedisBackend::connect("127.0.0.1:6379", opts).await?;
 //! let q = QueuePath::root(LockName::new("orders/42", dlock_redis::NAME_RULES)?);
-//! let ticket = Ticket::new();
+//! // A ticket names this contender's entry; draw its 16 bytes at random.
+//! # let random_bytes = [7u8; 16];
+//! let ticket = Ticket::from_random_bytes(random_bytes);
 //! let added = redis.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"me").await?;
 //! if let Decision::Wait(ahead) = decide(&added.queue, &added.mine.name) {
 //!     redis.wait_gone(&q, ahead).await?; // then decide again on a fresh `queue`

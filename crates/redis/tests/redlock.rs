@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, Ticket};
+use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position};
 use dlock_redis::RedisBackend;
 use fred::prelude::KeysInterface;
 
@@ -36,13 +36,25 @@ async fn redlock_fifo_and_clean_up_on_every_master() {
     assert_eq!(a.kind(), "redlock");
     let q = fresh_queue("redlock-fifo");
     let ea = a
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"a")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"a",
+        )
         .await
         .expect("a enqueues");
     assert_eq!(decide(&ea.queue, &ea.mine.name), Decision::Acquired);
     assert!(ea.mine.token.is_some());
     let eb = b
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"b")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"b",
+        )
         .await
         .expect("b enqueues");
     assert!(eb.mine.seq > ea.mine.seq, "b behind a");
@@ -93,8 +105,14 @@ async fn redlock_concurrent_enqueues_agree_on_one_order() {
     let results = futures::future::join_all(clients.iter().map(|c| {
         let q = q.clone();
         async move {
-            c.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
-                .await
+            c.enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                b"",
+            )
+            .await
         }
     }))
     .await;
@@ -151,7 +169,13 @@ async fn redlock_eight_contending_enqueuers_agree_every_round() {
         tasks.push(tokio::spawn(async move {
             for i in 0..ROUNDS {
                 let added = c
-                    .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                    .enqueue(
+                        &q,
+                        &dlock_testkit::ticket(),
+                        EntryKind::Lock,
+                        Position::Tail,
+                        b"",
+                    )
                     .await
                     .map_err(|e| format!("enqueue {i}: {e}"))?;
                 c.remove(&q, &added.mine)
@@ -171,8 +195,14 @@ async fn redlock_eight_contending_enqueuers_agree_every_round() {
         let results = futures::future::join_all(clients.iter().map(|c| {
             let q = q.clone();
             async move {
-                c.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
-                    .await
+                c.enqueue(
+                    &q,
+                    &dlock_testkit::ticket(),
+                    EntryKind::Lock,
+                    Position::Tail,
+                    b"",
+                )
+                .await
             }
         }))
         .await;
@@ -239,14 +269,26 @@ async fn redlock_works_with_two_masters_down_and_fails_typed_with_three() {
     let b = connect_redlock(&addrs, Duration::from_secs(3)).await;
     let q = fresh_queue("redlock-faults");
     let ea = a
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("a enqueues with all masters up");
     servers[0].kill();
     servers[1].kill();
     let eb = tokio::time::timeout(
         Duration::from_secs(30),
-        b.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""),
+        b.enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        ),
     )
     .await
     .expect("no hang")
@@ -272,7 +314,13 @@ async fn redlock_works_with_two_masters_down_and_fails_typed_with_three() {
     servers[2].kill();
     let err = tokio::time::timeout(
         Duration::from_secs(60),
-        a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""),
+        a.enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        ),
     )
     .await
     .expect("enqueue with 2 of 5 masters returns instead of hanging")
@@ -320,7 +368,13 @@ async fn redlock_connects_with_a_master_down_and_uses_it_once_it_is_back() {
     assert!(
         eventually(Duration::from_secs(20), || async {
             let e = b
-                .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+                .enqueue(
+                    &q,
+                    &dlock_testkit::ticket(),
+                    EntryKind::Lock,
+                    Position::Tail,
+                    b"",
+                )
                 .await
                 .expect("enqueue with a majority")
                 .mine;
@@ -355,7 +409,13 @@ async fn redlock_contains_an_entry_whatever_token_a_read_shows() {
     for round in 0..10 {
         let q = fresh_queue("redlock-token-view");
         let e = a
-            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                b"",
+            )
             .await
             .expect("enqueue with every master up");
         let token = e.mine.token.expect("a token").get();

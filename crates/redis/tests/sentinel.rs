@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, QueuePath, Ticket};
+use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, QueuePath};
 use dlock_redis::RedisBackend;
 use dlock_testkit::{redis_query, Backend as Server};
 
@@ -30,9 +30,15 @@ async fn connect_sentinel(group: &str, lease: Duration) -> std::sync::Arc<RedisB
 }
 
 async fn lock(b: &RedisBackend, q: &QueuePath) -> dlock_core::Enqueued {
-    b.enqueue(q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
-        .await
-        .expect("enqueue")
+    b.enqueue(
+        q,
+        &dlock_testkit::ticket(),
+        EntryKind::Lock,
+        Position::Tail,
+        b"",
+    )
+    .await
+    .expect("enqueue")
 }
 
 /// Enqueues and waits (through `wait_gone`) until the entry holds the lock.
@@ -342,7 +348,13 @@ async fn manual_failover_moves_clients_off_the_live_old_primary() {
     let q2 = fresh_queue("manual-failover-after");
     let after = loop {
         match a
-            .enqueue(&q2, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .enqueue(
+                &q2,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                b"",
+            )
             .await
         {
             Ok(e) => break e.mine,

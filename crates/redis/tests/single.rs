@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, SessionOptions, Ticket};
+use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, SessionOptions};
 use dlock_redis::RedisBackend;
 use futures::FutureExt;
 
@@ -31,7 +31,13 @@ async fn a_removal_wakes_only_its_watcher() {
     let mut entries = Vec::new();
     for _ in 0..21 {
         let e = b
-            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                b"",
+            )
             .await
             .expect("enqueue");
         entries.push(e.mine);
@@ -91,7 +97,13 @@ async fn watchdog_keeps_an_entry_alive_past_its_lease() {
     let insp = inspector(&addr).await;
     let q = fresh_queue("watchdog");
     let e = b
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue")
         .mine;
@@ -136,7 +148,7 @@ async fn child_holder() {
     let e = b
         .enqueue(
             &q,
-            &Ticket::new(),
+            &dlock_testkit::ticket(),
             EntryKind::Lock,
             Position::Tail,
             b"child",
@@ -221,7 +233,7 @@ async fn abandoned_enqueues_leave_no_keys_and_nothing_to_renew() {
     let q = fresh_queue("dropped");
     let mut completed = 0;
     for i in 0..200 {
-        let t = Ticket::new();
+        let t = dlock_testkit::ticket();
         {
             let mut fut = b.enqueue(&q, &t, EntryKind::Lock, Position::Tail, b"x");
             // Drop after 0, 1 or a few polls: before sending, in flight, or done.
@@ -292,7 +304,13 @@ async fn bad_input_gets_typed_errors() {
         .expect("connect");
     let q = fresh_queue("closed");
     let e = b
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue")
         .mine;
@@ -319,7 +337,13 @@ async fn a_restart_without_persistence_fires_lost() {
     let b = connect(&server.addr(), Duration::from_secs(3)).await;
     let q = fresh_queue("restart");
     let e = b
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue")
         .mine;
@@ -333,7 +357,13 @@ async fn a_restart_without_persistence_fires_lost() {
     assert!(matches!(reason, Error::LockLost(_)), "{reason:?}");
     // The backend works again on the restarted server.
     let again = b
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue after restart");
     assert_eq!(decide(&again.queue, &again.mine.name), Decision::Acquired);
@@ -354,7 +384,13 @@ async fn dropping_the_backend_stops_renewal_and_removes_its_entries() {
     let q = fresh_queue("drop");
     let b = connect(&addr, Duration::from_secs(1)).await;
     let e = b
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue")
         .mine;
@@ -383,13 +419,25 @@ async fn a_silent_client_s_entry_expires_and_wakes_its_watcher() {
     let q = fresh_queue("silent");
     let dead = connect(&addr, Duration::from_secs(1)).await;
     let e = dead
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue")
         .mine;
     let waiter = connect(&addr, LONG).await;
     let w = waiter
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue");
     assert!(matches!(decide(&w.queue, &w.mine.name), Decision::Wait(x) if x.name == e.name));
@@ -414,7 +462,13 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
     let b = connect(&server.addr(), Duration::from_secs(1)).await;
     let q = fresh_queue("stall");
     let e = b
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue")
         .mine;
@@ -513,7 +567,7 @@ async fn acquire_raw(
     kind: EntryKind,
 ) -> dlock_core::Entry {
     let added = b
-        .enqueue(q, &Ticket::new(), kind, Position::Tail, b"")
+        .enqueue(q, &dlock_testkit::ticket(), kind, Position::Tail, b"")
         .await
         .expect("enqueue");
     let mine = added.mine;
@@ -608,7 +662,7 @@ async fn acquire_like_recipes(
     use dlock_core::driver::Snapshot;
     use dlock_core::Gone;
     let added = b
-        .enqueue(q, &Ticket::new(), kind, Position::Tail, b"")
+        .enqueue(q, &dlock_testkit::ticket(), kind, Position::Tail, b"")
         .await
         .expect("enqueue");
     let mine = added.mine;
@@ -683,7 +737,7 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
                     let beside = b
                         .enqueue(
                             &q,
-                            &Ticket::new(),
+                            &dlock_testkit::ticket(),
                             EntryKind::Read,
                             Position::Beside(&mine),
                             b"",
@@ -738,7 +792,7 @@ async fn wait_gone_detail_reports_head_only_for_the_head() {
     let add = |kind, at| {
         let (a, q) = (a.clone(), q.clone());
         async move {
-            a.enqueue(&q, &Ticket::new(), kind, at, b"")
+            a.enqueue(&q, &dlock_testkit::ticket(), kind, at, b"")
                 .await
                 .expect("enqueue")
                 .mine
@@ -808,7 +862,7 @@ async fn wait_gone_detail_reports_head_only_for_the_head() {
         let r = a
             .enqueue(
                 &q,
-                &Ticket::new(),
+                &dlock_testkit::ticket(),
                 EntryKind::Read,
                 Position::Beside(&w),
                 b"",
@@ -857,7 +911,13 @@ async fn finished_waits_leave_no_subscription_behind() {
     };
     for _ in 0..30 {
         let e = a
-            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                b"",
+            )
             .await
             .expect("enqueue")
             .mine;
@@ -884,7 +944,13 @@ async fn finished_waits_leave_no_subscription_behind() {
     }
     // One wait still under way keeps its channel.
     let held = a
-        .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
         .await
         .expect("enqueue")
         .mine;

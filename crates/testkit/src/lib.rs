@@ -78,6 +78,12 @@ pub use error::{Error, Result};
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
 pub use netcut::{connections_of, NetCut};
 pub use ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
+
+/// A fresh random ticket, for tests that call a backend directly (the recipes draw their
+/// own, from their client's ticket source).
+pub fn ticket() -> dlock_core::Ticket {
+    dlock_core::Ticket::from_random_bytes(rand::random())
+}
 pub use probe::{etcd_healthy, redis_ping, redis_query, zk_mode, ZkMode};
 pub use service::LockService;
 pub use state::{default_state_path, Backend, Server, State};

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions, Ticket};
+use dlock_core::{Backend, EntryKind, LockName, Position, QueuePath, SessionOptions};
 use dlock_zookeeper::{ZkBackend, ZkOptions};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -61,7 +61,13 @@ async fn latency(b: &Arc<ZkBackend>, cycles: usize) -> anyhow::Result<(u128, u12
     for _ in 0..cycles {
         let start = Instant::now();
         let done = b
-            .enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
+            .enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                b"",
+            )
             .await?;
         b.remove(&q, &done.mine).await?;
         samples.push(start.elapsed().as_micros());
@@ -84,7 +90,7 @@ async fn run(b: &Arc<ZkBackend>, tasks: usize, cycles: usize) -> anyhow::Result<
                 dlock_zookeeper::NAME_RULES,
             )?);
             for _ in 0..n {
-                let t = Ticket::new();
+                let t = dlock_testkit::ticket();
                 let done = b
                     .enqueue(&q, &t, EntryKind::Lock, Position::Tail, b"")
                     .await?;

@@ -352,9 +352,9 @@ mod tests {
 
     #[test]
     fn enqueued_includes_mine_with_token() {
-        let t = Ticket::new();
+        let t = dlock_testkit::ticket();
         let mine = format!("{}0000000002", t.name_prefix(EntryKind::Lock));
-        let other = Ticket::new();
+        let other = dlock_testkit::ticket();
         let names = vec![
             "leases".to_owned(),
             format!("{}0000000003", other.name_prefix(EntryKind::Lock)),

@@ -85,7 +85,9 @@
 //! # async fn demo() -> dlock_core::Result<()> {
 //! let zk = ZkBackend::connect("127.0.0.1:2181/myapp", SessionOptions::default()).await?;
 //! let q = QueuePath::root(LockName::new("orders/42", dlock_zookeeper::NAME_RULES)?);
-//! let ticket = Ticket::new();
+//! // A ticket names this contender's entry; draw its 16 bytes at random.
+//! # let random_bytes = [7u8; 16];
+//! let ticket = Ticket::from_random_bytes(random_bytes);
 //! let mut done = zk.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"worker-1").await?;
 //! loop {
 //!     match decide(&done.queue, &done.mine.name) {

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
+use dlock_core::SessionOptions;
 use dlock_core::{Backend, EntryKind, Error, LockName, Position, QueuePath};
-use dlock_core::{SessionOptions, Ticket};
 use dlock_testkit::Backend as Server;
 use dlock_zookeeper::ZkBackend;
 
@@ -102,10 +102,16 @@ async fn verify_behind_a_cut_off_follower_does_not_see_a_deleted_entry() {
     };
     let q = queue();
     let mine =
-        s.a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
-            .await
-            .expect("enqueue")
-            .mine;
+        s.a.enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
+        .await
+        .expect("enqueue")
+        .mine;
     assert!(
         s.a.contains(&q, &mine).await.expect("contains"),
         "own entry"
@@ -153,13 +159,19 @@ async fn abandon_behind_a_cut_off_follower_removes_an_entry_it_had_not_applied()
     let q = queue();
     // The queue's parent exists on every server before the cut.
     let first =
-        s.a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")
-            .await
-            .expect("enqueue")
-            .mine;
+        s.a.enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"",
+        )
+        .await
+        .expect("enqueue")
+        .mine;
 
     let cut = s.cut();
-    let ticket = Ticket::new();
+    let ticket = dlock_testkit::ticket();
     let unseen =
         s.b.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"")
             .await

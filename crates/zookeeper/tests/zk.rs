@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use dlock_core::{
     Backend, Enqueued, Entry, EntryKind, Error, LockName, Position, QueuePath, SessionOptions,
-    Ticket,
 };
 use dlock_zookeeper::ZkBackend;
 use zookeeper_client as zk;
@@ -61,7 +60,7 @@ async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
 /// Adds a fresh entry of `kind` at the tail of `q`, without data; panics (naming `what`)
 /// if that fails.
 async fn add(b: &ZkBackend, q: &QueuePath, kind: EntryKind, what: &str) -> Enqueued {
-    within(b.enqueue(q, &Ticket::new(), kind, Position::Tail, b""))
+    within(b.enqueue(q, &dlock_testkit::ticket(), kind, Position::Tail, b""))
         .await
         .unwrap_or_else(|e| panic!("{what}: {e}"))
 }
@@ -116,7 +115,7 @@ async fn beside_read_is_named_by_its_writers_sequence() {
     let b = connect(&hosts, &root).await;
     let q = queue("rw");
     let w = add(&a, &q, EntryKind::Write, "writer").await;
-    let tr = Ticket::new();
+    let tr = dlock_testkit::ticket();
     let r = within(a.enqueue(&q, &tr, EntryKind::Read, Position::Beside(&w.mine), b""))
         .await
         .expect("read beside");
@@ -184,7 +183,14 @@ async fn session_closed_by_another_client_resolves_lost_and_fails_later_ops() {
     drop(thief);
     let err = within(lost).await;
     assert!(matches!(err, Error::LockLost(_)), "lost() gave {err:?}");
-    let later = within(a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b"")).await;
+    let later = within(a.enqueue(
+        &q,
+        &dlock_testkit::ticket(),
+        EntryKind::Lock,
+        Position::Tail,
+        b"",
+    ))
+    .await;
     assert!(
         matches!(later, Err(Error::LockLost(_))),
         "enqueue after loss gave {later:?}"
@@ -421,12 +427,12 @@ async fn enqueue_whose_reply_is_lost_finds_its_entry_instead_of_duplicating() {
     let observer = connect(&hosts, &root).await;
     let q = queue("lost-reply");
     // Create the parent first, so the create below is the one whose reply is lost.
-    let warm = Ticket::new();
+    let warm = dlock_testkit::ticket();
     within(a.enqueue(&q, &warm, EntryKind::Lock, Position::Tail, b""))
         .await
         .expect("enqueue");
     for round in 0..3 {
-        let t = Ticket::new();
+        let t = dlock_testkit::ticket();
         proxy.muted.store(true, Ordering::SeqCst);
         let (a2, q2, t2) = (a.clone(), q.clone(), t.clone());
         let enqueue = tokio::spawn(async move {

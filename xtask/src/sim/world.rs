@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::{Backend, Client, Error, LockGuard, SessionOptions};
+use dlock::{Backend, Client, Error, LockGuard, SessionOptions, TicketSource};
 use dlock_testkit::mem::{FaultPlan, MemServer, SessionId};
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
@@ -265,7 +265,10 @@ impl Worker {
                     match self.server.connect(opts).await {
                         Ok(b) => {
                             self.sessions.lock().insert(self.id, b.session());
-                            let c = Client::new(b as Arc<dyn Backend>);
+                            // Tickets from the seed too, so entry names repeat per seed.
+                            let draws = Mutex::new(StdRng::seed_from_u64(self.rng.gen()));
+                            let tickets = TicketSource::from_fn(move || draws.lock().gen());
+                            let c = Client::new(b as Arc<dyn Backend>).with_tickets(tickets);
                             client = Some(c.clone());
                             c
                         }

@@ -235,7 +235,7 @@ pub async fn rwlock_downgrade(_kind: Kind, url: &str) {
 /// backend is asked directly, so the write's lost signal cannot answer first); the
 /// recipe's downgrade of that write fails the same way and leaves nothing either.
 pub async fn downgrade_beside_a_deleted_write_is_lost(_kind: Kind, url: &str) {
-    use dlock::core::{EntryKind, Position, Ticket};
+    use dlock::core::{EntryKind, Position};
     let name = unique("downgone");
     let a = client(url).await;
     let b = client(url).await;
@@ -246,7 +246,7 @@ pub async fn downgrade_beside_a_deleted_write_is_lost(_kind: Kind, url: &str) {
         .remove(&q, &entry)
         .await
         .expect("delete the write entry from outside");
-    let ticket = Ticket::new();
+    let ticket = dlock_testkit::ticket();
     let beside = a
         .backend()
         .enqueue(&q, &ticket, EntryKind::Read, Position::Beside(&entry), b"")

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{LockName, QueuePath, SessionOptions, Ticket};
+use dlock_core::{LockName, QueuePath, SessionOptions};
 use dlock_redis::RedisBackend;
 use fred::prelude::{Builder, ClientLike, Config, KeysInterface};
 
@@ -39,7 +39,7 @@ pub fn init_tracing() {
 
 /// A fresh lock queue for one test, so that tests sharing a server never meet.
 pub fn fresh_queue(test: &str) -> QueuePath {
-    let name = format!("test/{test}/{}", Ticket::new().as_str());
+    let name = format!("test/{test}/{}", dlock_testkit::ticket().as_str());
     QueuePath::root(LockName::new(&name, dlock_redis::NAME_RULES).expect("valid test lock name"))
 }
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use dlock_core::entry::REVOKE_MESSAGE;
-use dlock_core::{Capability, EntryKind, Error, Position, Ticket};
+use dlock_core::{Capability, EntryKind, Error, Position};
 
 use super::{add, eventually, fresh_queue, session, within, Connect};
 
@@ -24,7 +24,7 @@ pub async fn set_data_reaches_wait_data_changed_not_wait_gone(connect: Connect) 
         "enqueue",
         holder.enqueue(
             &q,
-            &Ticket::new(),
+            &crate::ticket(),
             EntryKind::Lock,
             Position::Tail,
             b"owner",
@@ -108,7 +108,7 @@ pub async fn revocation_unsupported_is_a_typed_error(connect: Connect) {
         "enqueue",
         b.enqueue(
             &q,
-            &Ticket::new(),
+            &crate::ticket(),
             EntryKind::Lock,
             Position::Tail,
             b"owner",

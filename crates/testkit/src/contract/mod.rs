@@ -17,9 +17,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{
-    Backend, Enqueued, EntryKind, LockName, Position, QueuePath, SessionOptions, Ticket,
-};
+use dlock_core::{Backend, Enqueued, EntryKind, LockName, Position, QueuePath, SessionOptions};
 use futures::future::BoxFuture;
 
 /// Opens a new session (a new client) on the backend under test. Each call is one more
@@ -119,7 +117,7 @@ pub fn fresh_queue(b: &dyn Backend, test: &str) -> QueuePath {
 
 /// The lock name of [`fresh_queue`].
 pub fn fresh_name(b: &dyn Backend, test: &str) -> LockName {
-    let name = format!("dlock-contract/{test}/{}", Ticket::new().as_str());
+    let name = format!("dlock-contract/{test}/{}", crate::ticket().as_str());
     LockName::new(&name, b.name_rules()).expect("a valid contract lock name")
 }
 
@@ -128,7 +126,7 @@ pub fn fresh_name(b: &dyn Backend, test: &str) -> LockName {
 pub async fn add(b: &dyn Backend, q: &QueuePath, kind: EntryKind, what: &str) -> Enqueued {
     within(
         what,
-        b.enqueue(q, &Ticket::new(), kind, Position::Tail, b""),
+        b.enqueue(q, &crate::ticket(), kind, Position::Tail, b""),
     )
     .await
     .unwrap_or_else(|e| panic!("{what}: {e}"))

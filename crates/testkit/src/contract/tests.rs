@@ -27,7 +27,7 @@ pub async fn enqueue_returns_the_queue_in_order_with_mine_and_a_token(connect: C
     let q = fresh_queue(&*b, "enqueue");
     let mut mine = Vec::new();
     for i in 0..3 {
-        let t = Ticket::new();
+        let t = crate::ticket();
         let data = format!("me-{i}").into_bytes();
         let got = within(
             "enqueue",
@@ -196,7 +196,7 @@ pub async fn beside_read_sorts_beside_its_writer(connect: Connect) {
     let w = add(&*a, &q, EntryKind::Write, "writer").await;
     assert_eq!(decide(&w.queue, &w.mine.name), Decision::Acquired);
     let later = add(&*b, &q, EntryKind::Write, "later writer").await;
-    let t = Ticket::new();
+    let t = crate::ticket();
     let r = within(
         "read beside",
         a.enqueue(&q, &t, EntryKind::Read, Position::Beside(&w.mine), b""),
@@ -245,7 +245,7 @@ pub async fn beside_a_gone_writer_is_refused_and_leaves_nothing(connect: Connect
     within("remove writer", a.remove(&q, &w.mine))
         .await
         .expect("remove writer");
-    let t = Ticket::new();
+    let t = crate::ticket();
     let got = within(
         "read beside a gone writer",
         a.enqueue(&q, &t, EntryKind::Read, Position::Beside(&w.mine), b""),
@@ -270,7 +270,7 @@ pub async fn beside_a_gone_writer_is_refused_and_leaves_nothing(connect: Connect
 pub async fn abandon_removes_exactly_the_tickets_entry(connect: Connect) {
     let a = session(&connect).await;
     let q = fresh_queue(&*a, "abandon");
-    let tickets: Vec<Ticket> = (0..3).map(|_| Ticket::new()).collect();
+    let tickets: Vec<Ticket> = (0..3).map(|_| crate::ticket()).collect();
     let mut entries = Vec::new();
     for t in &tickets {
         let done = within(
@@ -292,7 +292,7 @@ pub async fn abandon_removes_exactly_the_tickets_entry(connect: Connect) {
     within("abandon again", a.abandon(&q, &tickets[1]))
         .await
         .expect("abandon again");
-    within("abandon unknown", a.abandon(&q, &Ticket::new()))
+    within("abandon unknown", a.abandon(&q, &crate::ticket()))
         .await
         .expect("abandon a ticket that created nothing");
     let nowhere = fresh_queue(&*a, "abandon-nowhere");
@@ -324,7 +324,7 @@ pub async fn dropped_enqueues_then_abandon_leave_nothing(connect: Connect) {
     let kinds = [EntryKind::Lock, EntryKind::Read, EntryKind::Write];
     let (mut dropped, mut finished) = (0usize, 0usize);
     for i in 0..120u64 {
-        let t = Ticket::new();
+        let t = crate::ticket();
         let kind = kinds[i as usize % kinds.len()];
         let outcome = {
             let mut enqueue = a.enqueue(&q, &t, kind, Position::Tail, b"x");
@@ -364,7 +364,7 @@ pub async fn dropped_enqueues_then_abandon_leave_nothing(connect: Connect) {
     // Many at once: spawned enqueues cut off by timers, abandoned after all have ended.
     let mut batch = Vec::new();
     for i in 0..20u64 {
-        let t = Ticket::new();
+        let t = crate::ticket();
         let (a, q, t2) = (a.clone(), q.clone(), t.clone());
         batch.push((
             t,
@@ -513,7 +513,7 @@ pub async fn close_fires_lost_and_later_calls_fail_typed(connect: Connect) {
     assert!(err.is_lost(), "lost() after close gave {err:?}");
     let later = within(
         "enqueue after close",
-        a.enqueue(&q, &Ticket::new(), EntryKind::Lock, Position::Tail, b""),
+        a.enqueue(&q, &crate::ticket(), EntryKind::Lock, Position::Tail, b""),
     )
     .await;
     assert!(
@@ -669,7 +669,7 @@ pub async fn bad_input_gets_typed_errors(connect: Connect) {
         "beside an entry of another queue",
         a.enqueue(
             &q,
-            &Ticket::new(),
+            &crate::ticket(),
             EntryKind::Read,
             Position::Beside(&w.mine),
             b"",

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use dlock_core::{
     lost_margin, Backend, Entry, EntryKind, Error, FencingToken, Gone, LockName, NameRules,
-    Position, QueuePath, SessionOptions, Ticket,
+    Position, QueuePath, SessionOptions,
 };
 use tokio::time::Instant;
 
@@ -25,7 +25,7 @@ async fn session(server: &Arc<MemServer>) -> Arc<MemBackend> {
 }
 
 async fn add(b: &MemBackend, q: &QueuePath, kind: EntryKind) -> Entry {
-    b.enqueue(q, &Ticket::new(), kind, Position::Tail, b"")
+    b.enqueue(q, &crate::ticket(), kind, Position::Tail, b"")
         .await
         .expect("enqueue")
         .mine
@@ -132,7 +132,7 @@ async fn beside_needs_this_sessions_live_writer() {
     let other = b
         .enqueue(
             &q,
-            &Ticket::new(),
+            &crate::ticket(),
             EntryKind::Read,
             Position::Beside(&w),
             b"",
@@ -143,7 +143,7 @@ async fn beside_needs_this_sessions_live_writer() {
     let read = a
         .enqueue(
             &q,
-            &Ticket::new(),
+            &crate::ticket(),
             EntryKind::Read,
             Position::Beside(&w),
             b"",
@@ -161,7 +161,7 @@ async fn beside_needs_this_sessions_live_writer() {
     let dead = a
         .enqueue(
             &q,
-            &Ticket::new(),
+            &crate::ticket(),
             EntryKind::Read,
             Position::Beside(&w),
             b"",
@@ -176,7 +176,7 @@ async fn abandon_removes_what_the_ticket_made() {
     let server = MemServer::new();
     let a = session(&server).await;
     let q = queue("abandon");
-    let ticket = Ticket::new();
+    let ticket = crate::ticket();
     let keep = add(&a, &q, EntryKind::Lock).await;
     a.enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"")
         .await
@@ -192,7 +192,7 @@ async fn a_dropped_reply_then_a_retry_adds_and_removes_once() {
     let server = MemServer::new();
     let a = session(&server).await;
     let q = queue("retry");
-    let ticket = Ticket::new();
+    let ticket = crate::ticket();
     server.drop_reply(a.session(), 1);
     let first = a
         .enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"")
@@ -272,7 +272,7 @@ async fn the_removal_of_the_head_is_reported_as_such() {
     let read = a
         .enqueue(
             &q,
-            &Ticket::new(),
+            &crate::ticket(),
             EntryKind::Read,
             Position::Beside(&first),
             b"",
@@ -335,7 +335,7 @@ async fn seeded_trace(seed: u64) -> Vec<(String, Duration)> {
     let start = Instant::now();
     let mut trace = Vec::new();
     for _ in 0..20 {
-        let ticket = Ticket::new();
+        let ticket = crate::ticket();
         let got = a
             .enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"")
             .await;
