@@ -8,17 +8,16 @@ use std::time::Duration;
 use dlock_core::entry::sort_queue;
 use dlock_core::{
     Backend, Capability, Enqueued, Entry, EntryKind, Error, FencingToken, Hints, NameRules,
-    Position, QueuePath, Result, SessionOptions, Ticket,
+    Position, QueuePath, Result, Ticket,
 };
 use futures::future::BoxFuture;
 use tracing::Instrument;
 use zookeeper_client as zk;
 
-use crate::errors::{connect_error, is_connection_loss, map_err};
-use crate::session::{watch_session, Health, Shared};
-use crate::{nodelay, ZkOptions};
+use crate::errors::{is_connection_loss, map_err};
+use crate::session::{Health, Shared};
 
-/// The session timeout asked for when [`SessionOptions::session_timeout`] is `None`.
+/// The session timeout asked for when [`dlock_core::SessionOptions::session_timeout`] is `None`.
 ///
 /// Ten seconds: long enough to ride out a leader election and a GC pause, short enough
 /// that a crashed holder's locks free up quickly. The server clamps whatever is asked to
@@ -58,13 +57,13 @@ where
 /// [`ZkBackend::connect`] returns; one backend serves any number of locks and tasks.
 #[derive(Debug)]
 pub struct ZkBackend {
-    shared: Arc<Shared>,
-    states: zk::StateWatcher,
-    session_timeout: Duration,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) states: zk::StateWatcher,
+    pub(crate) session_timeout: Duration,
     pub(crate) session_id: zk::SessionId,
-    watcher: tokio::task::AbortHandle,
+    pub(crate) watcher: tokio::task::AbortHandle,
     /// The leader heartbeat ([`crate::heartbeat`]); aborted on drop like `watcher`.
-    heartbeat: tokio::task::AbortHandle,
+    pub(crate) heartbeat: tokio::task::AbortHandle,
 }
 
 impl Drop for ZkBackend {
@@ -77,160 +76,6 @@ impl Drop for ZkBackend {
 }
 
 impl ZkBackend {
-    /// Connects to ZooKeeper with the default [`ZkOptions`].
-    ///
-    /// `connect_string` is `host:port[,host:port...][/chroot]`, as for the Java client. A
-    /// chroot that does not exist yet is created (as persistent nodes). The session asks
-    /// for [`SessionOptions::session_timeout`], or [`DEFAULT_SESSION_TIMEOUT`].
-    ///
-    /// Must be called inside a tokio runtime: a task watching the session is spawned.
-    ///
-    /// # Errors
-    /// - [`Error::Unreachable`] if no server answered within
-    ///   [`SessionOptions::connect_timeout`].
-    /// - [`Error::InvalidUrl`] if the connect string or chroot is malformed.
-    /// - [`Error::Backend`] if the chroot could not be created.
-    pub async fn connect(connect_string: &str, opts: SessionOptions) -> Result<Arc<ZkBackend>> {
-        Self::connect_with(connect_string, opts, ZkOptions::default()).await
-    }
-
-    /// Connects like [`ZkBackend::connect`], with adapter-specific options.
-    ///
-    /// # Errors
-    /// As [`ZkBackend::connect`].
-    pub async fn connect_with(
-        connect_string: &str,
-        opts: SessionOptions,
-        zk_opts: ZkOptions,
-    ) -> Result<Arc<ZkBackend>> {
-        let (hosts, chroot) = split_chroot(connect_string);
-        if hosts.trim().is_empty() {
-            return Err(Error::InvalidUrl {
-                url: connect_string.to_owned(),
-                reason: "no ZooKeeper host given".into(),
-            });
-        }
-        let timeout = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TIMEOUT);
-        // The leader created the session after this: it lives at least a session timeout
-        // from here (the heartbeat's first proof).
-        let requested = tokio::time::Instant::now();
-        let connecting = zk::Client::connector()
-            .with_session_timeout(timeout)
-            .connect(hosts);
-        let client = match tokio::time::timeout(opts.connect_timeout, connecting).await {
-            Err(_elapsed) => {
-                return Err(Error::Unreachable(format!(
-                    "no ZooKeeper server of {hosts:?} answered within {:?}",
-                    opts.connect_timeout
-                )))
-            }
-            Ok(Err(err)) => return Err(connect_error(connect_string, err)),
-            Ok(Ok(client)) => client,
-        };
-
-        let (resolved, conf) = {
-            let hosts = hosts.to_owned();
-            tokio::task::spawn_blocking(move || {
-                let resolved = nodelay::resolve(&hosts);
-                let conf = crate::heartbeat::probe_conf(&resolved);
-                (resolved, conf)
-            })
-            .await
-            .unwrap_or_default()
-        };
-        let tick = zk_opts.tick_time.or(conf.map(|c| c.tick));
-        let negotiated = client.session_timeout();
-        match conf {
-            None if zk_opts.tick_time.is_some() => tracing::warn!(
-                session_timeout = ?negotiated,
-                "no ZooKeeper server answered `conf` (4lw.commands.whitelist), so the adapter \
-                 cannot check the ensemble's syncLimit: make sure the session timeout is at \
-                 least 2 x syncLimit x tickTime, or a follower cut off from its leader costs \
-                 every session behind it"
-            ),
-            None => tracing::warn!(
-                session_timeout = ?negotiated,
-                "no ZooKeeper server answered `conf` (add it to 4lw.commands.whitelist, or set \
-                 ZkOptions::tick_time): assuming tickTime is half the session timeout, so the \
-                 lost signal will also fire on leader elections and reconnections; and make \
-                 sure the session timeout is at least 2 x syncLimit x tickTime of the \
-                 ensemble, or a follower cut off from its leader costs every session behind it"
-            ),
-            Some(c) if !crate::heartbeat::session_outlasts_follower_detection(negotiated, &c) => {
-                tracing::warn!(
-                    session_timeout = ?negotiated,
-                    follower_detection = ?c.follower_detection,
-                    "the negotiated ZooKeeper session timeout is shorter than 2 x syncLimit x \
-                     tickTime: a follower cut off from its leader serves its clients for \
-                     syncLimit x tickTime while the leader may expire their sessions, so every \
-                     such partition will cost the session and its locks (the lost signal \
-                     still fires before the leader can grant them elsewhere); ask for a \
-                     session timeout of at least 2 x syncLimit x tickTime, or lower syncLimit \
-                     (and raise maxSessionTimeout if the server caps the request)"
-                );
-            }
-            Some(_) => {}
-        }
-        let servers: Arc<[std::net::SocketAddr]> = if zk_opts.tcp_nodelay {
-            nodelay::apply(&resolved);
-            resolved.into()
-        } else {
-            Arc::from(Vec::new())
-        };
-
-        let client = match chroot {
-            None => client,
-            Some(root) => {
-                let rooted = client.clone().chroot(root).map_err(|_| Error::InvalidUrl {
-                    url: connect_string.to_owned(),
-                    reason: format!("invalid chroot {root:?}"),
-                })?;
-                let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
-                let mkdir = client.mkdir(root, &persistent);
-                match tokio::time::timeout(opts.connect_timeout, mkdir).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(err)) => return Err(map_err("creating the chroot", err)),
-                    Err(_elapsed) => {
-                        return Err(Error::Unreachable(format!(
-                            "creating the chroot {root:?} took longer than {:?}",
-                            opts.connect_timeout
-                        )))
-                    }
-                }
-                rooted
-            }
-        };
-
-        let session_timeout = client.session_timeout();
-        let session_id = client.session_id();
-        let states = client.state_watcher();
-        let task_states = client.state_watcher();
-        let shared = Arc::new(Shared::new(client));
-        let task = tokio::spawn(watch_session(
-            Arc::downgrade(&shared),
-            task_states,
-            session_timeout,
-            servers,
-        ));
-        let heartbeat = tokio::spawn(crate::heartbeat::run(
-            Arc::downgrade(&shared),
-            session_timeout,
-            requested,
-            states.clone(),
-            tick,
-        ));
-        let backend = Arc::new(ZkBackend {
-            shared,
-            states,
-            session_timeout,
-            session_id,
-            watcher: task.abort_handle(),
-            heartbeat: heartbeat.abort_handle(),
-        });
-        tracing::info!(session = %session_id, ?session_timeout, "ZooKeeper session established");
-        Ok(backend)
-    }
-
     /// The underlying zookeeper-client handle, for what the trait does not cover (guarded
     /// writes with `new_check_writer`, inspecting the tree). It shares this session:
     /// entries it creates are ephemeral to the same session, and holding it keeps the
@@ -711,26 +556,6 @@ pub(crate) fn znode(q: &QueuePath) -> String {
     format!("/{}", q.relative())
 }
 
-/// Splits `h:p,h:p/chroot` into hosts and chroot. A `/` that belongs to a `tcp://`
-/// scheme is not the chroot. A bare `/` chroot is no chroot.
-pub(crate) fn split_chroot(connect_string: &str) -> (&str, Option<&str>) {
-    let bytes = connect_string.as_bytes();
-    for (i, &b) in bytes.iter().enumerate() {
-        if b != b'/' {
-            continue;
-        }
-        let scheme_slash = connect_string[..i].ends_with(':')
-            || (connect_string[..i].ends_with(":/") && bytes.get(i + 1) != Some(&b'/'));
-        if scheme_slash {
-            continue;
-        }
-        let root = connect_string[i..].trim_end_matches('/');
-        let root = if root.is_empty() { None } else { Some(root) };
-        return (&connect_string[..i], root);
-    }
-    (connect_string, None)
-}
-
 pub(crate) fn parse_queue(names: Vec<String>) -> Vec<Entry> {
     let mut entries: Vec<Entry> = names.into_iter().filter_map(Entry::from_name).collect();
     sort_queue(&mut entries);
@@ -753,18 +578,6 @@ fn session_event_result(state: zk::SessionState) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn splits_chroot() {
-        assert_eq!(split_chroot("a:1,b:2/x/y"), ("a:1,b:2", Some("/x/y")));
-        assert_eq!(split_chroot("a:1/"), ("a:1", None));
-        assert_eq!(split_chroot("a:1"), ("a:1", None));
-        assert_eq!(
-            split_chroot("tcp://a:1,tcp://b:2/r"),
-            ("tcp://a:1,tcp://b:2", Some("/r"))
-        );
-        assert_eq!(split_chroot("a:1/r/"), ("a:1", Some("/r")));
-    }
 
     #[test]
     fn znode_paths() {

@@ -136,6 +136,7 @@ pub const NAME_RULES: dlock_core::NameRules =
     dlock_core::NameRules::common().reserving("zookeeper");
 
 mod backend;
+mod connect;
 mod enqueue;
 mod errors;
 mod heartbeat;
