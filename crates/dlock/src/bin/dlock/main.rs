@@ -145,9 +145,11 @@ fn main() -> ExitCode {
         .with_env_filter(
             // The client crates' own warnings (fred's "command canceled after quit" while
             // the CLI closes its connection) are noise beside dlock's one-line messages;
+            // so is dlock-etcd's connect-time warning about an etcd with etcd#15247, which
+            // a one-shot process would repeat on every run (docs/cli.md names it).
             // DLOCK_LOG shows them when wanted.
             tracing_subscriber::EnvFilter::try_from_env("DLOCK_LOG")
-                .unwrap_or_else(|_| "warn,fred=error".into()),
+                .unwrap_or_else(|_| "warn,fred=error,dlock_etcd::server_version=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();
