@@ -320,11 +320,12 @@ pub async fn zk_holder_cut_off(_url: &str) {
 }
 
 /// etcd#15247, characterized: a holder connected to a follower keeps its lease alive the
-/// whole time while the leader is paused past the lease; on an affected server (before
-/// 3.4.31 / 3.5.13, `dlock_etcd::revokes_live_leases_on_leader_resume`) the resumed old
-/// leader still revokes that live lease, so the holder's entry vanishes and its `lost()`
-/// fires only afterwards; a fixed server keeps both. The test pins the version rule the
-/// chaos suite and the connect warning rely on to what this cluster really does.
+/// whole time while the leader is paused past the lease. A fixed server
+/// (`dlock_etcd::revokes_live_leases_on_leader_resume` false: 3.4.31 / 3.5.13 and later)
+/// must keep the entry. An affected one may revoke the live lease when the old leader
+/// resumes (it did in the chaos run at seed 25 and in a manual `etcdctl` run, not in every
+/// run of this test): then the entry vanishes before the holder can know, and its
+/// `lost()` must still fire once its next keep-alive is refused.
 pub async fn etcd_resumed_leader_and_a_lease_kept_alive_elsewhere(_url: &str) {
     let Some((state, leader)) = three_nodes(Server::Etcd) else {
         return;
@@ -357,11 +358,15 @@ pub async fn etcd_resumed_leader_and_a_lease_kept_alive_elsewhere(_url: &str) {
         leftovers(&observer, &name).await == 0
     })
     .await;
-    assert_eq!(
-        vanished,
-        affected,
-        "etcd {version}: a live lease {} revoked by the resumed leader",
+    let _ = writeln!(
+        std::io::stderr(),
+        "etcd {version} (etcd#15247 {}): the live lease {} revoked by the resumed leader",
+        if affected { "affected" } else { "fixed" },
         if vanished { "was" } else { "was not" }
+    );
+    assert!(
+        affected || !vanished,
+        "etcd {version} counts as fixed, yet the resumed leader revoked a live lease"
     );
     if vanished {
         // The holder is told, but only after its entry went.
