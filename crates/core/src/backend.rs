@@ -1,4 +1,5 @@
-//! The trait every backend adapter implements, and its contract.
+//! The trait every backend adapter implements ([`Backend`]), its object-safe form for a
+//! backend chosen at run time ([`DynBackend`]), and the contract they keep.
 //!
 //! A backend stores queues of [`Entry`]s whose lifetime is bound to a session: a
 //! ZooKeeper session, an etcd lease, a Redis watchdog lease. The recipes crate builds
@@ -22,6 +23,7 @@
 //!   `enqueue` may still have created its entry on the server; the caller then calls
 //!   `abandon` with the same [`Ticket`], which removes whatever the ticket created.
 
+use std::future::Future;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -170,8 +172,12 @@ pub fn lost_margin(session: Duration) -> Duration {
 /// A key/value store with session-bound, ordered queues: the one seam between the
 /// recipes and a server. See the module docs for the contract every implementation keeps.
 ///
-/// Futures are boxed so that the facade can choose a backend at run time
-/// (`Arc<dyn Backend>`); one allocation per call is noise beside a network round trip.
+/// Implement this trait for a backend: its async methods return `impl Future + Send`,
+/// so an adapter writes them as `async fn` or returns an `async` block, with no boxing.
+/// Where the backend is chosen at run time (the facade's `Arc<dyn DynBackend>`), use
+/// [`DynBackend`], its object-safe twin, which a blanket impl provides for every
+/// `Backend` by boxing each call's future; one allocation per call is noise beside a
+/// network round trip.
 pub trait Backend: Send + Sync + 'static {
     /// A short backend label for logs and status output: `zk`, `etcd`, `redis`, `redlock`.
     fn kind(&self) -> &'static str;
@@ -200,14 +206,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Adds an entry of `kind` for `ticket` to queue `q`, bound to the session, and
     /// returns it with the queue as it stands right after. Creates the queue's parents
     /// on demand.
-    fn enqueue<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        at: Position<'a>,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<Enqueued>>;
+        at: Position<'_>,
+        data: &[u8],
+    ) -> impl Future<Output = Result<Enqueued>> + Send;
 
     /// Adds an entry of `kind` for `ticket` at the tail of `q` and removes `gone` from
     /// `gone_q`, as one atomic step where the backend allows it (ZooKeeper: one `multi`,
@@ -218,24 +224,24 @@ pub trait Backend: Send + Sync + 'static {
     /// if it is missing. On any error the caller cleans up both, as after a failed
     /// [`Backend::enqueue`] (`abandon` with `ticket`, `remove` of `gone`). The default
     /// enqueues, then removes: the same effect in two round trips.
-    fn enqueue_removing<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue_removing(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        data: &'a [u8],
-        gone_q: &'a QueuePath,
-        gone: &'a Entry,
-    ) -> BoxFuture<'a, Result<Entry>> {
-        Box::pin(async move {
-            let added = self.enqueue(q, ticket, kind, Position::Tail, data).await?;
-            self.remove(gone_q, gone).await?;
+        data: &[u8],
+        gone_q: &QueuePath,
+        gone: &Entry,
+    ) -> impl Future<Output = Result<Entry>> + Send {
+        async move {
+            let added = Backend::enqueue(self, q, ticket, kind, Position::Tail, data).await?;
+            Backend::remove(self, gone_q, gone).await?;
             Ok(added.mine)
-        })
+        }
     }
 
     /// The queue `q` in queue order (empty if it does not exist).
-    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
+    fn queue(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send;
 
     /// The part of `q` that decides `mine`'s place, in queue order: every entry queued
     /// ahead of `mine` (by [`crate::entry::queue_order`]) and `mine` itself if it is still
@@ -246,13 +252,13 @@ pub trait Backend: Send + Sync + 'static {
     ///
     /// The default returns the whole queue ([`Backend::queue`]); backends that can read a
     /// prefix of a queue cheaply override it.
-    fn queue_ahead<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        mine: &'a Entry,
-    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
+    fn queue_ahead(
+        &self,
+        q: &QueuePath,
+        mine: &Entry,
+    ) -> impl Future<Output = Result<Vec<Entry>>> + Send {
         let _ = mine;
-        self.queue(q)
+        Backend::queue(self, q)
     }
 
     /// Whether `entry` is still in `q` on the server: the question a holder asks to
@@ -264,15 +270,15 @@ pub trait Backend: Send + Sync + 'static {
     /// so that an entry re-created under the same name does not count; the default
     /// cannot, because a token may be a view that differs between reads (Redlock's is
     /// the highest of the masters that answered).
-    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let ahead = self.queue_ahead(q, entry).await?;
+    fn contains(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<bool>> + Send {
+        async move {
+            let ahead = Backend::queue_ahead(self, q, entry).await?;
             Ok(ahead.iter().any(|e| e.name == entry.name))
-        })
+        }
     }
 
     /// Completes once `entry` is no longer in `q` (at once if it is already gone).
-    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
+    fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send;
 
     /// As [`Backend::wait_gone`], and says what the backend knows of how `entry` went
     /// ([`Gone`]). A backend that knows the removed entry was the head of its queue
@@ -281,15 +287,15 @@ pub trait Backend: Send + Sync + 'static {
     ///
     /// The default waits with [`Backend::wait_gone`] and knows nothing
     /// ([`Gone::Unknown`]), which is always correct.
-    fn wait_gone_detail<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-    ) -> BoxFuture<'a, Result<Gone>> {
-        Box::pin(async move {
-            self.wait_gone(q, entry).await?;
+    fn wait_gone_detail(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+    ) -> impl Future<Output = Result<Gone>> + Send {
+        async move {
+            Backend::wait_gone(self, q, entry).await?;
             Ok(Gone::Unknown)
-        })
+        }
     }
 
     /// Completes once the set of entries in `q` differs from `seen` (at once if it
@@ -298,15 +304,18 @@ pub trait Backend: Send + Sync + 'static {
     /// caller knows which changes can happen (while it holds the semaphore's internal
     /// mutex, leases can only go). Only a removal must wake it promptly: a backend may
     /// leave an addition to its periodic re-check (Redis publishes removals only).
-    fn wait_changed<'a>(&'a self, q: &'a QueuePath, seen: &'a [Entry])
-        -> BoxFuture<'a, Result<()>>;
+    fn wait_changed(
+        &self,
+        q: &QueuePath,
+        seen: &[Entry],
+    ) -> impl Future<Output = Result<()>> + Send;
 
     /// Removes `entry` from `q`. Succeeds if it is already gone.
-    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
+    fn remove(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send;
 
     /// Removes whatever entry `ticket` created in `q`, if any: the clean-up after a
     /// cancelled or failed `enqueue`. Succeeds if there is none.
-    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>>;
+    fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> impl Future<Output = Result<()>> + Send;
 
     /// Completes, with the reason, once `entry` can no longer be trusted to be held:
     /// the session expired, or was cut off from the servers for longer than its timeout,
@@ -316,6 +325,9 @@ pub trait Backend: Send + Sync + 'static {
     /// [`lost_margin`] of the session timeout before the earliest moment the server may
     /// expire the session, computed from when the request that last proved the session
     /// alive was *sent* (the server renewed it after that).
+    ///
+    /// Unlike the other methods it returns a boxed `'static` future: the signal outlives
+    /// the call that asked for it (a guard keeps it while it holds).
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;
 
     /// Reads the small value stored at the queue `q` itself (not in one of its entries),
@@ -325,9 +337,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Part of [`Capability::SharedValue`]. The default fails with
     /// [`Error::Unsupported`]. ZooKeeper overrides it and reads the data of `q`'s znode,
     /// where empty data or a missing znode counts as not set.
-    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+    fn read_value(&self, q: &QueuePath) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
         let _ = q;
-        Box::pin(async move { Err(unsupported(self.kind(), Capability::SharedValue)) })
+        async move { Err(unsupported(Backend::kind(self), Capability::SharedValue)) }
     }
 
     /// Replaces the payload of `entry` in `q` with `data`: how a revocation request is
@@ -337,14 +349,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Part of [`Capability::Revocation`]. The default fails with [`Error::Unsupported`];
     /// backends that can watch an entry's payload override it together with
     /// [`Backend::wait_data_changed`].
-    fn set_data<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<()>> {
+    fn set_data(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        data: &[u8],
+    ) -> impl Future<Output = Result<()>> + Send {
         let _ = (q, entry, data);
-        Box::pin(async move { Err(unsupported(self.kind(), Capability::Revocation)) })
+        async move { Err(unsupported(Backend::kind(self), Capability::Revocation)) }
     }
 
     /// Completes with the payload of `entry` once it differs from `seen` (at once if it
@@ -352,24 +364,217 @@ pub trait Backend: Send + Sync + 'static {
     /// reads, so no change is missed.
     ///
     /// Part of [`Capability::Revocation`]. The default fails with [`Error::Unsupported`].
+    fn wait_data_changed(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
+        let _ = (q, entry, seen);
+        async move { Err(unsupported(Backend::kind(self), Capability::Revocation)) }
+    }
+
+    /// The queue `q` with every detail the backend can give (tokens, data, creation
+    /// time), for status output. May cost more round trips than [`Backend::queue`].
+    fn participants(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
+        Backend::queue(self, q)
+    }
+
+    /// Closes the session: every entry on it goes at once. Idempotent.
+    fn close(&self) -> impl Future<Output = Result<()>> + Send;
+}
+
+/// [`Backend`] as an object-safe trait, for holding a backend chosen at run time as
+/// `Arc<dyn DynBackend>` (the facade's `connect` does). Every method is the [`Backend`]
+/// method of the same name, with the same contract, its future boxed.
+///
+/// Do not implement it: implement [`Backend`], and the blanket impl provides this one.
+/// Code that uses a backend (the recipes) is generic over `B: DynBackend + ?Sized`, so it
+/// runs both on a concrete backend and on `dyn DynBackend`. A concrete backend has both
+/// traits, so a method call on it is ambiguous where both are in scope: import the one
+/// you call through.
+pub trait DynBackend: Send + Sync + 'static {
+    /// [`Backend::kind`].
+    fn kind(&self) -> &'static str;
+    /// [`Backend::name_rules`].
+    fn name_rules(&self) -> NameRules;
+    /// [`Backend::session_timeout`].
+    fn session_timeout(&self) -> Duration;
+    /// [`Backend::hints`].
+    fn hints(&self) -> Hints;
+    /// [`Backend::supports`].
+    fn supports(&self, capability: Capability) -> bool;
+    /// [`Backend::enqueue`].
+    fn enqueue<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        at: Position<'a>,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<Enqueued>>;
+    /// [`Backend::enqueue_removing`].
+    fn enqueue_removing<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        data: &'a [u8],
+        gone_q: &'a QueuePath,
+        gone: &'a Entry,
+    ) -> BoxFuture<'a, Result<Entry>>;
+    /// [`Backend::queue`].
+    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
+    /// [`Backend::queue_ahead`].
+    fn queue_ahead<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Vec<Entry>>>;
+    /// [`Backend::contains`].
+    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>>;
+    /// [`Backend::wait_gone`].
+    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
+    /// [`Backend::wait_gone_detail`].
+    fn wait_gone_detail<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<Gone>>;
+    /// [`Backend::wait_changed`].
+    fn wait_changed<'a>(&'a self, q: &'a QueuePath, seen: &'a [Entry])
+        -> BoxFuture<'a, Result<()>>;
+    /// [`Backend::remove`].
+    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
+    /// [`Backend::abandon`].
+    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>>;
+    /// [`Backend::lost`].
+    fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;
+    /// [`Backend::read_value`].
+    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>>;
+    /// [`Backend::set_data`].
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>>;
+    /// [`Backend::wait_data_changed`].
+    fn wait_data_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        seen: &'a [u8],
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>>;
+    /// [`Backend::participants`].
+    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
+    /// [`Backend::close`].
+    fn close(&self) -> BoxFuture<'_, Result<()>>;
+}
+
+impl<B: Backend> DynBackend for B {
+    fn kind(&self) -> &'static str {
+        Backend::kind(self)
+    }
+    fn name_rules(&self) -> NameRules {
+        Backend::name_rules(self)
+    }
+    fn session_timeout(&self) -> Duration {
+        Backend::session_timeout(self)
+    }
+    fn hints(&self) -> Hints {
+        Backend::hints(self)
+    }
+    fn supports(&self, capability: Capability) -> bool {
+        Backend::supports(self, capability)
+    }
+    fn enqueue<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        at: Position<'a>,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<Enqueued>> {
+        Box::pin(Backend::enqueue(self, q, ticket, kind, at, data))
+    }
+    fn enqueue_removing<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        ticket: &'a Ticket,
+        kind: EntryKind,
+        data: &'a [u8],
+        gone_q: &'a QueuePath,
+        gone: &'a Entry,
+    ) -> BoxFuture<'a, Result<Entry>> {
+        Box::pin(Backend::enqueue_removing(
+            self, q, ticket, kind, data, gone_q, gone,
+        ))
+    }
+    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(Backend::queue(self, q))
+    }
+    fn queue_ahead<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
+        Box::pin(Backend::queue_ahead(self, q, mine))
+    }
+    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(Backend::contains(self, q, entry))
+    }
+    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        Box::pin(Backend::wait_gone(self, q, entry))
+    }
+    fn wait_gone_detail<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<Gone>> {
+        Box::pin(Backend::wait_gone_detail(self, q, entry))
+    }
+    fn wait_changed<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        seen: &'a [Entry],
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(Backend::wait_changed(self, q, seen))
+    }
+    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+        Box::pin(Backend::remove(self, q, entry))
+    }
+    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+        Box::pin(Backend::abandon(self, q, ticket))
+    }
+    fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
+        Backend::lost(self, q, entry)
+    }
+    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
+        Box::pin(Backend::read_value(self, q))
+    }
+    fn set_data<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(Backend::set_data(self, q, entry, data))
+    }
     fn wait_data_changed<'a>(
         &'a self,
         q: &'a QueuePath,
         entry: &'a Entry,
         seen: &'a [u8],
     ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        let _ = (q, entry, seen);
-        Box::pin(async move { Err(unsupported(self.kind(), Capability::Revocation)) })
+        Box::pin(Backend::wait_data_changed(self, q, entry, seen))
     }
-
-    /// The queue `q` with every detail the backend can give (tokens, data, creation
-    /// time), for status output. May cost more round trips than [`Backend::queue`].
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        self.queue(q)
+        Box::pin(Backend::participants(self, q))
     }
-
-    /// Closes the session: every entry on it goes at once. Idempotent.
-    fn close(&self) -> BoxFuture<'_, Result<()>>;
+    fn close(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(Backend::close(self))
+    }
 }
 
 /// The error of a trait method a backend does not implement.

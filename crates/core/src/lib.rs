@@ -4,14 +4,15 @@
 //! from bytes the caller drew) and runs no async runtime: every function is a
 //! deterministic function of its arguments, tested without servers. The adapters
 //! (`dlock-zookeeper`, ...) talk to servers; the recipes (`dlock-recipes`) drive them
-//! through the [`Backend`] trait defined here.
+//! through the [`Backend`] trait defined here, held as [`DynBackend`].
 //!
 //! # Where to start
 //! - [`entry`]: what a contender adds under a lock, its Curator-compatible name, and the
 //!   queue order (by sequence, never by whole name).
 //! - [`driver`]: given the ordered queue and my entry, am I the holder, and if not,
 //!   which single entry do I watch. This is the fair-queue recipe every backend shares.
-//! - [`Backend`]: the seam to the servers, with its contract.
+//! - [`Backend`]: the seam to the servers, with its contract; [`DynBackend`] is its
+//!   object-safe form for a backend chosen at run time.
 //! - [`Error`]: the one error enum, with distinct variants for timeout, lock lost, not
 //!   held, invalid input, unreachable backend.
 //! - [`FencingToken`], [`LockName`].
@@ -58,7 +59,7 @@ pub mod name;
 pub mod token;
 
 pub use backend::{
-    lost_margin, Backend, Capability, Enqueued, Gone, Hints, Position, SessionOptions,
+    lost_margin, Backend, Capability, DynBackend, Enqueued, Gone, Hints, Position, SessionOptions,
 };
 pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};

@@ -56,9 +56,10 @@
 //!
 //! # The design decision
 //! The protocol (naming, ordering, which entry to watch) lives in one sans-I/O crate,
-//! `dlock-core`; adapters only move bytes; recipes are written once over the `Backend`
-//! trait. So every recipe has the same semantics on every backend, and the facade can
-//! pick the backend at run time from a URL (`Arc<dyn Backend>`). See
+//! `dlock-core`; adapters only move bytes and implement the `Backend` trait; recipes are
+//! written once over its object-safe form, `DynBackend`. So every recipe has the same
+//! semantics on every backend, and the facade can pick the backend at run time from a URL
+//! (`Arc<dyn DynBackend>`). See
 //! `docs/ARCHITECTURE.md`; for choosing a backend, `docs/choosing-a-backend.md`.
 
 #![deny(missing_docs)]
@@ -69,8 +70,8 @@ use std::sync::Arc;
 
 #[doc(inline)]
 pub use dlock_core::{
-    Backend, Capability, Entry, EntryKind, Error, FenceGate, FencingToken, LockName, Result,
-    SessionOptions,
+    Backend, Capability, DynBackend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName,
+    Result, SessionOptions,
 };
 pub use dlock_recipes::{
     semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
@@ -82,11 +83,11 @@ pub use url::BackendUrl;
 pub use dlock_core as core;
 
 /// A session on a backend chosen at run time; see [`dlock_recipes::Client`].
-pub type Client = dlock_recipes::Client<dyn Backend>;
+pub type Client = dlock_recipes::Client<dyn DynBackend>;
 /// A reentrant fair mutex; see [`dlock_recipes::Mutex`].
-pub type Mutex = dlock_recipes::Mutex<dyn Backend>;
+pub type Mutex = dlock_recipes::Mutex<dyn DynBackend>;
 /// A read/write lock; see [`dlock_recipes::RwLock`].
-pub type RwLock = dlock_recipes::RwLock<dyn Backend>;
+pub type RwLock = dlock_recipes::RwLock<dyn DynBackend>;
 
 /// The environment variable [`connect_env`] and the CLI read the URL from.
 pub const URL_ENV: &str = "DLOCK_URL";
@@ -123,7 +124,7 @@ pub async fn connect_with(url: &str, opts: SessionOptions) -> Result<Client> {
 }
 
 #[allow(unused_variables)]
-async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc<dyn Backend>> {
+async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc<dyn DynBackend>> {
     let missing = |feature: &str| Error::InvalidUrl {
         url: url.to_owned(),
         reason: format!("this build of dlock has no `{feature}` feature"),
@@ -133,7 +134,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             #[cfg(feature = "zookeeper")]
             {
                 let connect = format!("{}{}", hosts.join(","), chroot.unwrap_or_default());
-                let b: Arc<dyn Backend> =
+                let b: Arc<dyn DynBackend> =
                     dlock_zookeeper::ZkBackend::connect(&connect, opts).await?;
                 Ok(b)
             }
@@ -143,7 +144,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
         BackendUrl::Etcd { hosts } => {
             #[cfg(feature = "etcd")]
             {
-                let b: Arc<dyn Backend> = dlock_etcd::EtcdBackend::connect(&hosts, opts).await?;
+                let b: Arc<dyn DynBackend> = dlock_etcd::EtcdBackend::connect(&hosts, opts).await?;
                 Ok(b)
             }
             #[cfg(not(feature = "etcd"))]
@@ -152,7 +153,8 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
         BackendUrl::Redis { host } => {
             #[cfg(feature = "redis")]
             {
-                let b: Arc<dyn Backend> = dlock_redis::RedisBackend::connect(&host, opts).await?;
+                let b: Arc<dyn DynBackend> =
+                    dlock_redis::RedisBackend::connect(&host, opts).await?;
                 Ok(b)
             }
             #[cfg(not(feature = "redis"))]
@@ -161,7 +163,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
         BackendUrl::Redlock { hosts } => {
             #[cfg(feature = "redis")]
             {
-                let b: Arc<dyn Backend> =
+                let b: Arc<dyn DynBackend> =
                     dlock_redis::RedisBackend::connect_redlock(&hosts, opts).await?;
                 Ok(b)
             }
@@ -171,7 +173,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
         BackendUrl::RedisSentinel { sentinels, service } => {
             #[cfg(feature = "redis")]
             {
-                let b: Arc<dyn Backend> =
+                let b: Arc<dyn DynBackend> =
                     dlock_redis::RedisBackend::connect_sentinel(&sentinels, &service, opts).await?;
                 Ok(b)
             }

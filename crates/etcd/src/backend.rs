@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -250,147 +251,131 @@ impl Backend for EtcdBackend {
         Hints::default()
     }
 
-    fn enqueue<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        at: Position<'a>,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<Enqueued>> {
+        at: Position<'_>,
+        data: &[u8],
+    ) -> impl Future<Output = Result<Enqueued>> + Send {
         let span =
             tracing::debug_span!("etcd.enqueue", lock = %q, kind = %kind, ticket = ticket.as_str());
-        Box::pin(
-            self.enqueue_impl(q, ticket, kind, at, data)
-                .instrument(span),
-        )
+        self.enqueue_impl(q, ticket, kind, at, data)
+            .instrument(span)
     }
 
-    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(async move {
-            let prefix = layout::queue_prefix(q);
-            Ok(self.read_queue(&prefix).await?.0)
-        })
+    async fn queue(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        let prefix = layout::queue_prefix(q);
+        Ok(self.read_queue(&prefix).await?.0)
     }
 
-    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(async move {
-            let prefix = layout::queue_prefix(q);
-            self.read_queue_linearizable(&prefix).await
-        })
+    async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        let prefix = layout::queue_prefix(q);
+        self.read_queue_linearizable(&prefix).await
     }
 
     /// One linearizable keys-only read of the entry's key (a lagging member must not
     /// vouch for a deleted entry), its create revision compared with the token.
-    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-            let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
-                let mut kv = self.kv.clone();
-                let key = key.as_str();
-                async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
-            })
-            .await
-            .map_err(|e| map(&format!("looking up {key}"), e))?;
-            self.observe(header_rev(resp.header()));
-            Ok(holds_entry(&resp, &key, entry))
+    async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+        let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
+            let mut kv = self.kv.clone();
+            let key = key.as_str();
+            async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
         })
+        .await
+        .map_err(|e| map(&format!("looking up {key}"), e))?;
+        self.observe(header_rev(resp.header()));
+        Ok(holds_entry(&resp, &key, entry))
     }
 
-    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+    fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
-        Box::pin(
-            async move {
-                let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-                self.retry_watch(&key, || self.wait_gone_once(&key, entry))
-                    .await
-            }
-            .instrument(span),
-        )
+        async move {
+            let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+            self.retry_watch(&key, || self.wait_gone_once(&key, entry))
+                .await
+        }
+        .instrument(span)
     }
 
-    fn wait_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        seen: &'a [Entry],
-    ) -> BoxFuture<'a, Result<()>> {
+    fn wait_changed(
+        &self,
+        q: &QueuePath,
+        seen: &[Entry],
+    ) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.wait_changed", lock = %q);
-        Box::pin(
-            async move {
-                let prefix = layout::queue_prefix(q);
-                self.retry_watch(&prefix, || self.wait_changed_once(&prefix, seen))
-                    .await
-            }
-            .instrument(span),
-        )
+        async move {
+            let prefix = layout::queue_prefix(q);
+            self.retry_watch(&prefix, || self.wait_changed_once(&prefix, seen))
+                .await
+        }
+        .instrument(span)
     }
 
-    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+    fn remove(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.remove", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
-        Box::pin(
-            async move {
-                let key = format!("{}{}", layout::queue_prefix(q), entry.name);
-                let ticket = entry.ticket.as_deref();
-                let deleted = match self.take_claim(&key, ticket, layout::lease_of(entry)) {
-                    Some(primary) => self.delete_claimed(&key, primary).await,
-                    None => false,
-                };
-                if !deleted {
-                    self.remove_exact(&key, entry.token).await?;
-                }
-                self.forget(ticket, &key);
-                tracing::debug!("removed");
-                Ok(())
+        async move {
+            let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+            let ticket = entry.ticket.as_deref();
+            let deleted = match self.take_claim(&key, ticket, layout::lease_of(entry)) {
+                Some(primary) => self.delete_claimed(&key, primary).await,
+                None => false,
+            };
+            if !deleted {
+                self.remove_exact(&key, entry.token).await?;
             }
-            .instrument(span),
-        )
+            self.forget(ticket, &key);
+            tracing::debug!("removed");
+            Ok(())
+        }
+        .instrument(span)
     }
 
-    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+    fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.abandon", lock = %q, ticket = ticket.as_str());
-        Box::pin(
-            async move {
-                let prefix = layout::queue_prefix(q);
-                let pending = self
-                    .local
-                    .lock()
-                    .tickets
-                    .get(ticket.as_str())
-                    .filter(|p| p.key.starts_with(&prefix))
-                    .cloned();
-                let Some(mut p) = pending else {
-                    return Ok(());
-                };
-                // The enqueue's transaction may still be in flight; a delete sent now could
-                // be applied before it and leave its key behind.
-                let _ = timeout(self.request_timeout, p.done.wait_for(|d| *d)).await;
-                // As in a release: the mutex key is retired while its delete is in flight,
-                // and stays retired for the session unless one attempt was answered, since
-                // an unanswered attempt may still land after a later claim of the key.
-                let retired = p.primary && {
-                    let mut local = self.local.lock();
-                    match local.primary.get_mut(&p.key) {
-                        Some(owner) if owner == ticket.as_str() => {
-                            owner.clear();
-                            true
-                        }
-                        _ => false,
+        async move {
+            let prefix = layout::queue_prefix(q);
+            let pending = self
+                .local
+                .lock()
+                .tickets
+                .get(ticket.as_str())
+                .filter(|p| p.key.starts_with(&prefix))
+                .cloned();
+            let Some(mut p) = pending else {
+                return Ok(());
+            };
+            // The enqueue's transaction may still be in flight; a delete sent now could
+            // be applied before it and leave its key behind.
+            let _ = timeout(self.request_timeout, p.done.wait_for(|d| *d)).await;
+            // As in a release: the mutex key is retired while its delete is in flight,
+            // and stays retired for the session unless one attempt was answered, since
+            // an unanswered attempt may still land after a later claim of the key.
+            let retired = p.primary && {
+                let mut local = self.local.lock();
+                match local.primary.get_mut(&p.key) {
+                    Some(owner) if owner == ticket.as_str() => {
+                        owner.clear();
+                        true
                     }
-                };
-                if !self.delete_claimed(&p.key, retired).await {
-                    request(&self.in_flight, self.request_timeout, || {
-                        let (mut kv, key) = (self.kv.clone(), p.key.clone());
-                        async move { kv.delete(key, None).await }
-                    })
-                    .await
-                    .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
+                    _ => false,
                 }
-                self.forget(Some(ticket.as_str()), &p.key);
-                tracing::debug!(key = %p.key, "abandoned");
-                Ok(())
+            };
+            if !self.delete_claimed(&p.key, retired).await {
+                request(&self.in_flight, self.request_timeout, || {
+                    let (mut kv, key) = (self.kv.clone(), p.key.clone());
+                    async move { kv.delete(key, None).await }
+                })
+                .await
+                .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
             }
-            .instrument(span),
-        )
+            self.forget(Some(ticket.as_str()), &p.key);
+            tracing::debug!(key = %p.key, "abandoned");
+            Ok(())
+        }
+        .instrument(span)
     }
 
     fn lost(&self, _q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
@@ -400,34 +385,32 @@ impl Backend for EtcdBackend {
         Box::pin(session.lost())
     }
 
-    fn close(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            if self.closed.swap(true, Ordering::AcqRel) {
-                return Ok(());
-            }
-            let current = self.session.lock().clone();
-            let was_alive = current.is_alive();
-            for s in self.sessions.lock().values() {
-                s.mark_closed();
-            }
-            self.watches.close();
-            if !was_alive {
-                // Lost earlier: the lease is gone or being revoked by the keep-alive task.
-                return Ok(());
-            }
-            let id = current.id();
-            let revoked = retrying(self.request_timeout, || {
-                let mut lease = self.lease.clone();
-                async move { lease.revoke(id).await }
-            })
-            .await;
-            match revoked {
-                Ok(_) => Ok(()),
-                Err(e) => match map("revoking the session lease", e) {
-                    Error::LockLost(_) => Ok(()),
-                    other => Err(other),
-                },
-            }
+    async fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let current = self.session.lock().clone();
+        let was_alive = current.is_alive();
+        for s in self.sessions.lock().values() {
+            s.mark_closed();
+        }
+        self.watches.close();
+        if !was_alive {
+            // Lost earlier: the lease is gone or being revoked by the keep-alive task.
+            return Ok(());
+        }
+        let id = current.id();
+        let revoked = retrying(self.request_timeout, || {
+            let mut lease = self.lease.clone();
+            async move { lease.revoke(id).await }
         })
+        .await;
+        match revoked {
+            Ok(_) => Ok(()),
+            Err(e) => match map("revoking the session lease", e) {
+                Error::LockLost(_) => Ok(()),
+                other => Err(other),
+            },
+        }
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use dlock_core::driver::holders;
 use dlock_core::{
-    Backend, Capability, Entry, EntryKind, Error, LockName, Position, QueuePath, Result,
+    Capability, DynBackend, Entry, EntryKind, Error, LockName, Position, QueuePath, Result,
 };
 use tracing::Instrument;
 
@@ -21,14 +21,14 @@ use crate::{MultiLock, Mutex, RwLock, Semaphore, SemaphoreMutex};
 ///
 /// Cheap to clone; clones share the session. Build one per process (or per service),
 /// not one per lock.
-pub struct Client<B: Backend + ?Sized = dyn Backend> {
+pub struct Client<B: DynBackend + ?Sized = dyn DynBackend> {
     pub(crate) backend: Arc<B>,
     pub(crate) id: ClientId,
     pub(crate) data: Arc<[u8]>,
     pub(crate) tickets: TicketSource,
 }
 
-impl<B: Backend + ?Sized> Clone for Client<B> {
+impl<B: DynBackend + ?Sized> Clone for Client<B> {
     fn clone(&self) -> Self {
         Client {
             backend: self.backend.clone(),
@@ -39,7 +39,7 @@ impl<B: Backend + ?Sized> Clone for Client<B> {
     }
 }
 
-impl<B: Backend + ?Sized> std::fmt::Debug for Client<B> {
+impl<B: DynBackend + ?Sized> std::fmt::Debug for Client<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
             .field("backend", &self.backend.kind())
@@ -59,7 +59,7 @@ pub struct Participant {
     pub holds: bool,
 }
 
-impl<B: Backend + ?Sized> Client<B> {
+impl<B: DynBackend + ?Sized> Client<B> {
     /// A client over an already connected backend.
     pub fn new(backend: Arc<B>) -> Self {
         let data = format!("dlock pid={}", std::process::id());

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use dlock_core::{Backend, Entry, Error, FencingToken, LockName, QueuePath, Result};
+use dlock_core::{DynBackend, Entry, Error, FencingToken, LockName, QueuePath, Result};
 use futures::future::{BoxFuture, FutureExt, Shared};
 use tracing::Instrument;
 
@@ -14,7 +14,7 @@ use crate::reentry::{HoldKey, Recipe, Scope};
 
 /// One entry that holds a lock, shared by every guard of that hold (the first one and
 /// its re-entries).
-pub(crate) struct Held<B: Backend + ?Sized> {
+pub(crate) struct Held<B: DynBackend + ?Sized> {
     pub(crate) backend: Arc<B>,
     pub(crate) q: QueuePath,
     pub(crate) entry: Entry,
@@ -28,7 +28,7 @@ pub(crate) struct Held<B: Backend + ?Sized> {
     guards: AtomicUsize,
 }
 
-impl<B: Backend + ?Sized> Held<B> {
+impl<B: DynBackend + ?Sized> Held<B> {
     pub(crate) fn new(
         backend: Arc<B>,
         q: QueuePath,
@@ -122,12 +122,12 @@ impl<B: Backend + ?Sized> Held<B> {
 /// The guard may be moved to and released from any task: ownership is the guard's, not
 /// the thread's or the task's.
 #[must_use = "the lock is released as soon as the guard is dropped"]
-pub struct LockGuard<B: Backend + ?Sized = dyn Backend> {
+pub struct LockGuard<B: DynBackend + ?Sized = dyn DynBackend> {
     held: Arc<Held<B>>,
     released: bool,
 }
 
-impl<B: Backend + ?Sized> LockGuard<B> {
+impl<B: DynBackend + ?Sized> LockGuard<B> {
     /// A guard of `held`, whose guard count already includes it.
     pub(crate) fn new(held: Arc<Held<B>>) -> Self {
         LockGuard {
@@ -248,7 +248,7 @@ impl<B: Backend + ?Sized> LockGuard<B> {
     /// can go unseen for a while: a pause past the session, or an entry deleted on the
     /// server, is noticed at the next keep-alive. Call `verify` when a critical section
     /// ends and before its effects are committed, to learn whether it may have overlapped
-    /// another holder's. Costs one read ([`dlock_core::Backend::contains`]): of the
+    /// another holder's. Costs one read ([`dlock_core::DynBackend::contains`]): of the
     /// entry itself on ZooKeeper and etcd, of the entries up to it on Redis; never of
     /// the waiters queued behind it.
     ///
@@ -343,11 +343,11 @@ impl<B: Backend + ?Sized> LockGuard<B> {
 /// [`RevocableGuard::revoke_requested`]; the holder decides when to release. Everything
 /// else is the inner guard's, through `Deref`.
 #[must_use = "the lock is released as soon as the guard is dropped"]
-pub struct RevocableGuard<B: Backend + ?Sized = dyn Backend> {
+pub struct RevocableGuard<B: DynBackend + ?Sized = dyn DynBackend> {
     guard: LockGuard<B>,
 }
 
-impl<B: Backend + ?Sized> RevocableGuard<B> {
+impl<B: DynBackend + ?Sized> RevocableGuard<B> {
     pub(crate) fn new(guard: LockGuard<B>) -> Self {
         RevocableGuard { guard }
     }
@@ -394,29 +394,29 @@ impl<B: Backend + ?Sized> RevocableGuard<B> {
     }
 }
 
-impl<B: Backend + ?Sized> std::ops::Deref for RevocableGuard<B> {
+impl<B: DynBackend + ?Sized> std::ops::Deref for RevocableGuard<B> {
     type Target = LockGuard<B>;
     fn deref(&self) -> &LockGuard<B> {
         &self.guard
     }
 }
 
-impl<B: Backend + ?Sized> std::ops::DerefMut for RevocableGuard<B> {
+impl<B: DynBackend + ?Sized> std::ops::DerefMut for RevocableGuard<B> {
     fn deref_mut(&mut self) -> &mut LockGuard<B> {
         &mut self.guard
     }
 }
 
-impl<B: Backend + ?Sized> fmt::Debug for RevocableGuard<B> {
+impl<B: DynBackend + ?Sized> fmt::Debug for RevocableGuard<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("RevocableGuard").field(&self.guard).finish()
     }
 }
 
 /// Finishes a release whose future was dropped halfway.
-struct RemoveOnDrop<B: Backend + ?Sized>(Option<Arc<Held<B>>>);
+struct RemoveOnDrop<B: DynBackend + ?Sized>(Option<Arc<Held<B>>>);
 
-impl<B: Backend + ?Sized> Drop for RemoveOnDrop<B> {
+impl<B: DynBackend + ?Sized> Drop for RemoveOnDrop<B> {
     fn drop(&mut self) {
         if let Some(h) = self.0.take() {
             spawn_remove(h.backend.clone(), h.q.clone(), h.entry.clone());
@@ -424,7 +424,7 @@ impl<B: Backend + ?Sized> Drop for RemoveOnDrop<B> {
     }
 }
 
-impl<B: Backend + ?Sized> Drop for LockGuard<B> {
+impl<B: DynBackend + ?Sized> Drop for LockGuard<B> {
     fn drop(&mut self) {
         if self.released {
             return;
@@ -440,7 +440,7 @@ impl<B: Backend + ?Sized> Drop for LockGuard<B> {
     }
 }
 
-impl<B: Backend + ?Sized> fmt::Debug for LockGuard<B> {
+impl<B: DynBackend + ?Sized> fmt::Debug for LockGuard<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
             .field("lock", &self.held.q.lock.as_str())

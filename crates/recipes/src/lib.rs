@@ -1,4 +1,5 @@
-//! dlock's lock recipes, written once over [`dlock_core::Backend`].
+//! dlock's lock recipes, written once over [`dlock_core::DynBackend`]: any
+//! [`dlock_core::Backend`], or one chosen at run time.
 //!
 //! # Where to start
 //! Make a [`Client`] over a connected backend (the `dlock` facade does this from a URL),
@@ -16,11 +17,11 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use dlock_core::{Backend, Result};
+//! use dlock_core::{DynBackend, Result};
 //! use dlock_recipes::Client;
 //!
 //! // Works on any backend; the `dlock` facade builds the client from a URL.
-//! async fn nightly_report<B: Backend + ?Sized>(client: &Client<B>) -> Result<()> {
+//! async fn nightly_report<B: DynBackend + ?Sized>(client: &Client<B>) -> Result<()> {
 //!     let mutex = client.mutex("reports/nightly")?;
 //!     let mut guard = mutex.lock_timeout(Duration::from_secs(5)).await?;
 //!     println!("holding {} with fencing token {}", guard.name(), guard.token());
@@ -81,7 +82,7 @@ pub use rwlock::RwLock;
 pub use semaphore::{Semaphore, SemaphoreMutex};
 pub use tickets::TicketSource;
 
-// Handles over `dyn Backend` (what the facade hands out) must be cloneable and printable,
+// Handles over `dyn DynBackend` (what the facade hands out) must be cloneable and printable,
 // so they can be shared between tasks.
 const _: () = {
     fn clone_debug<T: Clone + std::fmt::Debug>() {}

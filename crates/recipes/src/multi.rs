@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use dlock_core::{Backend, Error, FencingToken, LockName, Result};
+use dlock_core::{DynBackend, Error, FencingToken, LockName, Result};
 use futures::future::FutureExt;
 use tokio::time::Instant;
 
@@ -44,13 +44,13 @@ impl Part {
 /// overlapping names cannot deadlock each other, whatever order their callers listed the
 /// names in. One deadline covers the whole acquire. A failure or timeout part way
 /// releases what was taken, in reverse order.
-pub struct MultiLock<B: Backend + ?Sized = dyn Backend> {
+pub struct MultiLock<B: DynBackend + ?Sized = dyn DynBackend> {
     client: Client<B>,
     parts: Vec<Part>,
 }
 
-// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
-impl<B: Backend + ?Sized> Clone for MultiLock<B> {
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn DynBackend` is not.
+impl<B: DynBackend + ?Sized> Clone for MultiLock<B> {
     fn clone(&self) -> Self {
         MultiLock {
             client: self.client.clone(),
@@ -59,7 +59,7 @@ impl<B: Backend + ?Sized> Clone for MultiLock<B> {
     }
 }
 
-impl<B: Backend + ?Sized> std::fmt::Debug for MultiLock<B> {
+impl<B: DynBackend + ?Sized> std::fmt::Debug for MultiLock<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MultiLock")
             .field("parts", &self.parts)
@@ -67,7 +67,7 @@ impl<B: Backend + ?Sized> std::fmt::Debug for MultiLock<B> {
     }
 }
 
-impl<B: Backend + ?Sized> MultiLock<B> {
+impl<B: DynBackend + ?Sized> MultiLock<B> {
     pub(crate) fn new(client: Client<B>) -> Self {
         MultiLock {
             client,
@@ -220,11 +220,11 @@ impl<B: Backend + ?Sized> MultiLock<B> {
 /// Holds every part of a [`MultiLock`].
 #[derive(Debug)]
 #[must_use = "the locks are released as soon as the guard is dropped"]
-pub struct MultiGuard<B: Backend + ?Sized = dyn Backend> {
+pub struct MultiGuard<B: DynBackend + ?Sized = dyn DynBackend> {
     guards: Vec<LockGuard<B>>,
 }
 
-impl<B: Backend + ?Sized> MultiGuard<B> {
+impl<B: DynBackend + ?Sized> MultiGuard<B> {
     /// Each part's guard, in acquisition order.
     pub fn guards(&self) -> &[LockGuard<B>] {
         &self.guards

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use dlock_core::{Backend, Capability, EntryKind, LockName, Result};
+use dlock_core::{Capability, DynBackend, EntryKind, LockName, Result};
 
 use crate::guard::{Held, LockGuard, RevocableGuard};
 use crate::queue::Wait;
@@ -21,13 +21,13 @@ use crate::Client;
 /// # Session loss
 /// If the session ends (crash, partition past the session timeout, lease not renewed)
 /// the lock frees itself on the server and the guard's [`LockGuard::lost`] fires.
-pub struct Mutex<B: Backend + ?Sized = dyn Backend> {
+pub struct Mutex<B: DynBackend + ?Sized = dyn DynBackend> {
     client: Client<B>,
     name: LockName,
 }
 
-// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
-impl<B: Backend + ?Sized> Clone for Mutex<B> {
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn DynBackend` is not.
+impl<B: DynBackend + ?Sized> Clone for Mutex<B> {
     fn clone(&self) -> Self {
         Mutex {
             client: self.client.clone(),
@@ -36,7 +36,7 @@ impl<B: Backend + ?Sized> Clone for Mutex<B> {
     }
 }
 
-impl<B: Backend + ?Sized> std::fmt::Debug for Mutex<B> {
+impl<B: DynBackend + ?Sized> std::fmt::Debug for Mutex<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Mutex")
             .field("name", &self.name.as_str())
@@ -44,7 +44,7 @@ impl<B: Backend + ?Sized> std::fmt::Debug for Mutex<B> {
     }
 }
 
-impl<B: Backend + ?Sized> Mutex<B> {
+impl<B: DynBackend + ?Sized> Mutex<B> {
     pub(crate) fn new(client: Client<B>, name: LockName) -> Self {
         Mutex { client, name }
     }

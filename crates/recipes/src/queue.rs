@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::driver::{Decision, Snapshot};
-use dlock_core::{Backend, Entry, EntryKind, Error, Gone, Position, QueuePath, Result, Ticket};
+use dlock_core::{DynBackend, Entry, EntryKind, Error, Gone, Position, QueuePath, Result, Ticket};
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
@@ -44,14 +44,14 @@ pub(crate) async fn within<T>(
 /// Removes a ticket's entry when dropped while armed. An acquire future that is dropped
 /// at any await point (a `select!`, a timeout, an aborted task) thereby still removes
 /// whatever its enqueue may have created, in the background.
-pub(crate) struct AbandonOnDrop<B: Backend + ?Sized> {
+pub(crate) struct AbandonOnDrop<B: DynBackend + ?Sized> {
     backend: Arc<B>,
     q: QueuePath,
     ticket: Ticket,
     armed: bool,
 }
 
-impl<B: Backend + ?Sized> AbandonOnDrop<B> {
+impl<B: DynBackend + ?Sized> AbandonOnDrop<B> {
     pub(crate) fn new(backend: Arc<B>, q: QueuePath, ticket: Ticket) -> Self {
         AbandonOnDrop {
             backend,
@@ -80,7 +80,7 @@ impl<B: Backend + ?Sized> AbandonOnDrop<B> {
     }
 }
 
-impl<B: Backend + ?Sized> Drop for AbandonOnDrop<B> {
+impl<B: DynBackend + ?Sized> Drop for AbandonOnDrop<B> {
     fn drop(&mut self) {
         if self.armed {
             spawn_abandon(self.backend.clone(), self.q.clone(), self.ticket.clone());
@@ -138,7 +138,7 @@ async fn remove_until_done<F>(
 
 /// Background removal of a ticket's entry, retried while the session lives (see
 /// [`remove_until_done`]).
-fn spawn_abandon<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, ticket: Ticket) {
+fn spawn_abandon<B: DynBackend + ?Sized>(backend: Arc<B>, q: QueuePath, ticket: Ticket) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         tracing::warn!(queue = %q, "no tokio runtime to remove an abandoned entry; it goes with the session");
         return;
@@ -156,7 +156,7 @@ fn spawn_abandon<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, ticket: Tic
 
 /// Background removal of a held entry (a guard dropped without `release`, or a release
 /// that failed), retried while the session lives (see [`remove_until_done`]).
-pub(crate) fn spawn_remove<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, entry: Entry) {
+pub(crate) fn spawn_remove<B: DynBackend + ?Sized>(backend: Arc<B>, q: QueuePath, entry: Entry) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         tracing::warn!(queue = %q, "no tokio runtime to release a dropped guard; the entry goes with the session");
         return;
@@ -171,9 +171,9 @@ pub(crate) fn spawn_remove<B: Backend + ?Sized>(backend: Arc<B>, q: QueuePath, e
     });
 }
 
-/// [`Backend::wait_gone_detail`] on owned arguments, so the watch can outlive one loop
+/// [`DynBackend::wait_gone_detail`] on owned arguments, so the watch can outlive one loop
 /// turn.
-fn watch_gone<B: Backend + ?Sized>(
+fn watch_gone<B: DynBackend + ?Sized>(
     backend: Arc<B>,
     q: QueuePath,
     entry: Entry,
@@ -186,7 +186,7 @@ fn watch_gone<B: Backend + ?Sized>(
 /// On any error (timeout, would-block, lost session) the entry is removed before the
 /// error is returned; if the returned future is dropped, it is removed in the
 /// background.
-pub(crate) async fn acquire<B: Backend + ?Sized>(
+pub(crate) async fn acquire<B: DynBackend + ?Sized>(
     backend: &Arc<B>,
     q: &QueuePath,
     ticket: Ticket,

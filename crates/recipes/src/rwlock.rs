@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dlock_core::{Backend, EntryKind, LockName, Result};
+use dlock_core::{DynBackend, EntryKind, LockName, Result};
 
 use crate::guard::LockGuard;
 use crate::queue::Wait;
@@ -20,13 +20,13 @@ use crate::Client;
 /// write entry, so no queued writer gets in between. Asking for the write lock inside a
 /// read hold's scope gets [`dlock_core::Error::WouldDeadlock`] instead of waiting forever
 /// (Curator hangs).
-pub struct RwLock<B: Backend + ?Sized = dyn Backend> {
+pub struct RwLock<B: DynBackend + ?Sized = dyn DynBackend> {
     client: Client<B>,
     name: LockName,
 }
 
-// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
-impl<B: Backend + ?Sized> Clone for RwLock<B> {
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn DynBackend` is not.
+impl<B: DynBackend + ?Sized> Clone for RwLock<B> {
     fn clone(&self) -> Self {
         RwLock {
             client: self.client.clone(),
@@ -35,7 +35,7 @@ impl<B: Backend + ?Sized> Clone for RwLock<B> {
     }
 }
 
-impl<B: Backend + ?Sized> std::fmt::Debug for RwLock<B> {
+impl<B: DynBackend + ?Sized> std::fmt::Debug for RwLock<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RwLock")
             .field("name", &self.name.as_str())
@@ -43,7 +43,7 @@ impl<B: Backend + ?Sized> std::fmt::Debug for RwLock<B> {
     }
 }
 
-impl<B: Backend + ?Sized> RwLock<B> {
+impl<B: DynBackend + ?Sized> RwLock<B> {
     pub(crate) fn new(client: Client<B>, name: LockName) -> Self {
         RwLock { client, name }
     }

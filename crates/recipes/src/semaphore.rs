@@ -21,7 +21,7 @@
 use std::time::Duration;
 
 use dlock_core::driver::lease_granted;
-use dlock_core::{Backend, Capability, EntryKind, Error, LockName, Position, QueuePath, Result};
+use dlock_core::{Capability, DynBackend, EntryKind, Error, LockName, Position, QueuePath, Result};
 
 use crate::guard::{Held, LockGuard};
 use crate::queue::{self, AbandonOnDrop, Wait};
@@ -49,14 +49,14 @@ enum Permits {
 /// Each permit is its own [`LockGuard`], with its own fencing token and lost signal.
 /// Matches Curator's `InterProcessSemaphoreV2` on the wire, so Java and dlock holders
 /// share the same permits.
-pub struct Semaphore<B: Backend + ?Sized = dyn Backend> {
+pub struct Semaphore<B: DynBackend + ?Sized = dyn DynBackend> {
     client: Client<B>,
     name: LockName,
     permits: Permits,
 }
 
-// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
-impl<B: Backend + ?Sized> Clone for Semaphore<B> {
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn DynBackend` is not.
+impl<B: DynBackend + ?Sized> Clone for Semaphore<B> {
     fn clone(&self) -> Self {
         Semaphore {
             client: self.client.clone(),
@@ -66,7 +66,7 @@ impl<B: Backend + ?Sized> Clone for Semaphore<B> {
     }
 }
 
-impl<B: Backend + ?Sized> std::fmt::Debug for Semaphore<B> {
+impl<B: DynBackend + ?Sized> std::fmt::Debug for Semaphore<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Semaphore")
             .field("name", &self.name.as_str())
@@ -75,7 +75,7 @@ impl<B: Backend + ?Sized> std::fmt::Debug for Semaphore<B> {
     }
 }
 
-impl<B: Backend + ?Sized> Semaphore<B> {
+impl<B: DynBackend + ?Sized> Semaphore<B> {
     pub(crate) fn new(client: Client<B>, name: LockName, permits: u32) -> Self {
         Semaphore {
             client,
@@ -378,13 +378,13 @@ impl<B: Backend + ?Sized> Semaphore<B> {
 
 /// Releases the internal mutex of a semaphore acquire, in the background if the acquire
 /// future is dropped.
-struct RemoveInner<B: Backend + ?Sized> {
+struct RemoveInner<B: DynBackend + ?Sized> {
     backend: std::sync::Arc<B>,
     q: QueuePath,
     entry: Option<dlock_core::Entry>,
 }
 
-impl<B: Backend + ?Sized> RemoveInner<B> {
+impl<B: DynBackend + ?Sized> RemoveInner<B> {
     async fn release(mut self) {
         if let Some(e) = &self.entry {
             if self.backend.remove(&self.q, e).await.is_ok() {
@@ -394,7 +394,7 @@ impl<B: Backend + ?Sized> RemoveInner<B> {
     }
 }
 
-impl<B: Backend + ?Sized> Drop for RemoveInner<B> {
+impl<B: DynBackend + ?Sized> Drop for RemoveInner<B> {
     fn drop(&mut self) {
         if let Some(e) = self.entry.take() {
             queue::spawn_remove(self.backend.clone(), self.q.clone(), e);
@@ -409,12 +409,12 @@ impl<B: Backend + ?Sized> Drop for RemoveInner<B> {
 /// [`Error::WouldDeadlock`] where Curator deadlocks; anyone else, a sibling future of the
 /// holding task included, waits like any contender. The guard may be released from any
 /// task.
-pub struct SemaphoreMutex<B: Backend + ?Sized = dyn Backend> {
+pub struct SemaphoreMutex<B: DynBackend + ?Sized = dyn DynBackend> {
     sem: Semaphore<B>,
 }
 
-// Written out because a derive would demand `B: Clone + Debug`, which `dyn Backend` is not.
-impl<B: Backend + ?Sized> Clone for SemaphoreMutex<B> {
+// Written out because a derive would demand `B: Clone + Debug`, which `dyn DynBackend` is not.
+impl<B: DynBackend + ?Sized> Clone for SemaphoreMutex<B> {
     fn clone(&self) -> Self {
         SemaphoreMutex {
             sem: self.sem.clone(),
@@ -422,7 +422,7 @@ impl<B: Backend + ?Sized> Clone for SemaphoreMutex<B> {
     }
 }
 
-impl<B: Backend + ?Sized> std::fmt::Debug for SemaphoreMutex<B> {
+impl<B: DynBackend + ?Sized> std::fmt::Debug for SemaphoreMutex<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SemaphoreMutex")
             .field("name", &self.sem.name.as_str())
@@ -430,7 +430,7 @@ impl<B: Backend + ?Sized> std::fmt::Debug for SemaphoreMutex<B> {
     }
 }
 
-impl<B: Backend + ?Sized> SemaphoreMutex<B> {
+impl<B: DynBackend + ?Sized> SemaphoreMutex<B> {
     pub(crate) fn new(client: Client<B>, name: LockName) -> Self {
         SemaphoreMutex {
             sem: Semaphore::new(client, name, 1),

@@ -2,6 +2,7 @@
 //! Redlock mode, over N independent masters.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -259,59 +260,47 @@ impl Backend for RedisBackend {
         self.shared.lease
     }
 
-    fn enqueue<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        at: Position<'a>,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<Enqueued>> {
+        at: Position<'_>,
+        data: &[u8],
+    ) -> impl Future<Output = Result<Enqueued>> + Send {
         let span = tracing::debug_span!("enqueue", lock = %q, %kind, ticket = ticket.as_str());
-        Box::pin(
-            self.enqueue_inner(q, ticket, kind, at, data)
-                .instrument(span),
-        )
+        self.enqueue_inner(q, ticket, kind, at, data)
+            .instrument(span)
     }
 
-    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(async move {
-            self.shared.check_open()?;
-            self.shared.list(&QueueKeys::new(q), false, None).await
-        })
+    async fn queue(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        self.shared.check_open()?;
+        self.shared.list(&QueueKeys::new(q), false, None).await
     }
 
-    fn queue_ahead<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        mine: &'a Entry,
-    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(async move {
-            self.shared.check_open()?;
-            // Every entry ahead of `mine` has a sequence up to its own (a downgrade's
-            // read entry shares its writer's): one ZRANGEBYSCORE, O(entries ahead).
-            self.shared
-                .list(&QueueKeys::new(q), false, Some(mine.seq))
-                .await
-        })
+    async fn queue_ahead(&self, q: &QueuePath, mine: &Entry) -> Result<Vec<Entry>> {
+        self.shared.check_open()?;
+        // Every entry ahead of `mine` has a sequence up to its own (a downgrade's
+        // read entry shares its writer's): one ZRANGEBYSCORE, O(entries ahead).
+        self.shared
+            .list(&QueueKeys::new(q), false, Some(mine.seq))
+            .await
     }
 
     /// The entries up to `entry`'s sequence (one `ZRANGEBYSCORE`), searched for its name.
     /// On one master the token is compared too: it is the value the enqueue wrote into
     /// the entry, so any other value is another entry. Redlock's token is the highest of
     /// the masters that answered, which can differ between two reads of the same entry.
-    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(async move {
-            let ahead = self.queue_ahead(q, entry).await?;
-            let exact = self.shared.mode == Mode::Single;
-            Ok(ahead
-                .iter()
-                .any(|e| e.name == entry.name && (!exact || entry.token_matches(e.token))))
-        })
+    async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        let ahead = self.queue_ahead(q, entry).await?;
+        let exact = self.shared.mode == Mode::Single;
+        Ok(ahead
+            .iter()
+            .any(|e| e.name == entry.name && (!exact || entry.token_matches(e.token))))
     }
 
-    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move { self.wait_gone_detail(q, entry).await.map(|_| ()) })
+    async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        self.wait_gone_detail(q, entry).await.map(|_| ())
     }
 
     /// On one master, [`Gone::Head`] when the message that woke the waiter said the entry
@@ -321,152 +310,144 @@ impl Backend for RedisBackend {
     /// found missing with no removal message heard is [`Gone::Vanished`]: it expired, or
     /// the server lost it (with the waiter's own entry, perhaps), so the waiter lists
     /// the queue before it may hold.
-    fn wait_gone_detail<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-    ) -> BoxFuture<'a, Result<Gone>> {
+    fn wait_gone_detail(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+    ) -> impl Future<Output = Result<Gone>> + Send {
         let span = tracing::debug_span!("wait_gone", lock = %q, entry = %entry.name);
-        Box::pin(
-            async move {
-                let s = &self.shared;
+        async move {
+            let s = &self.shared;
+            s.check_open()?;
+            let keys = QueueKeys::new(q);
+            let key = keys.entry(&entry.name);
+            // Subscribe first, then check on the same connection: a removal between
+            // the two is seen by the check, one after it by the message.
+            let listener = s.listen(&keys.gone_channel(&entry.name), false).await;
+            let mut by_timer = false;
+            loop {
+                let notified = listener.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
                 s.check_open()?;
-                let keys = QueueKeys::new(q);
-                let key = keys.entry(&entry.name);
-                // Subscribe first, then check on the same connection: a removal between
-                // the two is seen by the check, one after it by the message.
-                let listener = s.listen(&keys.gone_channel(&entry.name), false).await;
-                let mut by_timer = false;
-                loop {
-                    let notified = listener.notify.notified();
-                    tokio::pin!(notified);
-                    notified.as_mut().enable();
-                    s.check_open()?;
-                    // On one master the message is the answer: a round trip saved per
-                    // handoff. (Redlock: one master's message does not mean a majority
-                    // removed it, so it re-checks.)
-                    if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
-                        return Ok(if listener.head.load(Ordering::SeqCst) {
-                            Gone::Head
-                        } else {
-                            Gone::Unknown
-                        });
-                    }
-                    let results = s
-                        .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
-                        .await;
-                    let ttls = s.quorum(results)?;
-                    let Some(longest) = ttls.iter().flatten().max().copied() else {
-                        s.count_recheck(by_timer);
-                        // No removal message: the key expired, or the server lost it
-                        // with others (a restart without persistence, a failover to a
-                        // replica that never had it), the waiter's own entry perhaps
-                        // too, so the waiter must list again before it holds.
-                        return Ok(if listener.heard.load(Ordering::SeqCst) {
-                            Gone::Unknown
-                        } else {
-                            Gone::Vanished
-                        });
-                    };
-                    // An expiry nobody publishes (a dead client's entry) is caught when the
-                    // key's TTL runs out; anything else (a message lost in a way no
-                    // reconnect wake-up covers) within lease/3. A periodic re-check of
-                    // every waiter would cost O(waiters) server calls per second.
-                    by_timer = s.wait_notified_for(notified, s.gone_recheck(longest)).await;
-                    if by_timer {
-                        s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
-                    }
+                // On one master the message is the answer: a round trip saved per
+                // handoff. (Redlock: one master's message does not mean a majority
+                // removed it, so it re-checks.)
+                if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
+                    return Ok(if listener.head.load(Ordering::SeqCst) {
+                        Gone::Head
+                    } else {
+                        Gone::Unknown
+                    });
+                }
+                let results = s
+                    .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
+                    .await;
+                let ttls = s.quorum(results)?;
+                let Some(longest) = ttls.iter().flatten().max().copied() else {
+                    s.count_recheck(by_timer);
+                    // No removal message: the key expired, or the server lost it
+                    // with others (a restart without persistence, a failover to a
+                    // replica that never had it), the waiter's own entry perhaps
+                    // too, so the waiter must list again before it holds.
+                    return Ok(if listener.heard.load(Ordering::SeqCst) {
+                        Gone::Unknown
+                    } else {
+                        Gone::Vanished
+                    });
+                };
+                // An expiry nobody publishes (a dead client's entry) is caught when the
+                // key's TTL runs out; anything else (a message lost in a way no
+                // reconnect wake-up covers) within lease/3. A periodic re-check of
+                // every waiter would cost O(waiters) server calls per second.
+                by_timer = s.wait_notified_for(notified, s.gone_recheck(longest)).await;
+                if by_timer {
+                    s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            .instrument(span),
-        )
+        }
+        .instrument(span)
     }
 
-    fn wait_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        seen: &'a [Entry],
-    ) -> BoxFuture<'a, Result<()>> {
+    fn wait_changed(
+        &self,
+        q: &QueuePath,
+        seen: &[Entry],
+    ) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("wait_changed", lock = %q);
-        Box::pin(
-            async move {
-                let s = &self.shared;
+        async move {
+            let s = &self.shared;
+            s.check_open()?;
+            let keys = QueueKeys::new(q);
+            let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
+            // Confirmed: the listing below runs on the command connection.
+            let listener = s.listen(&keys.changed, true).await;
+            let mut by_timer = false;
+            loop {
+                let notified = listener.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
                 s.check_open()?;
-                let keys = QueueKeys::new(q);
-                let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
-                // Confirmed: the listing below runs on the command connection.
-                let listener = s.listen(&keys.changed, true).await;
-                let mut by_timer = false;
-                loop {
-                    let notified = listener.notify.notified();
-                    tokio::pin!(notified);
-                    notified.as_mut().enable();
-                    s.check_open()?;
-                    let now = s.list(&keys, false, None).await?;
-                    let same = now.len() == seen.len()
-                        && now.iter().all(|e| seen.contains(e.name.as_str()));
-                    if !same {
-                        s.count_recheck(by_timer);
-                        return Ok(());
-                    }
-                    by_timer = s.wait_notified(notified).await;
-                    if by_timer {
-                        s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
-                    }
+                let now = s.list(&keys, false, None).await?;
+                let same =
+                    now.len() == seen.len() && now.iter().all(|e| seen.contains(e.name.as_str()));
+                if !same {
+                    s.count_recheck(by_timer);
+                    return Ok(());
+                }
+                by_timer = s.wait_notified(notified).await;
+                if by_timer {
+                    s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            .instrument(span),
-        )
+        }
+        .instrument(span)
     }
 
-    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+    fn remove(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span =
             tracing::debug_span!("remove", lock = %q, entry = %entry.name, token = ?entry.token);
-        Box::pin(
-            async move {
-                let s = &self.shared;
-                // Stop renewing before deleting: no renewal may follow a release. A live
-                // entry's keys were built by its enqueue; reuse them.
-                let keys = match s.settle(&QueueKeys::queue_key(q), &entry.name, Fate::Released) {
-                    Some(keys) => keys,
-                    None => Arc::new(QueueKeys::new(q)),
-                };
-                s.check_open()?;
-                s.remove_names(&keys, std::slice::from_ref(&entry.name))
-                    .await
-            }
-            .instrument(span),
-        )
+        async move {
+            let s = &self.shared;
+            // Stop renewing before deleting: no renewal may follow a release. A live
+            // entry's keys were built by its enqueue; reuse them.
+            let keys = match s.settle(&QueueKeys::queue_key(q), &entry.name, Fate::Released) {
+                Some(keys) => keys,
+                None => Arc::new(QueueKeys::new(q)),
+            };
+            s.check_open()?;
+            s.remove_names(&keys, std::slice::from_ref(&entry.name))
+                .await
+        }
+        .instrument(span)
     }
 
-    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+    fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("abandon", lock = %q, ticket = ticket.as_str());
-        Box::pin(
-            async move {
-                let s = &self.shared;
-                let keys = QueueKeys::new(q);
-                let mine: Vec<String> = s
-                    .live
-                    .lock()
-                    .iter()
-                    .filter(|((qk, _), l)| {
-                        *qk == keys.queue && l.ticket.as_deref() == Some(ticket.as_str())
-                    })
-                    .map(|((_, name), _)| name.clone())
-                    .collect();
-                for name in mine {
-                    s.settle(&keys.queue, &name, Fate::Released);
-                }
-                s.check_open()?;
-                let mut args = Shared::q_args(&keys);
-                args.push(Value::from(ticket.protected_prefix()));
-                let results = s
-                    .eval_all("abandoning an entry", &s.scripts.abandon, &keys, args)
-                    .await;
-                s.quorum(results).map(|_| ())
+        async move {
+            let s = &self.shared;
+            let keys = QueueKeys::new(q);
+            let mine: Vec<String> = s
+                .live
+                .lock()
+                .iter()
+                .filter(|((qk, _), l)| {
+                    *qk == keys.queue && l.ticket.as_deref() == Some(ticket.as_str())
+                })
+                .map(|((_, name), _)| name.clone())
+                .collect();
+            for name in mine {
+                s.settle(&keys.queue, &name, Fate::Released);
             }
-            .instrument(span),
-        )
+            s.check_open()?;
+            let mut args = Shared::q_args(&keys);
+            args.push(Value::from(ticket.protected_prefix()));
+            let results = s
+                .eval_all("abandoning an entry", &s.scripts.abandon, &keys, args)
+                .await;
+            s.quorum(results).map(|_| ())
+        }
+        .instrument(span)
     }
 
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
@@ -501,17 +482,13 @@ impl Backend for RedisBackend {
         })
     }
 
-    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(async move {
-            self.shared.check_open()?;
-            self.shared.list(&QueueKeys::new(q), true, None).await
-        })
+    async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        self.shared.check_open()?;
+        self.shared.list(&QueueKeys::new(q), true, None).await
     }
 
-    fn close(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            self.shared.close().await;
-            Ok(())
-        })
+    async fn close(&self) -> Result<()> {
+        self.shared.close().await;
+        Ok(())
     }
 }

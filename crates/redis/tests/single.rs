@@ -235,7 +235,7 @@ async fn abandoned_enqueues_leave_no_keys_and_nothing_to_renew() {
     for i in 0..200 {
         let t = dlock_testkit::ticket();
         {
-            let mut fut = b.enqueue(&q, &t, EntryKind::Lock, Position::Tail, b"x");
+            let mut fut = std::pin::pin!(b.enqueue(&q, &t, EntryKind::Lock, Position::Tail, b"x"));
             // Drop after 0, 1 or a few polls: before sending, in flight, or done.
             for _ in 0..(i % 4) {
                 if futures::poll!(fut.as_mut()).is_ready() {

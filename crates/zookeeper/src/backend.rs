@@ -114,232 +114,6 @@ impl ZkBackend {
             result = op => result,
         }
     }
-
-    async fn queue_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
-        let client = self.handle()?;
-        let parent = znode(q);
-        match retry(|| client.list_children(&parent)).await {
-            Ok(names) => Ok(parse_queue(names)),
-            Err(zk::Error::NoNode) => Ok(Vec::new()),
-            Err(err) => Err(map_err("listing the queue", err)),
-        }
-    }
-
-    async fn contains_inner(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
-        let client = self.handle()?;
-        let parent = znode(q);
-        // The session's server may be a follower that trails the leader (or is cut off
-        // from it and does not know yet): without a sync it would say "still there" about
-        // an entry the leader already deleted. A sync completes only through the leader.
-        match retry(|| client.sync(&parent)).await {
-            Ok(()) | Err(zk::Error::NoNode) => {}
-            Err(err) => return Err(map_err("syncing before looking up an entry", err)),
-        }
-        let path = format!("{parent}/{}", entry.name);
-        match retry(|| client.check_stat(&path)).await {
-            // A sequential name is never reused, but the czxid (the token) settles it.
-            Ok(Some(stat)) => Ok(entry.token_matches(czxid_token(stat.czxid))),
-            Ok(None) => Ok(false),
-            Err(err) => Err(map_err("looking up an entry", err)),
-        }
-    }
-
-    async fn wait_gone_inner(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
-        let client = self.handle()?;
-        let path = format!("{}/{}", znode(q), entry.name);
-        loop {
-            // A data watch, not an exists watch: on a node already gone an exists watch
-            // would wait for a creation that never comes (pitfall Z4).
-            let watcher = match retry(|| client.get_and_watch_data(&path)).await {
-                Ok((_, _, watcher)) => watcher,
-                Err(zk::Error::NoNode) => return Ok(()),
-                Err(err) => return Err(map_err("waiting for an entry to go", err)),
-            };
-            let event = watcher.changed().await;
-            match event.event_type {
-                zk::EventType::NodeDeleted => return Ok(()),
-                zk::EventType::Session => session_event_result(event.session_state)?,
-                // Data changed (e.g. Curator's revocation request): re-arm.
-                _ => {}
-            }
-        }
-    }
-
-    async fn wait_changed_inner(&self, q: &QueuePath, seen: &[Entry]) -> Result<()> {
-        let client = self.handle()?;
-        let parent = znode(q);
-        let seen: BTreeSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
-        loop {
-            match retry(|| client.get_and_watch_children(&parent)).await {
-                Ok((names, _, watcher)) => {
-                    let now: BTreeSet<&str> = names
-                        .iter()
-                        .filter(|n| Entry::from_name(n.as_str()).is_some())
-                        .map(String::as_str)
-                        .collect();
-                    if now != seen {
-                        return Ok(());
-                    }
-                    let event = watcher.changed().await;
-                    if event.event_type == zk::EventType::Session {
-                        session_event_result(event.session_state)?;
-                    } else {
-                        // The children changed after a listing equal to `seen`: report it
-                        // without listing again (the caller knows what changes can happen).
-                        return Ok(());
-                    }
-                }
-                Err(zk::Error::NoNode) => {
-                    if !seen.is_empty() {
-                        return Ok(());
-                    }
-                    // An empty queue whose parent is missing: wait for it to appear.
-                    match retry(|| client.check_and_watch_stat(&parent)).await {
-                        Ok((Some(_), _)) => {}
-                        Ok((None, watcher)) => {
-                            let event = watcher.changed().await;
-                            if event.event_type == zk::EventType::Session {
-                                session_event_result(event.session_state)?;
-                            }
-                        }
-                        Err(err) => return Err(map_err("waiting for the queue to change", err)),
-                    }
-                }
-                Err(err) => return Err(map_err("waiting for the queue to change", err)),
-            }
-        }
-    }
-
-    async fn remove_inner(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
-        let client = self.handle()?;
-        let path = format!("{}/{}", znode(q), entry.name);
-        match retry(|| client.delete(&path, None)).await {
-            Ok(()) | Err(zk::Error::NoNode) => Ok(()),
-            Err(err) => Err(map_err("removing an entry", err)),
-        }
-    }
-
-    async fn abandon_inner(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
-        let client = self.handle()?;
-        let parent = znode(q);
-        // A create a dropped enqueue sent may have been committed without this session
-        // seeing its reply, and a server the session reconnected to may not have applied
-        // it yet: sync through the leader before listing.
-        match retry(|| client.sync(&parent)).await {
-            Ok(()) | Err(zk::Error::NoNode) => {}
-            Err(err) => return Err(map_err("abandoning an entry: syncing", err)),
-        }
-        let names = match retry(|| client.list_children(&parent)).await {
-            Ok(names) => names,
-            Err(zk::Error::NoNode) => return Ok(()),
-            Err(err) => return Err(map_err("abandoning an entry: listing", err)),
-        };
-        let deletes: Vec<_> = names
-            .iter()
-            .filter(|n| dlock_core::entry::protected_id(n).as_deref() == Some(ticket.as_str()))
-            .map(|n| {
-                tracing::debug!(entry = %n, "abandoning entry");
-                let path = format!("{parent}/{n}");
-                let client = &client;
-                async move { retry(|| client.delete(&path, None)).await }
-            })
-            .collect();
-        for result in futures::future::join_all(deletes).await {
-            match result {
-                Ok(()) | Err(zk::Error::NoNode) => {}
-                Err(err) => return Err(map_err("abandoning an entry", err)),
-            }
-        }
-        Ok(())
-    }
-
-    async fn participants_inner(&self, q: &QueuePath) -> Result<Vec<Entry>> {
-        let client = self.handle()?;
-        let parent = znode(q);
-        // Status and revocation must see every entry any client has been told it holds,
-        // not the possibly lagging view of this session's server: sync first.
-        match retry(|| client.sync(&parent)).await {
-            Ok(()) | Err(zk::Error::NoNode) => {}
-            Err(err) => return Err(map_err("syncing before listing participants", err)),
-        }
-        let names = match retry(|| client.list_children(&parent)).await {
-            Ok(names) => names,
-            Err(zk::Error::NoNode) => return Ok(Vec::new()),
-            Err(err) => return Err(map_err("listing participants", err)),
-        };
-        let entries = parse_queue(names);
-        let reads: Vec<_> = entries
-            .iter()
-            .map(|e| {
-                let path = format!("{parent}/{}", e.name);
-                let client = &client;
-                async move { retry(|| client.get_data(&path)).await }
-            })
-            .collect();
-        let mut out = Vec::with_capacity(entries.len());
-        for (mut entry, read) in entries
-            .into_iter()
-            .zip(futures::future::join_all(reads).await)
-        {
-            match read {
-                Ok((data, stat)) => {
-                    entry.token = czxid_token(stat.czxid);
-                    entry.created_ms = Some(stat.ctime);
-                    entry.data = data;
-                    out.push(entry);
-                }
-                // Released between the listing and the read.
-                Err(zk::Error::NoNode) => {}
-                Err(err) => return Err(map_err("reading a participant", err)),
-            }
-        }
-        Ok(out)
-    }
-
-    async fn set_data_inner(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
-        let client = self.handle()?;
-        let path = format!("{}/{}", znode(q), entry.name);
-        match retry(|| client.set_data(&path, data, None)).await {
-            Ok(_) | Err(zk::Error::NoNode) => Ok(()),
-            Err(err) => Err(map_err("writing an entry's payload", err)),
-        }
-    }
-
-    async fn wait_data_changed_inner(
-        &self,
-        q: &QueuePath,
-        entry: &Entry,
-        seen: &[u8],
-    ) -> Result<Option<Vec<u8>>> {
-        let client = self.handle()?;
-        let path = format!("{}/{}", znode(q), entry.name);
-        loop {
-            // Read and arm in one request: a change after the read fires the watch.
-            let watcher = match retry(|| client.get_and_watch_data(&path)).await {
-                Ok((data, _, _)) if data != seen => return Ok(Some(data)),
-                Ok((_, _, watcher)) => watcher,
-                Err(zk::Error::NoNode) => return Ok(None),
-                Err(err) => return Err(map_err("watching an entry's payload", err)),
-            };
-            let event = watcher.changed().await;
-            match event.event_type {
-                zk::EventType::NodeDeleted => return Ok(None),
-                zk::EventType::Session => session_event_result(event.session_state)?,
-                _ => {}
-            }
-        }
-    }
-
-    async fn read_value_inner(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
-        let client = self.handle()?;
-        let path = znode(q);
-        match retry(|| client.get_data(&path)).await {
-            Ok((data, _)) if data.is_empty() => Ok(None),
-            Ok((data, _)) => Ok(Some(data)),
-            Err(zk::Error::NoNode) => Ok(None),
-            Err(err) => Err(map_err("reading the shared value", err)),
-        }
-    }
 }
 
 impl Backend for ZkBackend {
@@ -367,114 +141,235 @@ impl Backend for ZkBackend {
         matches!(capability, Capability::Revocation | Capability::SharedValue)
     }
 
-    fn enqueue<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        at: Position<'a>,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<Enqueued>> {
+        at: Position<'_>,
+        data: &[u8],
+    ) -> impl Future<Output = Result<Enqueued>> + Send {
         let span = tracing::debug_span!("zk.enqueue", queue = %q, %kind, ticket = ticket.as_str());
-        Box::pin(
-            async move {
-                let result = self
-                    .guarded(self.enqueue_inner(q, ticket, kind, at, data))
-                    .await;
-                match &result {
-                    Ok(done) => tracing::debug!(
-                        entry = %done.mine.name,
-                        token = ?done.mine.token.map(FencingToken::get),
-                        queue_len = done.queue.len(),
-                        "enqueued"
-                    ),
-                    Err(err) => tracing::debug!(%err, "enqueue failed"),
-                }
-                result
+        async move {
+            let result = self
+                .guarded(self.enqueue_inner(q, ticket, kind, at, data))
+                .await;
+            match &result {
+                Ok(done) => tracing::debug!(
+                    entry = %done.mine.name,
+                    token = ?done.mine.token.map(FencingToken::get),
+                    queue_len = done.queue.len(),
+                    "enqueued"
+                ),
+                Err(err) => tracing::debug!(%err, "enqueue failed"),
             }
-            .instrument(span),
-        )
+            result
+        }
+        .instrument(span)
     }
 
-    fn enqueue_removing<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue_removing(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        data: &'a [u8],
-        gone_q: &'a QueuePath,
-        gone: &'a Entry,
-    ) -> BoxFuture<'a, Result<Entry>> {
+        data: &[u8],
+        gone_q: &QueuePath,
+        gone: &Entry,
+    ) -> impl Future<Output = Result<Entry>> + Send {
         let span = tracing::debug_span!("zk.enqueue_removing", queue = %q, %kind, ticket = ticket.as_str(), gone = %gone.name);
-        Box::pin(
-            async move {
-                let result = self
-                    .guarded(self.enqueue_removing_inner(q, ticket, kind, data, gone_q, gone))
-                    .await;
-                match &result {
-                    Ok(mine) => tracing::debug!(entry = %mine.name, "enqueued, handed on"),
-                    Err(err) => tracing::debug!(%err, "enqueue_removing failed"),
-                }
-                result
+        async move {
+            let result = self
+                .guarded(self.enqueue_removing_inner(q, ticket, kind, data, gone_q, gone))
+                .await;
+            match &result {
+                Ok(mine) => tracing::debug!(entry = %mine.name, "enqueued, handed on"),
+                Err(err) => tracing::debug!(%err, "enqueue_removing failed"),
             }
-            .instrument(span),
-        )
+            result
+        }
+        .instrument(span)
     }
 
-    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(self.guarded(self.queue_inner(q)))
+    fn queue(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
+        self.guarded(async move {
+            let client = self.handle()?;
+            let parent = znode(q);
+            match retry(|| client.list_children(&parent)).await {
+                Ok(names) => Ok(parse_queue(names)),
+                Err(zk::Error::NoNode) => Ok(Vec::new()),
+                Err(err) => Err(map_err("listing the queue", err)),
+            }
+        })
     }
 
     /// One `exists` of the entry's node, its czxid compared with the token. Like every
     /// ZooKeeper read it is answered by the server this session is connected to, which
     /// may trail the leader by the commits in flight; the session itself is what
     /// vouches for the entry in between.
-    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(self.guarded(self.contains_inner(q, entry)))
+    fn contains(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<bool>> + Send {
+        self.guarded(async move {
+            let client = self.handle()?;
+            let parent = znode(q);
+            // The session's server may be a follower that trails the leader (or is cut off
+            // from it and does not know yet): without a sync it would say "still there" about
+            // an entry the leader already deleted. A sync completes only through the leader.
+            match retry(|| client.sync(&parent)).await {
+                Ok(()) | Err(zk::Error::NoNode) => {}
+                Err(err) => return Err(map_err("syncing before looking up an entry", err)),
+            }
+            let path = format!("{parent}/{}", entry.name);
+            match retry(|| client.check_stat(&path)).await {
+                // A sequential name is never reused, but the czxid (the token) settles it.
+                Ok(Some(stat)) => Ok(entry.token_matches(czxid_token(stat.czxid))),
+                Ok(None) => Ok(false),
+                Err(err) => Err(map_err("looking up an entry", err)),
+            }
+        })
     }
 
-    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+    fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("zk.wait_gone", queue = %q, entry = %entry.name);
-        Box::pin(
-            self.guarded(self.wait_gone_inner(q, entry))
-                .instrument(span),
-        )
+        self.guarded(async move {
+            let client = self.handle()?;
+            let path = format!("{}/{}", znode(q), entry.name);
+            loop {
+                // A data watch, not an exists watch: on a node already gone an exists watch
+                // would wait for a creation that never comes (pitfall Z4).
+                let watcher = match retry(|| client.get_and_watch_data(&path)).await {
+                    Ok((_, _, watcher)) => watcher,
+                    Err(zk::Error::NoNode) => return Ok(()),
+                    Err(err) => return Err(map_err("waiting for an entry to go", err)),
+                };
+                let event = watcher.changed().await;
+                match event.event_type {
+                    zk::EventType::NodeDeleted => return Ok(()),
+                    zk::EventType::Session => session_event_result(event.session_state)?,
+                    // Data changed (e.g. Curator's revocation request): re-arm.
+                    _ => {}
+                }
+            }
+        })
+        .instrument(span)
     }
 
-    fn wait_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        seen: &'a [Entry],
-    ) -> BoxFuture<'a, Result<()>> {
+    fn wait_changed(
+        &self,
+        q: &QueuePath,
+        seen: &[Entry],
+    ) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("zk.wait_changed", queue = %q, seen = seen.len());
-        Box::pin(
-            self.guarded(self.wait_changed_inner(q, seen))
-                .instrument(span),
-        )
+        self.guarded(async move {
+            let client = self.handle()?;
+            let parent = znode(q);
+            let seen: BTreeSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
+            loop {
+                match retry(|| client.get_and_watch_children(&parent)).await {
+                    Ok((names, _, watcher)) => {
+                        let now: BTreeSet<&str> = names
+                            .iter()
+                            .filter(|n| Entry::from_name(n.as_str()).is_some())
+                            .map(String::as_str)
+                            .collect();
+                        if now != seen {
+                            return Ok(());
+                        }
+                        let event = watcher.changed().await;
+                        if event.event_type == zk::EventType::Session {
+                            session_event_result(event.session_state)?;
+                        } else {
+                            // The children changed after a listing equal to `seen`: report it
+                            // without listing again (the caller knows what changes can happen).
+                            return Ok(());
+                        }
+                    }
+                    Err(zk::Error::NoNode) => {
+                        if !seen.is_empty() {
+                            return Ok(());
+                        }
+                        // An empty queue whose parent is missing: wait for it to appear.
+                        match retry(|| client.check_and_watch_stat(&parent)).await {
+                            Ok((Some(_), _)) => {}
+                            Ok((None, watcher)) => {
+                                let event = watcher.changed().await;
+                                if event.event_type == zk::EventType::Session {
+                                    session_event_result(event.session_state)?;
+                                }
+                            }
+                            Err(err) => {
+                                return Err(map_err("waiting for the queue to change", err))
+                            }
+                        }
+                    }
+                    Err(err) => return Err(map_err("waiting for the queue to change", err)),
+                }
+            }
+        })
+        .instrument(span)
     }
 
-    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+    fn remove(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!(
             "zk.remove",
             queue = %q,
             entry = %entry.name,
             token = ?entry.token.map(FencingToken::get)
         );
-        Box::pin(
-            async move {
-                let result = self.guarded(self.remove_inner(q, entry)).await;
-                if let Err(err) = &result {
-                    tracing::debug!(%err, "remove failed");
-                }
-                result
+        async move {
+            let result = self
+                .guarded(async move {
+                    let client = self.handle()?;
+                    let path = format!("{}/{}", znode(q), entry.name);
+                    match retry(|| client.delete(&path, None)).await {
+                        Ok(()) | Err(zk::Error::NoNode) => Ok(()),
+                        Err(err) => Err(map_err("removing an entry", err)),
+                    }
+                })
+                .await;
+            if let Err(err) = &result {
+                tracing::debug!(%err, "remove failed");
             }
-            .instrument(span),
-        )
+            result
+        }
+        .instrument(span)
     }
 
-    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
+    fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("zk.abandon", queue = %q, ticket = ticket.as_str());
-        Box::pin(self.guarded(self.abandon_inner(q, ticket)).instrument(span))
+        self.guarded(async move {
+            let client = self.handle()?;
+            let parent = znode(q);
+            // A create a dropped enqueue sent may have been committed without this session
+            // seeing its reply, and a server the session reconnected to may not have applied
+            // it yet: sync through the leader before listing.
+            match retry(|| client.sync(&parent)).await {
+                Ok(()) | Err(zk::Error::NoNode) => {}
+                Err(err) => return Err(map_err("abandoning an entry: syncing", err)),
+            }
+            let names = match retry(|| client.list_children(&parent)).await {
+                Ok(names) => names,
+                Err(zk::Error::NoNode) => return Ok(()),
+                Err(err) => return Err(map_err("abandoning an entry: listing", err)),
+            };
+            let deletes: Vec<_> = names
+                .iter()
+                .filter(|n| dlock_core::entry::protected_id(n).as_deref() == Some(ticket.as_str()))
+                .map(|n| {
+                    tracing::debug!(entry = %n, "abandoning entry");
+                    let path = format!("{parent}/{n}");
+                    let client = &client;
+                    async move { retry(|| client.delete(&path, None)).await }
+                })
+                .collect();
+            for result in futures::future::join_all(deletes).await {
+                match result {
+                    Ok(()) | Err(zk::Error::NoNode) => {}
+                    Err(err) => return Err(map_err("abandoning an entry", err)),
+                }
+            }
+            Ok(())
+        })
+        .instrument(span)
     }
 
     fn lost(&self, _q: &QueuePath, _entry: &Entry) -> BoxFuture<'static, Error> {
@@ -489,58 +384,127 @@ impl Backend for ZkBackend {
         })
     }
 
-    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        Box::pin(self.guarded(self.read_value_inner(q)))
-    }
-
-    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(self.guarded(self.participants_inner(q)))
-    }
-
-    fn set_data<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<()>> {
-        let span = tracing::debug_span!("zk.set_data", queue = %q, entry = %entry.name);
-        Box::pin(
-            self.guarded(self.set_data_inner(q, entry, data))
-                .instrument(span),
-        )
-    }
-
-    fn wait_data_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        seen: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        let span = tracing::debug_span!("zk.wait_data_changed", queue = %q, entry = %entry.name);
-        Box::pin(
-            self.guarded(self.wait_data_changed_inner(q, entry, seen))
-                .instrument(span),
-        )
-    }
-
-    fn close(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let mut states = self.states.clone();
-            self.shared.conclude(Health::Closed);
-            // The session ends once the last client clone is gone; in-flight operations
-            // drop theirs as their guards see `Closed`. Wait (bounded) for the server to
-            // confirm, so entries are gone when close returns.
-            let confirmed = tokio::time::timeout(self.session_timeout, async {
-                while !states.peek_state().is_terminated() {
-                    states.changed().await;
-                }
-            })
-            .await;
-            if confirmed.is_err() {
-                tracing::warn!("ZooKeeper did not confirm the session close in time");
+    fn read_value(&self, q: &QueuePath) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
+        self.guarded(async move {
+            let client = self.handle()?;
+            let path = znode(q);
+            match retry(|| client.get_data(&path)).await {
+                Ok((data, _)) if data.is_empty() => Ok(None),
+                Ok((data, _)) => Ok(Some(data)),
+                Err(zk::Error::NoNode) => Ok(None),
+                Err(err) => Err(map_err("reading the shared value", err)),
             }
-            Ok(())
         })
+    }
+
+    fn participants(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
+        self.guarded(async move {
+            let client = self.handle()?;
+            let parent = znode(q);
+            // Status and revocation must see every entry any client has been told it holds,
+            // not the possibly lagging view of this session's server: sync first.
+            match retry(|| client.sync(&parent)).await {
+                Ok(()) | Err(zk::Error::NoNode) => {}
+                Err(err) => return Err(map_err("syncing before listing participants", err)),
+            }
+            let names = match retry(|| client.list_children(&parent)).await {
+                Ok(names) => names,
+                Err(zk::Error::NoNode) => return Ok(Vec::new()),
+                Err(err) => return Err(map_err("listing participants", err)),
+            };
+            let entries = parse_queue(names);
+            let reads: Vec<_> = entries
+                .iter()
+                .map(|e| {
+                    let path = format!("{parent}/{}", e.name);
+                    let client = &client;
+                    async move { retry(|| client.get_data(&path)).await }
+                })
+                .collect();
+            let mut out = Vec::with_capacity(entries.len());
+            for (mut entry, read) in entries
+                .into_iter()
+                .zip(futures::future::join_all(reads).await)
+            {
+                match read {
+                    Ok((data, stat)) => {
+                        entry.token = czxid_token(stat.czxid);
+                        entry.created_ms = Some(stat.ctime);
+                        entry.data = data;
+                        out.push(entry);
+                    }
+                    // Released between the listing and the read.
+                    Err(zk::Error::NoNode) => {}
+                    Err(err) => return Err(map_err("reading a participant", err)),
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    fn set_data(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        data: &[u8],
+    ) -> impl Future<Output = Result<()>> + Send {
+        let span = tracing::debug_span!("zk.set_data", queue = %q, entry = %entry.name);
+        self.guarded(async move {
+            let client = self.handle()?;
+            let path = format!("{}/{}", znode(q), entry.name);
+            match retry(|| client.set_data(&path, data, None)).await {
+                Ok(_) | Err(zk::Error::NoNode) => Ok(()),
+                Err(err) => Err(map_err("writing an entry's payload", err)),
+            }
+        })
+        .instrument(span)
+    }
+
+    fn wait_data_changed(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
+        let span = tracing::debug_span!("zk.wait_data_changed", queue = %q, entry = %entry.name);
+        self.guarded(async move {
+            let client = self.handle()?;
+            let path = format!("{}/{}", znode(q), entry.name);
+            loop {
+                // Read and arm in one request: a change after the read fires the watch.
+                let watcher = match retry(|| client.get_and_watch_data(&path)).await {
+                    Ok((data, _, _)) if data != seen => return Ok(Some(data)),
+                    Ok((_, _, watcher)) => watcher,
+                    Err(zk::Error::NoNode) => return Ok(None),
+                    Err(err) => return Err(map_err("watching an entry's payload", err)),
+                };
+                let event = watcher.changed().await;
+                match event.event_type {
+                    zk::EventType::NodeDeleted => return Ok(None),
+                    zk::EventType::Session => session_event_result(event.session_state)?,
+                    _ => {}
+                }
+            }
+        })
+        .instrument(span)
+    }
+
+    async fn close(&self) -> Result<()> {
+        let mut states = self.states.clone();
+        self.shared.conclude(Health::Closed);
+        // The session ends once the last client clone is gone; in-flight operations
+        // drop theirs as their guards see `Closed`. Wait (bounded) for the server to
+        // confirm, so entries are gone when close returns.
+        let confirmed = tokio::time::timeout(self.session_timeout, async {
+            while !states.peek_state().is_terminated() {
+                states.changed().await;
+            }
+        })
+        .await;
+        if confirmed.is_err() {
+            tracing::warn!("ZooKeeper did not confirm the session close in time");
+        }
+        Ok(())
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::{Backend, Client, Error, LockGuard, SessionOptions, TicketSource};
+use dlock::{Client, DynBackend, Error, LockGuard, SessionOptions, TicketSource};
 use dlock_testkit::mem::{FaultPlan, MemServer, SessionId};
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
@@ -226,7 +226,7 @@ async fn leftovers(server: &Arc<MemServer>, name: &str, recipe: Recipe) -> usize
         let Ok(b) = server.connect(SessionOptions::default()).await else {
             continue;
         };
-        let c = Client::new(b as Arc<dyn Backend>);
+        let c = Client::new(b as Arc<dyn DynBackend>);
         let mut total = 0;
         let mut answered = true;
         for n in &names {
@@ -268,7 +268,7 @@ impl Worker {
                             // Tickets from the seed too, so entry names repeat per seed.
                             let draws = Mutex::new(StdRng::seed_from_u64(self.rng.gen()));
                             let tickets = TicketSource::from_fn(move || draws.lock().gen());
-                            let c = Client::new(b as Arc<dyn Backend>).with_tickets(tickets);
+                            let c = Client::new(b as Arc<dyn DynBackend>).with_tickets(tickets);
                             client = Some(c.clone());
                             c
                         }

@@ -2,13 +2,14 @@
 //! a wrapper whose first removals fail as an unreachable server's would, still ends with
 //! the entry gone while its session lives, so the next contender gets in.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock::core::entry::{Entry, EntryKind, Ticket};
-use dlock::core::{Enqueued, Gone, Hints, NameRules, Position, QueuePath};
-use dlock::{Backend, Error, Result};
+use dlock::core::{Capability, Enqueued, Gone, Hints, NameRules, Position, QueuePath};
+use dlock::{Backend, DynBackend, Error, Result};
 use futures::future::BoxFuture;
 
 use crate::support::{client, eventually, leftovers, unique, Kind};
@@ -25,7 +26,7 @@ const WITHIN: Duration = Duration::from_secs(20);
 /// [`Error::Unreachable`] before they reach the server; every other call, and every
 /// later removal, goes through unchanged.
 struct FailingRemovals {
-    inner: Arc<dyn Backend>,
+    inner: Arc<dyn DynBackend>,
     removes_to_fail: AtomicUsize,
     abandons_to_fail: AtomicUsize,
     removes_failed: AtomicUsize,
@@ -33,7 +34,7 @@ struct FailingRemovals {
 }
 
 impl FailingRemovals {
-    fn new(inner: Arc<dyn Backend>, removes: usize, abandons: usize) -> Arc<Self> {
+    fn new(inner: Arc<dyn DynBackend>, removes: usize, abandons: usize) -> Arc<Self> {
         Arc::new(FailingRemovals {
             inner,
             removes_to_fail: AtomicUsize::new(removes),
@@ -68,97 +69,91 @@ impl Backend for FailingRemovals {
     fn hints(&self) -> Hints {
         self.inner.hints()
     }
-    fn enqueue<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
-        kind: EntryKind,
-        at: Position<'a>,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<Enqueued>> {
-        self.inner.enqueue(q, ticket, kind, at, data)
+    fn supports(&self, capability: Capability) -> bool {
+        self.inner.supports(capability)
     }
-    fn enqueue_removing<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    async fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        data: &'a [u8],
-        gone_q: &'a QueuePath,
-        gone: &'a Entry,
-    ) -> BoxFuture<'a, Result<Entry>> {
+        at: Position<'_>,
+        data: &[u8],
+    ) -> Result<Enqueued> {
+        self.inner.enqueue(q, ticket, kind, at, data).await
+    }
+    async fn enqueue_removing(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        data: &[u8],
+        gone_q: &QueuePath,
+        gone: &Entry,
+    ) -> Result<Entry> {
         self.inner
             .enqueue_removing(q, ticket, kind, data, gone_q, gone)
+            .await
     }
-    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        self.inner.queue(q)
+    async fn queue(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        self.inner.queue(q).await
     }
-    fn queue_ahead<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        mine: &'a Entry,
-    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        self.inner.queue_ahead(q, mine)
+    async fn queue_ahead(&self, q: &QueuePath, mine: &Entry) -> Result<Vec<Entry>> {
+        self.inner.queue_ahead(q, mine).await
     }
-    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
-        self.inner.contains(q, entry)
+    async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        self.inner.contains(q, entry).await
     }
-    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
-        self.inner.wait_gone(q, entry)
+    async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        self.inner.wait_gone(q, entry).await
     }
-    fn wait_gone_detail<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-    ) -> BoxFuture<'a, Result<Gone>> {
-        self.inner.wait_gone_detail(q, entry)
+    async fn wait_gone_detail(&self, q: &QueuePath, entry: &Entry) -> Result<Gone> {
+        self.inner.wait_gone_detail(q, entry).await
     }
-    fn wait_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        seen: &'a [Entry],
-    ) -> BoxFuture<'a, Result<()>> {
-        self.inner.wait_changed(q, seen)
+    async fn wait_changed(&self, q: &QueuePath, seen: &[Entry]) -> Result<()> {
+        self.inner.wait_changed(q, seen).await
     }
-    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
-        if Self::fail(&self.removes_to_fail, &self.removes_failed) {
-            return Box::pin(async { Err(Error::Unreachable("injected: remove".into())) });
+    fn remove(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
+        // Decided at the call, as a server refusing the request would.
+        let fail = Self::fail(&self.removes_to_fail, &self.removes_failed);
+        async move {
+            if fail {
+                return Err(Error::Unreachable("injected: remove".into()));
+            }
+            self.inner.remove(q, entry).await
         }
-        self.inner.remove(q, entry)
     }
-    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
-        if Self::fail(&self.abandons_to_fail, &self.abandons_failed) {
-            return Box::pin(async { Err(Error::Unreachable("injected: abandon".into())) });
+    fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> impl Future<Output = Result<()>> + Send {
+        let fail = Self::fail(&self.abandons_to_fail, &self.abandons_failed);
+        async move {
+            if fail {
+                return Err(Error::Unreachable("injected: abandon".into()));
+            }
+            self.inner.abandon(q, ticket).await
         }
-        self.inner.abandon(q, ticket)
     }
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
         self.inner.lost(q, entry)
     }
-    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        self.inner.read_value(q)
+    async fn read_value(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
+        self.inner.read_value(q).await
     }
-    fn set_data<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<()>> {
-        self.inner.set_data(q, entry, data)
+    async fn set_data(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
+        self.inner.set_data(q, entry, data).await
     }
-    fn wait_data_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        seen: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        self.inner.wait_data_changed(q, entry, seen)
+    async fn wait_data_changed(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> Result<Option<Vec<u8>>> {
+        self.inner.wait_data_changed(q, entry, seen).await
     }
-    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        self.inner.participants(q)
+    async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        self.inner.participants(q).await
     }
-    fn close(&self) -> BoxFuture<'_, Result<()>> {
-        self.inner.close()
+    async fn close(&self) -> Result<()> {
+        self.inner.close().await
     }
 }
 
@@ -171,7 +166,7 @@ pub async fn failed_removals_keep_trying_while_the_session_lives(_kind: Kind, ur
     let real = client(url).await;
     let observer = client(url).await;
     let flaky = FailingRemovals::new(real.backend().clone(), FAILURES, FAILURES);
-    let c = dlock::Client::new(flaky.clone() as Arc<dyn Backend>);
+    let c = dlock::Client::new(flaky.clone() as Arc<dyn DynBackend>);
 
     // A held entry whose release keeps failing.
     let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");

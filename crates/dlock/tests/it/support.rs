@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use std::sync::{Arc, OnceLock};
 
-use dlock::{Backend, Client, SessionOptions};
+use dlock::{Client, DynBackend, SessionOptions};
 use dlock_testkit::mem::MemServer;
 use dlock_testkit::LockService;
 
@@ -96,7 +96,7 @@ pub async fn client(url: &str) -> Client {
             .connect(opts)
             .await
             .unwrap_or_else(|e| panic!("connect to the in-memory server: {e}"));
-        return Client::new(backend as Arc<dyn Backend>);
+        return Client::new(backend as Arc<dyn DynBackend>);
     }
     dlock::connect_with(url, opts)
         .await

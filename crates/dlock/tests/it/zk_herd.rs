@@ -2,13 +2,14 @@
 //! ZooKeeper session, so the test knows exactly how many times each waiter was woken
 //! (`wait_gone` completed) and re-read the queue (`queue` called). Counts, not timing.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock::core::entry::{Entry, EntryKind, Ticket};
-use dlock::core::{Enqueued, NameRules, Position, QueuePath};
-use dlock::{Backend, Error, LockGuard, Result};
+use dlock::core::{Capability, Enqueued, Gone, NameRules, Position, QueuePath};
+use dlock::{Backend, DynBackend, Error, LockGuard, Result};
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 
@@ -18,19 +19,19 @@ const GENEROUS: Duration = Duration::from_secs(60);
 
 /// A [`Backend`] that delegates to a real one and counts what one waiter does.
 pub struct Counting {
-    inner: Arc<dyn Backend>,
-    /// `queue()` calls: re-checks after a wake-up.
+    inner: Arc<dyn DynBackend>,
+    /// `queue()` and `queue_ahead()` calls: re-checks after a wake-up.
     pub queue_calls: AtomicUsize,
-    /// `wait_gone()` calls: watches armed.
+    /// `wait_gone()` and `wait_gone_detail()` calls: watches armed.
     pub waits_begun: AtomicUsize,
-    /// `wait_gone()` completions: wake-ups.
+    /// Their completions: wake-ups.
     pub waits_done: AtomicUsize,
     /// `wait_changed()` calls (the semaphore's lease wait; a mutex never uses it).
     pub changed_calls: AtomicUsize,
 }
 
 impl Counting {
-    pub fn new(inner: Arc<dyn Backend>) -> Arc<Self> {
+    pub fn new(inner: Arc<dyn DynBackend>) -> Arc<Self> {
         Arc::new(Counting {
             inner,
             queue_calls: AtomicUsize::new(0),
@@ -63,81 +64,105 @@ impl Backend for Counting {
     fn hints(&self) -> dlock::core::Hints {
         self.inner.hints()
     }
-    fn enqueue<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
-        kind: EntryKind,
-        at: Position<'a>,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<Enqueued>> {
-        self.inner.enqueue(q, ticket, kind, at, data)
+    fn supports(&self, capability: Capability) -> bool {
+        self.inner.supports(capability)
     }
-    fn enqueue_removing<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    async fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        data: &'a [u8],
-        gone_q: &'a QueuePath,
-        gone: &'a Entry,
-    ) -> BoxFuture<'a, Result<Entry>> {
+        at: Position<'_>,
+        data: &[u8],
+    ) -> Result<Enqueued> {
+        self.inner.enqueue(q, ticket, kind, at, data).await
+    }
+    async fn enqueue_removing(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        data: &[u8],
+        gone_q: &QueuePath,
+        gone: &Entry,
+    ) -> Result<Entry> {
         self.inner
             .enqueue_removing(q, ticket, kind, data, gone_q, gone)
+            .await
     }
-    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+    fn queue(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
         self.queue_calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.queue(q)
+        async move { self.inner.queue(q).await }
     }
-    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
+    /// A re-read too: counted with `queue()`.
+    fn queue_ahead(
+        &self,
+        q: &QueuePath,
+        mine: &Entry,
+    ) -> impl Future<Output = Result<Vec<Entry>>> + Send {
+        self.queue_calls.fetch_add(1, Ordering::SeqCst);
+        async move { self.inner.queue_ahead(q, mine).await }
+    }
+    async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        self.inner.contains(q, entry).await
+    }
+    fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         self.waits_begun.fetch_add(1, Ordering::SeqCst);
-        Box::pin(async move {
+        async move {
             let r = self.inner.wait_gone(q, entry).await;
             self.waits_done.fetch_add(1, Ordering::SeqCst);
             r
-        })
+        }
     }
-    fn wait_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        seen: &'a [Entry],
-    ) -> BoxFuture<'a, Result<()>> {
+    /// A watch too: counted with `wait_gone()`.
+    fn wait_gone_detail(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+    ) -> impl Future<Output = Result<Gone>> + Send {
+        self.waits_begun.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let r = self.inner.wait_gone_detail(q, entry).await;
+            self.waits_done.fetch_add(1, Ordering::SeqCst);
+            r
+        }
+    }
+    fn wait_changed(
+        &self,
+        q: &QueuePath,
+        seen: &[Entry],
+    ) -> impl Future<Output = Result<()>> + Send {
         self.changed_calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.wait_changed(q, seen)
+        async move { self.inner.wait_changed(q, seen).await }
     }
-    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
-        self.inner.remove(q, entry)
+    async fn remove(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        self.inner.remove(q, entry).await
     }
-    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
-        self.inner.abandon(q, ticket)
+    async fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
+        self.inner.abandon(q, ticket).await
     }
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
         self.inner.lost(q, entry)
     }
-    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        self.inner.read_value(q)
+    async fn read_value(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
+        self.inner.read_value(q).await
     }
-    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        self.inner.participants(q)
+    async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        self.inner.participants(q).await
     }
-    fn set_data<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<()>> {
-        self.inner.set_data(q, entry, data)
+    async fn set_data(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
+        self.inner.set_data(q, entry, data).await
     }
-    fn wait_data_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        seen: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        self.inner.wait_data_changed(q, entry, seen)
+    async fn wait_data_changed(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> Result<Option<Vec<u8>>> {
+        self.inner.wait_data_changed(q, entry, seen).await
     }
-    fn close(&self) -> BoxFuture<'_, Result<()>> {
-        self.inner.close()
+    async fn close(&self) -> Result<()> {
+        self.inner.close().await
     }
 }
 
@@ -160,7 +185,7 @@ enum Want {
 /// is in the queue (so queue order is spawn order). It reports its index on `acquired`
 /// once it holds, and releases when told.
 async fn spawn_waiter(
-    inner: &Arc<dyn Backend>,
+    inner: &Arc<dyn DynBackend>,
     observer: &dlock::Client,
     name: &str,
     want: Want,
@@ -173,7 +198,7 @@ async fn spawn_waiter(
         .expect("participants")
         .len();
     let counts = Counting::new(inner.clone());
-    let c = dlock::Client::new(counts.clone() as Arc<dyn Backend>);
+    let c = dlock::Client::new(counts.clone() as Arc<dyn DynBackend>);
     let (release, released) = oneshot::channel::<()>();
     let (name2, acquired) = (name.to_owned(), acquired.clone());
     let task = tokio::spawn(async move {

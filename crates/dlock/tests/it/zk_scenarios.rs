@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::{Backend, Error, SessionOptions};
+use dlock::{DynBackend, Error, SessionOptions};
 use dlock_zookeeper::ZkBackend;
 use zookeeper_client as zk;
 
@@ -27,7 +27,7 @@ pub async fn zk_client(
     .await
     .unwrap_or_else(|e| panic!("connect {url}: {e}"));
     let raw = b.client().expect("session open");
-    (dlock::Client::new(b.clone() as Arc<dyn Backend>), b, raw)
+    (dlock::Client::new(b.clone() as Arc<dyn DynBackend>), b, raw)
 }
 
 async fn exists(raw: &zk::Client, path: &str) -> bool {

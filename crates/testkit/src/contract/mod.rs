@@ -1,4 +1,4 @@
-//! The backend contract, written once: the behaviour every [`Backend`] keeps (the module
+//! The backend contract, written once: the behaviour every [`dlock_core::Backend`] keeps (the module
 //! docs of `dlock_core::backend`), as test functions over a connect factory, and the
 //! [`backend_contract!`](crate::backend_contract) macro that instantiates them for one
 //! backend.
@@ -17,13 +17,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{Backend, Enqueued, EntryKind, LockName, Position, QueuePath, SessionOptions};
+use dlock_core::{DynBackend, Enqueued, EntryKind, LockName, Position, QueuePath, SessionOptions};
 use futures::future::BoxFuture;
 
 /// Opens a new session (a new client) on the backend under test. Each call is one more
 /// contender, as a separate process would be.
 pub type Connect = Arc<
-    dyn Fn(SessionOptions) -> BoxFuture<'static, dlock_core::Result<Arc<dyn Backend>>>
+    dyn Fn(SessionOptions) -> BoxFuture<'static, dlock_core::Result<Arc<dyn DynBackend>>>
         + Send
         + Sync,
 >;
@@ -43,17 +43,17 @@ pub fn connect_fn<F, Fut, B>(f: F) -> Connect
 where
     F: Fn(SessionOptions) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = dlock_core::Result<Arc<B>>> + Send + 'static,
-    B: Backend,
+    B: DynBackend,
 {
     Arc::new(move |opts| {
         let fut = f(opts);
-        Box::pin(async move { fut.await.map(|b| b as Arc<dyn Backend>) })
+        Box::pin(async move { fut.await.map(|b| b as Arc<dyn DynBackend>) })
     })
 }
 
 /// The optional abilities a backend may claim: `dlock_core`'s, named in
 /// [`backend_contract!`](crate::backend_contract)'s `supports` list and checked against
-/// [`Backend::supports`].
+/// [`DynBackend::supports`].
 pub use dlock_core::Capability;
 
 /// The skip rule for a contract test whose backend needs a server: the value of `var`,
@@ -98,12 +98,12 @@ pub async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
 }
 
 /// Opens one session with the default options, failing the test if it cannot.
-pub async fn session(connect: &Connect) -> Arc<dyn Backend> {
+pub async fn session(connect: &Connect) -> Arc<dyn DynBackend> {
     session_with(connect, SessionOptions::default()).await
 }
 
 /// Opens one session with `opts`, failing the test if it cannot.
-pub async fn session_with(connect: &Connect, opts: SessionOptions) -> Arc<dyn Backend> {
+pub async fn session_with(connect: &Connect, opts: SessionOptions) -> Arc<dyn DynBackend> {
     within("connect", connect(opts))
         .await
         .unwrap_or_else(|e| panic!("connect: {e}"))
@@ -111,19 +111,19 @@ pub async fn session_with(connect: &Connect, opts: SessionOptions) -> Arc<dyn Ba
 
 /// A lock queue no other test uses, valid under `b`'s name rules:
 /// `dlock-contract/<test>/<random>`.
-pub fn fresh_queue(b: &dyn Backend, test: &str) -> QueuePath {
+pub fn fresh_queue(b: &dyn DynBackend, test: &str) -> QueuePath {
     QueuePath::root(fresh_name(b, test))
 }
 
 /// The lock name of [`fresh_queue`].
-pub fn fresh_name(b: &dyn Backend, test: &str) -> LockName {
+pub fn fresh_name(b: &dyn DynBackend, test: &str) -> LockName {
     let name = format!("dlock-contract/{test}/{}", crate::ticket().as_str());
     LockName::new(&name, b.name_rules()).expect("a valid contract lock name")
 }
 
 /// Adds an entry of `kind` at the tail of `q` for a new ticket, failing the test (naming
 /// `what`) if that fails.
-pub async fn add(b: &dyn Backend, q: &QueuePath, kind: EntryKind, what: &str) -> Enqueued {
+pub async fn add(b: &dyn DynBackend, q: &QueuePath, kind: EntryKind, what: &str) -> Enqueued {
     within(
         what,
         b.enqueue(q, &crate::ticket(), kind, Position::Tail, b""),

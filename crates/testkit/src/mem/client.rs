@@ -280,107 +280,95 @@ impl Backend for MemBackend {
         matches!(capability, Capability::Revocation | Capability::SharedValue)
     }
 
-    fn enqueue<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        at: Position<'a>,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<Enqueued>> {
-        Box::pin(self.call(move |ops| ops.enqueue(q, ticket, kind, at, data)))
+        at: Position<'_>,
+        data: &[u8],
+    ) -> impl Future<Output = Result<Enqueued>> + Send {
+        self.call(move |ops| ops.enqueue(q, ticket, kind, at, data))
     }
 
-    fn enqueue_removing<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        ticket: &'a Ticket,
+    fn enqueue_removing(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
         kind: EntryKind,
-        data: &'a [u8],
-        gone_q: &'a QueuePath,
-        gone: &'a Entry,
-    ) -> BoxFuture<'a, Result<Entry>> {
-        Box::pin(self.call(move |ops| ops.enqueue_removing(q, ticket, kind, data, gone_q, gone)))
+        data: &[u8],
+        gone_q: &QueuePath,
+        gone: &Entry,
+    ) -> impl Future<Output = Result<Entry>> + Send {
+        self.call(move |ops| ops.enqueue_removing(q, ticket, kind, data, gone_q, gone))
     }
 
-    fn queue<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(self.call(move |ops| Ok(ops.queue(q))))
+    fn queue(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
+        self.call(move |ops| Ok(ops.queue(q)))
     }
 
-    fn queue_ahead<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        mine: &'a Entry,
-    ) -> BoxFuture<'a, Result<Vec<Entry>>> {
-        Box::pin(self.call(move |ops| {
+    fn queue_ahead(
+        &self,
+        q: &QueuePath,
+        mine: &Entry,
+    ) -> impl Future<Output = Result<Vec<Entry>>> + Send {
+        self.call(move |ops| {
             Ok(ops
                 .queue(q)
                 .into_iter()
                 .filter(|e| not_behind(e, mine))
                 .collect())
-        }))
+        })
     }
 
     /// Compares the token too: an entry re-created under the same name does not count.
-    fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
-        Box::pin(self.call(move |ops| Ok(ops.contains(q, entry))))
+    fn contains(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<bool>> + Send {
+        self.call(move |ops| Ok(ops.contains(q, entry)))
     }
 
-    fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move { self.wait_gone_detail(q, entry).await.map(|_| ()) })
+    async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        self.wait_gone_detail(q, entry).await.map(|_| ())
     }
 
     /// [`Gone::Head`] when the removal the watch reported found no other entry with a
     /// sequence up to the watched one's, in the same atomic step; [`Gone::Unknown`] when
     /// the entry was found gone by a check. Never [`Gone::Vanished`]: the server loses
     /// no data.
-    fn wait_gone_detail<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-    ) -> BoxFuture<'a, Result<Gone>> {
-        Box::pin(async move {
-            loop {
-                let Some(armed) = self.call(|ops| Ok(ops.arm_gone(q, entry))).await? else {
-                    return Ok(Gone::Unknown);
-                };
-                if let Some(gone) = self.wait_armed(armed).await? {
-                    return Ok(gone);
-                }
+    async fn wait_gone_detail(&self, q: &QueuePath, entry: &Entry) -> Result<Gone> {
+        loop {
+            let Some(armed) = self.call(|ops| Ok(ops.arm_gone(q, entry))).await? else {
+                return Ok(Gone::Unknown);
+            };
+            if let Some(gone) = self.wait_armed(armed).await? {
+                return Ok(gone);
             }
-        })
+        }
     }
 
-    fn wait_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        seen: &'a [Entry],
-    ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            loop {
-                let Some(armed) = self.call(|ops| Ok(ops.arm_changed(q, seen))).await? else {
-                    return Ok(());
-                };
-                if self.wait_armed(armed).await?.is_some() {
-                    return Ok(());
-                }
+    async fn wait_changed(&self, q: &QueuePath, seen: &[Entry]) -> Result<()> {
+        loop {
+            let Some(armed) = self.call(|ops| Ok(ops.arm_changed(q, seen))).await? else {
+                return Ok(());
+            };
+            if self.wait_armed(armed).await?.is_some() {
+                return Ok(());
             }
-        })
+        }
     }
 
     /// Never removes a newer entry of the same name (the token is compared).
-    fn remove<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
-        Box::pin(self.call(move |ops| {
+    fn remove(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
+        self.call(move |ops| {
             ops.remove(q, entry);
             Ok(())
-        }))
+        })
     }
 
-    fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>> {
-        Box::pin(self.call(move |ops| {
+    fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> impl Future<Output = Result<()>> + Send {
+        self.call(move |ops| {
             ops.abandon(q, ticket);
             Ok(())
-        }))
+        })
     }
 
     fn lost(&self, _q: &QueuePath, _entry: &Entry) -> BoxFuture<'static, Error> {
@@ -395,54 +383,50 @@ impl Backend for MemBackend {
 
     /// The value set by [`MemServer::set_value`]; empty counts as not set, as on
     /// ZooKeeper.
-    fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        Box::pin(self.call(move |ops| Ok(ops.read_value(q))))
+    fn read_value(&self, q: &QueuePath) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
+        self.call(move |ops| Ok(ops.read_value(q)))
     }
 
-    fn set_data<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        data: &'a [u8],
-    ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(self.call(move |ops| {
+    fn set_data(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        data: &[u8],
+    ) -> impl Future<Output = Result<()>> + Send {
+        self.call(move |ops| {
             ops.set_data(q, entry, data);
             Ok(())
-        }))
+        })
     }
 
-    fn wait_data_changed<'a>(
-        &'a self,
-        q: &'a QueuePath,
-        entry: &'a Entry,
-        seen: &'a [u8],
-    ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
-        Box::pin(async move {
-            loop {
-                match self.call(|ops| Ok(ops.arm_data(q, entry, seen))).await? {
-                    Ok(now) => return Ok(now),
-                    Err(armed) => {
-                        // An event or a re-check: read again either way.
-                        self.wait_armed(armed).await?;
-                    }
+    async fn wait_data_changed(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> Result<Option<Vec<u8>>> {
+        loop {
+            match self.call(|ops| Ok(ops.arm_data(q, entry, seen))).await? {
+                Ok(now) => return Ok(now),
+                Err(armed) => {
+                    // An event or a re-check: read again either way.
+                    self.wait_armed(armed).await?;
                 }
             }
-        })
+        }
     }
 
     /// The queue with every entry's token and payload (no creation time: the server
     /// keeps only `tokio::time`).
-    fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
+    fn participants(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
         self.queue(q)
     }
 
     /// Closes the session: its entries go at once (unless it is cut off, when the server
     /// expires it by its timeout), its `lost()` fires, and every later call fails with
     /// [`Error::Closed`]. Idempotent.
-    fn close(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            close_session(&self.link);
-            Ok(())
-        })
+    async fn close(&self) -> Result<()> {
+        close_session(&self.link);
+        Ok(())
     }
 }

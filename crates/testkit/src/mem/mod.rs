@@ -45,12 +45,12 @@
 //! ```
 //! # async fn demo() -> dlock_core::Result<()> {
 //! use std::sync::Arc;
-//! use dlock_core::{Backend, SessionOptions};
+//! use dlock_core::{DynBackend, SessionOptions};
 //! use dlock_testkit::mem::MemServer;
 //!
 //! let server = MemServer::new();
 //! let a = server.connect(SessionOptions::default()).await?;
-//! let backend: Arc<dyn Backend> = a.clone();
+//! let backend: Arc<dyn DynBackend> = a.clone();
 //! // The recipes run on it as on any backend: `dlock::Client::new(backend)`.
 //! server.partition(a.session()); // a fault: cut it off
 //! # Ok(()) }

@@ -297,7 +297,7 @@ async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8
     for n in &a.names {
         m = m.mutex(n)?;
     }
-    let mut guard: MultiGuard<dyn dlock::Backend> = m.acquire(a.timeout).await?;
+    let mut guard: MultiGuard<dyn dlock::DynBackend> = m.acquire(a.timeout).await?;
     let tokens = guard
         .tokens()
         .iter()
