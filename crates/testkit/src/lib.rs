@@ -56,6 +56,7 @@ pub mod contract;
 mod env;
 mod error;
 mod install;
+mod leaders;
 pub mod mem;
 mod netcut;
 mod ports;

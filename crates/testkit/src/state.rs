@@ -1,4 +1,5 @@
-//! The cluster state file and per-node operations: kill, stop, continue, restart, leader.
+//! The cluster state file and per-node operations: kill, stop, continue, restart (who
+//! leads is asked in [`crate::leaders`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -14,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::SENTINEL_SERVICE;
 use crate::error::io_ctx;
-use crate::probe::{etcd_healthy, redis_ping, redis_query, zk_mode, ZkMode};
+use crate::probe::{etcd_healthy, redis_ping, zk_mode};
 use crate::process::{self, is_alive, is_stopped, proc_stat};
 use crate::{Endpoints, Error, Result};
 
@@ -452,184 +453,9 @@ impl State {
     }
 
     /// Live (running and not stopped) servers of one backend.
-    fn live(&self, backend: Backend) -> impl Iterator<Item = &Server> {
+    pub(crate) fn live(&self, backend: Backend) -> impl Iterator<Item = &Server> {
         self.servers_of(backend)
             .filter(|s| s.is_running() && !s.is_stopped())
-    }
-
-    /// The id of the ZooKeeper node that reports `Mode: leader` right now (or `standalone`
-    /// for a one-node cluster), or `None` during an election. Stopped and dead nodes are
-    /// not asked.
-    pub fn zk_leader(&self) -> Option<u32> {
-        self.live(Backend::Zookeeper)
-            .find(|s| {
-                matches!(
-                    zk_mode(&s.addr, Duration::from_secs(1)),
-                    Some(ZkMode::Leader | ZkMode::Standalone)
-                )
-            })
-            .map(|s| s.id)
-    }
-
-    /// The id of the etcd member that is leader according to the live members, or `None`
-    /// when none of them reports one right now (election in progress, or all too slow).
-    ///
-    /// Uses `etcdctl endpoint status -w json` against live nodes only with short dial and
-    /// command timeouts: a dead endpoint would otherwise cost seconds per call.
-    pub fn etcd_leader(&self) -> Result<Option<u32>> {
-        let live: Vec<&Server> = self.live(Backend::Etcd).collect();
-        if live.is_empty() {
-            return Ok(None);
-        }
-        let endpoints = live
-            .iter()
-            .map(|s| s.addr.as_str())
-            .collect::<Vec<_>>()
-            .join(",");
-        let args = [
-            format!("--endpoints={endpoints}"),
-            "--dial-timeout=300ms".into(),
-            "--command-timeout=1s".into(),
-            "endpoint".into(),
-            "status".into(),
-            "-w".into(),
-            "json".into(),
-        ];
-        let out = Command::new("etcdctl")
-            .args(&args)
-            .env("ETCDCTL_API", "3")
-            .stdin(Stdio::null())
-            .output()
-            .map_err(io_ctx("running etcdctl endpoint status"))?;
-        // With one slow member etcdctl exits non-zero but still prints the others' status.
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        Ok(parse_etcd_leader(&stdout).and_then(|leader_addr| {
-            live.iter()
-                .find(|s| s.addr == leader_addr || leader_addr.ends_with(&s.addr))
-                .map(|s| s.id)
-        }))
-    }
-
-    /// The id of the [`Backend::RedisHa`] node that every live Sentinel names as the
-    /// primary (`SENTINEL GET-MASTER-ADDR-BY-NAME`) and that itself answers `ROLE` with
-    /// `master`; `None` while they disagree, during a failover, or without a Sentinel
-    /// group. Stopped and dead Sentinels are not asked.
-    pub fn sentinel_primary(&self) -> Option<u32> {
-        let t = Duration::from_secs(1);
-        let mut answer: Option<String> = None;
-        let mut asked = 0;
-        for s in self.live(Backend::Sentinel) {
-            let reply = redis_query(
-                &s.addr,
-                &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_SERVICE],
-                t,
-            )?;
-            let mut parts = reply.lines();
-            let addr = format!("{}:{}", parts.next()?, parts.next()?);
-            if answer.as_ref().is_some_and(|a| *a != addr) {
-                return None;
-            }
-            answer = Some(addr);
-            asked += 1;
-        }
-        if asked == 0 {
-            return None;
-        }
-        let addr = answer?;
-        let node = self.live(Backend::RedisHa).find(|s| s.addr == addr)?;
-        let role = redis_query(&node.addr, &["ROLE"], t)?;
-        (role.lines().next() == Some("master")).then_some(node.id)
-    }
-
-    /// Waits until the Sentinels agree on a primary other than node `old` of the
-    /// [`Backend::RedisHa`] group (see [`State::sentinel_primary`]) and returns its id:
-    /// the end of a failover.
-    pub fn wait_failover(&self, old: u32, timeout: Duration) -> Result<u32> {
-        poll(
-            timeout,
-            Duration::from_millis(100),
-            || Ok(self.sentinel_primary().filter(|&id| id != old)),
-            || {
-                Error::Command {
-                command: "wait for a Sentinel failover".into(),
-                detail: format!(
-                    "the Sentinels did not agree on a new primary (other than node {old}) within {} s",
-                    timeout.as_secs()
-                ),
-            }
-            },
-        )
-    }
-
-    /// Waits until the Sentinel group is whole: the Sentinels agree on a primary, every
-    /// other running [`Backend::RedisHa`] node is its replica with the link up, and every
-    /// live Sentinel lists each of those replicas as healthy (flags exactly `slave`), so a
-    /// next failover has a replica to promote. Returns the primary's id.
-    ///
-    /// A restarted old primary comes back as an empty master; the Sentinels turn it into
-    /// a replica after their next `INFO` poll of it (up to about 10 s).
-    pub fn wait_sentinel_group(&self, timeout: Duration) -> Result<u32> {
-        let t = Duration::from_secs(1);
-        let whole = || {
-            self.sentinel_primary().filter(|&primary| {
-                let replicas: Vec<&Server> = self
-                    .live(Backend::RedisHa)
-                    .filter(|s| s.id != primary)
-                    .collect();
-                let linked = replicas.iter().all(|r| {
-                    redis_query(&r.addr, &["INFO", "replication"], t).is_some_and(|i| {
-                        i.contains("role:slave") && i.contains("master_link_status:up")
-                    })
-                });
-                linked
-                    && self.live(Backend::Sentinel).all(|sentinel| {
-                        let listed = redis_query(
-                            &sentinel.addr,
-                            &["SENTINEL", "REPLICAS", SENTINEL_SERVICE],
-                            t,
-                        )
-                        .map(|r| healthy_replicas(&r))
-                        .unwrap_or_default();
-                        replicas.iter().all(|r| listed.contains(&r.addr))
-                    })
-            })
-        };
-        poll(
-            timeout,
-            Duration::from_millis(200),
-            || Ok(whole()),
-            || Error::Command {
-                command: "wait for the Sentinel group to be whole".into(),
-                detail: format!(
-                    "no agreed primary with every replica linked and known within {} s",
-                    timeout.as_secs()
-                ),
-            },
-        )
-    }
-
-    /// Polls [`State::zk_leader`], [`State::etcd_leader`] or, for [`Backend::RedisHa`],
-    /// [`State::sentinel_primary`] until a leader shows up.
-    ///
-    /// Independent Redis masters and Sentinels have no leader; asking for one is
-    /// [`Error::InvalidSpec`].
-    pub fn wait_leader(&self, backend: Backend, timeout: Duration) -> Result<u32> {
-        poll(
-            timeout,
-            Duration::from_millis(100),
-            || match backend {
-                Backend::Zookeeper => Ok(self.zk_leader()),
-                Backend::Etcd => self.etcd_leader(),
-                Backend::RedisHa => Ok(self.sentinel_primary()),
-                Backend::Redis | Backend::Sentinel => Err(Error::InvalidSpec(format!(
-                    "{backend} nodes have no leader"
-                ))),
-            },
-            || Error::Command {
-                command: format!("wait for {backend} leader"),
-                detail: format!("no leader after {} s", timeout.as_secs()),
-            },
-        )
     }
 
     /// Kills every server (SIGKILL, then reap or poll until gone), deletes the data
@@ -715,46 +541,10 @@ impl State {
     }
 }
 
-/// The `ip:port` of every replica a flattened `SENTINEL REPLICAS` reply (see
-/// [`redis_query`]) lists with flags exactly `slave` (not down, not disconnected).
-fn healthy_replicas(reply: &str) -> Vec<String> {
-    let lines: Vec<&str> = reply.lines().collect();
-    let mut out = Vec::new();
-    let (mut ip, mut port, mut flags) = (None, None, None);
-    let mut flush = |ip: &mut Option<&str>, port: &mut Option<&str>, flags: &mut Option<&str>| {
-        if let (Some(i), Some(p), Some("slave")) = (ip.take(), port.take(), flags.take()) {
-            out.push(format!("{i}:{p}"));
-        }
-    };
-    for pair in lines.chunks(2) {
-        let [k, v] = pair else { break };
-        match *k {
-            "name" => flush(&mut ip, &mut port, &mut flags),
-            "ip" => ip = Some(v),
-            "port" => port = Some(v),
-            "flags" => flags = Some(v),
-            _ => {}
-        }
-    }
-    flush(&mut ip, &mut port, &mut flags);
-    out
-}
-
-/// The endpoint whose member id equals the leader id in `etcdctl endpoint status -w json`.
-fn parse_etcd_leader(json: &str) -> Option<String> {
-    let value: serde_json::Value = serde_json::from_str(json.trim()).ok()?;
-    value.as_array()?.iter().find_map(|e| {
-        let status = e.get("Status")?;
-        let member = status.get("header")?.get("member_id")?.as_u64()?;
-        let leader = status.get("leader")?.as_u64()?;
-        (member == leader).then(|| e.get("Endpoint")?.as_str().map(str::to_string))?
-    })
-}
-
 /// Calls `probe` every `every` until it yields a value (or an error, which ends the wait)
 /// or `timeout` has passed; then the error is `timed_out()`. The probe always runs at
 /// least once.
-fn poll<T>(
+pub(crate) fn poll<T>(
     timeout: Duration,
     every: Duration,
     mut probe: impl FnMut() -> Result<Option<T>>,
@@ -856,23 +646,6 @@ mod tests {
                 id: 1
             })
         ));
-    }
-
-    #[test]
-    fn parses_etcdctl_status_json() {
-        let json = r#"[{"Endpoint":"127.0.0.1:2379","Status":{"header":{"cluster_id":1,"member_id":11,"revision":5,"raft_term":2},"version":"3.4.23","dbSize":20480,"leader":12,"raftIndex":9,"raftTerm":2}},
-                       {"Endpoint":"127.0.0.1:2479","Status":{"header":{"cluster_id":1,"member_id":12,"revision":5,"raft_term":2},"version":"3.4.23","dbSize":20480,"leader":12,"raftIndex":9,"raftTerm":2}}]"#;
-        assert_eq!(parse_etcd_leader(json).as_deref(), Some("127.0.0.1:2479"));
-        assert_eq!(parse_etcd_leader("[]"), None);
-        assert_eq!(parse_etcd_leader("Error: context deadline exceeded"), None);
-    }
-
-    #[test]
-    fn healthy_replicas_skips_down_ones() {
-        let reply = "name\n127.0.0.1:6791\nip\n127.0.0.1\nport\n6791\nflags\nslave\n\
-                     name\n127.0.0.1:6790\nip\n127.0.0.1\nport\n6790\nflags\ns_down,slave,disconnected";
-        assert_eq!(healthy_replicas(reply), vec!["127.0.0.1:6791".to_string()]);
-        assert!(healthy_replicas("").is_empty());
     }
 
     #[test]
