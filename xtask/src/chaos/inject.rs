@@ -269,6 +269,36 @@ pub(super) fn inject_server(
             cluster.wait_leader(Backend::Zookeeper, WAIT)?;
             Ok(server_wide(t))
         }
+        Scenario::FollowerCut => {
+            // A follower cut off from the leader keeps answering its clients' pings until
+            // it notices (syncLimit x tickTime), while the leader expires their sessions
+            // after the session timeout: its clients must be told by their own heartbeat.
+            let leader = cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            let (lq, _) = cluster.zk_peer_ports(leader);
+            let follower = cluster
+                .servers_of(Backend::Zookeeper)
+                .map(|s| s.id)
+                .find(|id| *id != leader)
+                .context("a ZooKeeper follower")?;
+            let pid = cluster.server(Backend::Zookeeper, follower)?.pid;
+            let pairs: Vec<(u16, u16)> = dlock_testkit::connections_of(pid, lq)?
+                .into_iter()
+                .map(|p| (p, lq))
+                .collect();
+            if pairs.is_empty() {
+                bail!("follower {follower} has no connection to the leader's quorum port {lq}");
+            }
+            let t = now_us();
+            let cut = dlock_testkit::NetCut::new(&pairs, &[])?;
+            std::thread::sleep(long);
+            cut.heal()?;
+            eprintln!(
+                "  cut ZooKeeper follower {follower} off from the leader (node {leader}) for {long:.1?}"
+            );
+            wait_all_recovered(groups, u32::MAX, t, "a holder after the follower cut")?;
+            cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            Ok(server_wide(t))
+        }
         Scenario::ServerRestart => {
             wait_inside("the victim inside its section")?;
             let t = now_us();

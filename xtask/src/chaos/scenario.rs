@@ -16,6 +16,7 @@ pub(crate) enum Scenario {
     LeaderKill,
     LeaderPause,
     LeaderCut,
+    FollowerCut,
     ServerRestart,
     ClockJump,
     ReplicaPromotion,
@@ -23,13 +24,14 @@ pub(crate) enum Scenario {
 }
 
 impl Scenario {
-    pub(super) const ALL: [Scenario; 10] = [
+    pub(super) const ALL: [Scenario; 11] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::ClientCut,
         Scenario::LeaderKill,
         Scenario::LeaderPause,
         Scenario::LeaderCut,
+        Scenario::FollowerCut,
         Scenario::ServerRestart,
         Scenario::ClockJump,
         Scenario::ReplicaPromotion,
@@ -44,6 +46,7 @@ impl Scenario {
             Scenario::LeaderKill => "leader-kill",
             Scenario::LeaderPause => "leader-pause",
             Scenario::LeaderCut => "leader-cut",
+            Scenario::FollowerCut => "follower-cut",
             Scenario::ServerRestart => "server-restart",
             Scenario::ClockJump => "clock-jump",
             Scenario::ReplicaPromotion => "replica-promotion",
@@ -68,6 +71,9 @@ impl Scenario {
             }
             Scenario::LeaderCut => {
                 "cut the ZooKeeper leader off from the quorum (nftables) past two sessions, heal"
+            }
+            Scenario::FollowerCut => {
+                "cut a ZooKeeper follower off from the leader (nftables; its clients still reach it) past two sessions, heal"
             }
             Scenario::ServerRestart => {
                 "restart Redis node 1 without persistence while a holder is inside"
@@ -94,7 +100,7 @@ impl Scenario {
     pub(super) fn applies_to(self, kind: Kind) -> bool {
         match self {
             Scenario::LeaderKill | Scenario::LeaderPause => matches!(kind, Kind::Zk | Kind::Etcd),
-            Scenario::LeaderCut => kind == Kind::Zk,
+            Scenario::LeaderCut | Scenario::FollowerCut => kind == Kind::Zk,
             Scenario::ServerRestart | Scenario::ClockJump => {
                 matches!(kind, Kind::Redis | Kind::Redlock)
             }
