@@ -80,6 +80,23 @@ pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
 pub use netcut::{connections_of, NetCut};
 pub use ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
 
+/// The version the `etcd` binary on the PATH reports (`etcd --version`, e.g. `3.4.23`), or
+/// an empty string when it cannot be run or read: the servers the testkit starts are that
+/// binary.
+pub fn etcd_version() -> String {
+    std::process::Command::new("etcd")
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|out| {
+            String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+                l.strip_prefix("etcd Version: ")
+                    .map(|v| v.trim().to_owned())
+            })
+        })
+        .unwrap_or_default()
+}
+
 /// A fresh random ticket, for tests that call a backend directly (the recipes draw their
 /// own, from their client's ticket source).
 pub fn ticket() -> dlock_core::Ticket {

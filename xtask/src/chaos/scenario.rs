@@ -301,16 +301,6 @@ pub(super) fn plan(
 fn etcd_revokes_live_leases() -> bool {
     static AFFECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AFFECTED.get_or_init(|| {
-        let version = std::process::Command::new("etcd")
-            .arg("--version")
-            .output()
-            .ok()
-            .and_then(|out| {
-                String::from_utf8_lossy(&out.stdout)
-                    .lines()
-                    .find_map(|l| l.strip_prefix("etcd Version: ").map(str::to_owned))
-            })
-            .unwrap_or_default();
-        dlock_etcd::revokes_live_leases_on_leader_resume(&version)
+        dlock_etcd::revokes_live_leases_on_leader_resume(&dlock_testkit::etcd_version())
     })
 }

@@ -332,7 +332,7 @@ pub async fn etcd_resumed_leader_and_a_lease_kept_alive_elsewhere(_url: &str) {
     };
     let (_, f) = leader_and_follower(&state, Server::Etcd, leader);
     let url = format!("etcd://{f}");
-    let version = etcd_version();
+    let version = dlock_testkit::etcd_version();
     let affected = dlock_etcd::revokes_live_leases_on_leader_resume(&version);
     let holder = connect(&url, Duration::from_secs(2))
         .await
@@ -380,18 +380,4 @@ pub async fn etcd_resumed_leader_and_a_lease_kept_alive_elsewhere(_url: &str) {
     let _ = tokio::task::block_in_place(|| state.wait_leader(Server::Etcd, GENEROUS));
     holder.close().await.ok();
     observer.close().await.ok();
-}
-
-/// The version of the `etcd` binary the testkit starts.
-fn etcd_version() -> String {
-    let out = std::process::Command::new("etcd")
-        .arg("--version")
-        .output()
-        .expect("etcd --version");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("etcd Version: "))
-        .unwrap_or("")
-        .trim()
-        .to_owned()
 }
