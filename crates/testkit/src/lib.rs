@@ -18,7 +18,8 @@
 //!   [`State::kill`], [`State::stop`], [`State::cont`], [`State::restart`],
 //!   [`State::zk_leader`], [`State::etcd_leader`] and [`State::sentinel_primary`] act on
 //!   single nodes; [`State::wait_failover`] waits for the Sentinels to promote a replica;
-//!   [`NetCut`] drops the packets of chosen connections between servers (a partition)
+//!   [`NetCut`] drops the packets of chosen connections between servers (a partition;
+//!   [`NetCut::isolate`] cuts a server off from its peers whatever ports it dials from)
 //!   and [`connections_of`] finds them.
 //! - Starting servers yourself: build a [`ClusterSpec`] (state file from
 //!   [`scratch_state_path`]) and call [`Cluster::start_at_free_offset`] with the port

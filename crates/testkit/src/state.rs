@@ -231,6 +231,12 @@ impl State {
         crate::ports::zk_peer_ports(id, self.port_offset)
     }
 
+    /// The etcd peer port of node `id` (where the other members dial it), for
+    /// [`crate::NetCut::isolate`].
+    pub fn etcd_peer_port(&self, id: u32) -> u16 {
+        crate::ports::etcd_peer_port(id, self.port_offset)
+    }
+
     /// Reads a state file written by `cargo xtask cluster up` or [`crate::Cluster::start`].
     pub fn load(path: impl AsRef<Path>) -> Result<State> {
         let path = path.as_ref();

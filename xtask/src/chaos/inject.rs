@@ -240,6 +240,38 @@ pub(super) fn inject_server(
             cluster.wait_leader(server, WAIT)?;
             Ok(server_wide(t))
         }
+        Scenario::LeaderCut if kind == Kind::Etcd => {
+            let leader = cluster.wait_leader(Backend::Etcd, WAIT)?;
+            let t = now_us();
+            let cut = isolate_etcd(cluster, leader)?;
+            std::thread::sleep(long);
+            cut.heal()?;
+            eprintln!("  cut the etcd leader (node {leader}) off from its peers for {long:.1?}");
+            wait_all_recovered(groups, u32::MAX, t, "a holder after the leader cut")?;
+            cluster.wait_leader(Backend::Etcd, WAIT)?;
+            Ok(server_wide(t))
+        }
+        Scenario::FollowerCut if kind == Kind::Etcd => {
+            // A follower on its own: its clients still reach it, but it can neither
+            // forward their keep-alives to the leader nor hear it; their lost signal must
+            // fire before the leader expires their leases.
+            let leader = cluster.wait_leader(Backend::Etcd, WAIT)?;
+            let follower = cluster
+                .servers_of(Backend::Etcd)
+                .map(|s| s.id)
+                .find(|id| *id != leader)
+                .context("an etcd follower")?;
+            let t = now_us();
+            let cut = isolate_etcd(cluster, follower)?;
+            std::thread::sleep(long);
+            cut.heal()?;
+            eprintln!(
+                "  cut etcd follower {follower} off from its peers (leader: node {leader}) for {long:.1?}"
+            );
+            wait_all_recovered(groups, u32::MAX, t, "a holder after the follower cut")?;
+            cluster.wait_leader(Backend::Etcd, WAIT)?;
+            Ok(server_wide(t))
+        }
         Scenario::LeaderCut => {
             let leader = cluster.wait_leader(Backend::Zookeeper, WAIT)?;
             let (lq, le) = cluster.zk_peer_ports(leader);
@@ -428,6 +460,24 @@ const JUMP_SCRIPT: &str = "local n = 0 \
       end \
     end \
     return n";
+
+/// Cuts etcd member `id` off from the other members (not from its clients): etcd members
+/// dial each other from ephemeral ports, so this needs [`dlock_testkit::NetCut::isolate`]
+/// rather than a port cut.
+fn isolate_etcd(cluster: &Cluster, id: u32) -> anyhow::Result<dlock_testkit::NetCut> {
+    let pid = cluster.server(Backend::Etcd, id)?.pid;
+    let peers: Vec<u16> = cluster
+        .servers_of(Backend::Etcd)
+        .map(|s| s.id)
+        .filter(|other| *other != id)
+        .map(|other| cluster.etcd_peer_port(other))
+        .collect();
+    Ok(dlock_testkit::NetCut::isolate(
+        pid,
+        &[cluster.etcd_peer_port(id)],
+        &peers,
+    )?)
+}
 
 /// Runs `redis-cli` against `addr` and returns its output; a Redis error is an error.
 fn redis_cli(addr: &str, args: &[&str]) -> anyhow::Result<String> {

@@ -70,10 +70,10 @@ impl Scenario {
                 "SIGSTOP the server leader (ZooKeeper, etcd 3-node) past two sessions, SIGCONT"
             }
             Scenario::LeaderCut => {
-                "cut the ZooKeeper leader off from the quorum (nftables) past two sessions, heal"
+                "cut the leader off from the quorum past two sessions, heal (ZooKeeper: nftables on its quorum and election ports; etcd: on its peer port and, by cgroup, what it dials)"
             }
             Scenario::FollowerCut => {
-                "cut a ZooKeeper follower off from the leader (nftables; its clients still reach it) past two sessions, heal"
+                "cut a follower off from the leader past two sessions, its clients still reach it, heal (ZooKeeper: its quorum connection; etcd: all its peer traffic)"
             }
             Scenario::ServerRestart => {
                 "restart Redis node 1 without persistence while a holder is inside"
@@ -100,7 +100,7 @@ impl Scenario {
     pub(super) fn applies_to(self, kind: Kind) -> bool {
         match self {
             Scenario::LeaderKill | Scenario::LeaderPause => matches!(kind, Kind::Zk | Kind::Etcd),
-            Scenario::LeaderCut | Scenario::FollowerCut => kind == Kind::Zk,
+            Scenario::LeaderCut | Scenario::FollowerCut => matches!(kind, Kind::Zk | Kind::Etcd),
             Scenario::ServerRestart | Scenario::ClockJump => {
                 matches!(kind, Kind::Redis | Kind::Redlock)
             }

@@ -171,6 +171,15 @@ fn cli_worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
 }
 
 fn lib_worker(args: &ChaosWorkerArgs, session: Duration, recipe: Recipe) -> anyhow::Result<i32> {
+    // `RUST_LOG=dlock=debug cargo xtask chaos ..` puts the library's log in each worker's
+    // log (stderr), timestamped like the history, for a failing round's post-mortem.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .try_init();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
