@@ -49,6 +49,16 @@ impl<B: DynBackend + ?Sized> Held<B> {
             })
             .boxed()
             .shared();
+        // A grant can reach the client after its session ended: a reply held up by a
+        // partition arrives once the server has already expired the session and its
+        // entry, and let the next contender in. A hold whose lost signal has fired by now
+        // is never handed out.
+        if let Some(reason) = lost.clone().now_or_never() {
+            return Err(Error::LockLost(format!(
+                "{q}: the session was lost before the grant of {} reached this client: {reason}",
+                entry.name
+            )));
+        }
         Ok(Arc::new(Held {
             backend,
             q,

@@ -235,6 +235,9 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
                 None => Box::pin(futures::future::pending()),
             };
             tokio::select! {
+                // A session lost at the moment the blocker went is lost: never granted.
+                biased;
+                e = &mut lost => return Err(e),
                 r = &mut gone => {
                     // Told the blocker went as the head, the view needs no listing
                     // however stale it is (see `Snapshot::without_head`).
@@ -255,7 +258,6 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
                     // blocker may still hold, so its release needs no listing.
                     watch = Some((blocker.name.clone(), gone));
                 }
-                e = &mut lost => return Err(e),
             }
             // Only what is ahead of mine decides: O(entries ahead), not O(queue).
             view = Snapshot::new(backend.queue_ahead(q, &mine).await?, &mine.name);

@@ -20,6 +20,7 @@ mod curator;
 mod curator_peer;
 mod faults;
 mod fuzz;
+mod late_grant;
 mod recipes;
 #[cfg(feature = "redis")]
 mod redis_faults;

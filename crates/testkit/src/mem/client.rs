@@ -41,6 +41,9 @@ struct Link {
     health: watch::Sender<Health>,
 }
 
+/// How often a reply held by a partition looks whether the cut healed.
+const HELD_REPLY_POLL: Duration = Duration::from_millis(5);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Health {
     Live,
@@ -106,10 +109,30 @@ impl Link {
         }
         let reply = self.server.request(self.id, request, op)?;
         if !reply.fate.delay.is_zero() {
+            let arrives = tokio::time::Instant::now() + reply.fate.delay;
             tokio::select! {
-                () = tokio::time::sleep(reply.fate.delay) => {}
-                e = self.ended() => return Err(e),
+                () = tokio::time::sleep_until(arrives) => {}
+                e = self.ended() => {
+                    // A closed client hears nothing more. A lost session's reply still
+                    // arrives, late, as a real server's does (etcd's and Redis's
+                    // requests do not depend on the lease or the watchdog): a grant can
+                    // reach a client whose session is already gone.
+                    if !matches!(e, Error::LockLost(_)) {
+                        return Err(e);
+                    }
+                    tokio::time::sleep_until(arrives).await;
+                }
             }
+        }
+        // Nor can a reply cross a partition that began while it was on its way: it
+        // arrives once the cut heals (TCP retransmits it), however long that took and
+        // whatever became of the session meanwhile, as an etcd reply held up by a cut
+        // does.
+        while self.server.is_partitioned(self.id) {
+            if *self.health.borrow() == Health::Closed {
+                return Err(Error::Closed);
+            }
+            tokio::time::sleep(HELD_REPLY_POLL).await;
         }
         if reply.fate.dropped {
             return Err(Error::Unreachable(format!(
