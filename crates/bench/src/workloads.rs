@@ -95,12 +95,12 @@ impl Worker for DlockWorker {
             let t = Instant::now();
             let (mut guard, read) = match (&self.lock, &mut self.recipe) {
                 (Lock::Mutex(m), _) => (m.lock().await, false),
-                (Lock::Semaphore(s), _) => (s.acquire(None).await, false),
+                (Lock::Semaphore(s), _) => (s.acquire().await, false),
                 (Lock::RwLock(rw), Recipe::RwLock { seed, .. }) => {
                     if next(seed) % 100 < u64::from(W5_READ_PERCENT) {
-                        (rw.read(None).await, true)
+                        (rw.read().await, true)
                     } else {
-                        (rw.write(None).await, false)
+                        (rw.write().await, false)
                     }
                 }
                 (Lock::RwLock(_), _) => return Err("rwlock worker without rwlock recipe".into()),

@@ -10,6 +10,15 @@
 //! - [`Semaphore`]: N permits (InterProcessSemaphoreV2);
 //! - [`MultiLock`]: any mix of the above, all-or-nothing.
 //!
+//! Every recipe acquires the same three ways, as tokio's locks do: wait
+//! ([`Mutex::lock`], [`RwLock::read`] / [`RwLock::write`], [`Semaphore::acquire`],
+//! [`MultiLock::acquire`]), wait at most a while (`lock_timeout`, `read_timeout`,
+//! `write_timeout`, `acquire_timeout`: [`dlock_core::Error::Timeout`] after it), or not at
+//! all (`try_lock`, `try_read`, `try_write`, `try_acquire`:
+//! [`dlock_core::Error::WouldBlock`]). A zero timeout asks once, as a try does: a free lock
+//! is taken, a held one fails at once. [`Semaphore::acquire_many`] takes n permits as one
+//! [`MultiGuard`].
+//!
 //! Every acquire returns a [`LockGuard`] with a fencing token ([`LockGuard::token`]) and a
 //! lost signal ([`LockGuard::lost`]). [`Mutex::lock_revocable`] returns a
 //! [`RevocableGuard`] that others can ask to release ([`Client::revoke`], Curator's

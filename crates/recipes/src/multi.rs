@@ -154,8 +154,7 @@ impl<B: DynBackend + ?Sized> MultiLock<B> {
         Ok(parts)
     }
 
-    /// Takes every part, or none; `timeout` of `None` waits forever. One deadline covers
-    /// all parts (Curator gives each part the whole timeout).
+    /// Takes every part, or none, waiting as long as it takes.
     ///
     /// # Errors
     /// [`Error::WouldDeadlock`] for a name given twice; the first part's error
@@ -172,15 +171,60 @@ impl<B: DynBackend + ?Sized> MultiLock<B> {
     /// [`MultiGuard::lost`] fires when *any* part is lost.
     ///
     /// # Upstream
-    /// Curator `InterProcessMultiLock.acquire(time, unit)` (which takes the parts in the
-    /// caller's order); Redisson `RedissonMultiLock.lock()`.
-    pub async fn acquire(&self, timeout: Option<Duration>) -> Result<MultiGuard<B>> {
+    /// Curator `InterProcessMultiLock.acquire()` (which takes the parts in the caller's
+    /// order); Redisson `RedissonMultiLock.lock()`.
+    pub async fn acquire(&self) -> Result<MultiGuard<B>> {
+        self.acquire_with(None, false).await
+    }
+
+    /// Takes every part, or none, within `timeout`: one deadline covers all parts
+    /// (Curator gives each part the whole timeout). A zero timeout asks once for each
+    /// part: free parts are taken.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] with the whole timeout, after the parts taken were released;
+    /// as [`MultiLock::acquire`].
+    ///
+    /// # Cancel safety
+    /// As [`MultiLock::acquire`].
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMultiLock.acquire(time, unit)`; Redisson
+    /// `RedissonMultiLock.tryLock(waitTime, unit)`.
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<MultiGuard<B>> {
+        self.acquire_with(Some(timeout), false).await
+    }
+
+    /// Takes every part only if each is free now; never waits.
+    ///
+    /// # Errors
+    /// [`Error::WouldBlock`] from the first part that is not free, after the parts taken
+    /// were released; as [`MultiLock::acquire`].
+    ///
+    /// # Cancel safety
+    /// As [`MultiLock::acquire`].
+    ///
+    /// # Upstream
+    /// Curator `InterProcessMultiLock.acquire(0, unit)`; Redisson `tryLock()`.
+    pub async fn try_acquire(&self) -> Result<MultiGuard<B>> {
+        self.acquire_with(None, true).await
+    }
+
+    async fn acquire_with(
+        &self,
+        timeout: Option<Duration>,
+        try_only: bool,
+    ) -> Result<MultiGuard<B>> {
         let parts = self.ordered_parts()?;
         let deadline = timeout.map(|d| Instant::now() + d);
         let mut guards: Vec<LockGuard<B>> = Vec::with_capacity(parts.len());
         for part in &parts {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            let r = self.acquire_part(part, left).await;
+            let r = if try_only {
+                self.try_part(part).await
+            } else {
+                self.acquire_part(part, left).await
+            };
             match r {
                 Ok(g) => guards.push(g),
                 Err(e) => {
@@ -209,15 +253,51 @@ impl<B: DynBackend + ?Sized> MultiLock<B> {
                     None => m.lock().await,
                 }
             }
-            Part::Read(n) => c.rwlock(n.as_str())?.read(left).await,
-            Part::Write(n) => c.rwlock(n.as_str())?.write(left).await,
-            Part::SemaphoreMutex(n) => c.semaphore_mutex(n.as_str())?.lock(left).await,
-            Part::Permit(n, p) => c.semaphore(n.as_str(), *p)?.acquire(left).await,
+            Part::Read(n) => {
+                let rw = c.rwlock(n.as_str())?;
+                match left {
+                    Some(d) => rw.read_timeout(d).await,
+                    None => rw.read().await,
+                }
+            }
+            Part::Write(n) => {
+                let rw = c.rwlock(n.as_str())?;
+                match left {
+                    Some(d) => rw.write_timeout(d).await,
+                    None => rw.write().await,
+                }
+            }
+            Part::SemaphoreMutex(n) => {
+                let m = c.semaphore_mutex(n.as_str())?;
+                match left {
+                    Some(d) => m.lock_timeout(d).await,
+                    None => m.lock().await,
+                }
+            }
+            Part::Permit(n, p) => {
+                let s = c.semaphore(n.as_str(), *p)?;
+                match left {
+                    Some(d) => s.acquire_timeout(d).await,
+                    None => s.acquire().await,
+                }
+            }
+        }
+    }
+
+    async fn try_part(&self, part: &Part) -> Result<LockGuard<B>> {
+        let c = &self.client;
+        match part {
+            Part::Mutex(n) => c.mutex(n.as_str())?.try_lock().await,
+            Part::Read(n) => c.rwlock(n.as_str())?.try_read().await,
+            Part::Write(n) => c.rwlock(n.as_str())?.try_write().await,
+            Part::SemaphoreMutex(n) => c.semaphore_mutex(n.as_str())?.try_lock().await,
+            Part::Permit(n, p) => c.semaphore(n.as_str(), *p)?.try_acquire().await,
         }
     }
 }
 
-/// Holds every part of a [`MultiLock`].
+/// Holds every part of a [`MultiLock`], or the permits of one
+/// [`crate::Semaphore::acquire_many`].
 #[derive(Debug)]
 #[must_use = "the locks are released as soon as the guard is dropped"]
 pub struct MultiGuard<B: DynBackend + ?Sized = dyn DynBackend> {
@@ -225,6 +305,11 @@ pub struct MultiGuard<B: DynBackend + ?Sized = dyn DynBackend> {
 }
 
 impl<B: DynBackend + ?Sized> MultiGuard<B> {
+    /// Holds `guards` as one (a multi-lock's parts, or a semaphore's permits).
+    pub(crate) fn new(guards: Vec<LockGuard<B>>) -> Self {
+        MultiGuard { guards }
+    }
+
     /// Each part's guard, in acquisition order.
     pub fn guards(&self) -> &[LockGuard<B>] {
         &self.guards

@@ -111,7 +111,8 @@ impl<B: DynBackend + ?Sized> Mutex<B> {
             .await
     }
 
-    /// Waits at most `timeout` for the lock.
+    /// Waits at most `timeout` for the lock. A zero timeout asks once: a free lock is
+    /// taken (one round trip), a held one gives [`dlock_core::Error::Timeout`] at once.
     ///
     /// # Errors
     /// [`dlock_core::Error::Timeout`]; the attempt's entry is removed before it returns.
@@ -141,8 +142,7 @@ impl<B: DynBackend + ?Sized> Mutex<B> {
             .await
     }
 
-    /// Waits (at most `timeout`, or forever for `None`) for the lock, taken so that
-    /// others can ask this holder to release it: the guard's
+    /// Waits for the lock, taken so that others can ask this holder to release it: the guard's
     /// [`RevocableGuard::revoke_requested`] completes when [`Client::revoke`], `dlock
     /// revoke` or Curator's `Revoker.attemptRevoke` targets it. The entry is written with
     /// an empty payload, as Curator's `makeRevocable` does.
@@ -160,9 +160,20 @@ impl<B: DynBackend + ?Sized> Mutex<B> {
     ///
     /// # Upstream
     /// Curator `InterProcessMutex.makeRevocable(listener)` + `acquire()`.
-    pub async fn lock_revocable(&self, timeout: Option<Duration>) -> Result<RevocableGuard<B>> {
+    pub async fn lock_revocable(&self) -> Result<RevocableGuard<B>> {
+        self.lock_revocable_with(Wait::Forever).await
+    }
+
+    /// [`Mutex::lock_revocable`], waiting at most `timeout` (a zero timeout asks once).
+    ///
+    /// # Errors
+    /// As [`Mutex::lock_timeout`] and [`Mutex::lock_revocable`].
+    pub async fn lock_revocable_timeout(&self, timeout: Duration) -> Result<RevocableGuard<B>> {
+        self.lock_revocable_with(Wait::timeout(timeout)).await
+    }
+
+    async fn lock_revocable_with(&self, wait: Wait) -> Result<RevocableGuard<B>> {
         self.client.require(Capability::Revocation)?;
-        let wait = timeout.map_or(Wait::Forever, Wait::timeout);
         let guard = self
             .client
             .acquire_reentrant_with(&self.name, Recipe::Mutex, EntryKind::Lock, wait, &[])

@@ -19,11 +19,30 @@ pub(crate) enum Wait {
     Until(Instant, Duration),
     /// Not at all: [`Error::WouldBlock`] if anyone conflicting is ahead.
     No,
+    /// A zero timeout: one attempt, as [`Wait::No`], that takes a free lock;
+    /// [`Error::Timeout`] of zero if anyone conflicting is ahead.
+    Zero,
 }
 
 impl Wait {
+    /// At most `d`; a zero `d` still asks once (a free lock is taken), as tokio's
+    /// `timeout(ZERO, ..)` polls its future once.
     pub(crate) fn timeout(d: Duration) -> Self {
-        Wait::Until(Instant::now() + d, d)
+        if d.is_zero() {
+            Wait::Zero
+        } else {
+            Wait::Until(Instant::now() + d, d)
+        }
+    }
+
+    /// The error of an attempt that found someone conflicting ahead, if this wait does
+    /// not wait for them.
+    pub(crate) fn refusal(self) -> Option<Error> {
+        match self {
+            Wait::No => Some(Error::WouldBlock),
+            Wait::Zero => Some(Error::Timeout(Duration::ZERO)),
+            Wait::Forever | Wait::Until(..) => None,
+        }
     }
 }
 
@@ -37,7 +56,7 @@ pub(crate) async fn within<T>(
         Wait::Until(deadline, d) => tokio::time::timeout_at(deadline, fut)
             .await
             .unwrap_or(Err(Error::Timeout(d))),
-        Wait::Forever | Wait::No => fut.await,
+        Wait::Forever | Wait::No | Wait::Zero => fut.await,
     }
 }
 
@@ -221,8 +240,8 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
                     (blocker.clone(), next)
                 }
             };
-            if matches!(wait, Wait::No) {
-                return Err(Error::WouldBlock);
+            if let Some(refused) = wait.refusal() {
+                return Err(refused);
             }
             tracing::trace!(queue = %q, mine = %mine.name, watching = %blocker.name, next = ?next.as_ref().map(|e| &e.name), "waiting");
             let mut gone = match watch.take() {

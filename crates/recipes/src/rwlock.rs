@@ -53,7 +53,7 @@ impl<B: DynBackend + ?Sized> RwLock<B> {
         &self.name
     }
 
-    /// Waits for the read lock; `timeout` of `None` waits forever. Shared with other
+    /// Waits for the read lock. Shared with other
     /// readers, granted once no writer holds or waits ahead. Inside the scope of this
     /// client's read hold it re-enters; inside the scope of its write hold it takes the
     /// read lock beside the write (downgrade): both return at once.
@@ -73,11 +73,34 @@ impl<B: DynBackend + ?Sized> RwLock<B> {
     /// another client may hold the read lock from then on.
     ///
     /// # Upstream
-    /// Curator `InterProcessReadWriteLock.readLock().acquire()` (and `acquire(time,
-    /// unit)`); Redisson `RReadWriteLock.readLock().lock()`.
-    pub async fn read(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
+    /// Curator `InterProcessReadWriteLock.readLock().acquire()`; Redisson `RReadWriteLock.readLock().lock()`.
+    pub async fn read(&self) -> Result<LockGuard<B>> {
         self.client
-            .acquire_reentrant(&self.name, Recipe::Read, EntryKind::Read, wait(timeout))
+            .acquire_reentrant(&self.name, Recipe::Read, EntryKind::Read, Wait::Forever)
+            .await
+    }
+
+    /// Waits at most `timeout` for the read lock. A zero timeout asks once: a free
+    /// read lock is taken.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::Timeout`]; the attempt's entry is removed before it
+    /// returns; as [`RwLock::read`].
+    ///
+    /// # Cancel safety
+    /// As [`RwLock::read`].
+    ///
+    /// # Upstream
+    /// Curator `readLock().acquire(time, unit)`; Redisson `readLock().tryLock(waitTime,
+    /// unit)`.
+    pub async fn read_timeout(&self, timeout: Duration) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(
+                &self.name,
+                Recipe::Read,
+                EntryKind::Read,
+                Wait::timeout(timeout),
+            )
             .await
     }
 
@@ -105,7 +128,7 @@ impl<B: DynBackend + ?Sized> RwLock<B> {
             .await
     }
 
-    /// Waits for the write lock; `timeout` of `None` waits forever. Exclusive; granted
+    /// Waits for the write lock. Exclusive; granted
     /// once every entry ahead (reader or writer) is gone. Re-entrant inside the scope of
     /// this client's write hold.
     ///
@@ -127,9 +150,33 @@ impl<B: DynBackend + ?Sized> RwLock<B> {
     /// # Upstream
     /// Curator `InterProcessReadWriteLock.writeLock().acquire()` (which hangs on an
     /// upgrade where dlock returns an error); Redisson `writeLock().lock()`.
-    pub async fn write(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
+    pub async fn write(&self) -> Result<LockGuard<B>> {
         self.client
-            .acquire_reentrant(&self.name, Recipe::Write, EntryKind::Write, wait(timeout))
+            .acquire_reentrant(&self.name, Recipe::Write, EntryKind::Write, Wait::Forever)
+            .await
+    }
+
+    /// Waits at most `timeout` for the write lock. A zero timeout asks once: a free
+    /// lock is taken.
+    ///
+    /// # Errors
+    /// [`dlock_core::Error::Timeout`]; the attempt's entry is removed before it
+    /// returns; as [`RwLock::write`].
+    ///
+    /// # Cancel safety
+    /// As [`RwLock::write`].
+    ///
+    /// # Upstream
+    /// Curator `writeLock().acquire(time, unit)`; Redisson `writeLock().tryLock(waitTime,
+    /// unit)`.
+    pub async fn write_timeout(&self, timeout: Duration) -> Result<LockGuard<B>> {
+        self.client
+            .acquire_reentrant(
+                &self.name,
+                Recipe::Write,
+                EntryKind::Write,
+                Wait::timeout(timeout),
+            )
             .await
     }
 
@@ -182,10 +229,6 @@ impl<B: DynBackend + ?Sized> RwLock<B> {
                 self.name
             )));
         }
-        write.scope(self.read(None)).await
+        write.scope(self.read()).await
     }
-}
-
-pub(crate) fn wait(timeout: Option<Duration>) -> Wait {
-    timeout.map_or(Wait::Forever, Wait::timeout)
 }

@@ -24,9 +24,9 @@ use dlock_core::driver::lease_granted;
 use dlock_core::{Capability, DynBackend, EntryKind, Error, LockName, Position, QueuePath, Result};
 
 use crate::guard::{Held, LockGuard};
+use crate::multi::MultiGuard;
 use crate::queue::{self, AbandonOnDrop, Wait};
 use crate::reentry::{HoldKey, Recipe, Scope};
-use crate::rwlock::wait;
 use crate::Client;
 use tracing::Instrument;
 
@@ -132,7 +132,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         }
     }
 
-    /// Waits for one permit; `timeout` of `None` waits forever. Permits are granted in
+    /// Waits for one permit. Permits are granted in
     /// arrival order. Each permit is its own guard (not reentrant: the same task asking
     /// twice takes two permits).
     ///
@@ -151,11 +151,28 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// another client may hold the permit from then on.
     ///
     /// # Upstream
-    /// Curator `InterProcessSemaphoreV2.acquire()` / `acquire(time, unit)` (same
-    /// algorithm and layout); Redisson `RPermitExpirableSemaphore.acquire()`, but the
+    /// Curator `InterProcessSemaphoreV2.acquire()` (same algorithm and layout); Redisson `RPermitExpirableSemaphore.acquire()`, but the
     /// permit is bound to the session rather than to a client-clock expiry.
-    pub async fn acquire(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
-        let held = self.acquire_lease(wait(timeout), None).await?;
+    pub async fn acquire(&self) -> Result<LockGuard<B>> {
+        let held = self.acquire_lease(Wait::Forever, None).await?;
+        Ok(LockGuard::new(held))
+    }
+
+    /// Waits at most `timeout` for one permit. A zero timeout asks once: a free permit
+    /// is taken.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; the attempt's entries are removed before it returns; as
+    /// [`Semaphore::acquire`].
+    ///
+    /// # Cancel safety
+    /// As [`Semaphore::acquire`].
+    ///
+    /// # Upstream
+    /// Curator `InterProcessSemaphoreV2.acquire(time, unit)`; Redisson
+    /// `tryAcquire(waitTime, unit)`.
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<LockGuard<B>> {
+        let held = self.acquire_lease(Wait::timeout(timeout), None).await?;
         Ok(LockGuard::new(held))
     }
 
@@ -184,8 +201,8 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         Ok(LockGuard::new(held))
     }
 
-    /// Waits for `n` permits, all or none, under one deadline: on timeout or error the
-    /// permits already taken are returned before this returns.
+    /// Waits for `n` permits, all or none, held by one guard: on an error the permits
+    /// already taken are returned before this returns.
     ///
     /// # Errors
     /// [`Error::InvalidPermits`] if `n` is 0 or more than the semaphore has; as
@@ -205,11 +222,30 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     ///
     /// # Upstream
     /// Curator `InterProcessSemaphoreV2.acquire(qty, time, unit)`.
-    pub async fn acquire_many(
-        &self,
-        n: u32,
-        timeout: Option<Duration>,
-    ) -> Result<Vec<LockGuard<B>>> {
+    pub async fn acquire_many(&self, n: u32) -> Result<MultiGuard<B>> {
+        self.acquire_many_with(n, Wait::Forever).await
+    }
+
+    /// [`Semaphore::acquire_many`] under one deadline for all `n` permits; a zero
+    /// timeout asks once for each.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] once the deadline passes, after the permits taken were
+    /// returned; as [`Semaphore::acquire_many`].
+    pub async fn acquire_many_timeout(&self, n: u32, timeout: Duration) -> Result<MultiGuard<B>> {
+        self.acquire_many_with(n, Wait::timeout(timeout)).await
+    }
+
+    /// [`Semaphore::acquire_many`] only if `n` permits are free now; never waits.
+    ///
+    /// # Errors
+    /// [`Error::WouldBlock`], after the permits taken were returned; as
+    /// [`Semaphore::acquire_many`].
+    pub async fn try_acquire_many(&self, n: u32) -> Result<MultiGuard<B>> {
+        self.acquire_many_with(n, Wait::No).await
+    }
+
+    async fn acquire_many_with(&self, n: u32, w: Wait) -> Result<MultiGuard<B>> {
         let total = self.permits().await?;
         if n == 0 || n > total {
             return Err(Error::InvalidPermits(format!(
@@ -217,7 +253,6 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                 self.name
             )));
         }
-        let w = wait(timeout);
         let mut got = Vec::with_capacity(n as usize);
         for _ in 0..n {
             match self.acquire_lease(w, None).await {
@@ -230,7 +265,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                 }
             }
         }
-        Ok(got)
+        Ok(MultiGuard::new(got))
     }
 
     /// Takes one lease; `key` names the hold for scopes (a semaphore-mutex's), `None`
@@ -306,8 +341,8 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                     if lease_granted(seen.len(), max) {
                         return Ok(mine);
                     }
-                    if matches!(w, Wait::No) {
-                        return Err(Error::WouldBlock);
+                    if let Some(refused) = w.refusal() {
+                        return Err(refused);
                     }
                     tokio::select! {
                         r = backend.wait_changed(&leases, &seen) => r?,
@@ -339,8 +374,8 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                     inner_guard.entry = None;
                     return Ok(mine);
                 }
-                if matches!(w, Wait::No) {
-                    return Err(Error::WouldBlock);
+                if let Some(refused) = w.refusal() {
+                    return Err(refused);
                 }
                 tokio::select! {
                     r = backend.wait_changed(&leases, &seen) => r?,
@@ -442,7 +477,7 @@ impl<B: DynBackend + ?Sized> SemaphoreMutex<B> {
         &self.sem.name
     }
 
-    /// Waits for the lock; `timeout` of `None` waits forever.
+    /// Waits for the lock.
     ///
     /// # Errors
     /// [`Error::WouldDeadlock`] if called inside a scope of this lock's own hold; as
@@ -460,10 +495,26 @@ impl<B: DynBackend + ?Sized> SemaphoreMutex<B> {
     /// another client may hold the lock from then on.
     ///
     /// # Upstream
-    /// Curator `InterProcessSemaphoreMutex.acquire()` / `acquire(time, unit)` (which
-    /// self-deadlocks on re-entry); Redisson's non-reentrant lock.
-    pub async fn lock(&self, timeout: Option<Duration>) -> Result<LockGuard<B>> {
-        self.lock_with(wait(timeout)).await
+    /// Curator `InterProcessSemaphoreMutex.acquire()` (which self-deadlocks on
+    /// re-entry); Redisson's non-reentrant lock.
+    pub async fn lock(&self) -> Result<LockGuard<B>> {
+        self.lock_with(Wait::Forever).await
+    }
+
+    /// Waits at most `timeout` for the lock. A zero timeout asks once: a free lock is
+    /// taken.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; the attempt's entries are removed before it returns; as
+    /// [`SemaphoreMutex::lock`].
+    ///
+    /// # Cancel safety
+    /// As [`SemaphoreMutex::lock`].
+    ///
+    /// # Upstream
+    /// Curator `InterProcessSemaphoreMutex.acquire(time, unit)`.
+    pub async fn lock_timeout(&self, timeout: Duration) -> Result<LockGuard<B>> {
+        self.lock_with(Wait::timeout(timeout)).await
     }
 
     /// Takes the lock only if it is free now; never waits.

@@ -219,13 +219,17 @@ fn sentinel_group_fails_over_when_the_primary_is_killed() {
     wait_until("the old primary turned into a replica", limit, || {
         redis_query(&primary.addr, &["ROLE"], t).is_some_and(|r| r.lines().next() == Some("slave"))
     });
-    assert_eq!(cluster.sentinel_primary(), Some(new));
-    assert_eq!(
-        cluster
-            .wait_sentinel_group(limit)
-            .expect("the group is whole again"),
-        new
-    );
+    // The group settles on a primary again. Usually the promoted replica; on a loaded
+    // machine the Sentinels may fail over once more (down-after-milliseconds is 1 s),
+    // to the other replica, which is as good. Never to the old primary, which came back
+    // empty and was made a replica above.
+    let settled = cluster
+        .wait_sentinel_group(limit)
+        .expect("the group is whole again");
+    assert_ne!(settled, 1, "the emptied old primary leads again");
+    if settled != new {
+        eprintln!("note: the Sentinels failed over once more, from node {new} to node {settled}");
+    }
 
     let servers = cluster.servers.clone();
     cluster.down().expect("down");

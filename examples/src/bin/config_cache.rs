@@ -105,7 +105,7 @@ async fn reader(
     let mut t = ReaderTally::default();
     for _ in 0..reads {
         let mut guard = match &rw {
-            Some(rw) => Some(rw.read(Some(Duration::from_secs(60))).await?),
+            Some(rw) => Some(rw.read_timeout(Duration::from_secs(60)).await?),
             None => None,
         };
         let inside = gauge.now.fetch_add(1, Ordering::SeqCst) + 1;
@@ -143,7 +143,7 @@ async fn publisher(
     let mut t = PublisherTally::default();
     for _ in 0..updates {
         let mut write = match &rw {
-            Some(rw) => Some(rw.write(Some(Duration::from_secs(60))).await?),
+            Some(rw) => Some(rw.write_timeout(Duration::from_secs(60)).await?),
             None => None,
         };
         // Next version = current + 1: a lost update would show as a short final count.

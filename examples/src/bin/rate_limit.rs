@@ -74,7 +74,7 @@ async fn caller(
 ) -> Result<(), dlock::Error> {
     for _ in 0..calls {
         let mut permit = match &sem {
-            Some(sem) => Some(sem.acquire(Some(Duration::from_secs(60))).await?),
+            Some(sem) => Some(sem.acquire_timeout(Duration::from_secs(60)).await?),
             None => None,
         };
         upstream.call().await;
@@ -135,7 +135,7 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
     // A machine dies holding a permit. Closing its session is what the server sees when
     // it crashes (a real crash frees the permit after the session timeout instead).
     let doomed = dlock::connect(&url).await?;
-    let held = doomed.semaphore(&name, args.permits)?.acquire(None).await?;
+    let held = doomed.semaphore(&name, args.permits)?.acquire().await?;
     doomed.close().await?;
     let lost = tokio::time::timeout(Duration::from_secs(30), held.lost()).await;
     r.check(
@@ -149,19 +149,17 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
         .ok_or_else(|| dlock::Error::InvalidPermits("no instance".into()))?
         .semaphore(&name, args.permits)?;
     let all = survivor
-        .acquire_many(args.permits, Some(Duration::from_secs(30)))
+        .acquire_many_timeout(args.permits, Duration::from_secs(30))
         .await;
     r.check(
-        all.as_ref().map(Vec::len).ok() == Some(args.permits as usize),
+        all.as_ref().map(|g| g.guards().len()).ok() == Some(args.permits as usize),
         format!(
             "after the crash all {} permits can be taken again",
             args.permits
         ),
     );
-    if let Ok(guards) = all {
-        for mut g in guards {
-            g.release().await?;
-        }
+    if let Ok(mut all) = all {
+        all.release().await?;
     }
     for c in &clients {
         c.close().await?;

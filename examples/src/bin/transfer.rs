@@ -102,7 +102,7 @@ async fn teller(
                     .multi()
                     .mutex(&account_lock(&run, from))?
                     .mutex(&account_lock(&run, to))?
-                    .acquire(Some(Duration::from_secs(60)))
+                    .acquire_timeout(Duration::from_secs(60))
                     .await?,
             ),
             false => None,
@@ -137,7 +137,7 @@ async fn audit(
         for a in 0..accounts {
             all = all.mutex(&account_lock(run, a))?;
         }
-        guard = Some(all.acquire(Some(Duration::from_secs(60))).await?);
+        guard = Some(all.acquire_timeout(Duration::from_secs(60)).await?);
     }
     let mut sum = 0;
     let mut min = i64::MAX;

@@ -257,7 +257,7 @@ async fn one_turn(
     let p = &args.section;
     let w = p.worker;
     let name = args.name.as_str();
-    let t = Some(ACQUIRE_TIMEOUT);
+    let t = ACQUIRE_TIMEOUT;
     let named = |e: dlock::Error| {
         eprintln!("chaos worker {w}: {e}");
         Turn::Broken
@@ -293,7 +293,7 @@ async fn one_turn(
         }
         Recipe::SemaphoreMutex => {
             let m = c.semaphore_mutex(name).map_err(named)?;
-            let g = m.lock(t).await.map_err(|e| acquire_failed(w, e))?;
+            let g = m.lock_timeout(t).await.map_err(|e| acquire_failed(w, e))?;
             held(p, g, Mode::Exclusive).await
         }
         Recipe::RwLock => {
@@ -301,10 +301,13 @@ async fn one_turn(
             // The slow worker writes and downgrades; the others alternate reads and
             // writes, so readers meet readers, writers and downgraded writers.
             if p.work_ms < super::SLOW_WORK_MS && turn % 2 == 1 {
-                let g = rw.read(t).await.map_err(|e| acquire_failed(w, e))?;
+                let g = rw.read_timeout(t).await.map_err(|e| acquire_failed(w, e))?;
                 return held(p, g, Mode::Shared).await;
             }
-            let mut write = rw.write(t).await.map_err(|e| acquire_failed(w, e))?;
+            let mut write = rw
+                .write_timeout(t)
+                .await
+                .map_err(|e| acquire_failed(w, e))?;
             let lost = write.lost();
             let r = run_section(p, write.token().get(), Mode::Exclusive, lost, || {
                 write.is_lost()
@@ -326,7 +329,10 @@ async fn one_turn(
         }
         Recipe::Semaphore => {
             let s = c.semaphore(name, args.permits).map_err(named)?;
-            let g = s.acquire(t).await.map_err(|e| acquire_failed(w, e))?;
+            let g = s
+                .acquire_timeout(t)
+                .await
+                .map_err(|e| acquire_failed(w, e))?;
             held(p, g, Mode::Permit).await
         }
         Recipe::MultiLock => {
@@ -335,7 +341,10 @@ async fn one_turn(
                 .mutex(&format!("{name}/a"))
                 .and_then(|m| m.mutex(&format!("{name}/b")))
                 .map_err(named)?;
-            let mut g = multi.acquire(t).await.map_err(|e| acquire_failed(w, e))?;
+            let mut g = multi
+                .acquire_timeout(t)
+                .await
+                .map_err(|e| acquire_failed(w, e))?;
             // The store is fenced by the first part's token: every section holds it.
             let token = g
                 .tokens()

@@ -297,7 +297,7 @@ impl Worker {
 
     /// One acquire, section(s) and release. False when the client should be replaced.
     async fn turn(&mut self, c: &Client, turn: u32) -> bool {
-        let t = Some(ACQUIRE_TIMEOUT);
+        let t = ACQUIRE_TIMEOUT;
         let name = self.name.as_str();
         match self.recipe {
             Recipe::Mutex => match c.mutex(name) {
@@ -321,7 +321,7 @@ impl Worker {
                 Err(_) => false,
             },
             Recipe::SemaphoreMutex => match c.semaphore_mutex(name) {
-                Ok(m) => match m.lock(t).await {
+                Ok(m) => match m.lock_timeout(t).await {
                     Ok(g) => self.held(g, Mode::Exclusive).await,
                     Err(e) => acquire_failed(&e),
                 },
@@ -332,12 +332,12 @@ impl Worker {
                     return false;
                 };
                 if (self.id + turn) % 2 == 1 {
-                    return match rw.read(t).await {
+                    return match rw.read_timeout(t).await {
                         Ok(g) => self.held(g, Mode::Shared).await,
                         Err(e) => acquire_failed(&e),
                     };
                 }
-                let mut write = match rw.write(t).await {
+                let mut write = match rw.write_timeout(t).await {
                     Ok(g) => g,
                     Err(e) => return acquire_failed(&e),
                 };
@@ -353,7 +353,7 @@ impl Worker {
                 }
             }
             Recipe::Semaphore => match c.semaphore(name, PERMITS) {
-                Ok(s) => match s.acquire(t).await {
+                Ok(s) => match s.acquire_timeout(t).await {
                     Ok(g) => self.held(g, Mode::Permit).await,
                     Err(e) => acquire_failed(&e),
                 },
@@ -367,7 +367,7 @@ impl Worker {
                 let Ok(multi) = multi else {
                     return false;
                 };
-                let mut g = match multi.acquire(t).await {
+                let mut g = match multi.acquire_timeout(t).await {
                     Ok(g) => g,
                     Err(e) => return acquire_failed(&e),
                 };

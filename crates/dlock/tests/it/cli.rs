@@ -100,7 +100,32 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
             .code(),
         Some(75)
     );
+    // A zero timeout and --try ask once: 75 at once on a held lock...
+    for wait in [&["--timeout", "0"][..], &["--try"][..]] {
+        let mut args = vec!["--url", url, "exec", name.as_str()];
+        args.extend_from_slice(wait);
+        args.extend_from_slice(&["--", "true"]);
+        assert_eq!(code(&args), Some(75), "{wait:?} on a held lock");
+    }
+    let multi_try = code(&["--url", url, "multi", &name, "--try", "--", "true"]);
+    assert_eq!(multi_try, Some(75), "multi --try on a held lock");
     g.release().await.expect("release");
+    // ...and take a free one, running the command.
+    for (wait, exit) in [
+        (&["--timeout", "0"][..], "exit 3"),
+        (&["--try"][..], "exit 4"),
+    ] {
+        let mut args = vec!["--url", url, "exec", name.as_str()];
+        args.extend_from_slice(wait);
+        args.extend_from_slice(&["--", "sh", "-c", exit]);
+        let want = exit.trim_start_matches("exit ").parse::<i32>().ok();
+        assert_eq!(code(&args), want, "{wait:?} on a free lock");
+    }
+    assert_eq!(
+        code(&["--url", url, "multi", &name, "--try", "--", "sh", "-c", "exit 5"]),
+        Some(5),
+        "multi --try on a free lock"
+    );
     assert_eq!(code(&["--url", url, "exec", "", "--", "true"]), Some(64));
     assert_eq!(
         code(&["--url", url, "exec", "a\u{1}b", "--", "true"]),

@@ -154,7 +154,10 @@ pub async fn rwlock_interop(url: &str) {
 
     // A Curator writer blocks dlock readers and writers.
     assert_eq!(java.cmd("w1", &format!("write {path}")).await, "ACQUIRED");
-    assert!(matches!(rw.read(Some(SHORT)).await, Err(Error::Timeout(_))));
+    assert!(matches!(
+        rw.read_timeout(SHORT).await,
+        Err(Error::Timeout(_))
+    ));
     assert!(matches!(rw.try_read().await, Err(Error::WouldBlock)));
     assert!(matches!(rw.try_write().await, Err(Error::WouldBlock)));
     let parts = a.participants(&name).await.expect("participants");
@@ -163,7 +166,7 @@ pub async fn rwlock_interop(url: &str) {
     assert_eq!(java.cmd("w1", "release").await, "RELEASED");
 
     // Readers of both sides share; writers of both sides are kept out.
-    let mut r = rw.read(Some(GENEROUS)).await.expect("dlock read");
+    let mut r = rw.read_timeout(GENEROUS).await.expect("dlock read");
     assert!(curator_shaped(&r.entry().name, "__READ__"));
     assert_eq!(
         java.cmd("r1", &format!("read {path} 30000")).await,
@@ -171,7 +174,10 @@ pub async fn rwlock_interop(url: &str) {
         "a Curator reader must share with a dlock reader"
     );
     let rb = b.rwlock(&name).expect("name");
-    let mut r2 = rb.read(Some(GENEROUS)).await.expect("second dlock reader");
+    let mut r2 = rb
+        .read_timeout(GENEROUS)
+        .await
+        .expect("second dlock reader");
     assert_eq!(
         java.cmd("w2", &format!("write {path} 500")).await,
         "TIMEOUT"
@@ -184,7 +190,7 @@ pub async fn rwlock_interop(url: &str) {
     r2.release().await.expect("release");
 
     // A dlock writer blocks Curator readers and writers.
-    let mut w = rw.write(Some(GENEROUS)).await.expect("dlock write");
+    let mut w = rw.write_timeout(GENEROUS).await.expect("dlock write");
     assert!(curator_shaped(&w.entry().name, "__WRIT__"));
     assert_eq!(java.cmd("r2", &format!("read {path} 500")).await, "TIMEOUT");
     assert_eq!(
@@ -197,7 +203,7 @@ pub async fn rwlock_interop(url: &str) {
     java.send("w4", &format!("write {path}")).await;
     participants_reach(&a, &name, 2).await;
     let reader = tokio::spawn(async move {
-        let g = rb.read(Some(GENEROUS)).await;
+        let g = rb.read_timeout(GENEROUS).await;
         (g, b)
     });
     participants_reach(&a, &name, 3).await;
@@ -209,7 +215,7 @@ pub async fn rwlock_interop(url: &str) {
     );
     // And the reverse: a Curator reader queued behind a waiting dlock writer waits too.
     let rw2 = a.rwlock(&name).expect("name");
-    let writer = tokio::spawn(async move { rw2.write(Some(GENEROUS)).await });
+    let writer = tokio::spawn(async move { rw2.write_timeout(GENEROUS).await });
     participants_reach(&a, &name, 3).await;
     assert_eq!(java.cmd("r3", &format!("read {path} 500")).await, "TIMEOUT");
     assert_eq!(java.cmd("w4", "release").await, "RELEASED");
@@ -225,7 +231,7 @@ pub async fn rwlock_interop(url: &str) {
 
     // Downgrade: dlock holds write and takes read; a Curator writer queued meanwhile
     // must not get in when the dlock write is released, only after the read.
-    let mut w = rw.write(Some(GENEROUS)).await.expect("dlock write");
+    let mut w = rw.write_timeout(GENEROUS).await.expect("dlock write");
     java.send("w5", &format!("write {path}")).await;
     participants_reach(&a, &name, 2).await;
     let mut r = rw.downgrade(&w).await.expect("downgrade read");
@@ -286,7 +292,7 @@ pub async fn semaphore_interop(url: &str) {
         let tx = tx.clone();
         tokio::spawn(async move {
             for _ in 0..ROUNDS {
-                let mut g = sem.acquire(Some(Duration::from_secs(120))).await;
+                let mut g = sem.acquire_timeout(Duration::from_secs(120)).await;
                 let ok = g.is_ok();
                 let node = g
                     .as_ref()
@@ -412,7 +418,7 @@ pub async fn semaphore_interop(url: &str) {
     assert!(matches!(sm.try_lock().await, Err(Error::WouldBlock)));
     assert_eq!(java.cmd("m1", "release").await, "RELEASED");
     let mut g = sm
-        .lock(Some(GENEROUS))
+        .lock_timeout(GENEROUS)
         .await
         .expect("dlock semaphore-mutex");
     assert_eq!(
@@ -441,8 +447,8 @@ pub async fn shared_count_interop(url: &str) {
     let c = client(url).await;
     let sem = dlock::Semaphore::with_shared_count(&c, &name, &count).expect("names");
     assert_eq!(sem.permits().await.expect("permits"), 2, "Curator's count");
-    let mut p1 = sem.acquire(Some(GENEROUS)).await.expect("permit 1");
-    let mut p2 = sem.acquire(Some(GENEROUS)).await.expect("permit 2");
+    let mut p1 = sem.acquire_timeout(GENEROUS).await.expect("permit 1");
+    let mut p2 = sem.acquire_timeout(GENEROUS).await.expect("permit 2");
     assert_eq!(
         java.cmd("j1", &format!("semshared {path} {count_path} 500"))
             .await,

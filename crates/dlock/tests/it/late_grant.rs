@@ -78,7 +78,7 @@ async fn a_downgrade_that_arrives_after_expiry_is_refused() {
     let server = MemServer::new();
     let (a, session) = connect(&server).await;
     let rw = a.rwlock("late/grant").expect("name");
-    let write = rw.write(None).await.expect("write");
+    let write = rw.write().await.expect("write");
     server.delay_replies(session, REPLY_DELAY);
     let attempt = {
         let rw = rw.clone();
@@ -98,7 +98,7 @@ async fn a_downgrade_that_arrives_after_expiry_is_refused() {
     let (b, _) = connect(&server).await;
     let mut w = tokio::time::timeout(
         Duration::from_secs(5),
-        b.rwlock("late/grant").expect("name").write(None),
+        b.rwlock("late/grant").expect("name").write(),
     )
     .await
     .expect("another client gets the write lock")

@@ -13,6 +13,7 @@
     allow(dead_code, unused_macros, unused_imports)
 )]
 
+mod acquire_shape;
 mod cli;
 #[cfg(feature = "zookeeper")]
 mod curator;
@@ -106,6 +107,8 @@ all_backends! {
     mem lost_hold_is_never_reentered_or_downgraded => crate::reentry::lost_hold_is_never_reentered_or_downgraded,
     mem non_reentrant_and_upgrade_in_scope_are_typed_errors => crate::reentry::non_reentrant_and_upgrade_in_scope_are_typed_errors,
     mem timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
+    mem zero_timeout_takes_a_free_lock => crate::acquire_shape::zero_timeout_takes_a_free_lock_and_fails_at_once_on_a_held_one,
+    mem many_permits_are_one_guard => crate::acquire_shape::many_permits_are_one_guard_and_tries_take_all_or_nothing,
     mem cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
     mem bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,
     mem missing_capabilities_fail_at_the_call => crate::recipes::missing_capabilities_fail_at_the_call,

@@ -124,24 +124,24 @@ pub async fn bad_input_gives_typed_errors(_kind: Kind, url: &str) {
     assert!(matches!(g.release().await, Err(Error::NotHeld(_))));
     // Upgrade read -> write, inside the read hold.
     let rw = c.rwlock(&name).expect("name");
-    let mut r = rw.read(None).await.expect("read");
+    let mut r = rw.read().await.expect("read");
     assert!(matches!(
-        r.scope(rw.write(Some(GENEROUS))).await,
+        r.scope(rw.write_timeout(GENEROUS)).await,
         Err(Error::WouldDeadlock(_))
     ));
     r.release().await.expect("release");
     // Semaphore-mutex taken twice inside its own hold.
     let sm = c.semaphore_mutex(&name).expect("name");
-    let mut s = sm.lock(None).await.expect("lock");
+    let mut s = sm.lock().await.expect("lock");
     assert!(matches!(
-        s.scope(sm.lock(Some(GENEROUS))).await,
+        s.scope(sm.lock_timeout(GENEROUS)).await,
         Err(Error::WouldDeadlock(_))
     ));
     s.release().await.expect("release");
     // A multi-lock naming a lock twice.
     let multi = c.multi().mutex(&name).expect("a").write(&name).expect("b");
     assert!(matches!(
-        multi.acquire(None).await,
+        multi.acquire().await,
         Err(Error::WouldDeadlock(_))
     ));
     assert!(
@@ -162,12 +162,12 @@ pub async fn rwlock_readers_share_writers_exclude(_kind: Kind, url: &str) {
         b.rwlock(&name).expect("n"),
         c.rwlock(&name).expect("n"),
     );
-    let mut r1 = ra.read(None).await.expect("read a");
-    let mut r2 = rb.read(Some(GENEROUS)).await.expect("readers share");
+    let mut r1 = ra.read().await.expect("read a");
+    let mut r2 = rb.read_timeout(GENEROUS).await.expect("readers share");
     assert!(matches!(rc.try_write().await, Err(Error::WouldBlock)));
     // A writer queues; a reader arriving after it must wait (no writer starvation).
     let w = tokio::spawn(async move {
-        let mut g = rc.write(Some(GENEROUS)).await.expect("write");
+        let mut g = rc.write_timeout(GENEROUS).await.expect("write");
         let t = g.token();
         tokio::time::sleep(Duration::from_millis(200)).await;
         g.release().await.expect("release");
@@ -185,7 +185,7 @@ pub async fn rwlock_readers_share_writers_exclude(_kind: Kind, url: &str) {
     r1.release().await.expect("release");
     r2.release().await.expect("release");
     let (wt, c) = w.await.expect("writer");
-    let mut r3 = rl.read(Some(GENEROUS)).await.expect("read after writer");
+    let mut r3 = rl.read_timeout(GENEROUS).await.expect("read after writer");
     assert!(r3.token() > wt);
     r3.release().await.expect("release");
     for x in [a, b, c, late] {
@@ -201,11 +201,11 @@ pub async fn rwlock_downgrade(_kind: Kind, url: &str) {
     let b = client(url).await;
     let ra = a.rwlock(&name).expect("n");
     let rb = b.rwlock(&name).expect("n");
-    let mut w = ra.write(None).await.expect("write");
+    let mut w = ra.write().await.expect("write");
     let got = Arc::new(AtomicBool::new(false));
     let got2 = got.clone();
     let queued = tokio::spawn(async move {
-        let mut g = rb.write(Some(GENEROUS)).await.expect("queued writer");
+        let mut g = rb.write_timeout(GENEROUS).await.expect("queued writer");
         got2.store(true, Ordering::SeqCst);
         g.release().await.expect("release");
         b
@@ -240,7 +240,7 @@ pub async fn downgrade_beside_a_deleted_write_is_lost(_kind: Kind, url: &str) {
     let a = client(url).await;
     let b = client(url).await;
     let ra = a.rwlock(&name).expect("n");
-    let w = ra.write(None).await.expect("write");
+    let w = ra.write().await.expect("write");
     let (q, entry) = holder_entry(&b, &name).await;
     b.backend()
         .remove(&q, &entry)
@@ -292,7 +292,7 @@ pub async fn semaphore_peak_equals_permits(_kind: Kind, url: &str) {
             let s = c.semaphore(&name, 3).expect("sem");
             for _ in 0..4 {
                 let mut p = s
-                    .acquire(Some(Duration::from_secs(60)))
+                    .acquire_timeout(Duration::from_secs(60))
                     .await
                     .expect("permit");
                 let now = live.fetch_add(1, Ordering::SeqCst) + 1;
@@ -341,7 +341,7 @@ pub async fn multilock_rollback_and_order(_kind: Kind, url: &str) {
     let mut hold_y = b.mutex(&y).expect("n").lock().await.expect("hold y");
     let m = a.multi().mutex(&x).expect("x").mutex(&y).expect("y");
     assert!(matches!(
-        m.acquire(Some(Duration::from_millis(500))).await,
+        m.acquire_timeout(Duration::from_millis(500)).await,
         Err(Error::Timeout(_))
     ));
     // x was rolled back: b can take it at once.
@@ -364,7 +364,7 @@ pub async fn multilock_rollback_and_order(_kind: Kind, url: &str) {
                     .mutex(&second)
                     .expect("n");
                 let mut g = m
-                    .acquire(Some(Duration::from_secs(60)))
+                    .acquire_timeout(Duration::from_secs(60))
                     .await
                     .expect("multi");
                 assert_eq!(g.tokens().len(), 2);
@@ -486,12 +486,12 @@ pub async fn missing_capabilities_fail_at_the_call(_kind: Kind, url: &str) {
     let unsupported = |e: &Error, wanted: Capability| matches!(e, Error::Unsupported { capability, .. } if *capability == wanted);
     let mutex = c.mutex(&name).expect("n");
     if backend.supports(Capability::Revocation) {
-        let mut g = mutex.lock_revocable(None).await.expect("revocable lock");
+        let mut g = mutex.lock_revocable().await.expect("revocable lock");
         assert_eq!(c.revoke(&name).await.expect("revoke"), 1);
         g.release().await.expect("release");
     } else {
         let e = mutex
-            .lock_revocable(None)
+            .lock_revocable()
             .await
             .map(|_| ())
             .expect_err("a revocable lock needs revocation");

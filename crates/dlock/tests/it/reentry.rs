@@ -201,7 +201,7 @@ pub async fn lost_hold_is_never_reentered_or_downgraded(_kind: Kind, url: &str) 
     let m = c.mutex(&name).expect("name");
     let rw = c.rwlock(&format!("{name}-rw")).expect("name");
     let g = m.lock().await.expect("lock");
-    let w = rw.write(None).await.expect("write");
+    let w = rw.write().await.expect("write");
     // Closing the session ends every hold of this client and fires their lost signals.
     c.close().await.expect("close");
     assert!(
@@ -230,22 +230,22 @@ pub async fn non_reentrant_and_upgrade_in_scope_are_typed_errors(_kind: Kind, ur
     let name = unique("nonre");
     let c = client(url).await;
     let sm = c.semaphore_mutex(&name).expect("name");
-    let mut s = sm.lock(None).await.expect("lock");
+    let mut s = sm.lock().await.expect("lock");
     assert!(matches!(
-        s.scope(sm.lock(Some(GENEROUS))).await,
+        s.scope(sm.lock_timeout(GENEROUS)).await,
         Err(Error::WouldDeadlock(_))
     ));
     assert!(matches!(s.reenter(), Err(Error::WouldDeadlock(_))));
     // Outside the scope, asking again waits (it may be a sibling future).
     assert!(matches!(
-        sm.lock(Some(Duration::from_millis(300))).await,
+        sm.lock_timeout(Duration::from_millis(300)).await,
         Err(Error::Timeout(_))
     ));
     s.release().await.expect("release");
     let rw = c.rwlock(&format!("{name}-rw")).expect("name");
-    let mut r = rw.read(None).await.expect("read");
+    let mut r = rw.read().await.expect("read");
     assert!(matches!(
-        r.scope(rw.write(Some(GENEROUS))).await,
+        r.scope(rw.write_timeout(GENEROUS)).await,
         Err(Error::WouldDeadlock(_))
     ));
     r.release().await.expect("release");

@@ -106,7 +106,7 @@ pub async fn locks_survive_leader_kill(url: &str) {
     let mut gs = h
         .semaphore(&s, 1)
         .expect("name")
-        .acquire(Some(GENEROUS))
+        .acquire_timeout(GENEROUS)
         .await
         .expect("permit");
     let (entry_m, entry_s) = (gm.entry().name.clone(), gs.entry().name.clone());
@@ -115,7 +115,7 @@ pub async fn locks_survive_leader_kill(url: &str) {
         waiter.semaphore(&s, 1).expect("name"),
     );
     let queued_m = tokio::spawn(async move { wm.lock_timeout(Duration::from_secs(120)).await });
-    let queued_s = tokio::spawn(async move { ws.acquire(Some(Duration::from_secs(120))).await });
+    let queued_s = tokio::spawn(async move { ws.acquire_timeout(Duration::from_secs(120)).await });
     assert!(
         eventually(GENEROUS, || async {
             // The semaphore waiter holds the internal lock and, on ZooKeeper, no lease

@@ -204,8 +204,13 @@ async fn spawn_waiter(
     let task = tokio::spawn(async move {
         let g: Result<LockGuard> = match want {
             Want::Lock => c.mutex(&name2).expect("name").lock_timeout(GENEROUS).await,
-            Want::Read => c.rwlock(&name2).expect("name").read(Some(GENEROUS)).await,
-            Want::Write => c.rwlock(&name2).expect("name").write(Some(GENEROUS)).await,
+            Want::Read => c.rwlock(&name2).expect("name").read_timeout(GENEROUS).await,
+            Want::Write => {
+                c.rwlock(&name2)
+                    .expect("name")
+                    .write_timeout(GENEROUS)
+                    .await
+            }
         };
         let mut g = g.unwrap_or_else(|e| panic!("waiter {index}: {e}"));
         let _ = acquired.send(index);
@@ -309,7 +314,7 @@ pub async fn readers_behind_writer(url: &str) {
     let mut w1 = base
         .rwlock(&name)
         .expect("name")
-        .write(None)
+        .write()
         .await
         .expect("write");
     let (tx, mut acquired) = mpsc::unbounded_channel();

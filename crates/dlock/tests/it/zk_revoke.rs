@@ -21,7 +21,7 @@ pub async fn revoke_between_dlock_clients(url: &str) {
     let mut g = a
         .mutex(&name)
         .expect("name")
-        .lock_revocable(Some(GENEROUS))
+        .lock_revocable_timeout(GENEROUS)
         .await
         .expect("lock");
     assert!(
@@ -87,7 +87,7 @@ pub async fn revoke_interop_with_curator(url: &str) {
     let mut g = a
         .mutex(&name)
         .expect("name")
-        .lock_revocable(Some(GENEROUS))
+        .lock_revocable_timeout(GENEROUS)
         .await
         .expect("lock");
     java.send("j1", &format!("mutex {path}")).await;

@@ -65,15 +65,15 @@ pub async fn container_parents_are_reaped(url: &str) {
     let mut p = c
         .semaphore(&format!("{top}/s"), 2)
         .expect("name")
-        .acquire(Some(GENEROUS))
+        .acquire_timeout(GENEROUS)
         .await
         .expect("permit");
     assert!(exists(&raw, &format!("/{top}/s/leases")).await);
     p.release().await.expect("release");
     let rw = c.rwlock(&format!("{top}/rw")).expect("name");
-    let mut r = rw.read(Some(GENEROUS)).await.expect("read");
+    let mut r = rw.read_timeout(GENEROUS).await.expect("read");
     r.release().await.expect("release");
-    let mut w = rw.write(Some(GENEROUS)).await.expect("write");
+    let mut w = rw.write_timeout(GENEROUS).await.expect("write");
     w.release().await.expect("release");
     let top_path = format!("/{top}");
     assert!(
@@ -94,18 +94,18 @@ pub async fn semaphore_interrupted_acquire_leaves_no_orphans(url: &str) {
     let name = unique("sem-interrupt");
     let (c, _b, _) = zk_client(url, SESSION_TIMEOUT).await;
     let sem = c.semaphore(&name, 1).expect("name");
-    let mut held = sem.acquire(Some(GENEROUS)).await.expect("permit");
+    let mut held = sem.acquire_timeout(GENEROUS).await.expect("permit");
     let (s1, s2) = (
         c.semaphore(&name, 1).expect("name"),
         c.semaphore(&name, 1).expect("name"),
     );
-    let w1 = tokio::spawn(async move { s1.acquire(None).await });
+    let w1 = tokio::spawn(async move { s1.acquire().await });
     assert!(
         eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 1) }).await,
         "first waiter never took the internal lock: {:?}",
         sem_counts(&c, &name).await
     );
-    let w2 = tokio::spawn(async move { s2.acquire(None).await });
+    let w2 = tokio::spawn(async move { s2.acquire().await });
     assert!(
         eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 2) }).await,
         "second waiter never queued on the internal lock: {:?}",
@@ -139,9 +139,9 @@ pub async fn semaphore_deleted_internal_lock_is_a_typed_error(url: &str) {
     let name = unique("sem-deleted");
     let (c, _b, raw) = zk_client(url, SESSION_TIMEOUT).await;
     let sem = c.semaphore(&name, 1).expect("name");
-    let mut held = sem.acquire(Some(GENEROUS)).await.expect("permit");
+    let mut held = sem.acquire_timeout(GENEROUS).await.expect("permit");
     let s1 = c.semaphore(&name, 1).expect("name");
-    let waiter = tokio::spawn(async move { s1.acquire(Some(GENEROUS)).await });
+    let waiter = tokio::spawn(async move { s1.acquire_timeout(GENEROUS).await });
     assert!(
         eventually(GENEROUS, || async { sem_counts(&c, &name).await == (1, 1) }).await,
         "the waiter never took the internal lock"
@@ -166,7 +166,7 @@ pub async fn semaphore_deleted_internal_lock_is_a_typed_error(url: &str) {
         "orphaned nodes: {:?}",
         sem_counts(&c, &name).await
     );
-    let mut again = sem.acquire(Some(GENEROUS)).await.expect("still works");
+    let mut again = sem.acquire_timeout(GENEROUS).await.expect("still works");
     again.release().await.expect("release");
     assert!(
         eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,

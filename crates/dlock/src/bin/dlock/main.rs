@@ -67,8 +67,12 @@ struct ExecArgs {
     /// The lock name, e.g. orders/42.
     name: String,
     /// Give up after this long (exit 75), e.g. 500ms, 2s, 1m. Default: wait forever.
+    /// `0` asks once: a free lock is taken, a held one exits 75 at once.
     #[arg(long, value_parser = parse_duration)]
     timeout: Option<Duration>,
+    /// Take the lock only if it is free now, else exit 75 at once (`--timeout 0`).
+    #[arg(long = "try", conflicts_with = "timeout")]
+    try_only: bool,
     /// Take the read side of a read/write lock.
     #[arg(long, conflicts_with_all = ["write", "permits", "non_reentrant"])]
     read: bool,
@@ -90,14 +94,28 @@ struct ExecArgs {
     cmd: Vec<String>,
 }
 
+impl ExecArgs {
+    /// How long to wait: `--try` is a zero timeout, which asks once.
+    fn wait(&self) -> Option<Duration> {
+        if self.try_only {
+            Some(Duration::ZERO)
+        } else {
+            self.timeout
+        }
+    }
+}
+
 #[derive(Debug, Args)]
 struct MultiArgs {
     /// The lock names (mutexes).
     #[arg(required = true, num_args = 1..)]
     names: Vec<String>,
-    /// Give up after this long (exit 75). Default: wait forever.
+    /// Give up after this long (exit 75). Default: wait forever. `0` asks once.
     #[arg(long, value_parser = parse_duration)]
     timeout: Option<Duration>,
+    /// Take the locks only if each is free now, else exit 75 at once (`--timeout 0`).
+    #[arg(long = "try", conflicts_with = "timeout")]
+    try_only: bool,
     /// The command and its arguments.
     #[arg(last = true, required = true, num_args = 1..)]
     cmd: Vec<String>,
@@ -207,23 +225,34 @@ async fn exec(client: &Client, a: ExecArgs, kill_after: Duration) -> Result<u8, 
     if a.revocable {
         return exec_revocable(client, a, name, kill_after).await;
     }
+    let timeout = a.wait();
     let mut guard: LockGuard = if a.read {
-        client.rwlock(name.as_str())?.read(a.timeout).await?
+        let rw = client.rwlock(name.as_str())?;
+        match timeout {
+            Some(t) => rw.read_timeout(t).await?,
+            None => rw.read().await?,
+        }
     } else if a.write {
-        client.rwlock(name.as_str())?.write(a.timeout).await?
+        let rw = client.rwlock(name.as_str())?;
+        match timeout {
+            Some(t) => rw.write_timeout(t).await?,
+            None => rw.write().await?,
+        }
     } else if let Some(n) = a.permits {
-        client
-            .semaphore(name.as_str(), n)?
-            .acquire(a.timeout)
-            .await?
+        let s = client.semaphore(name.as_str(), n)?;
+        match timeout {
+            Some(t) => s.acquire_timeout(t).await?,
+            None => s.acquire().await?,
+        }
     } else if a.non_reentrant {
-        client
-            .semaphore_mutex(name.as_str())?
-            .lock(a.timeout)
-            .await?
+        let m = client.semaphore_mutex(name.as_str())?;
+        match timeout {
+            Some(t) => m.lock_timeout(t).await?,
+            None => m.lock().await?,
+        }
     } else {
         let m = client.mutex(name.as_str())?;
-        match a.timeout {
+        match timeout {
             Some(t) => m.lock_timeout(t).await?,
             None => m.lock().await?,
         }
@@ -248,10 +277,11 @@ async fn exec_revocable(
     name: dlock::LockName,
     kill_after: Duration,
 ) -> Result<u8, Error> {
-    let mut guard = client
-        .mutex(name.as_str())?
-        .lock_revocable(a.timeout)
-        .await?;
+    let m = client.mutex(name.as_str())?;
+    let mut guard = match a.wait() {
+        Some(t) => m.lock_revocable_timeout(t).await?,
+        None => m.lock_revocable().await?,
+    };
     let token = guard.token().to_string();
     let lost = guard.lost();
     let revoked = guard.revoke_requested();
@@ -297,7 +327,15 @@ async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8
     for n in &a.names {
         m = m.mutex(n)?;
     }
-    let mut guard: MultiGuard<dyn dlock::DynBackend> = m.acquire(a.timeout).await?;
+    let wait = if a.try_only {
+        Some(Duration::ZERO)
+    } else {
+        a.timeout
+    };
+    let mut guard: MultiGuard<dyn dlock::DynBackend> = match wait {
+        Some(t) => m.acquire_timeout(t).await?,
+        None => m.acquire().await?,
+    };
     let tokens = guard
         .tokens()
         .iter()
