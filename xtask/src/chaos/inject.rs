@@ -313,13 +313,20 @@ pub(super) fn inject_server(
                 .find(|id| *id != leader)
                 .context("a ZooKeeper follower")?;
             let pid = cluster.server(Backend::Zookeeper, follower)?.pid;
-            let pairs: Vec<(u16, u16)> = dlock_testkit::connections_of(pid, lq)?
-                .into_iter()
-                .map(|p| (p, lq))
-                .collect();
-            if pairs.is_empty() {
-                bail!("follower {follower} has no connection to the leader's quorum port {lq}");
-            }
+            // Right after an election (an earlier round's leader fault) a follower may
+            // still be connecting to its new leader: wait for the connection to cut.
+            let mut pairs: Vec<(u16, u16)> = Vec::new();
+            wait_for(
+                &format!("follower {follower} connected to the leader's quorum port {lq}"),
+                WAIT,
+                || {
+                    pairs = dlock_testkit::connections_of(pid, lq)?
+                        .into_iter()
+                        .map(|p| (p, lq))
+                        .collect();
+                    Ok(!pairs.is_empty())
+                },
+            )?;
             let t = now_us();
             let cut = dlock_testkit::NetCut::new(&pairs, &[])?;
             std::thread::sleep(long);

@@ -245,6 +245,7 @@ pub async fn cli_status_shows_queue(_kind: Kind, url: &str) {
         .output()
         .expect("run");
     assert!(String::from_utf8_lossy(&out.stdout).contains("free"));
+    assert_eq!(out.status.code(), Some(3), "status of a free lock");
     let mut g = c.mutex(&name).expect("n").lock().await.expect("lock");
     let waiter = client(url).await;
     let m = waiter.mutex(&name).expect("n");
@@ -279,6 +280,9 @@ pub async fn cli_status_shows_queue(_kind: Kind, url: &str) {
         rows[0].starts_with("holder") && rows[1].starts_with("waiter"),
         "{text}"
     );
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
+    let owner = format!("dlock pid={} host={}", std::process::id(), host.trim());
+    assert!(rows[0].ends_with(&owner), "owner {owner:?} in {text}");
     g.release().await.expect("release");
     let (r, waiter) = pending.await.expect("waiter");
     r.expect("waiter acquired").await.expect("release");

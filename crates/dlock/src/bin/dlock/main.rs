@@ -49,7 +49,8 @@ enum Command {
     Exec(ExecArgs),
     /// Acquire every NAME all-or-nothing (in name order), run CMD, release all.
     Multi(MultiArgs),
-    /// Show the holders and waiters of NAME in queue order.
+    /// Show the holders and waiters of NAME in queue order; exit 0 if it is held, 3 if
+    /// not.
     Status(StatusArgs),
     /// Ask the holders of NAME to release it (cooperative, Curator's Revoker): only
     /// holders that took it revocably (`exec --revocable`, Curator's makeRevocable) react.
@@ -136,6 +137,8 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 const EX_USAGE: u8 = 64;
+/// `dlock status` on a lock nobody holds (`systemctl is-active`'s "inactive").
+const STATUS_FREE: u8 = 3;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -476,5 +479,10 @@ async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
             );
         }
     }
-    Ok(0)
+    // As `systemctl is-active`: a script asks "is it held?" by the exit code alone.
+    Ok(if parts.iter().any(|p| p.holds) {
+        0
+    } else {
+        STATUS_FREE
+    })
 }
