@@ -244,11 +244,8 @@ pub(super) fn inject_server(
             let leader = cluster.wait_leader(Backend::Etcd, WAIT)?;
             let t = now_us();
             let cut = isolate_etcd(cluster, leader)?;
-            std::thread::sleep(long);
-            cut.heal()?;
-            eprintln!("  cut the etcd leader (node {leader}) off from its peers for {long:.1?}");
-            wait_all_recovered(groups, u32::MAX, t, "a holder after the leader cut")?;
-            cluster.wait_leader(Backend::Etcd, WAIT)?;
+            let said = format!("cut the etcd leader (node {leader}) off from its peers");
+            keep_cut(cluster, Backend::Etcd, cut, long, groups, t, &said)?;
             Ok(server_wide(t))
         }
         Scenario::FollowerCut if kind == Kind::Etcd => {
@@ -263,13 +260,9 @@ pub(super) fn inject_server(
                 .context("an etcd follower")?;
             let t = now_us();
             let cut = isolate_etcd(cluster, follower)?;
-            std::thread::sleep(long);
-            cut.heal()?;
-            eprintln!(
-                "  cut etcd follower {follower} off from its peers (leader: node {leader}) for {long:.1?}"
-            );
-            wait_all_recovered(groups, u32::MAX, t, "a holder after the follower cut")?;
-            cluster.wait_leader(Backend::Etcd, WAIT)?;
+            let said =
+                format!("cut etcd follower {follower} off from its peers (leader: node {leader})");
+            keep_cut(cluster, Backend::Etcd, cut, long, groups, t, &said)?;
             Ok(server_wide(t))
         }
         Scenario::LeaderCut => {
@@ -292,13 +285,8 @@ pub(super) fn inject_server(
             }
             let t = now_us();
             let cut = dlock_testkit::NetCut::new(&pairs, &[lq, le])?;
-            std::thread::sleep(long);
-            cut.heal()?;
-            eprintln!(
-                "  cut the ZooKeeper leader (node {leader}) off from the quorum for {long:.1?}"
-            );
-            wait_all_recovered(groups, u32::MAX, t, "a holder after the leader cut")?;
-            cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            let said = format!("cut the ZooKeeper leader (node {leader}) off from the quorum");
+            keep_cut(cluster, Backend::Zookeeper, cut, long, groups, t, &said)?;
             Ok(server_wide(t))
         }
         Scenario::FollowerCut => {
@@ -329,13 +317,9 @@ pub(super) fn inject_server(
             )?;
             let t = now_us();
             let cut = dlock_testkit::NetCut::new(&pairs, &[])?;
-            std::thread::sleep(long);
-            cut.heal()?;
-            eprintln!(
-                "  cut ZooKeeper follower {follower} off from the leader (node {leader}) for {long:.1?}"
-            );
-            wait_all_recovered(groups, u32::MAX, t, "a holder after the follower cut")?;
-            cluster.wait_leader(Backend::Zookeeper, WAIT)?;
+            let said =
+                format!("cut ZooKeeper follower {follower} off from the leader (node {leader})");
+            keep_cut(cluster, Backend::Zookeeper, cut, long, groups, t, &said)?;
             Ok(server_wide(t))
         }
         Scenario::ServerRestart => {
@@ -467,6 +451,25 @@ const JUMP_SCRIPT: &str = "local n = 0 \
       end \
     end \
     return n";
+
+/// Keeps `cut` for `long`, heals it, says what it was, and waits until every lock
+/// served a worker again and `server` has a leader.
+fn keep_cut(
+    cluster: &Cluster,
+    server: Backend,
+    cut: dlock_testkit::NetCut,
+    long: Duration,
+    groups: &[Group],
+    t: u64,
+    said: &str,
+) -> anyhow::Result<()> {
+    std::thread::sleep(long);
+    cut.heal()?;
+    eprintln!("  {said} for {long:.1?}");
+    wait_all_recovered(groups, u32::MAX, t, &format!("a holder after: {said}"))?;
+    cluster.wait_leader(server, WAIT)?;
+    Ok(())
+}
 
 /// Cuts etcd member `id` off from the other members (not from its clients): etcd members
 /// dial each other from ephemeral ports, so this needs [`dlock_testkit::NetCut::isolate`]

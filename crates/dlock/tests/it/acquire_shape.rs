@@ -32,6 +32,19 @@ fn err<T>(r: &dlock::Result<T>) -> Option<&Error> {
     r.as_ref().err()
 }
 
+/// Every lock named is left with no entry (removals may finish in the background).
+async fn nothing_left(c: &dlock::Client, names: &[&String]) {
+    for name in names {
+        assert!(
+            eventually(Duration::from_secs(30), || async {
+                leftovers(c, name).await == 0
+            })
+            .await,
+            "{name} left entries"
+        );
+    }
+}
+
 /// A zero timeout on every recipe: takes the free lock, fails with `Timeout(0)` on a
 /// held one, and leaves nothing behind.
 pub async fn zero_timeout_takes_a_free_lock_and_fails_at_once_on_a_held_one(
@@ -123,15 +136,7 @@ pub async fn zero_timeout_takes_a_free_lock_and_fails_at_once_on_a_held_one(
     assert!(is_zero_timeout(&r), "a part held elsewhere: {:?}", err(&r));
     hold_y.release().await.expect("release");
 
-    for name in [&m, &sm, &rw, &sem, &x, &y] {
-        assert!(
-            eventually(Duration::from_secs(30), || async {
-                leftovers(&a, name).await == 0
-            })
-            .await,
-            "{name} left entries"
-        );
-    }
+    nothing_left(&a, &[&m, &sm, &rw, &sem, &x, &y]).await;
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
@@ -219,15 +224,7 @@ pub async fn many_permits_are_one_guard_and_tries_take_all_or_nothing(_kind: Kin
         .expect("both parts free");
     both.release().await.expect("release");
 
-    for name in [&sem, &x, &y] {
-        assert!(
-            eventually(Duration::from_secs(30), || async {
-                leftovers(&a, name).await == 0
-            })
-            .await,
-            "{name} left entries"
-        );
-    }
+    nothing_left(&a, &[&sem, &x, &y]).await;
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
