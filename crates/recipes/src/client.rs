@@ -294,7 +294,14 @@ impl<B: DynBackend + ?Sized> Client<B> {
             )));
         }
         let q = QueuePath::root(lock.clone());
-        let span = tracing::debug_span!("acquire", lock = %lock, kind = %kind.label(), token = tracing::field::Empty);
+        let span = tracing::debug_span!(
+            "dlock.acquire",
+            lock = %lock,
+            kind = %kind.label(),
+            token = tracing::field::Empty,
+            wait_ms = tracing::field::Empty
+        );
+        let asked = tokio::time::Instant::now();
         let at = match &beside {
             Some(w) => Position::Beside(&w.entry),
             None => Position::Tail,
@@ -311,6 +318,7 @@ impl<B: DynBackend + ?Sized> Client<B> {
             }
         };
         span.record("token", held.token.get());
+        span.record("wait_ms", asked.elapsed().as_secs_f64() * 1e3);
         tracing::debug!(parent: &span, "acquired");
         Ok(LockGuard::new(held))
     }

@@ -320,7 +320,7 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
             return Ok(());
         }
         let held = &self.held;
-        let span = tracing::debug_span!("release", lock = %held.q.lock, token = %held.token);
+        let span = tracing::debug_span!("dlock.release", lock = %held.q.lock, token = %held.token);
         let was_lost = self.is_lost();
         let mut remover = RemoveOnDrop(Some(held.clone()));
         let r = held

@@ -59,6 +59,11 @@
 //! any other contender and waits, so two critical sections never share one hold (nor its
 //! fencing token). A lost hold is never re-entered or downgraded: [`dlock_core::Error::LockLost`].
 //!
+//! # Tracing
+//! Every acquire runs in a debug-level `dlock.acquire` span (fields `lock`, `kind`, and
+//! once granted `token` and `wait_ms`, the time from the call to the grant); every
+//! release in a `dlock.release` span (`lock`, `token`).
+//!
 //! # Cancel safety
 //! Every acquire is cancel-safe: dropping its future removes its queue entry (in the
 //! background, on the current tokio runtime). Dropping a guard releases it the same way.

@@ -275,12 +275,21 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         w: Wait,
         key: Option<HoldKey>,
     ) -> Result<std::sync::Arc<Held<B>>> {
-        let span = tracing::debug_span!("acquire", lock = %self.name, kind = "lease");
+        let span = tracing::debug_span!(
+            "dlock.acquire",
+            lock = %self.name,
+            kind = "lease",
+            token = tracing::field::Empty,
+            wait_ms = tracing::field::Empty
+        );
+        let asked = tokio::time::Instant::now();
         let held = self
             .acquire_lease_inner(w, key)
             .instrument(span.clone())
             .await?;
-        tracing::debug!(parent: &span, token = %held.token, "acquired");
+        span.record("token", held.token.get());
+        span.record("wait_ms", asked.elapsed().as_secs_f64() * 1e3);
+        tracing::debug!(parent: &span, "acquired");
         Ok(held)
     }
 

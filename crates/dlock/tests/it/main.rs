@@ -29,6 +29,7 @@ mod reentry;
 mod removal;
 #[cfg(all(feature = "etcd", feature = "zookeeper"))]
 mod server_faults;
+mod spans;
 mod support;
 #[cfg(feature = "zookeeper")]
 mod zk_faults;
