@@ -34,7 +34,7 @@ use std::future::Future;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use dlock::BackendUrl;
+use dlock::{BackendUrl, Servers};
 
 /// The exit code of an example asked to run on a backend this build leaves out (the
 /// automake "skipped" convention). `cargo xtask examples` reports it as skipped.
@@ -60,10 +60,10 @@ pub fn compiled_in(url: &str) -> Result<bool, dlock::Error> {
         cfg!(feature = "etcd"),
         cfg!(feature = "redis"),
     );
-    Ok(match BackendUrl::parse(url)? {
-        BackendUrl::ZooKeeper { .. } => zookeeper,
-        BackendUrl::Etcd { .. } => etcd,
-        BackendUrl::Redis { .. } | BackendUrl::Redlock { .. } => redis,
+    Ok(match BackendUrl::parse(url)?.servers {
+        Servers::ZooKeeper { .. } => zookeeper,
+        Servers::Etcd { .. } => etcd,
+        Servers::Redis { .. } | Servers::Redlock { .. } | Servers::RedisSentinel { .. } => redis,
         _ => false,
     })
 }

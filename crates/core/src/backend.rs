@@ -31,6 +31,7 @@ use futures::future::BoxFuture;
 use crate::entry::{Entry, EntryKind, Ticket};
 use crate::error::{Error, Result};
 use crate::name::{NameRules, QueuePath};
+use crate::security::{Credentials, TlsOptions};
 
 /// Where a new entry goes in its queue.
 #[derive(Debug, Clone, Copy)]
@@ -53,6 +54,10 @@ pub struct SessionOptions {
     pub session_timeout: Option<Duration>,
     /// How long connecting may take before [`Error::Unreachable`].
     pub connect_timeout: Duration,
+    /// TLS to the servers; `None` is plain TCP.
+    pub tls: Option<TlsOptions>,
+    /// Credentials to authenticate with; `None` connects anonymously.
+    pub credentials: Option<Credentials>,
 }
 
 impl Default for SessionOptions {
@@ -60,6 +65,8 @@ impl Default for SessionOptions {
         SessionOptions {
             session_timeout: None,
             connect_timeout: Duration::from_secs(5),
+            tls: None,
+            credentials: None,
         }
     }
 }
@@ -74,6 +81,18 @@ impl SessionOptions {
     /// Sets the connect timeout.
     pub fn with_connect_timeout(mut self, d: Duration) -> Self {
         self.connect_timeout = d;
+        self
+    }
+
+    /// Connects over TLS with these settings.
+    pub fn with_tls(mut self, tls: TlsOptions) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Authenticates with these credentials.
+    pub fn with_credentials(mut self, credentials: Credentials) -> Self {
+        self.credentials = Some(credentials);
         self
     }
 }

@@ -108,6 +108,19 @@ pub enum Error {
     /// The client was closed (or its runtime shut down) while the operation was running.
     #[error("client closed")]
     Closed,
+    /// The server refused the credentials: a wrong or missing password, an unknown user.
+    /// The message never contains the password.
+    #[error("authentication failed: {0}")]
+    Unauthenticated(String),
+    /// The server knows who the client is but does not allow the operation (a Redis ACL
+    /// without dlock's keys, an etcd role without the lock's prefix, a ZooKeeper node
+    /// whose ACL leaves this identity out). Nothing is left behind.
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+    /// TLS could not be set up: a CA, certificate or key that cannot be read or parsed,
+    /// or a server certificate that fails verification.
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 impl Error {

@@ -16,6 +16,7 @@
 //! - [`Error`]: the one error enum, with distinct variants for timeout, lock lost, not
 //!   held, invalid input, unreachable backend.
 //! - [`FencingToken`], [`LockName`].
+//! - [`security`]: TLS settings and credentials ([`Secret`] never prints).
 //!
 //! ```
 //! use dlock_core::{decide, Decision, Entry, FenceGate};
@@ -56,6 +57,7 @@ pub mod driver;
 pub mod entry;
 pub mod error;
 pub mod name;
+pub mod security;
 pub mod token;
 
 pub use backend::{
@@ -65,4 +67,5 @@ pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};
 pub use error::{Error, NameError, Result};
 pub use name::{LockName, NameRules, QueuePath};
+pub use security::{Credentials, Secret, TlsOptions};
 pub use token::{FenceGate, FencingToken};

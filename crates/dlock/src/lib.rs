@@ -73,11 +73,12 @@ pub use dlock_core::{
     Backend, Capability, DynBackend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName,
     Result, SessionOptions,
 };
+pub use dlock_core::{Credentials, Secret, TlsOptions};
 pub use dlock_recipes::{
     semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
     SemaphoreMutex, TicketSource,
 };
-pub use url::BackendUrl;
+pub use url::{BackendUrl, Servers, PASSWORD_ENV};
 
 /// The protocol core, for backend authors.
 pub use dlock_core as core;
@@ -115,22 +116,32 @@ pub async fn connect_env() -> Result<Client> {
 
 /// Connects to the backend named by `url` with the given session settings.
 ///
+/// TLS settings and credentials set on `opts` take precedence over the URL's (its TLS
+/// scheme and query, its userinfo).
+///
 /// # Errors
-/// As [`connect`].
-pub async fn connect_with(url: &str, opts: SessionOptions) -> Result<Client> {
+/// As [`connect`], and [`Error::Unauthenticated`], [`Error::PermissionDenied`] or
+/// [`Error::Tls`] when a secured server refuses the client.
+pub async fn connect_with(url: &str, mut opts: SessionOptions) -> Result<Client> {
     let parsed = BackendUrl::parse(url)?;
-    let backend = open(url, parsed, opts).await?;
+    if opts.tls.is_none() {
+        opts.tls = parsed.tls;
+    }
+    if opts.credentials.is_none() {
+        opts.credentials = parsed.credentials;
+    }
+    let backend = open(url, parsed.servers, opts).await?;
     Ok(Client::new(backend))
 }
 
 #[allow(unused_variables)]
-async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc<dyn DynBackend>> {
+async fn open(url: &str, servers: Servers, opts: SessionOptions) -> Result<Arc<dyn DynBackend>> {
     let missing = |feature: &str| Error::InvalidUrl {
-        url: url.to_owned(),
+        url: BackendUrl::redact(url),
         reason: format!("this build of dlock has no `{feature}` feature"),
     };
-    match parsed {
-        BackendUrl::ZooKeeper { hosts, chroot } => {
+    match servers {
+        Servers::ZooKeeper { hosts, chroot } => {
             #[cfg(feature = "zookeeper")]
             {
                 let connect = format!("{}{}", hosts.join(","), chroot.unwrap_or_default());
@@ -141,7 +152,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             #[cfg(not(feature = "zookeeper"))]
             Err(missing("zookeeper"))
         }
-        BackendUrl::Etcd { hosts } => {
+        Servers::Etcd { hosts } => {
             #[cfg(feature = "etcd")]
             {
                 let b: Arc<dyn DynBackend> = dlock_etcd::EtcdBackend::connect(&hosts, opts).await?;
@@ -150,7 +161,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             #[cfg(not(feature = "etcd"))]
             Err(missing("etcd"))
         }
-        BackendUrl::Redis { host } => {
+        Servers::Redis { host } => {
             #[cfg(feature = "redis")]
             {
                 let b: Arc<dyn DynBackend> =
@@ -160,7 +171,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             #[cfg(not(feature = "redis"))]
             Err(missing("redis"))
         }
-        BackendUrl::Redlock { hosts } => {
+        Servers::Redlock { hosts } => {
             #[cfg(feature = "redis")]
             {
                 let b: Arc<dyn DynBackend> =
@@ -170,7 +181,7 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
             #[cfg(not(feature = "redis"))]
             Err(missing("redis"))
         }
-        BackendUrl::RedisSentinel { sentinels, service } => {
+        Servers::RedisSentinel { sentinels, service } => {
             #[cfg(feature = "redis")]
             {
                 let b: Arc<dyn DynBackend> =
@@ -187,7 +198,8 @@ async fn open(url: &str, parsed: BackendUrl, opts: SessionOptions) -> Result<Arc
 /// for a timeout or a lock held elsewhere, 69 (`EX_UNAVAILABLE`) for an unreachable
 /// backend, 64 (`EX_USAGE`) for a bad name, URL or argument or an ability the backend
 /// lacks (`--revocable` off ZooKeeper), 70 (`EX_SOFTWARE`) for a lost
-/// lock, 1 otherwise.
+/// lock, 77 (`EX_NOPERM`) for credentials the server refuses or an operation it does not
+/// allow, 78 (`EX_CONFIG`) for a TLS setup or verification failure, 1 otherwise.
 pub fn exit_code(e: &Error) -> i32 {
     match e {
         Error::Timeout(_) | Error::WouldBlock => 75,
@@ -198,6 +210,8 @@ pub fn exit_code(e: &Error) -> i32 {
         | Error::WouldDeadlock(_)
         | Error::Unsupported { .. } => 64,
         Error::LockLost(_) | Error::Closed => 70,
+        Error::Unauthenticated(_) | Error::PermissionDenied(_) => 77,
+        Error::Tls(_) => 78,
         _ => 1,
     }
 }

@@ -1,11 +1,37 @@
-//! Backend URLs: `zk://`, `etcd://`, `redis://`, `redlock://`, `redis+sentinel://`.
+//! Backend URLs: `zk://`, `etcd://`, `redis://`, `redlock://`, `redis+sentinel://`, their
+//! TLS forms (`zks://`, `etcds://`, `rediss://`, `redlocks://`, `rediss+sentinel://`),
+//! credentials in the userinfo and TLS settings in the query.
 
-use dlock_core::Error;
+use std::path::PathBuf;
 
-/// A parsed backend URL.
+use dlock_core::{Credentials, Error, Secret, TlsOptions};
+use percent_encoding::percent_decode_str;
+
+/// The environment variable a password comes from when the URL names a user but no
+/// password, so the password need not appear in a process list.
+pub const PASSWORD_ENV: &str = "DLOCK_PASSWORD";
+
+/// A parsed backend URL: which servers, and how to reach them securely.
+///
+/// `Debug` never shows a password ([`Secret`] prints `***`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum BackendUrl {
+pub struct BackendUrl {
+    /// The servers and how they are used.
+    pub servers: Servers,
+    /// TLS settings: `Some` for the TLS schemes (`zks://`, `etcds://`, `rediss://`,
+    /// `redlocks://`, `rediss+sentinel://`), from the `ca`, `cert`, `key` and
+    /// `server_name` query parameters.
+    pub tls: Option<TlsOptions>,
+    /// The credentials of the userinfo (`USER:PASSWORD@`, `:PASSWORD@`), percent-decoded;
+    /// a user without a password takes it from `DLOCK_PASSWORD`.
+    pub credentials: Option<Credentials>,
+}
+
+/// The servers a URL names, by backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Servers {
     /// `zk://host:port[,host:port...][/chroot]`.
     ZooKeeper {
         /// `host:port` of each server.
@@ -39,76 +65,137 @@ pub enum BackendUrl {
     },
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Zk,
+    Etcd,
+    Redis,
+    Redlock,
+    Sentinel,
+}
+
+/// Scheme → (backend, TLS).
+fn scheme(s: &str) -> Option<(Kind, bool)> {
+    Some(match s {
+        "zk" | "zookeeper" => (Kind::Zk, false),
+        "zks" => (Kind::Zk, true),
+        "etcd" => (Kind::Etcd, false),
+        "etcds" => (Kind::Etcd, true),
+        "redis" => (Kind::Redis, false),
+        "rediss" => (Kind::Redis, true),
+        "redlock" => (Kind::Redlock, false),
+        "redlocks" => (Kind::Redlock, true),
+        "redis+sentinel" => (Kind::Sentinel, false),
+        "rediss+sentinel" => (Kind::Sentinel, true),
+        _ => return None,
+    })
+}
+
 impl BackendUrl {
-    /// Parses a backend URL.
+    /// Parses a backend URL; a user named without a password takes it from
+    /// `DLOCK_PASSWORD`.
     ///
     /// # Errors
-    /// [`Error::InvalidUrl`] saying what is wrong.
+    /// [`Error::InvalidUrl`] saying what is wrong; its `url` has any password replaced by
+    /// `***` ([`BackendUrl::redact`]).
     pub fn parse(url: &str) -> Result<Self, Error> {
+        Self::parse_with(url, || std::env::var(PASSWORD_ENV).ok())
+    }
+
+    /// [`BackendUrl::parse`] with the fallback password from `password_env` instead of
+    /// the environment.
+    pub fn parse_with(
+        url: &str,
+        password_env: impl FnOnce() -> Option<String>,
+    ) -> Result<Self, Error> {
         let bad = |reason: &str| Error::InvalidUrl {
-            url: url.to_owned(),
+            url: Self::redact(url),
             reason: reason.to_owned(),
         };
-        let (scheme, rest) = url
+        let (scheme_str, rest) = url
             .split_once("://")
             .ok_or_else(|| bad("expected scheme://host:port, e.g. zk://127.0.0.1:2181"))?;
-        let (authority, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], Some(&rest[i..])),
-            None => (rest, None),
+        let (kind, tls) = scheme(scheme_str).ok_or_else(|| {
+            bad(&format!(
+                "unknown scheme {scheme_str:?}: use zk://, etcd://, redis://, redlock:// or \
+                 redis+sentinel://, or their TLS forms zks://, etcds://, rediss://, redlocks://, \
+                 rediss+sentinel://"
+            ))
+        })?;
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let (userinfo, host_list) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
         };
-        let hosts: Vec<String> = authority.split(',').map(str::to_owned).collect();
-        for h in &hosts {
-            check_host(h).map_err(|r| bad(&r))?;
+        let mut hosts = Vec::new();
+        for h in host_list.split(',') {
+            hosts.push(host_port(h).map_err(|r| bad(&r))?);
         }
-        let path = path.filter(|p| !p.trim_matches('/').is_empty());
-        match scheme {
-            "zk" | "zookeeper" => {
+        // The rest is read by the `url` crate, on the URL with its first host only (it
+        // does not take a host list). A non-special scheme keeps the path as written.
+        let single = format!(
+            "dlock://{}{}{tail}",
+            userinfo.map(|u| format!("{u}@")).unwrap_or_default(),
+            hosts[0]
+        );
+        let parsed = url::Url::parse(&single).map_err(|e| bad(&e.to_string()))?;
+        if parsed.fragment().is_some() {
+            return Err(bad("a backend URL takes no #fragment"));
+        }
+        let credentials = credentials(&parsed, password_env).map_err(|r| bad(&r))?;
+        let tls = tls_options(&parsed, tls).map_err(|r| bad(&r))?;
+        let path = Some(parsed.path()).filter(|p| !p.trim_matches('/').is_empty());
+        let servers = match kind {
+            Kind::Zk => {
                 let chroot = match path {
                     Some(p) => {
-                        let p = p.trim_end_matches('/');
+                        let p = percent_decode_str(p.trim_end_matches('/'))
+                            .decode_utf8()
+                            .map_err(|_| bad("the chroot is not UTF-8"))?;
                         if p.split('/')
                             .skip(1)
                             .any(|s| s.is_empty() || s == "." || s == "..")
-                            || p.bytes().any(|b| b.is_ascii_control())
+                            || p.chars().any(char::is_control)
                         {
                             return Err(bad("the chroot must be a plain path like /app/locks"));
                         }
-                        Some(p.to_owned())
+                        Some(p.into_owned())
                     }
                     None => None,
                 };
-                Ok(BackendUrl::ZooKeeper { hosts, chroot })
+                Servers::ZooKeeper { hosts, chroot }
             }
-            "etcd" => {
+            Kind::Etcd => {
                 if path.is_some() {
                     return Err(bad("etcd URLs take no path"));
                 }
-                Ok(BackendUrl::Etcd { hosts })
+                Servers::Etcd { hosts }
             }
-            "redis" => {
+            Kind::Redis => {
                 if path.is_some_and(|p| p.trim_matches('/') != "0") {
                     return Err(bad("redis URLs take no path (database 0 only)"));
                 }
                 match <[String; 1]>::try_from(hosts) {
-                    Ok([host]) => Ok(BackendUrl::Redis { host }),
-                    Err(_) => Err(bad(
+                    Ok([host]) => Servers::Redis { host },
+                    Err(_) => return Err(bad(
                         "redis:// takes one host; use redlock:// for several independent masters",
                     )),
                 }
             }
-            "redlock" => {
+            Kind::Redlock => {
                 if path.is_some() {
                     return Err(bad("redlock URLs take no path"));
                 }
                 if hosts.len() < 3 {
                     return Err(bad("redlock:// needs at least 3 independent masters"));
                 }
-                Ok(BackendUrl::Redlock { hosts })
+                Servers::Redlock { hosts }
             }
-            "redis+sentinel" => {
-                let service = path
-                    .map(|p| p.trim_matches('/'))
-                    .ok_or_else(|| bad("redis+sentinel:// needs the service name: redis+sentinel://h:p,h:p,h:p/mymaster"))?;
+            Kind::Sentinel => {
+                let service = path.map(|p| p.trim_matches('/')).ok_or_else(|| {
+                    bad("redis+sentinel:// needs the service name: redis+sentinel://h:p,h:p,h:p/mymaster")
+                })?;
                 if !service
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
@@ -117,73 +204,189 @@ impl BackendUrl {
                         "the Sentinel service name takes letters, digits, '-', '_' and '.' only",
                     ));
                 }
-                Ok(BackendUrl::RedisSentinel {
+                Servers::RedisSentinel {
                     sentinels: hosts,
                     service: service.to_owned(),
-                })
+                }
             }
-            other => Err(bad(&format!(
-                "unknown scheme {other:?}: use zk://, etcd://, redis://, redlock:// or redis+sentinel://"
-            ))),
+        };
+        if let Some(c) = &credentials {
+            let needs_user = matches!(servers, Servers::ZooKeeper { .. } | Servers::Etcd { .. });
+            if needs_user && c.user.is_none() {
+                return Err(bad(
+                    "ZooKeeper and etcd authenticate a user: give USER:PASSWORD@, not :PASSWORD@",
+                ));
+            }
+        }
+        Ok(BackendUrl {
+            servers,
+            tls,
+            credentials,
+        })
+    }
+
+    /// `url` with the password of its userinfo replaced by `***`: the form every error,
+    /// log line and status output shows.
+    pub fn redact(url: &str) -> String {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return url.to_owned();
+        };
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => {
+                let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+                let hidden = if userinfo.contains(':') { ":***" } else { "" };
+                format!("{scheme}://{user}{hidden}@{hosts}{tail}")
+            }
+            None => url.to_owned(),
         }
     }
 }
 
-fn check_host(h: &str) -> Result<(), String> {
-    let (host, port) = h
-        .rsplit_once(':')
-        .ok_or_else(|| format!("{h:?} is not host:port"))?;
-    if host.is_empty()
-        || !host
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '[' | ']' | ':'))
-    {
+/// Checks one `host:port` of a host list with the `url` crate and returns it as
+/// `host:port` (an IPv6 host in brackets).
+fn host_port(h: &str) -> Result<String, String> {
+    if h.is_empty() {
+        return Err("empty host in the host list".to_owned());
+    }
+    let parsed = url::Url::parse(&format!("dlock://{h}")).map_err(|e| format!("{h:?}: {e}"))?;
+    let host = parsed
+        .host_str()
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| format!("{h:?} has no valid host"))?;
+    // An opaque host keeps percent-escapes; a real host name never needs one.
+    if host.contains('%') || !parsed.username().is_empty() || parsed.path() != "" {
         return Err(format!("{h:?} has no valid host"));
     }
-    match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(()),
-        _ => Err(format!("{h:?} has no valid port")),
+    match parsed.port() {
+        Some(p) if p > 0 => Ok(format!("{host}:{p}")),
+        _ => Err(format!("{h:?} has no valid port (host:port)")),
     }
+}
+
+fn decode(s: &str, what: &str) -> Result<String, String> {
+    percent_decode_str(s)
+        .decode_utf8()
+        .map(|c| c.into_owned())
+        .map_err(|_| format!("the {what} is not UTF-8 after percent-decoding"))
+}
+
+fn credentials(
+    url: &url::Url,
+    password_env: impl FnOnce() -> Option<String>,
+) -> Result<Option<Credentials>, String> {
+    let user = decode(url.username(), "user")?;
+    let password = url.password().map(|p| decode(p, "password")).transpose()?;
+    Ok(match (user.is_empty(), password) {
+        (true, None) => None,
+        (true, Some(p)) => Some(Credentials::password_only(Secret::new(p))),
+        (false, Some(p)) => Some(Credentials::new(user, Secret::new(p))),
+        (false, None) => match password_env() {
+            Some(p) => Some(Credentials::new(user, Secret::new(p))),
+            None => {
+                return Err(format!(
+                    "the URL names user {user:?} but no password: put it in {PASSWORD_ENV}"
+                ))
+            }
+        },
+    })
+}
+
+fn tls_options(url: &url::Url, tls: bool) -> Result<Option<TlsOptions>, String> {
+    let mut opts = TlsOptions::new();
+    let mut any = false;
+    for (k, v) in url.query_pairs() {
+        any = true;
+        let v = v.into_owned();
+        if v.is_empty() {
+            return Err(format!("query parameter {k} has no value"));
+        }
+        let slot = match &*k {
+            "ca" => &mut opts.ca,
+            "cert" => &mut opts.cert,
+            "key" => &mut opts.key,
+            "server_name" => {
+                opts.server_name = Some(v);
+                continue;
+            }
+            other => {
+                return Err(format!(
+                    "unknown query parameter {other:?} (known: ca, cert, key, server_name)"
+                ))
+            }
+        };
+        if slot.replace(PathBuf::from(v)).is_some() {
+            return Err(format!("query parameter {k} given twice"));
+        }
+    }
+    if any && !tls {
+        return Err(
+            "ca, cert, key and server_name are TLS settings: use the TLS scheme (zks://, \
+             etcds://, rediss://, redlocks://, rediss+sentinel://)"
+                .to_owned(),
+        );
+    }
+    if opts.cert.is_some() != opts.key.is_some() {
+        return Err("cert and key go together: give both or neither".to_owned());
+    }
+    Ok(tls.then_some(opts))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn servers(url: &str) -> Servers {
+        BackendUrl::parse_with(url, || None)
+            .unwrap_or_else(|e| panic!("{url}: {e}"))
+            .servers
+    }
+
+    fn refused(url: &str) -> String {
+        match BackendUrl::parse_with(url, || None) {
+            Err(Error::InvalidUrl { reason, .. }) => reason,
+            other => panic!("{url:?} should be refused, got {other:?}"),
+        }
+    }
+
     #[test]
     fn parses_every_scheme() {
         assert_eq!(
-            BackendUrl::parse("zk://127.0.0.1:2181,127.0.0.1:2182/app").expect("zk"),
-            BackendUrl::ZooKeeper {
+            servers("zk://127.0.0.1:2181,127.0.0.1:2182/app"),
+            Servers::ZooKeeper {
                 hosts: vec!["127.0.0.1:2181".into(), "127.0.0.1:2182".into()],
                 chroot: Some("/app".into())
             }
         );
         assert_eq!(
-            BackendUrl::parse("zk://localhost:2181/").expect("zk"),
-            BackendUrl::ZooKeeper {
+            servers("zk://localhost:2181/"),
+            Servers::ZooKeeper {
                 hosts: vec!["localhost:2181".into()],
                 chroot: None
             }
         );
         assert!(matches!(
-            BackendUrl::parse("etcd://a:2379,b:2379"),
-            Ok(BackendUrl::Etcd { .. })
+            servers("etcd://a:2379,b:2379"),
+            Servers::Etcd { .. }
         ));
+        assert!(matches!(servers("redis://a:6379"), Servers::Redis { .. }));
+        assert!(matches!(servers("redis://a:6379/0"), Servers::Redis { .. }));
         assert!(matches!(
-            BackendUrl::parse("redis://a:6379"),
-            Ok(BackendUrl::Redis { .. })
-        ));
-        assert!(matches!(
-            BackendUrl::parse("redlock://a:1,b:2,c:3"),
-            Ok(BackendUrl::Redlock { .. })
+            servers("redlock://a:1,b:2,c:3"),
+            Servers::Redlock { .. }
         ));
         assert_eq!(
-            BackendUrl::parse("redis+sentinel://127.0.0.1:6393,127.0.0.1:6394/mymaster")
-                .expect("sentinel"),
-            BackendUrl::RedisSentinel {
+            servers("redis+sentinel://127.0.0.1:6393,127.0.0.1:6394/mymaster"),
+            Servers::RedisSentinel {
                 sentinels: vec!["127.0.0.1:6393".into(), "127.0.0.1:6394".into()],
                 service: "mymaster".into()
+            }
+        );
+        assert_eq!(
+            servers("etcd://[::1]:2379"),
+            Servers::Etcd {
+                hosts: vec!["[::1]:2379".into()]
             }
         );
         for bad in [
@@ -193,10 +396,7 @@ mod tests {
             "redis+sentinel://127.0.0.1:6393/my master",
             "redis+sentinel://127.0.0.1/mymaster",
         ] {
-            assert!(
-                matches!(BackendUrl::parse(bad), Err(Error::InvalidUrl { .. })),
-                "{bad} must be rejected"
-            );
+            refused(bad);
         }
     }
 
@@ -216,11 +416,95 @@ mod tests {
             "redlock://a:1,b:2",
             "etcd://a:1/x",
             "zk://a b:1",
+            "zk://a:1,",
+            "zk://a:1#frag",
+            "redis://a:1?ca=/x",
+            "rediss://a:1?ca=",
+            "rediss://a:1?cert=/c",
+            "rediss://a:1?bogus=1",
+            "rediss://a:1?ca=/x&ca=/y",
+            "etcd://:pw@a:1",
+            "zk://:pw@a:1",
         ] {
-            assert!(
-                matches!(BackendUrl::parse(u), Err(Error::InvalidUrl { .. })),
-                "{u:?} should be rejected"
-            );
+            refused(u);
+        }
+    }
+
+    #[test]
+    fn tls_schemes_and_query_parameters() {
+        let u = BackendUrl::parse_with(
+            "rediss://a:6380?ca=/etc/ca.pem&cert=/c%20d.pem&key=/k.pem&server_name=redis.internal",
+            || None,
+        )
+        .expect("parses");
+        assert!(matches!(u.servers, Servers::Redis { .. }));
+        let tls = u.tls.expect("TLS");
+        assert_eq!(tls.ca.as_deref(), Some(std::path::Path::new("/etc/ca.pem")));
+        assert_eq!(tls.cert.as_deref(), Some(std::path::Path::new("/c d.pem")));
+        assert_eq!(tls.key.as_deref(), Some(std::path::Path::new("/k.pem")));
+        assert_eq!(tls.server_name.as_deref(), Some("redis.internal"));
+        for (url, tls) in [
+            ("zks://a:1/app", true),
+            ("zk://a:1/app", false),
+            ("etcds://a:1", true),
+            ("redlocks://a:1,b:1,c:1", true),
+            ("rediss+sentinel://a:1/m", true),
+            ("redis+sentinel://a:1/m", false),
+        ] {
+            let u = BackendUrl::parse_with(url, || None).expect(url);
+            assert_eq!(u.tls.is_some(), tls, "{url}");
+            // No query: TLS against the system roots.
+            if let Some(t) = u.tls {
+                assert_eq!(t, TlsOptions::new());
+            }
+        }
+    }
+
+    #[test]
+    fn credentials_are_percent_decoded_and_never_shown() {
+        let u = BackendUrl::parse_with("etcds://app:p%40ss%3Aw0rd@a:1", || None).expect("parses");
+        let c = u.credentials.clone().expect("credentials");
+        assert_eq!(c.user.as_deref(), Some("app"));
+        assert_eq!(c.password.expose(), "p@ss:w0rd");
+        assert!(!format!("{u:?}").contains("w0rd"), "{u:?}");
+
+        let c = BackendUrl::parse_with("redis://:hunter2@a:1", || None)
+            .expect("parses")
+            .credentials
+            .expect("credentials");
+        assert_eq!(c.user, None);
+        assert_eq!(c.password.expose(), "hunter2");
+
+        // A user without a password takes DLOCK_PASSWORD's value.
+        let c = BackendUrl::parse_with("zk://app@a:1/x", || Some("from-env".into()))
+            .expect("parses")
+            .credentials
+            .expect("credentials");
+        assert_eq!(c.password.expose(), "from-env");
+        assert!(refused("zk://app@a:1/x").contains(PASSWORD_ENV));
+
+        // Errors show the URL with the password redacted.
+        match BackendUrl::parse_with("redis://app:hunter2@a:1,b:2", || None) {
+            Err(e @ Error::InvalidUrl { .. }) => {
+                let shown = format!("{e} {e:?}");
+                assert!(!shown.contains("hunter2"), "{shown}");
+                assert!(shown.contains("redis://app:***@a:1,b:2"), "{shown}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn redact_hides_only_the_password() {
+        for (url, shown) in [
+            ("redis://a:1", "redis://a:1"),
+            ("redis://:pw@a:1", "redis://:***@a:1"),
+            ("etcds://u:pw@a:1,b:2?ca=/x", "etcds://u:***@a:1,b:2?ca=/x"),
+            ("zk://u@a:1/c", "zk://u@a:1/c"),
+            ("zk://u:p@w@a:1/c", "zk://u:***@a:1/c"),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(BackendUrl::redact(url), shown);
         }
     }
 }

@@ -11,7 +11,10 @@ use dlock_core::{
     Backend, Enqueued, Entry, EntryKind, Error, Hints, NameRules, Position, QueuePath, Result,
     SessionOptions, Ticket,
 };
-use etcd_client::{Client, ConnectOptions, GetOptions, GetResponse, KvClient, LeaseClient};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, GetOptions, GetResponse, Identity, KvClient, LeaseClient,
+    TlsOptions,
+};
 use futures::future::BoxFuture;
 use tokio::sync::Semaphore;
 use tokio::time::timeout;
@@ -98,6 +101,41 @@ where
     retrying(budget, op).await
 }
 
+/// Adds TLS and authentication from `opts` to the client's connect options.
+fn secure(mut co: ConnectOptions, opts: &SessionOptions) -> Result<ConnectOptions> {
+    if let Some(tls) = &opts.tls {
+        let read = |what: &str, path: &std::path::Path| {
+            std::fs::read(path)
+                .map_err(|e| Error::Tls(format!("reading {what} {}: {e}", path.display())))
+        };
+        let mut t = TlsOptions::new();
+        t = match &tls.ca {
+            Some(ca) => t.ca_certificate(Certificate::from_pem(read("the CA bundle", ca)?)),
+            None => t.with_native_roots(),
+        };
+        if let (Some(cert), Some(key)) = (&tls.cert, &tls.key) {
+            t = t.identity(Identity::from_pem(
+                read("the client certificate", cert)?,
+                read("the client key", key)?,
+            ));
+        }
+        if let Some(name) = &tls.server_name {
+            t = t.domain_name(name.clone());
+        }
+        co = co.with_tls(t);
+    }
+    if let Some(c) = &opts.credentials {
+        let user = c.user.clone().ok_or_else(|| Error::InvalidUrl {
+            url: String::new(),
+            reason: "etcd authenticates a user: give USER:PASSWORD@".into(),
+        })?;
+        co = co
+            .with_user(user, c.password.expose())
+            .with_auto_token_refresh(true);
+    }
+    Ok(co)
+}
+
 impl EtcdBackend {
     /// Connects to the etcd cluster at `endpoints` (`host:port` or `http://host:port`; the
     /// client spreads requests over all of them and fails over when one dies) and grants
@@ -107,9 +145,16 @@ impl EtcdBackend {
     /// [`DEFAULT_SESSION_TTL`]; the server may raise it (to 1.5 × its election timeout),
     /// and [`Backend::session_timeout`] reports what it granted.
     ///
+    /// With `opts.tls` the endpoints are dialled over TLS (`https`), verified against the
+    /// given CA or the system roots, presenting the client certificate if one is given;
+    /// with `opts.credentials` the client authenticates as that user and refreshes its
+    /// token when the server expires it.
+    ///
     /// # Errors
     /// [`Error::InvalidUrl`] for an empty list or an endpoint the client cannot parse;
-    /// [`Error::Unreachable`] if no endpoint answered within `opts.connect_timeout`.
+    /// [`Error::Unreachable`] if no endpoint answered within `opts.connect_timeout`;
+    /// [`Error::Unauthenticated`] for credentials etcd refuses, [`Error::Tls`] for TLS
+    /// files that cannot be read or a server certificate that fails verification.
     pub async fn connect(endpoints: &[String], opts: SessionOptions) -> Result<Arc<EtcdBackend>> {
         let joined = endpoints.join(",");
         if endpoints.is_empty() || endpoints.iter().any(|e| e.trim().is_empty()) {
@@ -132,6 +177,7 @@ impl EtcdBackend {
             // A member that lost its leader answers "no leader" at once instead of holding
             // the request until it times out; the request is then retried elsewhere.
             .with_require_leader(true);
+        let co = secure(co, &opts)?;
         let span = tracing::debug_span!("etcd.connect", endpoints = %joined);
         let attempt = async {
             let mut client =

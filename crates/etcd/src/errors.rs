@@ -14,6 +14,9 @@ use tokio::time::{sleep, Instant};
 
 /// Maps an etcd-client error from the operation described by `context`.
 pub(crate) fn map(context: &str, e: EtcdError) -> Error {
+    if let Some(typed) = access_error(context, &e) {
+        return typed;
+    }
     match &e {
         EtcdError::GRpcStatus(s) => {
             let msg = s.message();
@@ -43,6 +46,49 @@ pub(crate) fn map(context: &str, e: EtcdError) -> Error {
         },
         _ => Error::backend(context, e),
     }
+}
+
+/// The typed error for a refusal by etcd's auth or by TLS, if `e` is one: gRPC
+/// `Unauthenticated` and etcd's "authentication failed" (sent as `InvalidArgument`) are
+/// [`Error::Unauthenticated`], `PermissionDenied` is [`Error::PermissionDenied`], and a
+/// connection that failed in the TLS handshake (its cause names a certificate) is
+/// [`Error::Tls`].
+fn access_error(context: &str, e: &EtcdError) -> Option<Error> {
+    if let EtcdError::GRpcStatus(s) = e {
+        let msg = s.message();
+        let code: i32 = s.code().into();
+        if code == 16
+            || msg.contains("authentication failed")
+            || msg.contains("invalid auth token")
+            || msg.contains("user name is empty")
+        {
+            return Some(Error::Unauthenticated(format!("{context}: {msg}")));
+        }
+        if code == 7 || msg.contains("permission denied") {
+            return Some(Error::PermissionDenied(format!("{context}: {msg}")));
+        }
+    }
+    // The cause of a failed handshake is a few sources down (transport, hyper, rustls).
+    let mut chain = String::new();
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        chain.push_str(&s.to_string());
+        chain.push_str(": ");
+        source = s.source();
+    }
+    let tls_words = [
+        "certificate",
+        "CertificateRequired",
+        "HandshakeFailure",
+        "tls handshake",
+    ];
+    if tls_words.iter().any(|w| chain.contains(w)) {
+        return Some(Error::Tls(format!(
+            "{context}: {}",
+            chain.trim_end_matches(": ")
+        )));
+    }
+    None
 }
 
 /// True for an error that says no server took the request: etcd-client spreads requests
@@ -143,7 +189,14 @@ mod tests {
             "x",
             EtcdError::GRpcStatus(tonic::Status::permission_denied("no")),
         );
-        assert!(matches!(denied, Error::Backend { .. }), "{denied:?}");
+        assert!(matches!(denied, Error::PermissionDenied(_)), "{denied:?}");
+        let refused = map(
+            "x",
+            EtcdError::GRpcStatus(tonic::Status::invalid_argument(
+                "etcdserver: authentication failed, invalid user ID or password",
+            )),
+        );
+        assert!(matches!(refused, Error::Unauthenticated(_)), "{refused:?}");
         let other = map("x", EtcdError::WatchError("boom".into()));
         assert!(matches!(other, Error::Backend { .. }), "{other:?}");
     }

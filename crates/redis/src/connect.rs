@@ -17,6 +17,7 @@ use tracing::{info, warn};
 use crate::backend::{Counters, Mode, RedisBackend, Shared};
 use crate::node::{Node, Tuning};
 use crate::scripts::Scripts;
+use crate::tls::Access;
 use crate::watchdog::watchdog;
 
 /// The lease when [`SessionOptions::session_timeout`] is not set: Redisson's watchdog
@@ -177,11 +178,12 @@ impl RedisBackend {
             connect_timeout: opts.connect_timeout,
             command_timeout: (lease / 2).clamp(Duration::from_secs(1), Duration::from_secs(5)),
         };
+        let access = Access::new(&opts)?;
         let nodes = match sentinel_service {
-            Some(service) => vec![Node::start_sentinel(addrs, service, tuning)?],
+            Some(service) => vec![Node::start_sentinel(addrs, service, tuning, &access)?],
             None => addrs
                 .iter()
-                .map(|a| Node::start(a, tuning))
+                .map(|a| Node::start(a, tuning, &access))
                 .collect::<Result<Vec<_>>>()?,
         };
         let majority = nodes.len() / 2 + 1;
@@ -192,8 +194,20 @@ impl RedisBackend {
             for n in &nodes {
                 n.shutdown().await;
             }
-            let first = results.into_iter().find_map(|r| r.err());
+            // A refusal (credentials, permissions, TLS) says more than "unreachable".
+            let refused = |e: &Error| {
+                matches!(
+                    e,
+                    Error::Unauthenticated(_) | Error::PermissionDenied(_) | Error::Tls(_)
+                )
+            };
+            let errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
+            let first = match errors.iter().position(refused) {
+                Some(i) => errors.into_iter().nth(i),
+                None => errors.into_iter().next(),
+            };
             return Err(match (mode, first) {
+                (_, Some(e)) if refused(&e) => e,
                 (Mode::Single, Some(e)) => e,
                 _ => Error::Unreachable(format!(
                     "only {connected} of {} redis masters connected within {:?}; a majority ({majority}) is needed",

@@ -182,6 +182,7 @@ mod pubsub;
 mod redlock;
 mod reply;
 mod scripts;
+mod tls;
 mod watchdog;
 
 pub use backend::{RedisBackend, Stats};

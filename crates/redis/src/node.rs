@@ -12,6 +12,7 @@ use fred::types::scripts::Script;
 use fred::types::{ConnectHandle, RespVersion};
 use tokio::time::Instant;
 
+use crate::tls::Access;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -38,7 +39,14 @@ pub(crate) struct Node {
     pub switches: Arc<AtomicU64>,
     /// How many of `watchers` have a confirmed `+switch-master` subscription.
     watching: Arc<tokio::sync::watch::Sender<usize>>,
+    /// Connection errors of both clients, subscribed before they connect, so that the
+    /// connect can tell refused credentials or a failed TLS handshake from a server that
+    /// is down (fred retries both the same way).
+    conn_errors: parking_lot::Mutex<Vec<ErrorRx>>,
 }
+
+type ErrorRx =
+    tokio::sync::broadcast::Receiver<(fred::error::Error, Option<fred::types::config::Server>)>;
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -63,6 +71,35 @@ pub(crate) fn reconnect_policy() -> ReconnectPolicy {
     policy
 }
 
+/// The typed error for a refusal by the server's ACL or TLS, if `e` is one.
+pub(crate) fn access_error(e: &fred::error::Error) -> Option<Error> {
+    let details = e.details();
+    if *e.kind() == ErrorKind::Auth
+        || details.starts_with("WRONGPASS")
+        || details.starts_with("NOAUTH")
+    {
+        return Some(Error::Unauthenticated(format!("redis: {details}")));
+    }
+    if details.starts_with("NOPERM")
+        || details.contains("The user executing the script can't")
+        || details.contains("no permissions to")
+    {
+        return Some(Error::PermissionDenied(format!("redis: {details}")));
+    }
+    // rustls reports a failed handshake as an I/O error carrying its own error.
+    let handshake = [
+        "InvalidCertificate",
+        "invalid peer certificate",
+        "CertificateRequired",
+        "HandshakeFailure",
+        "NoCertificatesPresented",
+    ];
+    if *e.kind() == ErrorKind::Tls || handshake.iter().any(|w| details.contains(w)) {
+        return Some(Error::Tls(format!("redis: {details}")));
+    }
+    None
+}
+
 /// Checks `host:port` and returns it unchanged.
 pub(crate) fn check_addr(addr: &str) -> Result<&str, Error> {
     let bad = |reason: &str| Error::InvalidUrl {
@@ -84,13 +121,14 @@ pub(crate) fn check_addr(addr: &str) -> Result<&str, Error> {
 
 impl Node {
     /// Builds the clients and starts connecting them; does not wait for the connection.
-    pub fn start(addr: &str, tuning: Tuning) -> Result<Node, Error> {
+    pub fn start(addr: &str, tuning: Tuning, access: &Access) -> Result<Node, Error> {
         let addr = check_addr(addr)?;
-        let config =
+        let mut config =
             Config::from_url(&format!("redis://{addr}")).map_err(|e| Error::InvalidUrl {
                 url: addr.to_owned(),
                 reason: e.to_string(),
             })?;
+        access.apply(&mut config);
         Self::start_with(addr.to_owned(), config, tuning)
     }
 
@@ -103,10 +141,14 @@ impl Node {
     /// connections drop; when it stays up, the Sentinels' `+switch-master` announcement
     /// (see [`Node::watch_sentinel`]) or its first `READONLY` reply once demoted makes
     /// the clients reconnect (fred's `custom-reconnect-errors`).
+    ///
+    /// The Sentinels and the primary are reached with the same TLS settings and
+    /// credentials (`access`).
     pub fn start_sentinel(
         sentinels: &[String],
         service: &str,
         tuning: Tuning,
+        access: &Access,
     ) -> Result<Node, Error> {
         let label = format!("{}/{service}", sentinels.join(","));
         let mut hosts = Vec::with_capacity(sentinels.len());
@@ -124,14 +166,15 @@ impl Node {
             })?;
             hosts.push((host.to_owned(), port));
         }
-        let config = Config {
+        let mut config = Config {
             server: ServerConfig::new_sentinel(hosts.clone(), service),
             ..Config::default()
         };
+        access.apply(&mut config);
         let mut node = Self::start_with(format!("sentinel {label}"), config, tuning)?;
         let last = Arc::new(parking_lot::Mutex::new(None::<String>));
         for (host, port) in hosts {
-            node.watch_sentinel(host, port, service, tuning, last.clone())?;
+            node.watch_sentinel(host, port, service, tuning, access, last.clone())?;
         }
         Ok(node)
     }
@@ -152,13 +195,15 @@ impl Node {
         port: u16,
         service: &str,
         tuning: Tuning,
+        access: &Access,
         last: Arc<parking_lot::Mutex<Option<String>>>,
     ) -> Result<(), Error> {
-        let config = Config {
+        let mut config = Config {
             server: ServerConfig::new_centralized(host.clone(), port),
             fail_fast: false,
             ..Config::default()
         };
+        access.apply(&mut config);
         let mut b = Builder::from_config(config);
         b.with_connection_config(|c| {
             c.connection_timeout = tuning.connect_timeout;
@@ -259,6 +304,7 @@ impl Node {
         let sub = builder(sub_config)
             .build_subscriber_client()
             .map_err(|e| Error::backend(format!("configuring subscriber for {addr}"), e))?;
+        let conn_errors = parking_lot::Mutex::new(vec![client.error_rx(), sub.error_rx()]);
         let conn_tasks = vec![client.connect(), sub.connect()];
         // R3: only a SubscriberClient that manages its subscriptions re-subscribes after a
         // reconnect. The handle ends when the client quits.
@@ -273,7 +319,30 @@ impl Node {
             watcher_tasks: Vec::new(),
             switches: Arc::new(AtomicU64::new(0)),
             watching: Arc::new(tokio::sync::watch::Sender::new(0)),
+            conn_errors,
         })
+    }
+
+    /// The first refusal (credentials, permissions, TLS) among the connection errors
+    /// seen since the last call.
+    fn refused(&self) -> Option<Error> {
+        let mut refusal = None;
+        for rx in self.conn_errors.lock().iter_mut() {
+            loop {
+                use tokio::sync::broadcast::error::TryRecvError;
+                let e = match rx.try_recv() {
+                    Ok((e, _server)) => e,
+                    // Attempts repeat every few ms: older ones may have been dropped.
+                    Err(TryRecvError::Lagged(_)) => continue,
+                    Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+                };
+                tracing::debug!(addr = %self.addr, kind = ?e.kind(), error = %e, "redis connection attempt failed");
+                if refusal.is_none() {
+                    refusal = access_error(&e);
+                }
+            }
+        }
+        refusal
     }
 
     /// Waits until both clients are connected and, through Sentinel, one failover watch
@@ -307,6 +376,9 @@ impl Node {
                 return Ok(());
             }
             let now = Instant::now();
+            if let Some(refusal) = self.refused() {
+                return Err(refusal);
+            }
             if now >= deadline {
                 return Err(Error::Unreachable(format!(
                     "redis at {} did not accept a connection in time (client {:?}, subscriber {:?})",
@@ -321,7 +393,12 @@ impl Node {
             } else {
                 self.client.wait_for_connect().await_in(slice).await
             };
-            if pending.is_err() {
+            if let Err(e) = &pending {
+                // Retrying cannot fix refused credentials or a certificate that fails
+                // verification: say so now instead of timing out as "unreachable".
+                if let Some(typed) = e.as_ref().and_then(access_error) {
+                    return Err(typed);
+                }
                 // Failed attempt: the reconnect policy retries; do not spin meanwhile.
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -433,7 +510,14 @@ impl Node {
     /// `READONLY` (a demoted primary, before the client reconnected to the promoted
     /// replica), `LOADING` (a restart reading its data), `MASTERDOWN` (a replica cut off
     /// from its primary). Each is transient; the command was not applied.
+    ///
+    /// ACL refusals are typed: `WRONGPASS`/`NOAUTH` [`Error::Unauthenticated`], `NOPERM`
+    /// (and a script's call refused by the ACL) [`Error::PermissionDenied`]; a TLS
+    /// failure is [`Error::Tls`].
     pub fn map_err(&self, what: &str, e: fred::error::Error) -> Error {
+        if let Some(typed) = access_error(&e) {
+            return typed;
+        }
         let transient = ["READONLY", "LOADING", "MASTERDOWN"];
         if transient.iter().any(|p| e.details().starts_with(p)) {
             return Error::Unreachable(format!("redis at {} while {what}: {e}", self.addr));
@@ -523,11 +607,13 @@ async fn resubscribe(sub: &SubscriberClient) -> fred::prelude::FredResult<()> {
 }
 
 /// `timeout` as a method, to keep the connect loop readable.
+/// `Err(None)`: the slice passed; `Err(Some(e))`: the attempt failed with `e`.
 trait AwaitIn: std::future::Future<Output = fred::prelude::FredResult<()>> + Sized {
-    async fn await_in(self, d: Duration) -> Result<(), ()> {
+    async fn await_in(self, d: Duration) -> Result<(), Option<fred::error::Error>> {
         match tokio::time::timeout(d, self).await {
             Ok(Ok(())) => Ok(()),
-            _ => Err(()),
+            Ok(Err(e)) => Err(Some(e)),
+            Err(_) => Err(None),
         }
     }
 }

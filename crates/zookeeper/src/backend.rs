@@ -64,6 +64,8 @@ pub struct ZkBackend {
     pub(crate) watcher: tokio::task::AbortHandle,
     /// The leader heartbeat ([`crate::heartbeat`]); aborted on drop like `watcher`.
     pub(crate) heartbeat: tokio::task::AbortHandle,
+    /// The ACL of every node this backend creates ([`crate::security::acls`]).
+    pub(crate) acls: zk::Acls<'static>,
 }
 
 impl Drop for ZkBackend {

@@ -49,15 +49,34 @@ impl ZkBackend {
         // The leader created the session after this: it lives at least a session timeout
         // from here (the heartbeat's first proof).
         let requested = tokio::time::Instant::now();
-        let connecting = zk::Client::connector()
-            .with_session_timeout(timeout)
-            .connect(hosts);
+        let acls = crate::security::acls(&opts);
+        let (connector, tls) = crate::security::configure(
+            zk::Client::connector().with_session_timeout(timeout),
+            &opts,
+        )?;
+        let connecting = async move {
+            if tls {
+                connector.secure_connect(hosts).await
+            } else {
+                connector.connect(hosts).await
+            }
+        };
         let client = match tokio::time::timeout(opts.connect_timeout, connecting).await {
             Err(_elapsed) => {
+                if let Some(tls) = opts.tls.clone() {
+                    let first = hosts.split(',').next().unwrap_or_default().to_owned();
+                    let wait = opts.connect_timeout.min(std::time::Duration::from_secs(2));
+                    let diagnosis = tokio::task::spawn_blocking(move || {
+                        crate::security::diagnose_tls(&first, &tls, wait)
+                    });
+                    if let Ok(Some(e)) = diagnosis.await {
+                        return Err(e);
+                    }
+                }
                 return Err(Error::Unreachable(format!(
                     "no ZooKeeper server of {hosts:?} answered within {:?}",
                     opts.connect_timeout
-                )))
+                )));
             }
             Ok(Err(err)) => return Err(connect_error(connect_string, err)),
             Ok(Ok(client)) => client,
@@ -65,9 +84,25 @@ impl ZkBackend {
 
         let (resolved, conf) = {
             let hosts = hosts.to_owned();
+            let tls = opts.tls.as_ref().and_then(crate::security::client_config);
             tokio::task::spawn_blocking(move || {
                 let resolved = nodelay::resolve(&hosts);
-                let conf = crate::heartbeat::probe_conf(&resolved);
+                let named: Vec<String> = hosts
+                    .split(',')
+                    .map(|h| {
+                        let h = h.trim();
+                        let h = h
+                            .trim_start_matches("tcp+tls://")
+                            .trim_start_matches("tcp://");
+                        // ZooKeeper's default port, as the client assumes it.
+                        if h.contains(':') {
+                            h.to_owned()
+                        } else {
+                            format!("{h}:2181")
+                        }
+                    })
+                    .collect();
+                let conf = crate::heartbeat::probe_conf(&named, tls.as_ref());
                 (resolved, conf)
             })
             .await
@@ -120,7 +155,7 @@ impl ZkBackend {
                     url: connect_string.to_owned(),
                     reason: format!("invalid chroot {root:?}"),
                 })?;
-                let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                let persistent = zk::CreateMode::Persistent.with_acls(acls);
                 let mkdir = client.mkdir(root, &persistent);
                 match tokio::time::timeout(opts.connect_timeout, mkdir).await {
                     Ok(Ok(())) => {}
@@ -161,6 +196,7 @@ impl ZkBackend {
             session_id,
             watcher: task.abort_handle(),
             heartbeat: heartbeat.abort_handle(),
+            acls,
         });
         tracing::info!(session = %session_id, ?session_timeout, "ZooKeeper session established");
         Ok(backend)

@@ -49,7 +49,7 @@ impl ZkBackend {
             Position::Beside(writer) => Some(format!("{parent}/{}", writer.name)),
             Position::Tail => None,
         };
-        let options = mode.with_acls(zk::Acls::anyone_all());
+        let options = mode.with_acls(self.acls);
         // Set when a create's reply was lost: it may have happened on the server.
         let mut maybe_created = false;
         for _ in 0..MAX_ENQUEUE_ATTEMPTS {
@@ -179,7 +179,7 @@ impl ZkBackend {
         let parent = znode(q);
         let path = format!("{parent}/{}", ticket.name_prefix(kind));
         let gone_path = format!("{}/{}", znode(gone_q), gone.name);
-        let options = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+        let options = zk::CreateMode::EphemeralSequential.with_acls(self.acls);
         let mut maybe_done = false;
         for _ in 0..MAX_ENQUEUE_ATTEMPTS {
             if std::mem::take(&mut maybe_done) {
@@ -260,7 +260,7 @@ impl ZkBackend {
     /// Creates `parent` and its ancestors as container nodes, as Curator's
     /// `creatingParentContainersIfNeeded` does, so the server reaps them once empty.
     async fn make_parent(&self, client: &zk::Client, parent: &str) -> Result<()> {
-        let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        let container = zk::CreateMode::Container.with_acls(self.acls);
         match retry(|| client.mkdir(parent, &container)).await {
             Ok(()) | Err(zk::Error::NodeExists) => Ok(()),
             Err(zk::Error::NoNode) => Err(Error::backend(

@@ -18,6 +18,9 @@ pub(crate) fn is_connection_loss(err: &zk::Error) -> bool {
 /// The session's end is the lock's end ([`Error::LockLost`]); a missing server is
 /// [`Error::Unreachable`]; everything else keeps the client error as its source.
 pub(crate) fn map_err(context: &str, err: zk::Error) -> Error {
+    if let Some(typed) = crate::security::access_error(context, &err) {
+        return typed;
+    }
     match err {
         zk::Error::SessionExpired | zk::Error::SessionMoved => {
             Error::LockLost(format!("{context}: ZooKeeper session expired"))
@@ -39,6 +42,12 @@ pub(crate) fn connect_error(connect_string: &str, err: zk::Error) -> Error {
             url: connect_string.to_owned(),
             reason: (*reason).to_owned(),
         },
+        zk::Error::AuthFailed => Error::Unauthenticated(format!(
+            "ZooKeeper at {connect_string:?} refused the credentials"
+        )),
+        ref e if crate::security::access_error("connecting", e).is_some() => {
+            map_err("connecting", err)
+        }
         zk::Error::ConnectionLoss | zk::Error::Timeout | zk::Error::NoHosts => Error::Unreachable(
             format!("no ZooKeeper server of {connect_string:?} answered: {err}"),
         ),

@@ -69,17 +69,16 @@ pub(crate) struct ServerConf {
     pub(crate) follower_detection: Option<Duration>,
 }
 
-/// Asks the servers for their timing with the `conf` four-letter word (blocking; a
-/// second per server at most). `None` if no server answers it.
-pub(crate) fn probe_conf(servers: &[std::net::SocketAddr]) -> Option<ServerConf> {
-    use std::io::{Read as _, Write as _};
-    servers.iter().find_map(|addr| {
+/// Asks the servers (`host:port` each) for their timing with the `conf` four-letter
+/// word, over TLS when `tls` is given (blocking; a second per server at most). `None` if
+/// no server answers it.
+pub(crate) fn probe_conf(
+    hosts: &[String],
+    tls: Option<&std::sync::Arc<rustls::ClientConfig>>,
+) -> Option<ServerConf> {
+    hosts.iter().find_map(|host| {
         let limit = Duration::from_millis(500);
-        let mut s = std::net::TcpStream::connect_timeout(addr, limit).ok()?;
-        s.set_read_timeout(Some(limit)).ok()?;
-        s.write_all(b"conf").ok()?;
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
+        let out = crate::security::four_letter(host, b"conf", tls, limit).ok()?;
         parse_conf(&out)
     })
 }

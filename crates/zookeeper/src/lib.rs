@@ -141,6 +141,7 @@ mod enqueue;
 mod errors;
 mod heartbeat;
 mod nodelay;
+mod security;
 mod session;
 
 pub use backend::{ZkBackend, DEFAULT_SESSION_TIMEOUT};

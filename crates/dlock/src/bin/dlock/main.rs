@@ -21,8 +21,11 @@ mod child;
 #[derive(Debug, Parser)]
 #[command(name = "dlock", version, about, long_about = None)]
 struct Cli {
-    /// Backend URL: zk://h:p[,h:p][/chroot], etcd://h:p[,h:p], redis://h:p, redlock://h:p,h:p,h:p
-    #[arg(long, global = true, env = "DLOCK_URL")]
+    /// Backend URL: zk://h:p[,h:p][/chroot], etcd://h:p[,h:p], redis://h:p, redlock://h:p,h:p,h:p,
+    /// redis+sentinel://h:p[,h:p]/service; TLS with zks://, etcds://, rediss://, redlocks://,
+    /// rediss+sentinel:// and ?ca=PATH&cert=PATH&key=PATH&server_name=NAME; credentials as
+    /// USER:PASSWORD@ or USER@ with the password in DLOCK_PASSWORD
+    #[arg(long, global = true, env = "DLOCK_URL", hide_env_values = true)]
     url: Option<String>,
 
     /// How long a crashed or paused holder keeps the lock (ZooKeeper session timeout, etcd
