@@ -6,12 +6,13 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::config::{
-    etcd_argv, redis_argv, redis_ha_argv, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg,
-    SENTINELS, SENTINEL_SERVICE,
+    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv, secure_zk_argv,
+    secure_zoo_cfg, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg, SENTINELS, SENTINEL_SERVICE,
 };
 use crate::error::io_ctx;
 use crate::ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
 use crate::probe::redis_query;
+use crate::secure::{pki_dir, setup_etcd_auth, Pki};
 use crate::{Backend, Error, Result, Server, State};
 
 /// How long a fresh cluster may take to become ready. Measured: 3–4 s for 11 servers under
@@ -50,6 +51,10 @@ pub struct ClusterSpec {
     pub state_path: Option<PathBuf>,
     /// Parent of the cluster's temporary directory; `None` means the system temp dir.
     pub base_dir: Option<PathBuf>,
+    /// Start every server secured (see [`crate::secure`]): a fresh PKI in
+    /// `<root_dir>/pki/`, TLS-only client ports that check client certificates,
+    /// authentication and access control. Not available with a Sentinel group.
+    pub secure: bool,
 }
 
 impl Default for ClusterSpec {
@@ -63,6 +68,7 @@ impl Default for ClusterSpec {
             port_offset: 0,
             state_path: None,
             base_dir: None,
+            secure: false,
         }
     }
 }
@@ -74,6 +80,11 @@ impl ClusterSpec {
                 "at most 5 ZooKeeper, 5 etcd, 10 Redis nodes and 2 Sentinel-group replicas (asked {}/{}/{}/{})",
                 self.zk, self.etcd, self.redis, self.sentinel_replicas
             )));
+        }
+        if self.secure && self.sentinel_replicas > 0 {
+            return Err(Error::InvalidSpec(
+                "secure Sentinel groups are not supported yet".to_owned(),
+            ));
         }
         if self.port_offset > MAX_PORT_OFFSET {
             return Err(Error::InvalidSpec(format!(
@@ -136,11 +147,29 @@ impl Cluster {
             detached: false,
         };
         // On error `cluster` drops here and kills what was started.
-        cluster.spawn_all(spec)?;
+        let pki = if spec.secure {
+            let pki = Pki::generate(pki_dir(&cluster.state.root_dir))?;
+            cluster.state.pki_dir = Some(pki.dir.clone());
+            Some(pki)
+        } else {
+            None
+        };
+        cluster.spawn_all(spec, pki.as_ref())?;
         for backend in Backend::ALL {
             let ids: Vec<u32> = cluster.state.servers_of(backend).map(|s| s.id).collect();
             for id in ids {
                 cluster.state.wait_ready(backend, id, START_TIMEOUT)?;
+            }
+        }
+        if let Some(pki) = &pki {
+            if spec.etcd > 0 {
+                let endpoints = cluster
+                    .state
+                    .servers_of(Backend::Etcd)
+                    .map(|s| format!("https://{}", s.addr))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                setup_etcd_auth(&endpoints, pki)?;
             }
         }
         if spec.sentinel_replicas > 0 {
@@ -191,7 +220,7 @@ impl Cluster {
             let dir = self.node_dir(Backend::RedisHa, id)?;
             let primary = (id > 1).then_some(primary_port);
             let argv = redis_ha_argv(id, primary, off, &dir);
-            self.spawn(Backend::RedisHa, id, dir, argv)?;
+            self.spawn(Backend::RedisHa, id, dir, argv, None)?;
             self.state.wait_ready(Backend::RedisHa, id, START_TIMEOUT)?;
         }
         for id in 2..=nodes {
@@ -206,7 +235,7 @@ impl Cluster {
             let cfg = dir.join("sentinel.conf");
             std::fs::write(&cfg, sentinel_conf(id, primary_port, off, &dir))
                 .map_err(io_ctx(format!("writing {}", cfg.display())))?;
-            self.spawn(Backend::Sentinel, id, dir, sentinel_argv(&cfg))?;
+            self.spawn(Backend::Sentinel, id, dir, sentinel_argv(&cfg), None)?;
         }
         let replica_ports: Vec<String> = (2..=nodes)
             .map(|id| client_port(Backend::RedisHa, id, off).to_string())
@@ -258,7 +287,8 @@ impl Cluster {
         Ok(())
     }
 
-    fn spawn_all(&mut self, spec: &ClusterSpec) -> Result<()> {
+    fn spawn_all(&mut self, spec: &ClusterSpec, pki: Option<&Pki>) -> Result<()> {
+        let tls = pki.map(|p| p.dir.clone());
         let off = spec.port_offset;
         for id in 1..=spec.zk {
             let dir = self.node_dir(Backend::Zookeeper, id)?;
@@ -271,19 +301,32 @@ impl Cluster {
                     .map_err(io_ctx(format!("writing {}", myid.display())))?;
             }
             let cfg = dir.join("zoo.cfg");
-            std::fs::write(&cfg, zoo_cfg(id, spec.zk, off, &data))
-                .map_err(io_ctx(format!("writing {}", cfg.display())))?;
-            self.spawn(Backend::Zookeeper, id, dir.clone(), zk_argv(&cfg))?;
+            let (text, argv) = match pki {
+                None => (zoo_cfg(id, spec.zk, off, &data), zk_argv(&cfg)),
+                Some(pki) => (
+                    secure_zoo_cfg(id, spec.zk, off, &data, pki),
+                    secure_zk_argv(&cfg),
+                ),
+            };
+            std::fs::write(&cfg, text).map_err(io_ctx(format!("writing {}", cfg.display())))?;
+            self.spawn(Backend::Zookeeper, id, dir.clone(), argv, tls.clone())?;
         }
         for id in 1..=spec.etcd {
             let dir = self.node_dir(Backend::Etcd, id)?;
-            let argv = etcd_argv(id, spec.etcd, off, &dir.join("data"));
-            self.spawn(Backend::Etcd, id, dir, argv)?;
+            let data = dir.join("data");
+            let argv = match pki {
+                None => etcd_argv(id, spec.etcd, off, &data),
+                Some(pki) => secure_etcd_argv(id, spec.etcd, off, &data, pki),
+            };
+            self.spawn(Backend::Etcd, id, dir, argv, tls.clone())?;
         }
         for id in 1..=spec.redis {
             let dir = self.node_dir(Backend::Redis, id)?;
-            let argv = redis_argv(id, off, &dir);
-            self.spawn(Backend::Redis, id, dir, argv)?;
+            let argv = match pki {
+                None => redis_argv(id, off, &dir),
+                Some(pki) => secure_redis_argv(id, off, &dir, pki),
+            };
+            self.spawn(Backend::Redis, id, dir, argv, tls.clone())?;
         }
         Ok(())
     }
@@ -294,7 +337,14 @@ impl Cluster {
         Ok(dir)
     }
 
-    fn spawn(&mut self, backend: Backend, id: u32, dir: PathBuf, argv: Vec<String>) -> Result<()> {
+    fn spawn(
+        &mut self,
+        backend: Backend,
+        id: u32,
+        dir: PathBuf,
+        argv: Vec<String>,
+        tls: Option<PathBuf>,
+    ) -> Result<()> {
         let server = Server {
             backend,
             id,
@@ -307,6 +357,7 @@ impl Cluster {
             log_path: dir.join("out.log"),
             data_dir: dir,
             argv,
+            tls,
         };
         let _guard = spawn_lock();
         self.state.push_spawned(server)

@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::ports::{client_port, etcd_peer_port, zk_peer_ports};
+use crate::secure::{redis_user_args, Pki};
 use crate::Backend;
 
 /// The ZooKeeper server jar from Debian's `zookeeper` package; its manifest classpath pulls
@@ -68,6 +69,110 @@ pub fn zk_argv(cfg_path: &Path) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect()
+}
+
+/// Netty's codec classes, which ZooKeeper's TLS client port needs and `zookeeper.jar`'s
+/// manifest classpath leaves out (Debian's `libnetty-java`). Without it the server
+/// listens but every TLS connection fails with `NoClassDefFoundError:
+/// io/netty/handler/codec/ByteToMessageDecoder`.
+pub const NETTY_CODEC_JAR: &str = "/usr/share/java/netty-codec.jar";
+
+/// [`zoo_cfg`] for a secured cluster: the client port speaks only TLS
+/// (`secureClientPort`, no plain `clientPort`) through Netty, with the PEM key and trust
+/// stores of `pki`, and takes a client certificate when one is offered
+/// (`ssl.clientAuth=want`). Not `need`: ZooKeeper turns a client certificate into an
+/// `x509` identity, and the "creator" ACL of a node covers every identity of its
+/// creator, so with every test client presenting the one test certificate any client
+/// would count as the creator of every node and the ACL tests would prove nothing.
+/// Quorum traffic between ensemble members stays plain.
+pub fn secure_zoo_cfg(id: u32, nodes: u32, offset: u16, data_dir: &Path, pki: &Pki) -> String {
+    let mut cfg: String = zoo_cfg(id, nodes, offset, data_dir)
+        .lines()
+        .filter(|l| !l.starts_with("clientPortAddress=") && !l.starts_with("clientPort="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    cfg.push_str("secureClientPortAddress=127.0.0.1\n");
+    let _ = writeln!(
+        cfg,
+        "secureClientPort={}",
+        client_port(Backend::Zookeeper, id, offset)
+    );
+    cfg.push_str("serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory\n");
+    let _ = writeln!(cfg, "ssl.keyStore.location={}", pki.server_pem.display());
+    cfg.push_str("ssl.keyStore.type=PEM\n");
+    let _ = writeln!(cfg, "ssl.trustStore.location={}", pki.ca.display());
+    cfg.push_str("ssl.trustStore.type=PEM\n");
+    cfg.push_str("ssl.clientAuth=want\n");
+    cfg
+}
+
+/// [`zk_argv`] with [`NETTY_CODEC_JAR`] on the classpath, for [`secure_zoo_cfg`].
+pub fn secure_zk_argv(cfg_path: &Path) -> Vec<String> {
+    let mut argv = zk_argv(cfg_path);
+    if let Some(cp) = argv.iter().position(|a| a == "-cp") {
+        argv[cp + 1] = format!("{}:{NETTY_CODEC_JAR}", argv[cp + 1]);
+    }
+    argv
+}
+
+/// [`etcd_argv`] for a secured cluster: `https://` client URLs with the server
+/// certificate of `pki`, client certificates required (`--client-cert-auth`) and checked
+/// against its CA. Peer URLs stay `http://` (peer TLS adds 2 s to every bootstrap).
+/// Users, roles and `auth enable` come after the start (see [`crate::secure`]).
+pub fn secure_etcd_argv(
+    id: u32,
+    nodes: u32,
+    offset: u16,
+    data_dir: &Path,
+    pki: &Pki,
+) -> Vec<String> {
+    let plain = format!(
+        "http://127.0.0.1:{}",
+        client_port(Backend::Etcd, id, offset)
+    );
+    let mut argv: Vec<String> = etcd_argv(id, nodes, offset, data_dir)
+        .into_iter()
+        .map(|a| {
+            if a == plain {
+                a.replacen("http://", "https://", 1)
+            } else {
+                a
+            }
+        })
+        .collect();
+    argv.extend([
+        "--cert-file".into(),
+        pki.server_cert.display().to_string(),
+        "--key-file".into(),
+        pki.server_key.display().to_string(),
+        "--trusted-ca-file".into(),
+        pki.ca.display().to_string(),
+        "--client-cert-auth".into(),
+    ]);
+    argv
+}
+
+/// [`redis_argv`] for a secured cluster: no plain port (`--port 0`), TLS on the client
+/// port with the server certificate of `pki`, client certificates checked against its CA
+/// when presented (`--tls-auth-clients optional`), and the ACL users of
+/// [`crate::secure`], one rule per argument.
+pub fn secure_redis_argv(id: u32, offset: u16, dir: &Path, pki: &Pki) -> Vec<String> {
+    let mut argv = redis_argv(id, offset, dir);
+    argv[2] = "0".into();
+    argv.extend([
+        "--tls-port".into(),
+        client_port(Backend::Redis, id, offset).to_string(),
+        "--tls-cert-file".into(),
+        pki.server_cert.display().to_string(),
+        "--tls-key-file".into(),
+        pki.server_key.display().to_string(),
+        "--tls-ca-cert-file".into(),
+        pki.ca.display().to_string(),
+        "--tls-auth-clients".into(),
+        "optional".into(),
+    ]);
+    argv.extend(redis_user_args());
+    argv
 }
 
 /// The command line of etcd node `id` of a cluster of `nodes`.
@@ -265,6 +370,37 @@ mod tests {
             sentinel_argv(Path::new("/d/s.conf")),
             vec!["redis-server", "/d/s.conf", "--sentinel"]
         );
+    }
+
+    #[test]
+    fn secure_configs_listen_only_on_tls() {
+        let pki = Pki::in_dir("/p");
+        let cfg = secure_zoo_cfg(1, 1, 0, Path::new("/d"), &pki);
+        assert!(!cfg.contains("clientPort="), "{cfg}");
+        assert!(!cfg.contains("clientPortAddress="), "{cfg}");
+        assert!(cfg.contains("secureClientPort=2181\n"));
+        assert!(cfg.contains("secureClientPortAddress=127.0.0.1\n"));
+        assert!(cfg.contains("ssl.keyStore.location=/p/server.pem\n"));
+        assert!(cfg.contains("ssl.clientAuth=want\n"));
+        let zk = secure_zk_argv(Path::new("/d/zoo.cfg"));
+        assert!(zk.join(" ").contains(&format!(":{NETTY_CODEC_JAR} ")));
+
+        let etcd = secure_etcd_argv(1, 1, 0, Path::new("/d"), &pki).join(" ");
+        assert!(etcd.contains("--listen-client-urls https://127.0.0.1:2379 "));
+        assert!(etcd.contains("--advertise-client-urls https://127.0.0.1:2379 "));
+        assert!(etcd.contains("--listen-peer-urls http://127.0.0.1:2380 "));
+        assert!(etcd.ends_with("--trusted-ca-file /p/ca.crt --client-cert-auth"));
+
+        let redis = secure_redis_argv(1, 0, Path::new("/d"), &pki);
+        assert_eq!(&redis[1..3], ["--port", "0"]);
+        let tls = redis
+            .iter()
+            .position(|a| a == "--tls-port")
+            .expect("tls port");
+        assert_eq!(redis[tls + 1], "6379");
+        assert!(redis
+            .join(" ")
+            .contains("--tls-auth-clients optional --user default reset on >"));
     }
 
     #[test]

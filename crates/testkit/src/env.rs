@@ -19,6 +19,22 @@ pub const ENV_REDIS_SENTINEL: &str = "DLOCK_TEST_REDIS_SENTINEL";
 /// Path of the cluster state JSON, for fault tests.
 pub const ENV_STATE: &str = "DLOCK_TEST_STATE";
 
+/// The secured ZooKeeper as a full URL with credentials and TLS files,
+/// `zks://dlock-app:PASSWORD@127.0.0.1:P?ca=PATH&cert=PATH&key=PATH`
+/// ([`crate::State::secure_env`]).
+pub const ENV_SECURE_ZK: &str = "DLOCK_TEST_SECURE_ZK";
+/// The secured etcd, `etcds://dlock-app:PASSWORD@h:p,h:p?ca=...&cert=...&key=...`.
+pub const ENV_SECURE_ETCD: &str = "DLOCK_TEST_SECURE_ETCD";
+/// One secured Redis master, `rediss://dlock-app:PASSWORD@h:p?ca=...&cert=...&key=...`.
+pub const ENV_SECURE_REDIS: &str = "DLOCK_TEST_SECURE_REDIS";
+/// The secured Redlock masters, `redlocks://dlock-app:PASSWORD@h:p,h:p,h:p?ca=...`.
+pub const ENV_SECURE_REDLOCK: &str = "DLOCK_TEST_SECURE_REDLOCK";
+/// A secured Sentinel group, `rediss+sentinel://dlock-app:PASSWORD@h:p,h:p,h:p/mymaster?ca=...`
+/// (reserved: secured clusters have no Sentinel group yet, so it is never set).
+pub const ENV_SECURE_REDIS_SENTINEL: &str = "DLOCK_TEST_SECURE_REDIS_SENTINEL";
+/// Path of the secured cluster's state JSON (its PKI is [`crate::State::pki`]).
+pub const ENV_SECURE_STATE: &str = "DLOCK_TEST_SECURE_STATE";
+
 /// Directory where tests that start their own servers put their state files (see
 /// [`scratch_state_path`]); `cargo xtask integration` sets it and kills whatever those
 /// files record when the run ends or is interrupted.

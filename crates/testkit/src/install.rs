@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::config::ZK_JAR;
+use crate::config::{NETTY_CODEC_JAR, ZK_JAR};
 use crate::error::io_ctx;
 use crate::{Error, Result};
 
@@ -17,6 +17,9 @@ pub const APT_PACKAGES: &[&str] = &[
     "protobuf-compiler",
     "libcurator-recipes-java",
     "libslf4j-java",
+    // netty-codec.jar: ZooKeeper's TLS client port (secured clusters). zookeeper already
+    // pulls it in; named so the jar's source is on record.
+    "libnetty-java",
     // `nft`: server-side partitions ([`crate::NetCut`]).
     "nftables",
 ];
@@ -32,7 +35,11 @@ const PROGRAMS: &[&str] = &[
     "protoc",
     "nft",
 ];
-const FILES: &[&str] = &[ZK_JAR, "/usr/share/java/curator-recipes.jar"];
+const FILES: &[&str] = &[
+    ZK_JAR,
+    "/usr/share/java/curator-recipes.jar",
+    NETTY_CODEC_JAR,
+];
 
 fn on_path(program: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|paths| {

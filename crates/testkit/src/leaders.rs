@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use crate::config::SENTINEL_SERVICE;
 use crate::error::io_ctx;
-use crate::probe::{redis_query, zk_mode, ZkMode};
+use crate::probe::{redis_query, ZkMode};
+use crate::secure::{etcdctl_root_args, Pki};
 use crate::state::{poll, Backend, Server, State};
 use crate::{Error, Result};
 
@@ -18,7 +19,7 @@ impl State {
         self.live(Backend::Zookeeper)
             .find(|s| {
                 matches!(
-                    zk_mode(&s.addr, Duration::from_secs(1)),
+                    s.zk_mode(Duration::from_secs(1)),
                     Some(ZkMode::Leader | ZkMode::Standalone)
                 )
             })
@@ -35,20 +36,26 @@ impl State {
         if live.is_empty() {
             return Ok(None);
         }
+        // A secured member speaks https, wants the client certificate and, with auth
+        // enabled, a user.
+        let tls = live.iter().find_map(|s| s.tls.as_ref());
         let endpoints = live
             .iter()
-            .map(|s| s.addr.as_str())
+            .map(|s| match tls {
+                Some(_) => format!("https://{}", s.addr),
+                None => s.addr.clone(),
+            })
             .collect::<Vec<_>>()
             .join(",");
-        let args = [
+        let mut args = vec![
             format!("--endpoints={endpoints}"),
             "--dial-timeout=300ms".into(),
             "--command-timeout=1s".into(),
-            "endpoint".into(),
-            "status".into(),
-            "-w".into(),
-            "json".into(),
         ];
+        if let Some(dir) = tls {
+            args.extend(etcdctl_root_args(&Pki::in_dir(dir)));
+        }
+        args.extend(["endpoint", "status", "-w", "json"].map(String::from));
         let out = Command::new("etcdctl")
             .args(&args)
             .env("ETCDCTL_API", "3")

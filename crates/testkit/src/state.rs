@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::SENTINEL_SERVICE;
 use crate::error::io_ctx;
-use crate::probe::{etcd_healthy, redis_ping, zk_mode};
+use crate::probe::{etcd_healthy_over, redis_ping_over, redis_query_over, zk_mode_over, ZkMode};
 use crate::process::{self, is_alive, is_stopped, proc_stat};
 use crate::{Endpoints, Error, Result};
 
@@ -118,6 +118,11 @@ pub struct Server {
     pub log_path: PathBuf,
     /// The full command line; [`State::restart`] runs exactly this again.
     pub argv: Vec<String>,
+    /// For a server of a secured cluster, the PKI directory ([`crate::secure::Pki`]) whose
+    /// client certificate its probes present over TLS; `None` for a plain server (and in
+    /// state files written before secured clusters existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<PathBuf>,
 }
 
 impl Server {
@@ -131,15 +136,29 @@ impl Server {
         is_stopped(self.pid, self.start_time)
     }
 
-    /// Probes the client port once: `srvr` mode, `/health`, or `PING`.
+    /// Probes the client port once: `srvr` mode, `/health`, or `PING` (over TLS with the
+    /// cluster's client certificate for a secured server, as the Redis administrator).
     pub fn is_ready(&self, timeout: Duration) -> bool {
+        let tls = self.tls.as_deref();
         match self.backend {
-            Backend::Zookeeper => zk_mode(&self.addr, timeout).is_some(),
-            Backend::Etcd => etcd_healthy(&self.addr, timeout),
+            Backend::Zookeeper => self.zk_mode(timeout).is_some(),
+            Backend::Etcd => etcd_healthy_over(&self.addr, tls, timeout),
             Backend::Redis | Backend::RedisHa | Backend::Sentinel => {
-                redis_ping(&self.addr, timeout)
+                redis_ping_over(&self.addr, tls, timeout)
             }
         }
+    }
+
+    /// The mode this ZooKeeper node reports in `srvr` ([`crate::zk_mode`]), over TLS for a
+    /// secured node.
+    pub fn zk_mode(&self, timeout: Duration) -> Option<ZkMode> {
+        zk_mode_over(&self.addr, self.tls.as_deref(), timeout)
+    }
+
+    /// One Redis command to this node ([`crate::redis_query`]); for a secured node over
+    /// TLS, logged in as the administrator.
+    pub fn redis_query(&self, args: &[&str], timeout: Duration) -> Option<String> {
+        redis_query_over(&self.addr, self.tls.as_deref(), args, timeout)
     }
 
     /// The last `lines` lines of the log, for error messages.
@@ -205,6 +224,9 @@ pub struct State {
     pub port_offset: u16,
     /// Every server, in start order.
     pub servers: Vec<Server>,
+    /// The PKI directory of a secured cluster ([`State::pki`]); `None` for a plain one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pki_dir: Option<PathBuf>,
     /// Where this state is saved, if anywhere.
     #[serde(skip)]
     path: Option<PathBuf>,
@@ -220,6 +242,7 @@ impl State {
             root_dir,
             port_offset,
             servers: Vec::new(),
+            pki_dir: None,
             path,
             children: HashMap::new(),
         }
@@ -583,6 +606,7 @@ mod tests {
             data_dir: "/tmp/dlock-cluster-test/zk1".into(),
             log_path: "/tmp/dlock-cluster-test/zk1/out.log".into(),
             argv: vec!["java".into(), "-cp".into(), "x".into(), String::new()],
+            tls: None,
         });
         state.servers.push(Server {
             backend: Backend::Redis,
@@ -593,6 +617,7 @@ mod tests {
             data_dir: "/tmp/dlock-cluster-test/redis1".into(),
             log_path: "/tmp/dlock-cluster-test/redis1/out.log".into(),
             argv: vec!["redis-server".into()],
+            tls: None,
         });
         state
     }

@@ -1,0 +1,271 @@
+//! Starts a secured cluster (TLS, authentication, access control) and proves with the
+//! servers' own clients (`redis-cli`, `etcdctl`) and the testkit's TLS probes that the
+//! security is real: the app user may do dlock's work and nothing else, other users,
+//! wrong passwords, plaintext and a foreign CA are refused.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use dlock_testkit::secure::{
+    etcdctl_tls_args, Caller, APP_PASSWORD, APP_USER, ETCD_APP_PREFIX, NOBODY_PASSWORD,
+    NOBODY_USER, WRONG_PASSWORD,
+};
+use dlock_testkit::{
+    ensure_installed, etcd_healthy, redis_ping, scratch_state_path, tls_handshake, zk_mode,
+    Backend, Cluster, ClusterSpec, Error, LockService, State, ZkMode, ENV_SECURE_ETCD,
+    ENV_SECURE_REDIS, ENV_SECURE_REDLOCK, ENV_SECURE_STATE, ENV_SECURE_ZK,
+};
+
+/// Runs a client and returns its exit success and stdout + stderr: `redis-cli` exits 0
+/// on error replies and `etcdctl` on some errors, so tests read the output.
+fn run(program: &str, args: &[String]) -> (bool, String) {
+    let out = Command::new(program)
+        .args(args)
+        .env("ETCDCTL_API", "3")
+        .output()
+        .unwrap_or_else(|e| panic!("running {program}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn redis_cli(addr: &str, tls: &[String], user: Option<(&str, &str)>, cmd: &[&str]) -> String {
+    let (host, port) = addr.rsplit_once(':').expect("host:port");
+    let mut args: Vec<String> = tls.to_vec();
+    args.extend(["-h", host, "-p", port].map(String::from));
+    if let Some((u, p)) = user {
+        args.extend(["--user", u, "--pass", p, "--no-auth-warning"].map(String::from));
+    }
+    args.extend(cmd.iter().map(|s| s.to_string()));
+    run("redis-cli", &args).1
+}
+
+fn etcdctl(endpoint: &str, pki_tls: &[String], user: &str, cmd: &[&str]) -> (bool, String) {
+    let mut args = vec![
+        format!("--endpoints=https://{endpoint}"),
+        "--dial-timeout=2s".into(),
+        "--command-timeout=3s".into(),
+        format!("--user={user}"),
+    ];
+    args.extend(pki_tls.iter().cloned());
+    args.extend(cmd.iter().map(|s| s.to_string()));
+    run("etcdctl", &args)
+}
+
+fn path_str(p: &Path) -> String {
+    p.display().to_string()
+}
+
+#[test]
+fn secure_cluster_enforces_tls_authentication_and_acls() {
+    ensure_installed().expect("server packages installed");
+    let mut spec = ClusterSpec {
+        zk: 1,
+        etcd: 1,
+        redis: 3,
+        secure: true,
+        state_path: Some(scratch_state_path("secure-selftest")),
+        ..ClusterSpec::default()
+    };
+    // Offsets that are 100 mod 150: between the plain self-tests' (50 and 0 mod 150).
+    let started = std::time::Instant::now();
+    let mut cluster =
+        Cluster::start_at_free_offset(&mut spec, (0..200u16).map(|k| 20_100 + k * 150))
+            .expect("secured cluster starts");
+    eprintln!("secured cluster ready in {:?}", started.elapsed());
+    let pki = cluster.pki().expect("a secured cluster has a PKI");
+    assert_eq!(pki.dir, cluster.root_dir.join("pki"));
+    for f in [&pki.ca, &pki.cert, &pki.key, &pki.server_pem, &pki.other_ca] {
+        assert!(f.exists(), "{} missing", f.display());
+    }
+    let t = Duration::from_secs(2);
+
+    // --- ZooKeeper: TLS only, client certificate required.
+    let zk = cluster.server(Backend::Zookeeper, 1).expect("zk1").clone();
+    assert_eq!(zk.zk_mode(t), Some(ZkMode::Standalone), "srvr over TLS");
+    assert_eq!(zk_mode(&zk.addr, t), None, "no plaintext ZooKeeper");
+    assert_eq!(cluster.zk_leader(), Some(1));
+    assert!(
+        tls_handshake(&zk.addr, &pki.other_ca, &pki.cert, &pki.key, t).is_err(),
+        "a client trusting another CA must not accept ZooKeeper's certificate"
+    );
+
+    // --- etcd: https with client certificates, users and roles.
+    let etcd = cluster.server(Backend::Etcd, 1).expect("etcd1").clone();
+    assert!(!etcd_healthy(&etcd.addr, t), "no plaintext etcd");
+    assert_eq!(
+        cluster
+            .wait_leader(Backend::Etcd, Duration::from_secs(30))
+            .expect("etcd leader over TLS"),
+        1
+    );
+    let etls = etcdctl_tls_args(&pki);
+    let app = format!("{APP_USER}:{APP_PASSWORD}");
+    let key = format!("{ETCD_APP_PREFIX}x");
+    let (ok, out) = etcdctl(&etcd.addr, &etls, &app, &["put", &key, "1"]);
+    assert!(ok && out.contains("OK"), "app put {key}: {out}");
+    let (ok, out) = etcdctl(&etcd.addr, &etls, &app, &["get", &key]);
+    assert!(ok && out.contains(&key), "app get {key}: {out}");
+    let (_, out) = etcdctl(&etcd.addr, &etls, &app, &["put", "other/x", "1"]);
+    assert!(out.contains("permission denied"), "app put other/x: {out}");
+    let nobody = format!("{NOBODY_USER}:{NOBODY_PASSWORD}");
+    let (_, out) = etcdctl(&etcd.addr, &etls, &nobody, &["put", &key, "2"]);
+    assert!(out.contains("permission denied"), "nobody put: {out}");
+    let wrong = format!("{APP_USER}:{WRONG_PASSWORD}");
+    let (_, out) = etcdctl(&etcd.addr, &etls, &wrong, &["get", &key]);
+    assert!(
+        out.contains("authentication failed"),
+        "wrong password: {out}"
+    );
+
+    // --- Redis: TLS only, ACL users.
+    let redis = cluster.server(Backend::Redis, 1).expect("redis1").clone();
+    let rtls: Vec<String> = vec![
+        "--tls".into(),
+        "--cacert".into(),
+        path_str(&pki.ca),
+        "--cert".into(),
+        path_str(&pki.cert),
+        "--key".into(),
+        path_str(&pki.key),
+    ];
+    let app = Some((APP_USER, APP_PASSWORD));
+    let out = redis_cli(&redis.addr, &rtls, app, &["SET", "dlock:{x}:q", "v"]);
+    assert_eq!(out.trim(), "OK", "app SET dlock:{{x}}:q");
+    let out = redis_cli(&redis.addr, &rtls, app, &["SET", "other:x", "v"]);
+    assert!(out.contains("NOPERM"), "app SET other:x: {out}");
+    let out = redis_cli(&redis.addr, &rtls, app, &["KEYS", "*"]);
+    assert!(out.contains("NOPERM"), "app KEYS: {out}");
+    let out = redis_cli(
+        &redis.addr,
+        &rtls,
+        app,
+        &[
+            "EVAL",
+            "return redis.call('GET', KEYS[1])",
+            "1",
+            "dlock:{x}:q",
+        ],
+    );
+    assert_eq!(out.trim(), "v", "app EVAL on a dlock key");
+    let out = redis_cli(&redis.addr, &rtls, app, &["PUBLISH", "other", "m"]);
+    assert!(out.contains("NOPERM"), "app PUBLISH other: {out}");
+    let out = redis_cli(
+        &redis.addr,
+        &rtls,
+        Some((NOBODY_USER, NOBODY_PASSWORD)),
+        &["GET", "dlock:{x}:q"],
+    );
+    assert!(out.contains("NOPERM"), "nobody GET dlock:{{x}}:q: {out}");
+    let out = redis_cli(
+        &redis.addr,
+        &rtls,
+        Some((APP_USER, WRONG_PASSWORD)),
+        &["GET", "dlock:{x}:q"],
+    );
+    assert!(out.contains("WRONGPASS"), "wrong password: {out}");
+    let out = redis_cli(&redis.addr, &rtls, None, &["GET", "dlock:{x}:q"]);
+    assert!(out.contains("NOAUTH"), "anonymous: {out}");
+    // Client certificates are optional on Redis: the CA alone is enough.
+    let ca_only: Vec<String> = rtls[..3].to_vec();
+    let out = redis_cli(&redis.addr, &ca_only, app, &["GET", "dlock:{x}:q"]);
+    assert_eq!(out.trim(), "v", "app without a client certificate");
+    // Plaintext on the TLS port fails.
+    assert!(!redis_ping(&redis.addr, t), "plaintext PING answered");
+    let out = redis_cli(&redis.addr, &[], app, &["PING"]);
+    assert!(!out.contains("PONG"), "plaintext redis-cli: {out}");
+    assert!(
+        tls_handshake(&redis.addr, &pki.other_ca, &pki.cert, &pki.key, t).is_err(),
+        "a client trusting another CA must not accept Redis's certificate"
+    );
+    assert_eq!(
+        redis
+            .redis_query(&["ACL", "DRYRUN", APP_USER, "GET", "other:x"], t)
+            .map(|r| r.contains("permissions")),
+        Some(true),
+        "the testkit's own query logs in as the administrator"
+    );
+    for s in cluster.servers_of(Backend::Redis) {
+        assert!(s.is_ready(t), "redis {} ready over TLS", s.id);
+    }
+
+    // --- The URLs and environment handed to dlock's tests.
+    let env = cluster.secure_env();
+    let names: Vec<&str> = env.iter().map(|(k, _)| *k).collect();
+    assert_eq!(
+        names,
+        [
+            ENV_SECURE_ZK,
+            ENV_SECURE_ETCD,
+            ENV_SECURE_REDIS,
+            ENV_SECURE_REDLOCK,
+            ENV_SECURE_STATE
+        ]
+    );
+    let redlock = cluster
+        .secure_url(LockService::Redlock, Caller::App)
+        .expect("redlock url");
+    let prefix = format!(
+        "redlocks://{APP_USER}:{APP_PASSWORD}@{}?ca={}&cert=",
+        cluster.addrs(Backend::Redis),
+        pki.ca.display()
+    );
+    assert!(redlock.starts_with(&prefix), "{redlock}");
+    for (name, url) in &env {
+        eprintln!("{name}={url}");
+    }
+
+    // --- The state file carries what the probes need: another process restarts nodes.
+    let path = spec.state_path.clone().expect("state path");
+    let mut other = State::load(&path).expect("state loads");
+    assert_eq!(other.pki(), Some(pki.clone()));
+    other
+        .restart(Backend::Redis, 1)
+        .expect("restart secured redis");
+    let out = redis_cli(&redis.addr, &rtls, app, &["SET", "dlock:{x}:q", "w"]);
+    assert_eq!(
+        out.trim(),
+        "OK",
+        "app after the restart (ACLs come from argv)"
+    );
+    cluster
+        .restart(Backend::Zookeeper, 1)
+        .expect("restart secured zk");
+    assert_eq!(cluster.zk_leader(), Some(1));
+
+    cluster.down().expect("down");
+    assert!(!pki.dir.exists(), "PKI left behind");
+}
+
+#[test]
+fn a_secure_sentinel_group_is_refused_before_anything_starts() {
+    let spec = ClusterSpec {
+        zk: 0,
+        etcd: 0,
+        redis: 0,
+        sentinel_replicas: 1,
+        secure: true,
+        ..ClusterSpec::default()
+    };
+    match Cluster::start(&spec) {
+        Err(Error::InvalidSpec(msg)) => assert!(msg.contains("Sentinel"), "{msg}"),
+        other => panic!("expected InvalidSpec, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_plain_cluster_has_no_secure_urls() {
+    let state_json = r#"{"root_dir":"/tmp/dlock-cluster-x","port_offset":0,"servers":[{"backend":"redis","id":1,"addr":"127.0.0.1:6379","pid":1,"start_time":1,"data_dir":"/d","log_path":"/d/out.log","argv":["redis-server"]}]}"#;
+    let path = std::env::temp_dir().join(format!("dlock-testkit-old-{}.json", std::process::id()));
+    std::fs::write(&path, state_json).expect("write");
+    let state = State::load(&path).expect("a state file from before secured clusters loads");
+    std::fs::remove_file(&path).expect("cleanup");
+    assert_eq!(state.servers[0].tls, None);
+    assert_eq!(state.pki(), None);
+    assert!(state.secure_env().is_empty());
+    assert_eq!(state.secure_url(LockService::Redis, Caller::App), None);
+}
