@@ -12,6 +12,10 @@
 //!   [`REDIS_ADMIN_USER`] (everything), [`APP_USER`] ([`REDIS_APP_ACL`]) and
 //!   [`NOBODY_USER`] (commands but no keys or channels).
 //!
+//! Ensembles (ZooKeeper, etcd) are secured on their client ports only: traffic between
+//! members stays plain (etcd peer TLS adds 2 s to every bootstrap). A Sentinel group is
+//! not available secured yet ([`crate::Error::InvalidSpec`]).
+//!
 //! The passwords are fixed test values: these servers listen on 127.0.0.1 and hold
 //! throwaway data.
 

@@ -192,6 +192,53 @@ fn secure_cluster_enforces_tls_authentication_and_acls() {
     for s in cluster.servers_of(Backend::Redis) {
         assert!(s.is_ready(t), "redis {} ready over TLS", s.id);
     }
+    // Every command dlock's Redis adapter sends (connecting, EVALSHA with SCRIPT LOAD on
+    // NOSCRIPT, PTTL, pub/sub) and every command its scripts run, on its key and channel
+    // names (crates/redis/src/keys.rs): allowed for the app user, refused for nobody
+    // where a key or channel is named.
+    let (q, seq, tok) = ("dlock:{l}:q", "dlock:{l}:seq", "dlock:{l}:token");
+    let (entry, gone, chg) = ("dlock:{l}:e:n", "dlock:{l}:gone:n", "dlock:{l}:chg");
+    let sha = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db";
+    let commands: &[&[&str]] = &[
+        &["HELLO", "3"],
+        &["CLIENT", "SETNAME", "dlock"],
+        &["SELECT", "0"],
+        &["PING"],
+        &["ROLE"],
+        &["INFO", "server"],
+        &["TIME"],
+        &["SCRIPT", "LOAD", "return 1"],
+        &["EVALSHA", sha, "3", q, seq, tok],
+        &["PTTL", entry],
+        &["SUBSCRIBE", gone],
+        &["UNSUBSCRIBE", gone],
+        &["DEL", entry, q, seq, tok],
+        &["EXISTS", entry],
+        &["GET", entry],
+        &["SET", tok, "1", "PX", "1000"],
+        &["PEXPIRE", q, "1000", "GT"],
+        &["PUBLISH", chg, "n"],
+        &["ZADD", q, "1", "n"],
+        &["ZRANGE", q, "0", "-1", "WITHSCORES"],
+        &["ZRANGEBYSCORE", q, "-inf", "1", "WITHSCORES"],
+        &["ZREM", q, "n"],
+    ];
+    for cmd in commands {
+        let mut args = vec!["ACL", "DRYRUN", APP_USER];
+        args.extend_from_slice(cmd);
+        let reply = redis.redis_query(&args, t);
+        assert_eq!(reply.as_deref(), Some("OK"), "app may run {cmd:?}");
+        let names_a_key = cmd.iter().any(|a| a.starts_with("dlock:"));
+        // UNSUBSCRIBE checks no channel; EVALSHA checks keys only once the script runs.
+        if names_a_key && !matches!(cmd[0], "EVALSHA" | "UNSUBSCRIBE") {
+            args[2] = NOBODY_USER;
+            let reply = redis.redis_query(&args, t).unwrap_or_default();
+            assert!(
+                reply.contains("permissions"),
+                "nobody may not run {cmd:?}: {reply}"
+            );
+        }
+    }
 
     // --- The URLs and environment handed to dlock's tests.
     let env = cluster.secure_env();
