@@ -241,6 +241,11 @@ fn secure_cluster_enforces_tls_authentication_and_acls() {
     }
 
     // --- The URLs and environment handed to dlock's tests.
+    assert_eq!(
+        cluster.endpoints(),
+        dlock_testkit::Endpoints::default(),
+        "no plain DLOCK_TEST_* endpoints for a secured cluster"
+    );
     let env = cluster.secure_env();
     let names: Vec<&str> = env.iter().map(|(k, _)| *k).collect();
     assert_eq!(
