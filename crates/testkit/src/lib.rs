@@ -29,7 +29,8 @@
 //!   access control): set [`ClusterSpec::secure`]. [`secure`] names the users, their
 //!   passwords and the Redis ACL ([`secure::REDIS_APP_ACL`]); [`State::pki`] gives the
 //!   certificate files ([`secure::Pki`]); [`State::secure_url`] builds the `zks://`,
-//!   `etcds://`, `rediss://` or `redlocks://` URL for a [`secure::Caller`] (the app user,
+//!   `etcds://`, `rediss://`, `redlocks://` or `rediss+sentinel://` URL for a
+//!   [`secure::Caller`] (the app user,
 //!   an authenticated user without rights, a wrong password, a foreign CA, no client
 //!   certificate); [`State::secure_env`] lists the `DLOCK_TEST_SECURE_*` variables
 //!   ([`ENV_SECURE_ZK`] ...) that `cargo xtask integration` exports. Probes, restarts and
@@ -79,9 +80,10 @@ mod state;
 
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
 pub use config::{
-    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv, secure_zk_argv,
-    secure_zoo_cfg, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg, NETTY_CODEC_JAR, SENTINELS,
-    SENTINEL_QUORUM, SENTINEL_SERVICE, ZK_JAR,
+    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv,
+    secure_redis_ha_argv, secure_sentinel_conf, secure_zk_argv, secure_zoo_cfg, sentinel_argv,
+    sentinel_conf, zk_argv, zoo_cfg, NETTY_CODEC_JAR, SENTINELS, SENTINEL_QUORUM, SENTINEL_SERVICE,
+    ZK_JAR,
 };
 pub use env::{
     reap_scratch_clusters, require_etcd, require_redis, require_redis_sentinel, require_redlock,
