@@ -6,12 +6,12 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::config::{
-    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv, secure_zk_argv,
-    secure_zoo_cfg, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg, SENTINELS, SENTINEL_SERVICE,
+    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv,
+    secure_redis_ha_argv, secure_sentinel_conf, secure_zk_argv, secure_zoo_cfg, sentinel_argv,
+    sentinel_conf, zk_argv, zoo_cfg, SENTINELS, SENTINEL_SERVICE,
 };
 use crate::error::io_ctx;
 use crate::ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
-use crate::probe::redis_query;
 use crate::secure::{pki_dir, setup_etcd_auth, Pki};
 use crate::{Backend, Error, Result, Server, State};
 
@@ -53,7 +53,7 @@ pub struct ClusterSpec {
     pub base_dir: Option<PathBuf>,
     /// Start every server secured (see [`crate::secure`]): a fresh PKI in
     /// `<root_dir>/pki/`, TLS-only client ports that check client certificates,
-    /// authentication and access control. Not available with a Sentinel group.
+    /// authentication and access control.
     pub secure: bool,
 }
 
@@ -80,11 +80,6 @@ impl ClusterSpec {
                 "at most 5 ZooKeeper, 5 etcd, 10 Redis nodes and 2 Sentinel-group replicas (asked {}/{}/{}/{})",
                 self.zk, self.etcd, self.redis, self.sentinel_replicas
             )));
-        }
-        if self.secure && self.sentinel_replicas > 0 {
-            return Err(Error::InvalidSpec(
-                "secure Sentinel groups are not supported yet".to_owned(),
-            ));
         }
         if self.port_offset > MAX_PORT_OFFSET {
             return Err(Error::InvalidSpec(format!(
@@ -173,7 +168,7 @@ impl Cluster {
             }
         }
         if spec.sentinel_replicas > 0 {
-            cluster.start_sentinel_group(spec)?;
+            cluster.start_sentinel_group(spec, pki.as_ref())?;
         }
         Ok(cluster)
     }
@@ -212,30 +207,38 @@ impl Cluster {
     /// they poll every 10 s, so Sentinels started before the replicas are in sync would
     /// not know them for 10 s (and a failover meanwhile finds no replica to promote).
     /// Returns once every Sentinel lists every replica and reports a usable quorum.
-    fn start_sentinel_group(&mut self, spec: &ClusterSpec) -> Result<()> {
+    fn start_sentinel_group(&mut self, spec: &ClusterSpec, pki: Option<&Pki>) -> Result<()> {
         let off = spec.port_offset;
+        let tls = pki.map(|p| p.dir.clone());
         let primary_port = client_port(Backend::RedisHa, 1, off);
         let nodes = 1 + spec.sentinel_replicas;
         for id in 1..=nodes {
             let dir = self.node_dir(Backend::RedisHa, id)?;
             let primary = (id > 1).then_some(primary_port);
-            let argv = redis_ha_argv(id, primary, off, &dir);
-            self.spawn(Backend::RedisHa, id, dir, argv, None)?;
+            let argv = match pki {
+                None => redis_ha_argv(id, primary, off, &dir),
+                Some(pki) => secure_redis_ha_argv(id, primary, off, &dir, pki),
+            };
+            self.spawn(Backend::RedisHa, id, dir, argv, tls.clone())?;
             self.state.wait_ready(Backend::RedisHa, id, START_TIMEOUT)?;
         }
         for id in 2..=nodes {
-            let addr = self.state.server(Backend::RedisHa, id)?.addr.clone();
-            self.wait_group(&format!("replica {addr} in sync"), || {
-                redis_query(&addr, &["INFO", "replication"], Duration::from_secs(1))
+            let replica = self.state.server(Backend::RedisHa, id)?.clone();
+            self.wait_group(&format!("replica {} in sync", replica.addr), || {
+                replica
+                    .redis_query(&["INFO", "replication"], Duration::from_secs(1))
                     .is_some_and(|info| info.contains("master_link_status:up"))
             })?;
         }
         for id in 1..=SENTINELS {
             let dir = self.node_dir(Backend::Sentinel, id)?;
             let cfg = dir.join("sentinel.conf");
-            std::fs::write(&cfg, sentinel_conf(id, primary_port, off, &dir))
-                .map_err(io_ctx(format!("writing {}", cfg.display())))?;
-            self.spawn(Backend::Sentinel, id, dir, sentinel_argv(&cfg), None)?;
+            let text = match pki {
+                None => sentinel_conf(id, primary_port, off, &dir),
+                Some(pki) => secure_sentinel_conf(id, primary_port, off, &dir, pki),
+            };
+            std::fs::write(&cfg, text).map_err(io_ctx(format!("writing {}", cfg.display())))?;
+            self.spawn(Backend::Sentinel, id, dir, sentinel_argv(&cfg), tls.clone())?;
         }
         let replica_ports: Vec<String> = (2..=nodes)
             .map(|id| client_port(Backend::RedisHa, id, off).to_string())
@@ -243,19 +246,21 @@ impl Cluster {
         for id in 1..=SENTINELS {
             self.state
                 .wait_ready(Backend::Sentinel, id, START_TIMEOUT)?;
-            let addr = self.state.server(Backend::Sentinel, id)?.addr.clone();
+            let sentinel = self.state.server(Backend::Sentinel, id)?.clone();
+            let addr = sentinel.addr.clone();
             let t = Duration::from_secs(1);
             self.wait_group(
                 &format!("Sentinel {addr} to know every replica and a quorum"),
                 || {
-                    let replicas =
-                        redis_query(&addr, &["SENTINEL", "REPLICAS", SENTINEL_SERVICE], t)
-                            .unwrap_or_default();
+                    let replicas = sentinel
+                        .redis_query(&["SENTINEL", "REPLICAS", SENTINEL_SERVICE], t)
+                        .unwrap_or_default();
                     let known = replica_ports
                         .iter()
                         .all(|p| replicas.lines().any(|l| l == p.as_str()));
                     known
-                        && redis_query(&addr, &["SENTINEL", "CKQUORUM", SENTINEL_SERVICE], t)
+                        && sentinel
+                            .redis_query(&["SENTINEL", "CKQUORUM", SENTINEL_SERVICE], t)
                             .is_some_and(|r| r.starts_with(&format!("OK {SENTINELS} usable")))
                 },
             )?;

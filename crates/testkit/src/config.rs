@@ -8,7 +8,10 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::ports::{client_port, etcd_peer_port, zk_peer_ports};
-use crate::secure::{redis_user_args, Pki};
+use crate::secure::{
+    redis_user_args, Pki, APP_PASSWORD, APP_USER, NOBODY_PASSWORD, NOBODY_USER,
+    REDIS_ADMIN_PASSWORD, REDIS_ADMIN_USER, SENTINEL_CLIENT_ACL,
+};
 use crate::Backend;
 
 /// The ZooKeeper server jar from Debian's `zookeeper` package; its manifest classpath pulls
@@ -159,9 +162,16 @@ pub fn secure_etcd_argv(
 pub fn secure_redis_argv(id: u32, offset: u16, dir: &Path, pki: &Pki) -> Vec<String> {
     let mut argv = redis_argv(id, offset, dir);
     argv[2] = "0".into();
-    argv.extend([
+    argv.extend(redis_tls_args(client_port(Backend::Redis, id, offset), pki));
+    argv.extend(redis_user_args());
+    argv
+}
+
+/// `--tls-port` and the certificate flags of a secured Redis (or Sentinel).
+fn redis_tls_args(port: u16, pki: &Pki) -> Vec<String> {
+    vec![
         "--tls-port".into(),
-        client_port(Backend::Redis, id, offset).to_string(),
+        port.to_string(),
         "--tls-cert-file".into(),
         pki.server_cert.display().to_string(),
         "--tls-key-file".into(),
@@ -170,9 +180,85 @@ pub fn secure_redis_argv(id: u32, offset: u16, dir: &Path, pki: &Pki) -> Vec<Str
         pki.ca.display().to_string(),
         "--tls-auth-clients".into(),
         "optional".into(),
+    ]
+}
+
+/// [`redis_ha_argv`] for a secured cluster: as [`secure_redis_argv`], plus replication
+/// over TLS (`--tls-replication yes`, the server certificate as the replica's client
+/// certificate) logged in as [`REDIS_ADMIN_USER`] (`--masteruser`/`--masterauth`, on
+/// every node: any of them may become a replica after a failover).
+pub fn secure_redis_ha_argv(
+    id: u32,
+    primary_port: Option<u16>,
+    offset: u16,
+    dir: &Path,
+    pki: &Pki,
+) -> Vec<String> {
+    let mut argv = redis_ha_argv(id, primary_port, offset, dir);
+    argv[2] = "0".into();
+    argv.extend(redis_tls_args(
+        client_port(Backend::RedisHa, id, offset),
+        pki,
+    ));
+    argv.extend([
+        "--tls-replication".into(),
+        "yes".into(),
+        "--masteruser".into(),
+        REDIS_ADMIN_USER.into(),
+        "--masterauth".into(),
+        REDIS_ADMIN_PASSWORD.into(),
     ]);
     argv.extend(redis_user_args());
     argv
+}
+
+/// [`sentinel_conf`] for a secured cluster: the Sentinel listens only on TLS
+/// (`port 0`, `tls-port`), talks TLS to the group and to the other Sentinels
+/// (`tls-replication yes`), logs in to the data nodes and to the other Sentinels as
+/// [`REDIS_ADMIN_USER`], and has its own ACL users: the administrator, and
+/// [`APP_USER`]/[`NOBODY_USER`] with [`SENTINEL_CLIENT_ACL`] (find the primary, hear
+/// `+switch-master`; nothing else).
+pub fn secure_sentinel_conf(
+    id: u32,
+    primary_port: u16,
+    offset: u16,
+    dir: &Path,
+    pki: &Pki,
+) -> String {
+    let port = client_port(Backend::Sentinel, id, offset);
+    let mut cfg = sentinel_conf(id, primary_port, offset, dir).replacen(
+        &format!("port {port}\n"),
+        "port 0\n",
+        1,
+    );
+    let _ = writeln!(cfg, "tls-port {port}");
+    let _ = writeln!(cfg, "tls-cert-file {}", pki.server_cert.display());
+    let _ = writeln!(cfg, "tls-key-file {}", pki.server_key.display());
+    let _ = writeln!(cfg, "tls-ca-cert-file {}", pki.ca.display());
+    cfg.push_str("tls-auth-clients optional\ntls-replication yes\n");
+    let _ = writeln!(
+        cfg,
+        "user {REDIS_ADMIN_USER} reset on >{REDIS_ADMIN_PASSWORD} ~* &* +@all"
+    );
+    let _ = writeln!(
+        cfg,
+        "user {APP_USER} reset on >{APP_PASSWORD} {SENTINEL_CLIENT_ACL}"
+    );
+    let _ = writeln!(
+        cfg,
+        "user {NOBODY_USER} reset on >{NOBODY_PASSWORD} {SENTINEL_CLIENT_ACL}"
+    );
+    let _ = writeln!(cfg, "sentinel sentinel-user {REDIS_ADMIN_USER}");
+    let _ = writeln!(cfg, "sentinel sentinel-pass {REDIS_ADMIN_PASSWORD}");
+    let _ = writeln!(
+        cfg,
+        "sentinel auth-user {SENTINEL_SERVICE} {REDIS_ADMIN_USER}"
+    );
+    let _ = writeln!(
+        cfg,
+        "sentinel auth-pass {SENTINEL_SERVICE} {REDIS_ADMIN_PASSWORD}"
+    );
+    cfg
 }
 
 /// The command line of etcd node `id` of a cluster of `nodes`.

@@ -29,8 +29,8 @@ pub const ENV_SECURE_ETCD: &str = "DLOCK_TEST_SECURE_ETCD";
 pub const ENV_SECURE_REDIS: &str = "DLOCK_TEST_SECURE_REDIS";
 /// The secured Redlock masters, `redlocks://dlock-app:PASSWORD@h:p,h:p,h:p?ca=...`.
 pub const ENV_SECURE_REDLOCK: &str = "DLOCK_TEST_SECURE_REDLOCK";
-/// A secured Sentinel group, `rediss+sentinel://dlock-app:PASSWORD@h:p,h:p,h:p/mymaster?ca=...`
-/// (reserved: secured clusters have no Sentinel group yet, so it is never set).
+/// A secured Sentinel group: its Sentinels and service name,
+/// `rediss+sentinel://dlock-app:PASSWORD@h:p,h:p,h:p/mymaster?ca=...&cert=...&key=...`.
 pub const ENV_SECURE_REDIS_SENTINEL: &str = "DLOCK_TEST_SECURE_REDIS_SENTINEL";
 /// Path of the secured cluster's state JSON (its PKI is [`crate::State::pki`]).
 pub const ENV_SECURE_STATE: &str = "DLOCK_TEST_SECURE_STATE";

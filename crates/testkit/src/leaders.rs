@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::config::SENTINEL_SERVICE;
 use crate::error::io_ctx;
-use crate::probe::{redis_query, ZkMode};
+use crate::probe::ZkMode;
 use crate::secure::{etcdctl_root_args, Pki};
 use crate::state::{poll, Backend, Server, State};
 use crate::{Error, Result};
@@ -80,8 +80,7 @@ impl State {
         let mut answer: Option<String> = None;
         let mut asked = 0;
         for s in self.live(Backend::Sentinel) {
-            let reply = redis_query(
-                &s.addr,
+            let reply = s.redis_query(
                 &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_SERVICE],
                 t,
             )?;
@@ -98,7 +97,7 @@ impl State {
         }
         let addr = answer?;
         let node = self.live(Backend::RedisHa).find(|s| s.addr == addr)?;
-        let role = redis_query(&node.addr, &["ROLE"], t)?;
+        let role = node.redis_query(&["ROLE"], t)?;
         (role.lines().next() == Some("master")).then_some(node.id)
     }
 
@@ -138,19 +137,16 @@ impl State {
                     .filter(|s| s.id != primary)
                     .collect();
                 let linked = replicas.iter().all(|r| {
-                    redis_query(&r.addr, &["INFO", "replication"], t).is_some_and(|i| {
+                    r.redis_query(&["INFO", "replication"], t).is_some_and(|i| {
                         i.contains("role:slave") && i.contains("master_link_status:up")
                     })
                 });
                 linked
                     && self.live(Backend::Sentinel).all(|sentinel| {
-                        let listed = redis_query(
-                            &sentinel.addr,
-                            &["SENTINEL", "REPLICAS", SENTINEL_SERVICE],
-                            t,
-                        )
-                        .map(|r| healthy_replicas(&r))
-                        .unwrap_or_default();
+                        let listed = sentinel
+                            .redis_query(&["SENTINEL", "REPLICAS", SENTINEL_SERVICE], t)
+                            .map(|r| healthy_replicas(&r))
+                            .unwrap_or_default();
                         replicas.iter().all(|r| listed.contains(&r.addr))
                     })
             })
@@ -195,7 +191,7 @@ impl State {
 }
 
 /// The `ip:port` of every replica a flattened `SENTINEL REPLICAS` reply (see
-/// [`redis_query`]) lists with flags exactly `slave` (not down, not disconnected).
+/// [`crate::redis_query`]) lists with flags exactly `slave` (not down, not disconnected).
 fn healthy_replicas(reply: &str) -> Vec<String> {
     let lines: Vec<&str> = reply.lines().collect();
     let mut out = Vec::new();

@@ -25,6 +25,17 @@
 //!   [`scratch_state_path`]) and call [`Cluster::start_at_free_offset`] with the port
 //!   offsets it may use, or [`Cluster::start`] at a fixed one. The returned [`Cluster`] kills its servers when dropped unless you
 //!   [`Cluster::detach`] it.
+//! - Testing against secured servers (TLS with client certificates, authentication,
+//!   access control): set [`ClusterSpec::secure`]. [`secure`] names the users, their
+//!   passwords and the Redis ACL ([`secure::REDIS_APP_ACL`]); [`State::pki`] gives the
+//!   certificate files ([`secure::Pki`]); [`State::secure_url`] builds the `zks://`,
+//!   `etcds://`, `rediss://`, `redlocks://` or `rediss+sentinel://` URL for a
+//!   [`secure::Caller`] (the app user,
+//!   an authenticated user without rights, a wrong password, a foreign CA, no client
+//!   certificate); [`State::secure_env`] lists the `DLOCK_TEST_SECURE_*` variables
+//!   ([`ENV_SECURE_ZK`] ...) that `cargo xtask integration` exports. Probes, restarts and
+//!   leader queries ([`Server::zk_mode`], [`Server::redis_query`]) speak TLS to secured
+//!   servers by themselves.
 //!
 //! ```no_run
 //! // A test that needs ZooKeeper: skips loudly without `DLOCK_TEST_ZK`, fails under `CI`.
@@ -69,9 +80,10 @@ mod state;
 
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
 pub use config::{
-    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv, secure_zk_argv,
-    secure_zoo_cfg, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg, NETTY_CODEC_JAR, SENTINELS,
-    SENTINEL_QUORUM, SENTINEL_SERVICE, ZK_JAR,
+    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv,
+    secure_redis_ha_argv, secure_sentinel_conf, secure_zk_argv, secure_zoo_cfg, sentinel_argv,
+    sentinel_conf, zk_argv, zoo_cfg, NETTY_CODEC_JAR, SENTINELS, SENTINEL_QUORUM, SENTINEL_SERVICE,
+    ZK_JAR,
 };
 pub use env::{
     reap_scratch_clusters, require_etcd, require_redis, require_redis_sentinel, require_redlock,

@@ -12,6 +12,12 @@
 //!   [`REDIS_ADMIN_USER`] (everything), [`APP_USER`] ([`REDIS_APP_ACL`]) and
 //!   [`NOBODY_USER`] (commands but no keys or channels).
 //!
+//! Ensembles (ZooKeeper, etcd) are secured on their client ports only: traffic between
+//! members stays plain (etcd peer TLS adds 2 s to every bootstrap). A Sentinel group is
+//! secured throughout: TLS replication, Sentinels on TLS that log in to the data nodes
+//! and to each other as the administrator, and [`APP_USER`]/[`NOBODY_USER`] on the
+//! Sentinels too ([`SENTINEL_CLIENT_ACL`]).
+//!
 //! The passwords are fixed test values: these servers listen on 127.0.0.1 and hold
 //! throwaway data.
 
@@ -73,6 +79,12 @@ pub const REDIS_APP_ACL: &str = "~dlock:* &dlock:* -@all +@read +@write +@pubsub
 /// The ACL rules of [`NOBODY_USER`] on Redis: the same commands as [`REDIS_APP_ACL`] but no
 /// key and no channel pattern, so every dlock command is refused with `NOPERM`.
 pub const REDIS_NOBODY_ACL: &str = "resetkeys resetchannels -@all +@read +@write +@pubsub +@connection -@dangerous -function +eval +evalsha +eval_ro +evalsha_ro +script|load +script|exists +time +info +role +wait";
+
+/// The ACL rules of [`APP_USER`] and [`NOBODY_USER`] on a secured Sentinel: ask for the
+/// primary and the group, listen for `+switch-master`, and what a client library sends on
+/// connecting. (fred, without its `sentinel-auth` feature, logs in to the Sentinels with
+/// the data nodes' credentials, so the same users exist there.)
+pub const SENTINEL_CLIENT_ACL: &str = "resetchannels &+switch-master -@all +@connection +sentinel|get-master-addr-by-name +sentinel|master +sentinel|replicas +sentinel|sentinels +subscribe +unsubscribe +role +info";
 
 /// The ACL rules of [`REDIS_ADMIN_USER`].
 const REDIS_ADMIN_ACL: &str = "~* &* +@all";

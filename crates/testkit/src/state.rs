@@ -350,7 +350,13 @@ impl State {
     /// more than one; `redis_sentinel` lists the Sentinels and the service name
     /// (`h:p,h:p,h:p/mymaster`) when the cluster has a Sentinel group; `state` is this
     /// state's file.
+    ///
+    /// A secured cluster has none of these (every field `None`): plain clients cannot
+    /// talk to it, so its endpoints are only the full URLs of [`State::secure_env`].
     pub fn endpoints(&self) -> Endpoints {
+        if self.pki_dir.is_some() {
+            return Endpoints::default();
+        }
         let non_empty = |s: String| (!s.is_empty()).then_some(s);
         let redis: Vec<&Server> = self.servers_of(Backend::Redis).collect();
         Endpoints {

@@ -13,8 +13,8 @@ use dlock_testkit::secure::{
 };
 use dlock_testkit::{
     ensure_installed, etcd_healthy, redis_ping, scratch_state_path, tls_handshake, zk_mode,
-    Backend, Cluster, ClusterSpec, Error, LockService, State, ZkMode, ENV_SECURE_ETCD,
-    ENV_SECURE_REDIS, ENV_SECURE_REDLOCK, ENV_SECURE_STATE, ENV_SECURE_ZK,
+    Backend, Cluster, ClusterSpec, LockService, State, ZkMode, ENV_SECURE_ETCD, ENV_SECURE_REDIS,
+    ENV_SECURE_REDLOCK, ENV_SECURE_STATE, ENV_SECURE_ZK,
 };
 
 /// Runs a client and returns its exit success and stdout + stderr: `redis-cli` exits 0
@@ -192,8 +192,60 @@ fn secure_cluster_enforces_tls_authentication_and_acls() {
     for s in cluster.servers_of(Backend::Redis) {
         assert!(s.is_ready(t), "redis {} ready over TLS", s.id);
     }
+    // Every command dlock's Redis adapter sends (connecting, EVALSHA with SCRIPT LOAD on
+    // NOSCRIPT, PTTL, pub/sub) and every command its scripts run, on its key and channel
+    // names (crates/redis/src/keys.rs): allowed for the app user, refused for nobody
+    // where a key or channel is named.
+    let (q, seq, tok) = ("dlock:{l}:q", "dlock:{l}:seq", "dlock:{l}:token");
+    let (entry, gone, chg) = ("dlock:{l}:e:n", "dlock:{l}:gone:n", "dlock:{l}:chg");
+    let sha = "e0e1f9fabfc9d4800c877a703b823ac0578ff8db";
+    let commands: &[&[&str]] = &[
+        &["HELLO", "3"],
+        &["CLIENT", "SETNAME", "dlock"],
+        &["SELECT", "0"],
+        &["PING"],
+        &["ROLE"],
+        &["INFO", "server"],
+        &["TIME"],
+        &["SCRIPT", "LOAD", "return 1"],
+        &["EVALSHA", sha, "3", q, seq, tok],
+        &["PTTL", entry],
+        &["SUBSCRIBE", gone],
+        &["UNSUBSCRIBE", gone],
+        &["DEL", entry, q, seq, tok],
+        &["EXISTS", entry],
+        &["GET", entry],
+        &["SET", tok, "1", "PX", "1000"],
+        &["PEXPIRE", q, "1000", "GT"],
+        &["PUBLISH", chg, "n"],
+        &["ZADD", q, "1", "n"],
+        &["ZRANGE", q, "0", "-1", "WITHSCORES"],
+        &["ZRANGEBYSCORE", q, "-inf", "1", "WITHSCORES"],
+        &["ZREM", q, "n"],
+    ];
+    for cmd in commands {
+        let mut args = vec!["ACL", "DRYRUN", APP_USER];
+        args.extend_from_slice(cmd);
+        let reply = redis.redis_query(&args, t);
+        assert_eq!(reply.as_deref(), Some("OK"), "app may run {cmd:?}");
+        let names_a_key = cmd.iter().any(|a| a.starts_with("dlock:"));
+        // UNSUBSCRIBE checks no channel; EVALSHA checks keys only once the script runs.
+        if names_a_key && !matches!(cmd[0], "EVALSHA" | "UNSUBSCRIBE") {
+            args[2] = NOBODY_USER;
+            let reply = redis.redis_query(&args, t).unwrap_or_default();
+            assert!(
+                reply.contains("permissions"),
+                "nobody may not run {cmd:?}: {reply}"
+            );
+        }
+    }
 
     // --- The URLs and environment handed to dlock's tests.
+    assert_eq!(
+        cluster.endpoints(),
+        dlock_testkit::Endpoints::default(),
+        "no plain DLOCK_TEST_* endpoints for a secured cluster"
+    );
     let env = cluster.secure_env();
     let names: Vec<&str> = env.iter().map(|(k, _)| *k).collect();
     assert_eq!(
@@ -241,20 +293,95 @@ fn secure_cluster_enforces_tls_authentication_and_acls() {
     assert!(!pki.dir.exists(), "PKI left behind");
 }
 
+/// A secured Sentinel group: TLS replication, Sentinels on TLS with ACL users; the app
+/// user finds the primary through a Sentinel and writes to it; the group fails over when
+/// the primary is killed, and the restarted old primary rejoins as a replica.
 #[test]
-fn a_secure_sentinel_group_is_refused_before_anything_starts() {
-    let spec = ClusterSpec {
+fn secure_sentinel_group_serves_the_app_user_and_fails_over() {
+    ensure_installed().expect("server packages installed");
+    let mut spec = ClusterSpec {
         zk: 0,
         etcd: 0,
         redis: 0,
         sentinel_replicas: 1,
         secure: true,
+        state_path: Some(scratch_state_path("secure-sentinel-selftest")),
         ..ClusterSpec::default()
     };
-    match Cluster::start(&spec) {
-        Err(Error::InvalidSpec(msg)) => assert!(msg.contains("Sentinel"), "{msg}"),
-        other => panic!("expected InvalidSpec, got {other:?}"),
-    }
+    let mut cluster =
+        Cluster::start_at_free_offset(&mut spec, (0..200u16).map(|k| 21_100 + k * 150))
+            .expect("secured Sentinel group starts");
+    let limit = Duration::from_secs(60);
+    let pki = cluster.pki().expect("PKI");
+    let rtls: Vec<String> = vec![
+        "--tls".into(),
+        "--cacert".into(),
+        path_str(&pki.ca),
+        "--cert".into(),
+        path_str(&pki.cert),
+        "--key".into(),
+        path_str(&pki.key),
+    ];
+    let app = Some((APP_USER, APP_PASSWORD));
+    assert_eq!(
+        cluster
+            .wait_leader(Backend::RedisHa, limit)
+            .expect("primary"),
+        1
+    );
+    let sentinel = cluster.server(Backend::Sentinel, 1).expect("s1").clone();
+    let out = redis_cli(
+        &sentinel.addr,
+        &rtls,
+        app,
+        &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster"],
+    );
+    let primary = cluster.server(Backend::RedisHa, 1).expect("node 1").clone();
+    let port = primary.addr.rsplit_once(':').expect("port").1;
+    assert!(out.lines().any(|l| l == port), "app asks a Sentinel: {out}");
+    let out = redis_cli(
+        &sentinel.addr,
+        &rtls,
+        app,
+        &["SENTINEL", "SET", "mymaster", "quorum", "1"],
+    );
+    assert!(
+        out.contains("NOPERM"),
+        "app may not reconfigure a Sentinel: {out}"
+    );
+    let out = redis_cli(&sentinel.addr, &[], app, &["PING"]);
+    assert!(!out.contains("PONG"), "plaintext Sentinel: {out}");
+    let out = redis_cli(&primary.addr, &rtls, app, &["SET", "dlock:{s}:q", "v"]);
+    assert_eq!(out.trim(), "OK", "app writes to the primary");
+    let url = cluster
+        .secure_url(LockService::RedisSentinel, Caller::App)
+        .expect("sentinel url");
+    assert!(
+        url.starts_with(&format!(
+            "rediss+sentinel://{APP_USER}:{APP_PASSWORD}@{}/mymaster?ca=",
+            cluster.addrs(Backend::Sentinel)
+        )),
+        "{url}"
+    );
+    assert!(cluster
+        .secure_env()
+        .contains(&(dlock_testkit::ENV_SECURE_REDIS_SENTINEL, url)));
+
+    cluster.kill(Backend::RedisHa, 1).expect("kill primary");
+    let new = cluster.wait_failover(1, limit).expect("failover");
+    assert_eq!(new, 2);
+    let promoted = cluster.server(Backend::RedisHa, 2).expect("node 2").clone();
+    let out = redis_cli(&promoted.addr, &rtls, app, &["GET", "dlock:{s}:q"]);
+    assert_eq!(out.trim(), "v", "the write replicated over TLS");
+    cluster
+        .restart(Backend::RedisHa, 1)
+        .expect("restart old primary");
+    assert_eq!(
+        cluster.wait_sentinel_group(limit).expect("group whole"),
+        2,
+        "the old primary rejoined as a replica"
+    );
+    cluster.down().expect("down");
 }
 
 #[test]
