@@ -9,7 +9,33 @@ use dlock_testkit::{
 };
 use indicatif::ProgressBar;
 
-use crate::flags::{ClusterCmd, StateArg, UpArgs};
+use crate::flags::{ClusterArgs, ClusterCmd, StateArg, UpArgs};
+
+/// `cargo xtask cluster ...`: a subcommand, or `--secure` alone (`up --secure` with its
+/// defaults and its own state file, so it can run beside a plain cluster).
+pub(crate) fn run_args(root: &Path, args: ClusterArgs) -> anyhow::Result<i32> {
+    match args.cmd {
+        Some(cmd) => run(root, cmd),
+        None => {
+            let up_args = UpArgs {
+                zk: 1,
+                etcd: 1,
+                redis: 3,
+                sentinel: true,
+                secure: args.secure,
+                offset: args.offset,
+                state: StateArg {
+                    path: Some(
+                        root.join("target")
+                            .join("dlock-cluster")
+                            .join("secure.json"),
+                    ),
+                },
+            };
+            up(root, &up_args)
+        }
+    }
+}
 
 pub(crate) fn run(root: &Path, cmd: ClusterCmd) -> anyhow::Result<i32> {
     match cmd {
@@ -77,9 +103,32 @@ fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {
         port_offset: args.offset.value,
         state_path: Some(path.clone()),
         base_dir: None,
+        secure: args.secure,
     };
     // `up` starts at exactly the offset asked: the caller exports those ports.
     let state = start_with_progress(&mut spec, [])?.detach();
+    if args.secure {
+        // Full URLs: throwaway test passwords and this cluster's CA.
+        for (name, url) in state.secure_env() {
+            if name != dlock_testkit::ENV_SECURE_STATE {
+                println!("{url}");
+            }
+        }
+        eprintln!(
+            "\nstate: {}\ndata and PKI: {}",
+            path.display(),
+            state.root_dir.display()
+        );
+        eprintln!("for tests, in this shell:");
+        for (name, value) in state.secure_env() {
+            eprintln!("  export {name}='{value}'");
+        }
+        eprintln!(
+            "stop with: cargo xtask cluster down --state {}",
+            path.display()
+        );
+        return Ok(0);
+    }
     let endpoints = state.endpoints();
     for url in endpoints.urls().into_iter().chain(endpoints.sentinel_url()) {
         println!("{url}");

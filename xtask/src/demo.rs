@@ -107,6 +107,7 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
                 .join("demo.json"),
         ),
         base_dir: None,
+        secure: false,
     };
     crate::cluster::start_with_progress(&mut spec, crate::cluster::fallback_offsets(offset))
 }

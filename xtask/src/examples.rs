@@ -45,6 +45,7 @@ pub(crate) fn run(root: &Path, args: &ExamplesArgs) -> anyhow::Result<i32> {
                     .join("examples.json"),
             ),
             base_dir: None,
+            secure: false,
         };
         // Dropping the cluster (on every way out) stops its servers.
         let from = spec.port_offset;

@@ -14,9 +14,9 @@ pub(crate) struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum Task {
-    /// Start, inspect or stop real servers on 127.0.0.1.
-    #[command(subcommand)]
-    Cluster(ClusterCmd),
+    /// Start, inspect or stop real servers on 127.0.0.1 (`cluster --secure`: secured
+    /// servers of every backend, left running, their URLs printed).
+    Cluster(ClusterArgs),
     /// Start servers, export DLOCK_TEST_*, run every workspace test, tear down.
     Integration(IntegrationArgs),
     /// What CI runs: fmt check, clippy -D warnings, rustdoc -D warnings, then integration
@@ -60,6 +60,22 @@ pub(crate) struct PortOffset {
     pub(crate) value: u16,
 }
 
+/// `cargo xtask cluster`: a subcommand, or `--secure` alone.
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, arg_required_else_help = true)]
+pub(crate) struct ClusterArgs {
+    #[command(subcommand)]
+    pub(crate) cmd: Option<ClusterCmd>,
+    /// Start one secured server of each backend (TLS with a throwaway CA, users, access
+    /// control: ZooKeeper, etcd, three Redis masters, a Sentinel group), leave them running
+    /// and print their URLs: `cluster up --secure --redis 3 --sentinel` with the state
+    /// file `target/dlock-cluster/secure.json`.
+    #[arg(long)]
+    pub(crate) secure: bool,
+    #[command(flatten)]
+    pub(crate) offset: PortOffset,
+}
+
 #[derive(Debug, Subcommand)]
 pub(crate) enum ClusterCmd {
     /// Start servers and leave them running; prints their URLs.
@@ -85,6 +101,10 @@ pub(crate) struct UpArgs {
     /// (`redis+sentinel://.../mymaster`, `DLOCK_TEST_REDIS_SENTINEL`).
     #[arg(long)]
     pub(crate) sentinel: bool,
+    /// Secured servers: TLS (a CA made for this cluster), users and access control; prints
+    /// `zks://`, `etcds://`, `rediss://`, `redlocks://` (and `rediss+sentinel://`) URLs.
+    #[arg(long)]
+    pub(crate) secure: bool,
     #[command(flatten)]
     pub(crate) offset: PortOffset,
     #[command(flatten)]
@@ -336,11 +356,36 @@ mod tests {
             "100",
         ])
         .expect("parses");
-        let Task::Cluster(ClusterCmd::Up(up)) = cli.task else {
+        let Task::Cluster(ClusterArgs {
+            cmd: Some(ClusterCmd::Up(up)),
+            ..
+        }) = cli.task
+        else {
             panic!("wrong task: {cli:?}");
         };
         assert_eq!((up.zk, up.etcd, up.redis, up.offset.value), (3, 0, 5, 100));
+        assert!(!up.secure);
         assert!(Cli::try_parse_from(["xtask", "cluster", "up", "--zk", "2"]).is_err());
         assert!(Cli::try_parse_from(["xtask", "cluster", "up", "--redis", "3"]).is_err());
+        // `cluster --secure` alone, or `up --secure`; never beside a subcommand.
+        let cli = Cli::try_parse_from(["xtask", "cluster", "--secure"]).expect("parses");
+        let Task::Cluster(ClusterArgs {
+            cmd: None,
+            secure: true,
+            ..
+        }) = cli.task
+        else {
+            panic!("wrong task: {cli:?}");
+        };
+        let cli = Cli::try_parse_from(["xtask", "cluster", "up", "--secure"]).expect("parses");
+        assert!(matches!(
+            cli.task,
+            Task::Cluster(ClusterArgs {
+                cmd: Some(ClusterCmd::Up(UpArgs { secure: true, .. })),
+                ..
+            })
+        ));
+        assert!(Cli::try_parse_from(["xtask", "cluster", "up", "--secure", "--sentinel"]).is_ok());
+        assert!(Cli::try_parse_from(["xtask", "cluster", "--secure", "up"]).is_err());
     }
 }

@@ -47,6 +47,7 @@ pub(crate) fn run_with(
         port_offset: args.offset.value,
         state_path: Some(state_path.clone()),
         base_dir: None,
+        secure: false,
     };
     crate::header(&format!(
         "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, Sentinel group (primary, replica, 3 Sentinels), port offset {}",
@@ -60,20 +61,49 @@ pub(crate) fn run_with(
     for (name, value) in endpoints.to_env() {
         eprintln!("  {name}={value}");
     }
-    let mut outcome = run_all(root, &endpoints, &cluster_dir).and_then(|mut counts| {
-        // The examples assert their own invariants; run them once per backend, in the
-        // same cluster, once the tests are green.
-        if counts.exit_code == 0 && counts.failed == 0 {
-            let ex = crate::examples::run_with(root, &endpoints.urls())?;
-            counts.passed += ex.passed;
-            counts.failed += ex.failed;
-            counts.ignored += ex.skipped;
-            if ex.failed > 0 {
-                counts.exit_code = 1;
+    // The secured variant of every backend (TLS, users, access control) beside it, for
+    // the `secure_*` tests: one node each is enough, they test the connection, not the
+    // quorum. Dropped (killed) on every way out, as `cluster` is.
+    let secure_state = cluster_dir.join("integration-secure.json");
+    if let Ok(old) = State::load(&secure_state) {
+        old.down().context("stopping leftover secured servers")?;
+    }
+    let mut secure_spec = ClusterSpec {
+        zk: 1,
+        etcd: 1,
+        redis: 3,
+        sentinel_replicas: 1,
+        port_offset: 0,
+        state_path: Some(secure_state),
+        base_dir: None,
+        secure: true,
+    };
+    crate::header(
+        "integration: the secured servers (ZooKeeper, etcd, 3 Redis, a Sentinel group; TLS, users, ACLs)",
+    );
+    let secure = crate::cluster::start_with_progress(
+        &mut secure_spec,
+        (0..200u16).map(|k| 25_050 + k * 150),
+    )?;
+    let secure_env = secure.secure_env();
+    for (name, value) in &secure_env {
+        eprintln!("  {name}={}", dlock::BackendUrl::redact(value));
+    }
+    let mut outcome =
+        run_all(root, &endpoints, &secure_env, &cluster_dir).and_then(|mut counts| {
+            // The examples assert their own invariants; run them once per backend, in the
+            // same cluster, once the tests are green.
+            if counts.exit_code == 0 && counts.failed == 0 {
+                let ex = crate::examples::run_with(root, &endpoints.urls())?;
+                counts.passed += ex.passed;
+                counts.failed += ex.failed;
+                counts.ignored += ex.skipped;
+                if ex.failed > 0 {
+                    counts.exit_code = 1;
+                }
             }
-        }
-        Ok(counts)
-    });
+            Ok(counts)
+        });
     if bench_smoke {
         if let Ok(counts) = &mut outcome {
             if counts.exit_code == 0 && counts.failed == 0 {
@@ -89,6 +119,7 @@ pub(crate) fn run_with(
         }
     }
     dlock_testkit::reap_scratch_clusters(&cluster_dir);
+    secure.down().context("tearing the secured servers down")?;
     cluster.down().context("tearing the cluster down")?;
     let counts = outcome?;
     // A plain closing line, after the teardown chatter, that any log reader can count.
@@ -132,8 +163,14 @@ impl Counts {
 
 /// Every unit, property and integration test in one run, then the doc tests (which
 /// `--all-targets` leaves out), stopping at the first failure.
-fn run_all(root: &Path, endpoints: &Endpoints, cluster_dir: &Path) -> anyhow::Result<Counts> {
+fn run_all(
+    root: &Path,
+    endpoints: &Endpoints,
+    secure_env: &[(&'static str, String)],
+    cluster_dir: &Path,
+) -> anyhow::Result<Counts> {
     let mut env = endpoints.to_env();
+    env.extend(secure_env.iter().cloned());
     env.push((ENV_CLUSTER_DIR, cluster_dir.display().to_string()));
     let mut counts = run_tests(
         root,

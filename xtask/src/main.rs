@@ -29,7 +29,7 @@ fn main() -> anyhow::Result<()> {
     let cli = flags::Cli::parse();
     let root = project_root();
     let code = match cli.task {
-        flags::Task::Cluster(cmd) => cluster::run(&root, cmd)?,
+        flags::Task::Cluster(args) => cluster::run_args(&root, args)?,
         flags::Task::Integration(args) => integration::run(&root, &args)?,
         flags::Task::Ci(args) => ci::run(&root, &args)?,
         flags::Task::Demo(args) => demo::run(&root, &args)?,

@@ -1,8 +1,8 @@
 //! Uncontended enqueue + remove cycles per second on one client.
 //!
 //! ```text
-//! cargo run --release -p dlock-redis --example bench -- redis://127.0.0.1:6379 [cycles] [tasks]
-//! cargo run --release -p dlock-redis --example bench -- redlock://h1:p1,h2:p2,h3:p3
+//! cargo run --release -p dlock-redis --example bench -- 127.0.0.1:6379 [cycles] [tasks]
+//! cargo run --release -p dlock-redis --example bench -- h1:p1,h2:p2,h3:p3   (Redlock)
 //! ```
 //! Each task uses its own lock, so nobody waits: this measures the round trips of the
 //! enqueue script (add + list) and the remove script.
@@ -15,16 +15,16 @@ use dlock_redis::RedisBackend;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let url = args
-        .next()
-        .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
+    let addrs = args.next().unwrap_or_else(|| "127.0.0.1:6379".to_owned());
     let cycles: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(5000);
     let tasks: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(1);
-    let backend = RedisBackend::connect_url(
-        &url,
-        SessionOptions::default().with_session_timeout(Duration::from_secs(30)),
-    )
-    .await?;
+    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(30));
+    // One address is one master; several are independent masters for Redlock.
+    let masters: Vec<String> = addrs.split(',').map(str::to_owned).collect();
+    let backend = match masters.as_slice() {
+        [one] => RedisBackend::connect(one, opts).await?,
+        _ => RedisBackend::connect_redlock(&masters, opts).await?,
+    };
     let started = Instant::now();
     let mut handles = Vec::new();
     for t in 0..tasks {
@@ -55,7 +55,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let secs = started.elapsed().as_secs_f64();
     let total = cycles * tasks;
     println!(
-        "{url}: {total} enqueue+remove cycles on {tasks} task(s) in {secs:.2} s = {:.0} cycles/s ({:.0} us/cycle per task)",
+        "{addrs}: {total} enqueue+remove cycles on {tasks} task(s) in {secs:.2} s = {:.0} cycles/s ({:.0} us/cycle per task)",
         total as f64 / secs,
         secs * 1e6 / cycles as f64
     );

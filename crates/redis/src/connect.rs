@@ -97,48 +97,6 @@ impl RedisBackend {
         Self::connect_mode(Mode::Redlock, addrs, None, opts).await
     }
 
-    /// Connects from a URL: `redis://host:port` (one master),
-    /// `redlock://h1:p1,h2:p2,...` (independent masters) or
-    /// `redis+sentinel://s1:p1,s2:p2,.../service` (the primary of a Sentinel group).
-    ///
-    /// # Errors
-    /// As [`RedisBackend::connect`], [`RedisBackend::connect_redlock`] and
-    /// [`RedisBackend::connect_sentinel`]; a URL with another scheme, a path (other than
-    /// the Sentinel service), or credentials is [`Error::InvalidUrl`].
-    pub async fn connect_url(url: &str, opts: SessionOptions) -> Result<Arc<RedisBackend>> {
-        let bad = |reason: &str| Error::InvalidUrl {
-            url: url.to_owned(),
-            reason: reason.to_owned(),
-        };
-        let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("missing scheme"))?;
-        let rest = rest.strip_suffix('/').unwrap_or(rest);
-        if scheme == "redis+sentinel" {
-            let (hosts, service) = rest
-                .split_once('/')
-                .ok_or_else(|| bad("expected redis+sentinel://host:port,.../service-name"))?;
-            if hosts.contains(['@', '?']) || service.contains(['/', '@', '?']) {
-                return Err(bad(
-                    "only a host:port list and a service name are supported (no credentials or query)",
-                ));
-            }
-            let sentinels: Vec<String> = hosts.split(',').map(str::to_owned).collect();
-            return Self::connect_sentinel(&sentinels, service, opts).await;
-        }
-        if rest.contains(['/', '@', '?']) {
-            return Err(bad(
-                "only host:port lists are supported (no path, credentials or query)",
-            ));
-        }
-        match scheme {
-            "redis" => Self::connect(rest, opts).await,
-            "redlock" => {
-                let addrs: Vec<String> = rest.split(',').map(str::to_owned).collect();
-                Self::connect_redlock(&addrs, opts).await
-            }
-            _ => Err(bad("scheme must be redis, redlock or redis+sentinel")),
-        }
-    }
-
     /// `addrs` are the masters, or with `sentinel_service` the Sentinels of that service
     /// (one node: the primary they name).
     async fn connect_mode(

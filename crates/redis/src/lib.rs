@@ -7,7 +7,8 @@
 //! `redis+sentinel://s1:p1,s2:p2,s3:p3/mymaster` or `redlock://h1:p1,h2:p2,...`) and the
 //! recipes; use this crate directly only to build a backend by hand:
 //! [`RedisBackend::connect`], [`RedisBackend::connect_sentinel`],
-//! [`RedisBackend::connect_redlock`] or [`RedisBackend::connect_url`].
+//! or [`RedisBackend::connect_redlock`]. The facade parses URLs (`dlock::BackendUrl`);
+//! this crate takes addresses.
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -217,6 +217,10 @@ impl Node {
                 e,
             )
         })?;
+        // fred reports only "failed to connect to all sentinel nodes" on the clients that go
+        // through the Sentinels; the watcher's own errors say why (WRONGPASS, a
+        // certificate), so the connect listens to them too.
+        self.conn_errors.lock().push(watcher.error_rx());
         self.watcher_tasks.push(watcher.connect().abort_handle());
         self.watcher_tasks.push(resubscribe_on_reconnect(
             &watcher,

@@ -95,18 +95,20 @@ impl Shared {
     pub(crate) fn quorum<T>(&self, results: Vec<Result<T>>) -> Result<Vec<T>> {
         let n = results.len();
         let mut oks = Vec::with_capacity(n);
-        let mut first_err = None;
+        let mut errors = Vec::new();
         for r in results {
             match r {
                 Ok(v) => oks.push(v),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+                Err(e) => errors.push(e),
             }
         }
         if oks.len() >= self.majority {
             return Ok(oks);
         }
+        if let Some(refused) = decisive_refusal(&errors, n, self.majority) {
+            return Err(refused);
+        }
+        let first_err = errors.into_iter().next();
         Err(match (self.mode, first_err) {
             (Mode::Single, Some(e)) => e,
             (_, e) => Error::Unreachable(format!(
@@ -278,6 +280,9 @@ impl RedisBackend {
                     return Err(failed.swap_remove(0));
                 }
             } else if failed.len() > n - s.majority {
+                if let Some(refused) = decisive_refusal(&failed, n, s.majority) {
+                    return Err(refused);
+                }
                 return Err(Error::Unreachable(format!(
                     "only {} of {n} redis masters answered, a majority ({}) is needed: {}",
                     n - failed.len(),
@@ -364,5 +369,51 @@ impl Jitter {
         } else {
             x % n
         }
+    }
+}
+
+/// The refusal to report when the masters that refused the client (credentials,
+/// permissions, TLS) are enough on their own to deny a majority: retrying elsewhere
+/// cannot help, and "unreachable" would hide the cause. `None` otherwise.
+pub(crate) fn decisive_refusal(errors: &[Error], n: usize, majority: usize) -> Option<Error> {
+    let refusals: Vec<&Error> = errors
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                Error::Unauthenticated(_) | Error::PermissionDenied(_) | Error::Tls(_)
+            )
+        })
+        .collect();
+    if refusals.len() <= n - majority {
+        return None;
+    }
+    let what = format!("{} of {n} redis masters refused", refusals.len());
+    Some(match refusals[0] {
+        Error::Unauthenticated(m) => Error::Unauthenticated(format!("{what}: {m}")),
+        Error::PermissionDenied(m) => Error::PermissionDenied(format!("{what}: {m}")),
+        Error::Tls(m) => Error::Tls(format!("{what}: {m}")),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::*;
+
+    #[test]
+    fn refusals_decide_only_when_they_deny_a_majority() {
+        let denied = || Error::PermissionDenied("NOPERM".into());
+        let down = || Error::Unreachable("down".into());
+        assert!(matches!(
+            decisive_refusal(&[denied(), denied()], 3, 2),
+            Some(Error::PermissionDenied(_))
+        ));
+        assert!(decisive_refusal(&[denied(), down()], 3, 2).is_none());
+        assert!(decisive_refusal(&[down(), down()], 3, 2).is_none());
+        assert!(matches!(
+            decisive_refusal(&[denied(), denied(), denied()], 5, 3),
+            Some(Error::PermissionDenied(_))
+        ));
     }
 }

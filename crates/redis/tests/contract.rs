@@ -47,10 +47,12 @@ mod sentinel {
     use dlock_testkit::contract::{connect_fn, Connect};
 
     fn connect(group: String) -> Connect {
-        let url = format!("redis+sentinel://{group}");
+        let (hosts, service) = group.split_once('/').expect("h:p,.../service");
+        let sentinels: Vec<String> = hosts.split(',').map(str::to_owned).collect();
+        let service = service.to_owned();
         connect_fn(move |opts| {
-            let url = url.clone();
-            async move { RedisBackend::connect_url(&url, opts).await }
+            let (sentinels, service) = (sentinels.clone(), service.clone());
+            async move { RedisBackend::connect_sentinel(&sentinels, &service, opts).await }
         })
     }
 

@@ -19,12 +19,19 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const WAIT: Duration = Duration::from_secs(60);
 const LONG: Duration = Duration::from_secs(30);
 
-fn url(group: &str) -> String {
-    format!("redis+sentinel://{group}")
+/// The Sentinels and the service of a `DLOCK_TEST_REDIS_SENTINEL` value
+/// (`h:p,h:p,h:p/service`).
+fn sentinels_and_service(group: &str) -> (Vec<String>, String) {
+    let (hosts, service) = group.split_once('/').expect("h:p,.../service");
+    (
+        hosts.split(',').map(str::to_owned).collect(),
+        service.to_owned(),
+    )
 }
 
 async fn connect_sentinel(group: &str, lease: Duration) -> std::sync::Arc<RedisBackend> {
-    RedisBackend::connect_url(&url(group), opts(lease))
+    let (sentinels, service) = sentinels_and_service(group);
+    RedisBackend::connect_sentinel(&sentinels, &service, opts(lease))
         .await
         .expect("connect through the Sentinels")
 }
@@ -108,20 +115,24 @@ async fn lock_and_unlock_through_sentinel() {
 }
 
 #[tokio::test]
-async fn bad_sentinel_urls_are_typed_errors() {
+async fn bad_sentinel_arguments_are_typed_errors() {
     let o = opts(LONG);
-    for bad in [
-        "redis+sentinel://127.0.0.1:1",
-        "redis+sentinel://127.0.0.1:1/",
-        "redis+sentinel://127.0.0.1:1,127.0.0.1:1/mymaster",
-        "redis+sentinel://127.0.0.1/mymaster",
-        "redis+sentinel://u:p@127.0.0.1:1/mymaster",
-        "redis+sentinel://127.0.0.1:1/my master",
+    let one = |s: &str| vec![s.to_owned()];
+    for (sentinels, service) in [
+        (one("127.0.0.1:1"), ""),
+        (
+            vec!["127.0.0.1:1".to_owned(), "127.0.0.1:1".to_owned()],
+            "mymaster",
+        ),
+        (one("127.0.0.1"), "mymaster"),
+        (one("u:p@127.0.0.1:1"), "mymaster"),
+        (one("127.0.0.1:1"), "my master"),
+        (Vec::new(), "mymaster"),
     ] {
-        let r = RedisBackend::connect_url(bad, o.clone()).await;
+        let r = RedisBackend::connect_sentinel(&sentinels, service, o.clone()).await;
         assert!(
             matches!(r, Err(Error::InvalidUrl { .. })),
-            "{bad}: {:?}",
+            "{sentinels:?}/{service}: {:?}",
             r.map(|_| ())
         );
     }

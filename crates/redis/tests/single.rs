@@ -277,9 +277,9 @@ async fn bad_input_gets_typed_errors() {
         .await
         .expect_err("tiny lease");
     assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
-    let e = RedisBackend::connect_url("http://x:1", SessionOptions::default())
+    let e = RedisBackend::connect("redis://x:1", SessionOptions::default())
         .await
-        .expect_err("scheme");
+        .expect_err("an address, not a URL");
     assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
     // A closed port: Unreachable within the connect timeout, not a hang.
     let free = std::net::TcpListener::bind("127.0.0.1:0")
@@ -299,7 +299,7 @@ async fn bad_input_gets_typed_errors() {
     .expect_err("nobody listens");
     assert!(matches!(e, Error::Unreachable(_)), "{e:?}");
     // After close every call is Closed.
-    let b = RedisBackend::connect_url(&format!("redis://{addr}"), opts(LONG))
+    let b = RedisBackend::connect(&addr, opts(LONG))
         .await
         .expect("connect");
     let q = fresh_queue("closed");

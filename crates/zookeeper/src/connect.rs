@@ -61,25 +61,21 @@ impl ZkBackend {
                 connector.connect(hosts).await
             }
         };
-        let client = match tokio::time::timeout(opts.connect_timeout, connecting).await {
-            Err(_elapsed) => {
-                if let Some(tls) = opts.tls.clone() {
-                    let first = hosts.split(',').next().unwrap_or_default().to_owned();
-                    let wait = opts.connect_timeout.min(std::time::Duration::from_secs(2));
-                    let diagnosis = tokio::task::spawn_blocking(move || {
-                        crate::security::diagnose_tls(&first, &tls, wait)
-                    });
-                    if let Ok(Some(e)) = diagnosis.await {
-                        return Err(e);
-                    }
-                }
-                return Err(Error::Unreachable(format!(
-                    "no ZooKeeper server of {hosts:?} answered within {:?}",
-                    opts.connect_timeout
-                )));
+        let connected = match tokio::time::timeout(opts.connect_timeout, connecting).await {
+            Err(_elapsed) => Err(Error::Unreachable(format!(
+                "no ZooKeeper server of {hosts:?} answered within {:?}",
+                opts.connect_timeout
+            ))),
+            Ok(Err(err)) => Err(connect_error(connect_string, err)),
+            Ok(Ok(client)) => Ok(client),
+        };
+        let client = match connected {
+            Ok(client) => client,
+            // zookeeper-client retries a failed handshake without saying why.
+            Err(Error::Unreachable(why)) if opts.tls.is_some() => {
+                return Err(crate::security::diagnose_unreachable(hosts, &opts, why).await)
             }
-            Ok(Err(err)) => return Err(connect_error(connect_string, err)),
-            Ok(Ok(client)) => client,
+            Err(e) => return Err(e),
         };
 
         let (resolved, conf) = {

@@ -219,6 +219,26 @@ pub(crate) fn four_letter(
     Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
+/// The error for a TLS connect that got no session: [`Error::Tls`] when a handshake of
+/// our own with the first host fails on a certificate, else [`Error::Unreachable`] with
+/// `why`.
+pub(crate) async fn diagnose_unreachable(hosts: &str, opts: &SessionOptions, why: String) -> Error {
+    if let Some(tls) = opts.tls.clone() {
+        let first = hosts
+            .split(',')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        let wait = opts.connect_timeout.min(Duration::from_secs(2));
+        let diagnosis = tokio::task::spawn_blocking(move || diagnose_tls(&first, &tls, wait));
+        if let Ok(Some(e)) = diagnosis.await {
+            return e;
+        }
+    }
+    Error::Unreachable(why)
+}
+
 /// Why TLS to `host` (`host:port`) fails, if it does: zookeeper-client retries a failed
 /// handshake until the connect timeout without saying why, so after a timed-out connect
 /// with TLS on, one exchange of our own (same CA and client certificate, blocking, at

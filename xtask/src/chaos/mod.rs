@@ -189,6 +189,7 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         port_offset: args.port_offset,
         state_path: Some(out_dir.join("cluster.json")),
         base_dir: None,
+        secure: false,
     };
     if let Some(path) = &spec.state_path {
         if path.exists() {

@@ -49,6 +49,7 @@ import java.util.concurrent.TimeUnit;
 
 import org.apache.curator.framework.CuratorFramework;
 import org.apache.curator.framework.CuratorFrameworkFactory;
+import org.apache.curator.framework.api.ACLProvider;
 import org.apache.curator.framework.recipes.locks.InterProcessMutex;
 import org.apache.curator.framework.recipes.locks.InterProcessReadWriteLock;
 import org.apache.curator.framework.recipes.locks.InterProcessSemaphoreMutex;
@@ -58,6 +59,8 @@ import org.apache.curator.framework.recipes.locks.Revoker;
 import org.apache.curator.framework.recipes.shared.SharedCount;
 import org.apache.curator.retry.ExponentialBackoffRetry;
 import org.apache.zookeeper.KeeperException;
+import org.apache.zookeeper.ZooDefs;
+import org.apache.zookeeper.data.ACL;
 
 public class CuratorPeer {
     /** Something one id holds and can give back. */
@@ -109,8 +112,25 @@ public class CuratorPeer {
             System.exit(64);
         }
         int sessionMs = args.length > 1 ? Integer.parseInt(args[1]) : 10000;
-        client = CuratorFrameworkFactory.newClient(args[0], sessionMs, 5000,
-                new ExponentialBackoffRetry(100, 5));
+        CuratorFrameworkFactory.Builder builder = CuratorFrameworkFactory.builder()
+                .connectString(args[0])
+                .sessionTimeoutMs(sessionMs)
+                .connectionTimeoutMs(5000)
+                .retryPolicy(new ExponentialBackoffRetry(100, 5));
+        // Digest credentials ("user:password") from the environment, with the ACL dlock
+        // gives its nodes under credentials: creator all, world read.
+        String digest = System.getenv("DLOCK_CURATOR_DIGEST");
+        if (digest != null && !digest.isEmpty()) {
+            final List<ACL> acl = new ArrayList<>();
+            acl.addAll(ZooDefs.Ids.CREATOR_ALL_ACL);
+            acl.addAll(ZooDefs.Ids.READ_ACL_UNSAFE);
+            builder = builder.authorization("digest", digest.getBytes(StandardCharsets.UTF_8))
+                    .aclProvider(new ACLProvider() {
+                        public List<ACL> getDefaultAcl() { return acl; }
+                        public List<ACL> getAclForPath(String path) { return acl; }
+                    });
+        }
+        client = builder.build();
         client.start();
         if (!client.blockUntilConnected(20, TimeUnit.SECONDS)) {
             say("- ERROR cannot connect to " + args[0]);

@@ -9,7 +9,7 @@ use dlock::{EntryKind, Error};
 use tokio::sync::mpsc;
 
 use crate::curator_peer::Peer;
-use crate::support::{client, eventually, leftovers, unique, zk_hosts};
+use crate::support::{client, eventually, leftovers, unique};
 
 const GENEROUS: Duration = Duration::from_secs(30);
 const SHORT: Duration = Duration::from_millis(500);
@@ -118,7 +118,10 @@ pub async fn mutex_interop(url: &str) {
     );
 
     // A chroot: dlock's `m` under zk://hosts/<path>-ns is Curator's `<path>-ns/m`.
-    let chrooted = format!("zk://{}{path}-ns", zk_hosts(url));
+    let chrooted = match url.split_once('?') {
+        Some((base, query)) => format!("{base}{path}-ns?{query}"),
+        None => format!("{url}{path}-ns"),
+    };
     let c = client(&chrooted).await;
     let mut gc = c.mutex("m").expect("name").lock().await.expect("lock");
     assert_eq!(

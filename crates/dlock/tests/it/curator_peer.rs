@@ -60,6 +60,53 @@ pub struct Peer {
     pending: Vec<String>,
 }
 
+/// The Java client's connect string (hosts and chroot), its system properties for TLS,
+/// and the digest credentials (`user:password`, empty for none) of a dlock ZooKeeper URL.
+fn connect_args(url: &str) -> (String, Vec<String>, String) {
+    if url.starts_with("zk://") {
+        return (zk_hosts(url).to_owned(), Vec::new(), String::new());
+    }
+    let parsed = dlock::BackendUrl::parse(url).expect("a ZooKeeper URL");
+    let dlock::Servers::ZooKeeper { hosts, chroot } = parsed.servers else {
+        panic!("not a ZooKeeper URL: {url}")
+    };
+    let connect = format!("{}{}", hosts.join(","), chroot.unwrap_or_default());
+    let digest = parsed
+        .credentials
+        .map(|c| format!("{}:{}", c.user.unwrap_or_default(), c.password.expose()))
+        .unwrap_or_default();
+    let mut flags = Vec::new();
+    if let Some(tls) = parsed.tls {
+        flags.push(
+            "-Dzookeeper.clientCnxnSocket=org.apache.zookeeper.ClientCnxnSocketNetty".to_owned(),
+        );
+        flags.push("-Dzookeeper.client.secure=true".to_owned());
+        if let Some(ca) = tls.ca {
+            flags.push(format!(
+                "-Dzookeeper.ssl.trustStore.location={}",
+                ca.display()
+            ));
+            flags.push("-Dzookeeper.ssl.trustStore.type=PEM".to_owned());
+        }
+        if let (Some(cert), Some(key)) = (tls.cert, tls.key) {
+            // Java's PEM key store wants the key and the certificate in one file.
+            let pem = crate::support::tempdir("curator-pem").join("client.pem");
+            let both = [
+                std::fs::read(key).expect("key"),
+                std::fs::read(cert).expect("cert"),
+            ]
+            .concat();
+            std::fs::write(&pem, both).expect("writing the PEM key store");
+            flags.push(format!(
+                "-Dzookeeper.ssl.keyStore.location={}",
+                pem.display()
+            ));
+            flags.push("-Dzookeeper.ssl.keyStore.type=PEM".to_owned());
+        }
+    }
+    (connect, flags, digest)
+}
+
 impl Peer {
     /// Starts a peer on the ZooKeeper of `url` (`zk://h:p,...`), or returns `None` after
     /// the skip/fail rule when Java or Curator is missing.
@@ -79,13 +126,22 @@ impl Peer {
                 .unwrap_or(0)
         ));
         let stderr = std::fs::File::create(&log).expect("peer log file");
+        let (connect, jvm_flags, digest) = connect_args(url);
+        let mut classpath = format!("{}:{CURATOR_JAR}", classes.display());
+        if !jvm_flags.is_empty() {
+            // The Netty client socket TLS needs; Curator's manifest leaves these out.
+            classpath
+                .push_str(":/usr/share/java/netty-codec.jar:/usr/share/java/netty-resolver.jar");
+        }
         let mut child = Command::new("java")
+            .args(jvm_flags)
             .arg("-cp")
-            .arg(format!("{}:{CURATOR_JAR}", classes.display()))
+            .arg(classpath)
             .arg("-Xmx128m")
             .arg("CuratorPeer")
-            .arg(zk_hosts(url))
+            .arg(connect)
             .arg("10000")
+            .env("DLOCK_CURATOR_DIGEST", digest)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr))

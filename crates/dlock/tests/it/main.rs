@@ -27,6 +27,7 @@ mod recipes;
 mod redis_faults;
 mod reentry;
 mod removal;
+mod secure;
 #[cfg(all(feature = "etcd", feature = "zookeeper"))]
 mod server_faults;
 mod spans;
@@ -131,6 +132,66 @@ all_backends! {
     servers cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
     servers cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
     servers cli_lost_lock_stops_the_whole_process_group => crate::faults::cli_lost_lock_stops_the_whole_process_group,
+}
+
+/// One `#[tokio::test]` per backend running a shared test against the secured variant
+/// of its server (TLS, credentials, access control: `DLOCK_TEST_SECURE_*`). The kind is
+/// the plain backend's: the same adapter, reached another way.
+macro_rules! secure_tests {
+    ($($test:ident => $path:path),* $(,)?) => {
+        $(
+            mod $test {
+                secure_tests!(@one zk, crate::support::Kind::Zk, "zookeeper", $path);
+                secure_tests!(@one etcd, crate::support::Kind::Etcd, "etcd", $path);
+                secure_tests!(@one redis, crate::support::Kind::Redis, "redis", $path);
+                secure_tests!(@one redlock, crate::support::Kind::Redlock, "redis", $path);
+                secure_tests!(@one redis_sentinel, crate::support::Kind::RedisSentinel, "redis", $path);
+            }
+        )*
+    };
+    (@one $module:ident, $kind:expr, $feature:literal, $path:path) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn run() {
+                if let Some(url) = crate::support::secure_url($kind) {
+                    $path($kind, &url).await;
+                }
+            }
+        }
+    };
+}
+
+secure_tests! {
+    secure_mutex_excludes_and_tokens_grow => crate::recipes::mutex_excludes_and_tokens_grow,
+    secure_lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
+    secure_cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
+    secure_rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,
+    secure_semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
+    secure_wrong_password => crate::secure::wrong_password_is_refused_and_leaves_nothing,
+    secure_no_permission => crate::secure::user_without_permission_is_refused_and_leaves_nothing,
+    secure_untrusted_certificate => crate::secure::untrusted_server_certificate_is_a_tls_error,
+    secure_cli => crate::secure::cli_on_secured_servers,
+}
+
+#[cfg(feature = "zookeeper")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secure_zk_outsider_cannot_delete_a_holders_node() {
+    if let Some(url) = crate::support::secure_url(crate::support::Kind::Zk) {
+        crate::secure::zk_outsider_cannot_delete_a_holders_node(&url).await;
+    }
+}
+
+/// Curator authenticated with the same digest credentials, over the same TLS, shares the
+/// lock with dlock in both directions (the plain-URL test, on the secured ZooKeeper).
+#[cfg(feature = "zookeeper")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secure_curator_mutex_interop() {
+    if let Some(url) = crate::support::secure_url(crate::support::Kind::Zk) {
+        // The chroot must exist with dlock's ACL before Curator creates under it.
+        let _first = crate::support::client(&url).await;
+        crate::curator::mutex_interop(&url).await;
+    }
 }
 
 // Not on mem either, below: etcdctl interop (another program, etcd's own keys), server

@@ -87,6 +87,62 @@ pub fn url(kind: Kind) -> Option<String> {
     }
 }
 
+/// The URL of the secured variant of `kind`'s server (`DLOCK_TEST_SECURE_*`: TLS, the
+/// allowed user's credentials, the test CA), or `None` (loudly; a failure under CI) when
+/// it is not exported. ZooKeeper's gets the chroot `/dlock-secure` if it has none: the
+/// ACL of a chroot made by the allowed user is what refuses other identities there.
+pub fn secure_url(kind: Kind) -> Option<String> {
+    let var = match kind {
+        Kind::Zk => dlock_testkit::ENV_SECURE_ZK,
+        Kind::Etcd => dlock_testkit::ENV_SECURE_ETCD,
+        Kind::Redis => dlock_testkit::ENV_SECURE_REDIS,
+        Kind::Redlock => dlock_testkit::ENV_SECURE_REDLOCK,
+        Kind::RedisSentinel => dlock_testkit::ENV_SECURE_REDIS_SENTINEL,
+        Kind::Mem => return None,
+    };
+    match std::env::var(var) {
+        // ZooKeeper without the client certificate: it would add the certificate's x509
+        // identity, shared by every test client, to the "creator" of every node.
+        Ok(v) if !v.is_empty() => Some(match kind {
+            Kind::Zk => without_client_cert(&with_zk_chroot(&v, "/dlock-secure")),
+            _ => v,
+        }),
+        _ => {
+            skip_or_fail(&format!(
+                "{var} is not set (run through `cargo xtask integration`)"
+            ));
+            None
+        }
+    }
+}
+
+/// `url` without its `cert` and `key` query parameters.
+pub fn without_client_cert(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|p| !p.starts_with("cert=") && !p.starts_with("key="))
+        .collect();
+    if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
+}
+
+/// `url` with `chroot` as its path when it has none.
+fn with_zk_chroot(url: &str, chroot: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("zks", url));
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    if tail.starts_with('/') {
+        return url.to_owned();
+    }
+    format!("{scheme}://{authority}{chroot}{tail}")
+}
+
 /// A fresh client (its own session) on `url`; on [`MEM_URL`], a session on the
 /// process's in-memory server.
 pub async fn client(url: &str) -> Client {
