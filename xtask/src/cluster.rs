@@ -20,7 +20,7 @@ pub(crate) fn run_args(root: &Path, args: ClusterArgs) -> anyhow::Result<i32> {
             let up_args = UpArgs {
                 zk: 1,
                 etcd: 1,
-                redis: 3,
+                redis: 5,
                 sentinel: true,
                 secure: args.secure,
                 offset: args.offset,

@@ -67,8 +67,8 @@ pub(crate) struct ClusterArgs {
     #[command(subcommand)]
     pub(crate) cmd: Option<ClusterCmd>,
     /// Start one secured server of each backend (TLS with a throwaway CA, users, access
-    /// control: ZooKeeper, etcd, three Redis masters, a Sentinel group), leave them running
-    /// and print their URLs: `cluster up --secure --redis 3 --sentinel` with the state
+    /// control: ZooKeeper, etcd, five Redis masters, a Sentinel group), leave them running
+    /// and print their URLs: `cluster up --secure --redis 5 --sentinel` with the state
     /// file `target/dlock-cluster/secure.json`.
     #[arg(long)]
     pub(crate) secure: bool,

@@ -71,7 +71,7 @@ pub(crate) fn run_with(
     let mut secure_spec = ClusterSpec {
         zk: 1,
         etcd: 1,
-        redis: 3,
+        redis: 5,
         sentinel_replicas: 1,
         port_offset: 0,
         state_path: Some(secure_state),
@@ -79,7 +79,7 @@ pub(crate) fn run_with(
         secure: true,
     };
     crate::header(
-        "integration: the secured servers (ZooKeeper, etcd, 3 Redis, a Sentinel group; TLS, users, ACLs)",
+        "integration: the secured servers (ZooKeeper, etcd, 5 Redis masters, a Sentinel group; TLS, users, ACLs)",
     );
     let secure = crate::cluster::start_with_progress(
         &mut secure_spec,

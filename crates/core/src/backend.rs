@@ -399,6 +399,13 @@ pub trait Backend: Send + Sync + 'static {
         Backend::queue(self, q)
     }
 
+    /// Whether this client can take locks now: its session is live and its servers
+    /// answer, checked with one cheap round trip that needs no permission on any lock
+    /// (for a readiness probe). `Ok` when they do; otherwise the error an acquire would
+    /// get ([`Error::Unreachable`], [`Error::LockLost`] for an ended session,
+    /// [`Error::Closed`], a refusal).
+    fn health(&self) -> impl Future<Output = Result<()>> + Send;
+
     /// Closes the session: every entry on it goes at once. Idempotent.
     fn close(&self) -> impl Future<Output = Result<()>> + Send;
 }
@@ -487,6 +494,8 @@ pub trait DynBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Option<Vec<u8>>>>;
     /// [`Backend::participants`].
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
+    /// [`Backend::health`].
+    fn health(&self) -> BoxFuture<'_, Result<()>>;
     /// [`Backend::close`].
     fn close(&self) -> BoxFuture<'_, Result<()>>;
 }
@@ -590,6 +599,9 @@ impl<B: Backend> DynBackend for B {
     }
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(Backend::participants(self, q))
+    }
+    fn health(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(Backend::health(self))
     }
     fn close(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(Backend::close(self))

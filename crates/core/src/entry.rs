@@ -14,6 +14,9 @@ use std::fmt;
 use crate::token::FencingToken;
 
 /// What an entry asks for.
+///
+/// Exhaustive on purpose: every adapter maps each kind to its wire layout, and a new
+/// kind must fail their builds until they do, not fall into a catch-all arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EntryKind {
     /// A mutex contender (Curator `lock-`).

@@ -132,6 +132,28 @@ impl Error {
         }
     }
 
+    /// A short, stable name of the variant (`timeout`, `lock_lost`, `unreachable`, ...):
+    /// a metrics label or a log field that does not carry the message.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Error::Timeout(_) => "timeout",
+            Error::WouldBlock => "would_block",
+            Error::LockLost(_) => "lock_lost",
+            Error::NotHeld(_) => "not_held",
+            Error::InvalidName { .. } => "invalid_name",
+            Error::InvalidUrl { .. } => "invalid_url",
+            Error::InvalidPermits(_) => "invalid_permits",
+            Error::WouldDeadlock(_) => "would_deadlock",
+            Error::Unreachable(_) => "unreachable",
+            Error::Backend { .. } => "backend",
+            Error::Unsupported { .. } => "unsupported",
+            Error::Closed => "closed",
+            Error::Unauthenticated(_) => "unauthenticated",
+            Error::PermissionDenied(_) => "permission_denied",
+            Error::Tls(_) => "tls",
+        }
+    }
+
     /// True for errors after which the lock must be considered gone.
     pub fn is_lost(&self) -> bool {
         matches!(self, Error::LockLost(_) | Error::Closed)

@@ -80,8 +80,9 @@ pub use dlock_recipes::{
 };
 pub use url::{BackendUrl, Servers, PASSWORD_ENV};
 
-/// The protocol core, for backend authors.
-pub use dlock_core as core;
+// The protocol core (queue order, drivers, the `Backend` contract's helper types) is not
+// re-exported wholesale: backend authors depend on `dlock-core` itself, and what a user
+// of locks needs is re-exported by name above.
 
 /// A session on a backend chosen at run time; see [`dlock_recipes::Client`].
 pub type Client = dlock_recipes::Client<dyn DynBackend>;
@@ -215,6 +216,23 @@ pub fn exit_code(e: &Error) -> i32 {
         _ => 1,
     }
 }
+
+// Clients, recipes and guards move between tasks and threads: checked at compile time,
+// so a change that makes one of them `!Send` or `!Sync` cannot slip in.
+const _: () = {
+    const fn send_sync_static<T: Send + Sync + 'static>() {}
+    send_sync_static::<Client>();
+    send_sync_static::<Mutex>();
+    send_sync_static::<RwLock>();
+    send_sync_static::<SemaphoreMutex>();
+    send_sync_static::<Semaphore>();
+    send_sync_static::<MultiLock>();
+    send_sync_static::<LockGuard>();
+    send_sync_static::<MultiGuard>();
+    send_sync_static::<RevocableGuard>();
+    send_sync_static::<Error>();
+    send_sync_static::<BackendUrl>();
+};
 
 // The README's Rust example is compiled as a doc test, so it cannot rot.
 #[cfg(doctest)]

@@ -431,6 +431,26 @@ impl Backend for EtcdBackend {
         Box::pin(session.lost())
     }
 
+    /// The session's lease, asked for its time to live: proves the server answers and
+    /// the lease is there (a lost one is granted again first, as an acquire would), and
+    /// needs no permission on any key.
+    async fn health(&self) -> Result<()> {
+        let session = self.live_session().await?;
+        let mut lease = self.lease.clone();
+        match timeout(self.request_timeout, lease.time_to_live(session.id(), None)).await {
+            Ok(Ok(r)) if r.ttl() > 0 => Ok(()),
+            Ok(Ok(_)) => Err(Error::LockLost(format!(
+                "health check: the session's lease {:x} is gone",
+                session.id()
+            ))),
+            Ok(Err(e)) => Err(map("health check", e)),
+            Err(_) => Err(Error::Unreachable(format!(
+                "health check: no etcd answer within {:?}",
+                self.request_timeout
+            ))),
+        }
+    }
+
     async fn close(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());

@@ -47,8 +47,9 @@ impl<B: DynBackend + ?Sized> std::fmt::Debug for Client<B> {
     }
 }
 
-/// One contender of a lock, as [`Client::participants`] reports it.
+/// One contender of a lock, as [`Client::participants`] reports it. More fields may come.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Participant {
     /// The queue it stands in: `""` for the lock itself, `"leases"` / `"locks"` for a
     /// semaphore's.
@@ -169,6 +170,17 @@ impl<B: DynBackend + ?Sized> Client<B> {
     /// How long a crashed or paused holder keeps its locks.
     pub fn session_timeout(&self) -> Duration {
         self.backend.session_timeout()
+    }
+
+    /// Whether this client can take locks now: its session is live and its servers
+    /// answer, with one cheap round trip that needs no permission on any lock. Meant for
+    /// a readiness probe.
+    ///
+    /// # Errors
+    /// What an acquire would get now: [`Error::Unreachable`], [`Error::LockLost`] (the
+    /// session ended), [`Error::Closed`], or a refusal.
+    pub async fn health(&self) -> Result<()> {
+        self.backend.health().await
     }
 
     /// Closes the session: every lock and permit held through this client is released
@@ -307,16 +319,21 @@ impl<B: DynBackend + ?Sized> Client<B> {
             None => Position::Tail,
         };
         let ticket = self.tickets.ticket();
-        let entry = queue::acquire(&self.backend, &q, ticket, kind, at, data, wait)
-            .instrument(span.clone())
-            .await?;
-        let held = match Held::new(self.backend.clone(), q.clone(), entry.clone(), Some(key)) {
-            Ok(h) => h,
-            Err(e) => {
-                let _ = self.backend.remove(&q, &entry).await;
-                return Err(e);
+        let result = async {
+            let entry = queue::acquire(&self.backend, &q, ticket, kind, at, data, wait)
+                .instrument(span.clone())
+                .await?;
+            match Held::new(self.backend.clone(), q.clone(), entry.clone(), Some(key)) {
+                Ok(h) => Ok(h),
+                Err(e) => {
+                    let _ = self.backend.remove(&q, &entry).await;
+                    Err(e)
+                }
             }
-        };
+        }
+        .await;
+        crate::metrics::acquire(self.backend.kind(), kind.label(), asked.elapsed(), &result);
+        let held = result?;
         span.record("token", held.token.get());
         span.record("wait_ms", asked.elapsed().as_secs_f64() * 1e3);
         tracing::debug!(parent: &span, "acquired");

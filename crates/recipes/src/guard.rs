@@ -26,6 +26,8 @@ pub(crate) struct Held<B: DynBackend + ?Sized> {
     /// Guards not yet released. The entry is removed when this drops to zero, and a
     /// hold at zero is never re-entered.
     guards: AtomicUsize,
+    /// When the hold was granted, for `dlock_hold_seconds`.
+    granted_at: std::time::Instant,
 }
 
 impl<B: DynBackend + ?Sized> Held<B> {
@@ -67,6 +69,7 @@ impl<B: DynBackend + ?Sized> Held<B> {
             lost,
             key,
             guards: AtomicUsize::new(1),
+            granted_at: std::time::Instant::now(),
         }))
     }
 
@@ -104,7 +107,16 @@ impl<B: DynBackend + ?Sized> Held<B> {
 
     /// Counts one guard released; true if it was the last, so the entry must go.
     fn leave(&self) -> bool {
-        self.guards.fetch_sub(1, Ordering::AcqRel) == 1
+        let last = self.guards.fetch_sub(1, Ordering::AcqRel) == 1;
+        if last {
+            crate::metrics::hold_ended(
+                self.backend.kind(),
+                self.entry.kind.label(),
+                self.granted_at.elapsed(),
+                self.lost_reason().is_some(),
+            );
+        }
+        last
     }
 
     /// How many guards of this hold are not yet released.

@@ -64,6 +64,13 @@
 //! once granted `token` and `wait_ms`, the time from the call to the grant); every
 //! release in a `dlock.release` span (`lock`, `token`).
 //!
+//! # Metrics and health
+//! Acquire outcomes, wait and hold times, lost holds and errors are recorded through the
+//! [`metrics`](https://docs.rs/metrics) facade under the names [`metrics`](mod@metrics)
+//! lists, labelled by backend and kind (never by lock name); install any exporter to see
+//! them. [`Client::health`] answers whether the client can take locks now, for a
+//! readiness probe.
+//!
 //! # Cancel safety
 //! Every acquire is cancel-safe: dropping its future removes its queue entry (in the
 //! background, on the current tokio runtime). Dropping a guard releases it the same way.
@@ -80,6 +87,7 @@
 
 mod client;
 mod guard;
+pub mod metrics;
 mod multi;
 mod mutex;
 mod queue;

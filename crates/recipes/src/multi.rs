@@ -10,8 +10,9 @@ use tokio::time::Instant;
 
 use crate::{Client, LockGuard};
 
-/// One part of a multi-lock.
+/// One part of a multi-lock. More recipes may become parts.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum Part {
     /// A reentrant [`crate::Mutex`].
     Mutex(LockName),

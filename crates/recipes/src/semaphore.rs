@@ -283,10 +283,17 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             wait_ms = tracing::field::Empty
         );
         let asked = tokio::time::Instant::now();
-        let held = self
+        let result = self
             .acquire_lease_inner(w, key)
             .instrument(span.clone())
-            .await?;
+            .await;
+        crate::metrics::acquire(
+            self.client.backend.kind(),
+            "lease",
+            asked.elapsed(),
+            &result,
+        );
+        let held = result?;
         span.record("token", held.token.get());
         span.record("wait_ms", asked.elapsed().as_secs_f64() * 1e3);
         tracing::debug!(parent: &span, "acquired");

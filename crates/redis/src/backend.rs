@@ -487,6 +487,23 @@ impl Backend for RedisBackend {
         self.shared.list(&QueueKeys::new(q), true, None).await
     }
 
+    /// `PING` on every master: healthy when a majority (the one master) answers. The
+    /// watchdog's own verdicts stay per entry.
+    async fn health(&self) -> Result<()> {
+        if self.shared.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed);
+        }
+        use fred::prelude::ClientLike as _;
+        let pings = self.shared.nodes.iter().map(|n| async move {
+            n.client
+                .ping::<()>(None)
+                .await
+                .map_err(|e| n.map_err("health check", e))
+        });
+        let results = futures::future::join_all(pings).await;
+        self.shared.quorum(results).map(|_| ())
+    }
+
     async fn close(&self) -> Result<()> {
         self.shared.close().await;
         Ok(())

@@ -491,6 +491,26 @@ impl Backend for ZkBackend {
         .instrument(span)
     }
 
+    /// An `exists` of the (chroot's) root, through the session: ZooKeeper checks no ACL
+    /// for it, and it fails once the session is over.
+    async fn health(&self) -> Result<()> {
+        let client = self.handle()?;
+        let ask = async {
+            client
+                .check_stat("/")
+                .await
+                .map(|_| ())
+                .map_err(|e| map_err("health check", e))
+        };
+        match tokio::time::timeout(self.session_timeout, self.guarded(ask)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Unreachable(format!(
+                "health check: no ZooKeeper answer within {:?}",
+                self.session_timeout
+            ))),
+        }
+    }
+
     async fn close(&self) -> Result<()> {
         let mut states = self.states.clone();
         self.shared.conclude(Health::Closed);

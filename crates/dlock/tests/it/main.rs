@@ -122,6 +122,7 @@ all_backends! {
     mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
+    mem health_is_ok_while_live_and_an_error_after_close => crate::recipes::health_is_ok_while_live_and_an_error_after_close,
     // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
     // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
     // an in-memory server lives inside this test process and has none.
@@ -168,6 +169,7 @@ secure_tests! {
     secure_cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
     secure_rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,
     secure_semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
+    secure_health => crate::recipes::health_is_ok_while_live_and_an_error_after_close,
     secure_wrong_password => crate::secure::wrong_password_is_refused_and_leaves_nothing,
     secure_no_permission => crate::secure::user_without_permission_is_refused_and_leaves_nothing,
     secure_untrusted_certificate => crate::secure::untrusted_server_certificate_is_a_tls_error,
@@ -179,6 +181,14 @@ secure_tests! {
 async fn secure_zk_outsider_cannot_delete_a_holders_node() {
     if let Some(url) = crate::support::secure_url(crate::support::Kind::Zk) {
         crate::secure::zk_outsider_cannot_delete_a_holders_node(&url).await;
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secure_etcd_no_permission_leaves_no_lease() {
+    if let Some(url) = crate::support::secure_url(crate::support::Kind::Etcd) {
+        crate::secure::etcd_no_permission_leaves_no_lease(&url).await;
     }
 }
 

@@ -235,7 +235,7 @@ pub async fn rwlock_downgrade(_kind: Kind, url: &str) {
 /// backend is asked directly, so the write's lost signal cannot answer first); the
 /// recipe's downgrade of that write fails the same way and leaves nothing either.
 pub async fn downgrade_beside_a_deleted_write_is_lost(_kind: Kind, url: &str) {
-    use dlock::core::{EntryKind, Position};
+    use dlock_core::{EntryKind, Position};
     let name = unique("downgone");
     let a = client(url).await;
     let b = client(url).await;
@@ -437,7 +437,7 @@ pub async fn verify_checks_the_entry_on_the_server(kind: Kind, url: &str) {
     if !matches!(kind, Kind::Redlock) {
         let token = g.token().get();
         let mut other = entry.clone();
-        other.token = Some(dlock::core::FencingToken::new(token + 1));
+        other.token = Some(dlock_core::FencingToken::new(token + 1));
         assert!(
             !a.backend().contains(&q, &other).await.expect("contains"),
             "an entry with another token must not count as the held one"
@@ -517,4 +517,17 @@ pub async fn missing_capabilities_fail_at_the_call(_kind: Kind, url: &str) {
     }
     assert_eq!(leftovers(&c, &name).await, 0, "nothing was written");
     c.close().await.expect("close");
+}
+
+/// `Client::health` answers `Ok` while the session is live and the server answers, and
+/// an error once the client is closed.
+pub async fn health_is_ok_while_live_and_an_error_after_close(_kind: Kind, url: &str) {
+    let c = client(url).await;
+    c.health().await.expect("a live client is healthy");
+    c.close().await.expect("close");
+    let e = c
+        .health()
+        .await
+        .expect_err("a closed client is not healthy");
+    assert!(e.is_lost(), "{e:?}");
 }

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::core::entry::{Entry, EntryKind, Ticket};
-use dlock::core::{Capability, Enqueued, Gone, Hints, NameRules, Position, QueuePath};
 use dlock::{Backend, DynBackend, Error, Result};
+use dlock_core::entry::{Entry, EntryKind, Ticket};
+use dlock_core::{Capability, Enqueued, Gone, Hints, NameRules, Position, QueuePath};
 use futures::future::BoxFuture;
 
 use crate::support::{client, eventually, leftovers, unique, Kind};
@@ -152,6 +152,10 @@ impl Backend for FailingRemovals {
     async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         self.inner.participants(q).await
     }
+    async fn health(&self) -> Result<()> {
+        self.inner.health().await
+    }
+
     async fn close(&self) -> Result<()> {
         self.inner.close().await
     }

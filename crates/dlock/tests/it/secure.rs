@@ -125,7 +125,15 @@ pub async fn user_without_permission_is_refused_and_leaves_nothing(_kind: Kind, 
         dlock_testkit::secure::NOBODY_USER,
         dlock_testkit::secure::NOBODY_PASSWORD,
     );
-    let e = refusal(&with_credentials(url, user, password), &name).await;
+    let nobody = with_credentials(url, user, password);
+    // Its connection is fine: the health check needs no permission on any lock.
+    if let Ok(c) = dlock::connect(&nobody).await {
+        c.health()
+            .await
+            .expect("a user without lock permissions is still healthy");
+        let _ = c.close().await;
+    }
+    let e = refusal(&nobody, &name).await;
     assert!(matches!(e, Error::PermissionDenied(_)), "{e:?}");
     assert!(!format!("{e} {e:?}").contains(password));
     assert_eq!(dlock::exit_code(&e), 77);
@@ -172,6 +180,28 @@ pub async fn cli_on_secured_servers(_kind: Kind, url: &str) {
         .expect("dlock runs");
     assert!(out.status.success(), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("held:{name}")));
+    // `status` with the whole URL in the environment prints no password.
+    let out = crate::support::dlock()
+        .env("DLOCK_URL", url)
+        .args(["status", &name])
+        .output()
+        .expect("dlock runs");
+    let shown = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(3), "free: {shown}");
+    assert!(!shown.contains(&password), "the password leaked: {shown}");
+    let help = crate::support::dlock()
+        .env("DLOCK_URL", url)
+        .arg("--help")
+        .output()
+        .expect("dlock runs");
+    assert!(
+        !String::from_utf8_lossy(&help.stdout).contains(&password),
+        "--help shows DLOCK_URL's value"
+    );
 
     let secret = "wrong-secret-5c2a";
     let (nobody, nobody_password) = (
@@ -261,4 +291,59 @@ pub async fn zk_outsider_cannot_delete_a_holders_node(url: &str) {
     guard.release().await.expect("release");
     nothing_left(url, &name).await;
     let _ = app.close().await;
+}
+
+/// etcd: a user whose role does not cover the lock's prefix is refused, and leaves no key
+/// and no lease: the session's lease, granted at connect, is revoked when the client
+/// closes (checked by its id, as the root user sees it).
+#[cfg(feature = "etcd")]
+pub async fn etcd_no_permission_leaves_no_lease(url: &str) {
+    use dlock::DynBackend;
+    use dlock_testkit::secure::{Pki, NOBODY_PASSWORD, NOBODY_USER};
+
+    let nobody = with_credentials(url, NOBODY_USER, NOBODY_PASSWORD);
+    let parsed = dlock::BackendUrl::parse(&nobody).expect("parses");
+    let dlock::Servers::Etcd { hosts } = parsed.servers.clone() else {
+        panic!("not an etcd URL: {url}")
+    };
+    let tls = parsed.tls.clone().expect("TLS");
+    let opts = dlock::SessionOptions::default()
+        .with_session_timeout(crate::support::SESSION_TIMEOUT)
+        .with_tls(tls.clone())
+        .with_credentials(parsed.credentials.clone().expect("credentials"));
+    let backend = dlock_etcd::EtcdBackend::connect(&hosts, opts)
+        .await
+        .expect("etcd lets an authenticated user grant a lease");
+    let lease = backend.lease_id();
+    let c = dlock::Client::new(backend as std::sync::Arc<dyn DynBackend>);
+    let name = unique("secure-etcd-lease");
+    let e = c
+        .mutex(&name)
+        .expect("n")
+        .try_lock()
+        .await
+        .expect_err("refused");
+    assert!(matches!(e, Error::PermissionDenied(_)), "{e:?}");
+    c.close().await.expect("close");
+
+    let pki = Pki::in_dir(tls.ca.as_ref().expect("CA").parent().expect("PKI dir"));
+    let endpoints = hosts
+        .iter()
+        .map(|h| format!("https://{h}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let out = std::process::Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={endpoints}"))
+        .args(dlock_testkit::secure::etcdctl_root_args(&pki))
+        .args(["lease", "timetolive", &format!("{lease:x}")])
+        .output()
+        .expect("etcdctl runs");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("already expired"),
+        "lease {lease:x} of the refused client is still there: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    nothing_left(url, &name).await;
 }

@@ -195,7 +195,7 @@ where
 
 /// The queue of lock `name` and its one holder's entry, as another client sees them:
 /// what a test needs to act on the holder's entry from outside.
-pub async fn holder_entry(c: &Client, name: &str) -> (dlock::core::QueuePath, dlock::Entry) {
+pub async fn holder_entry(c: &Client, name: &str) -> (dlock_core::QueuePath, dlock::Entry) {
     let held: Vec<_> = c
         .participants(name)
         .await
@@ -204,7 +204,7 @@ pub async fn holder_entry(c: &Client, name: &str) -> (dlock::core::QueuePath, dl
         .filter(|p| p.holds)
         .collect();
     assert_eq!(held.len(), 1, "one holder expected: {held:?}");
-    let q = dlock::core::QueuePath::root(c.lock_name(name).expect("name"));
+    let q = dlock_core::QueuePath::root(c.lock_name(name).expect("name"));
     (q, held[0].entry.clone())
 }
 

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::core::entry::{Entry, EntryKind, Ticket};
-use dlock::core::{Capability, Enqueued, Gone, NameRules, Position, QueuePath};
 use dlock::{Backend, DynBackend, Error, LockGuard, Result};
+use dlock_core::entry::{Entry, EntryKind, Ticket};
+use dlock_core::{Capability, Enqueued, Gone, NameRules, Position, QueuePath};
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 
@@ -61,7 +61,7 @@ impl Backend for Counting {
     fn session_timeout(&self) -> Duration {
         self.inner.session_timeout()
     }
-    fn hints(&self) -> dlock::core::Hints {
+    fn hints(&self) -> dlock_core::Hints {
         self.inner.hints()
     }
     fn supports(&self, capability: Capability) -> bool {
@@ -161,6 +161,10 @@ impl Backend for Counting {
     ) -> Result<Option<Vec<u8>>> {
         self.inner.wait_data_changed(q, entry, seen).await
     }
+    async fn health(&self) -> Result<()> {
+        self.inner.health().await
+    }
+
     async fn close(&self) -> Result<()> {
         self.inner.close().await
     }

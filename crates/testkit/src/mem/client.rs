@@ -448,6 +448,12 @@ impl Backend for MemBackend {
     /// Closes the session: its entries go at once (unless it is cut off, when the server
     /// expires it by its timeout), its `lost()` fires, and every later call fails with
     /// [`Error::Closed`]. Idempotent.
+    /// One request to the server: fails as every call does once the session is over or
+    /// while the client is partitioned.
+    async fn health(&self) -> Result<()> {
+        self.call(move |_ops| Ok(())).await
+    }
+
     async fn close(&self) -> Result<()> {
         close_session(&self.link);
         Ok(())
