@@ -9,7 +9,7 @@
 #   - the exit-code contract scripts rely on: 75 when the lock is busy past --timeout,
 #     the command's own code otherwise, 64 for a bad lock name, 69 for an unreachable
 #     backend.
-# Needs the dlock CLI: $DLOCK_BIN, or `dlock` on PATH (cargo build -p dlock --bin dlock).
+# Needs the dlock CLI: $DLOCK_BIN, or `dlock` on PATH (cargo build -p dlock-cli --bin dlock).
 set -uo pipefail
 
 url="${1:-${DLOCK_URL:-}}"
@@ -19,7 +19,7 @@ if [ -z "$url" ]; then
 fi
 dlock="${DLOCK_BIN:-dlock}"
 if ! command -v "$dlock" >/dev/null 2>&1; then
-    echo "run-once: no dlock CLI at '$dlock': build it with cargo build -p dlock --bin dlock and set DLOCK_BIN" >&2
+    echo "run-once: no dlock CLI at '$dlock': build it with cargo build -p dlock-cli --bin dlock and set DLOCK_BIN" >&2
     exit 69
 fi
 here="$(cd "$(dirname "$0")" && pwd)"

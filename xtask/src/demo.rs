@@ -113,10 +113,10 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
 }
 
 pub(crate) fn build_dlock(root: &Path) -> anyhow::Result<PathBuf> {
-    crate::header("cargo build -p dlock --bin dlock");
+    crate::header("cargo build -p dlock-cli --bin dlock");
     let status = crate::cargo()
         .current_dir(root)
-        .args(["build", "-p", "dlock", "--bin", "dlock"])
+        .args(["build", "-p", "dlock-cli", "--bin", "dlock"])
         .status()
         .context("running cargo build")?;
     if !status.success() {

@@ -67,13 +67,13 @@ pub(crate) fn run(root: &Path, args: &ExamplesArgs) -> anyhow::Result<i32> {
 
 /// Builds the examples and the CLI, runs each example on each URL, prints a summary line.
 pub(crate) fn run_with(root: &Path, urls: &[String]) -> anyhow::Result<Tally> {
-    crate::header("cargo build -p dlock --bin dlock -p dlock-examples --bins");
+    crate::header("cargo build -p dlock-cli --bin dlock -p dlock-examples --bins");
     let status = crate::cargo()
         .current_dir(root)
         .args([
             "build",
             "-p",
-            "dlock",
+            "dlock-cli",
             "--bin",
             "dlock",
             "-p",

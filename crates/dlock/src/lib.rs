@@ -38,9 +38,10 @@
 //! - `etcd` (default): the etcd backend, `dlock-etcd`.
 //! - `redis` (default): the Redis (single master or Sentinel) and Redlock backends,
 //!   `dlock-redis`.
-//! - `cli` (default): the `dlock` command line tool (`src/bin/dlock/`).
 //!
-//! Turn off the backends you do not use with `default-features = false`.
+//! Turn off the backends you do not use with `default-features = false`. The `dlock`
+//! command line tool is its own crate, `dlock-cli`: this library pulls in no CLI
+//! dependency.
 //!
 //! # Cancel safety and session loss
 //! Every acquire may be dropped at any await point: its queue entry is removed (in the

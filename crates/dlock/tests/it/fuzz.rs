@@ -87,7 +87,7 @@ proptest! {
         prop_oneof![9 => arg(), 1 => prop::sample::select(&["-h", "--help", "help", "-V"][..]).prop_map(OsString::from)],
         0..8,
     )) {
-        let out = Command::new(env!("CARGO_BIN_EXE_dlock"))
+        let out = Command::new(crate::support::dlock_bin())
             .args(&argv)
             .env_remove("DLOCK_URL")
             .env_remove("DLOCK_LOG")

@@ -248,10 +248,29 @@ pub fn zk_hosts(url: &str) -> &str {
     url.strip_prefix("zk://").unwrap_or(url)
 }
 
+/// The `dlock` binary (the `dlock-cli` crate) of this build: beside the test binary's
+/// `deps/` directory. `cargo test --workspace` builds it before any test runs (the CLI
+/// crate has integration tests of its own); a lone `cargo test -p dlock` needs
+/// `cargo build -p dlock-cli` first.
+pub fn dlock_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    let bin = dir.join("dlock");
+    assert!(
+        bin.exists(),
+        "{} is missing: build the CLI with `cargo build -p dlock-cli` (cargo test --workspace does)",
+        bin.display()
+    );
+    bin
+}
+
 /// The `dlock` binary under test, with no `DLOCK_URL` from the caller's environment and
 /// no stdin, so it can never wait on a terminal.
 pub fn dlock() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_dlock"));
+    let mut c = Command::new(dlock_bin());
     c.env_remove("DLOCK_URL").stdin(Stdio::null());
     c
 }
