@@ -58,6 +58,11 @@ pub struct SessionOptions {
     pub tls: Option<TlsOptions>,
     /// Credentials to authenticate with; `None` connects anonymously.
     pub credentials: Option<Credentials>,
+    /// A prefix of every key the backend writes, so applications sharing one server do
+    /// not see each other's locks: Redis key prefix (URL `?prefix=app1:`), etcd key
+    /// namespace (`?namespace=/app1/`). ZooKeeper has its chroot for that and refuses a
+    /// namespace ([`Error::InvalidUrl`]).
+    pub namespace: Option<String>,
 }
 
 impl Default for SessionOptions {
@@ -67,6 +72,7 @@ impl Default for SessionOptions {
             connect_timeout: Duration::from_secs(5),
             tls: None,
             credentials: None,
+            namespace: None,
         }
     }
 }
@@ -93,6 +99,12 @@ impl SessionOptions {
     /// Authenticates with these credentials.
     pub fn with_credentials(mut self, credentials: Credentials) -> Self {
         self.credentials = Some(credentials);
+        self
+    }
+
+    /// Prefixes every key with `namespace` (see [`SessionOptions::namespace`]).
+    pub fn with_namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
         self
     }
 }

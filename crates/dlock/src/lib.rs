@@ -118,8 +118,8 @@ pub async fn connect_env() -> Result<Client> {
 
 /// Connects to the backend named by `url` with the given session settings.
 ///
-/// TLS settings and credentials set on `opts` take precedence over the URL's (its TLS
-/// scheme and query, its userinfo).
+/// TLS settings, credentials and a namespace set on `opts` take precedence over the
+/// URL's (its TLS scheme and query, its userinfo, `?prefix=` / `?namespace=`).
 ///
 /// # Errors
 /// As [`connect`], and [`Error::Unauthenticated`], [`Error::PermissionDenied`] or
@@ -131,6 +131,9 @@ pub async fn connect_with(url: &str, mut opts: SessionOptions) -> Result<Client>
     }
     if opts.credentials.is_none() {
         opts.credentials = parsed.credentials;
+    }
+    if opts.namespace.is_none() {
+        opts.namespace = parsed.namespace;
     }
     let backend = open(url, parsed.servers, opts).await?;
     Ok(Client::new(backend))

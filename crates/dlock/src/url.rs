@@ -26,6 +26,9 @@ pub struct BackendUrl {
     /// The credentials of the userinfo (`USER:PASSWORD@`, `:PASSWORD@`), percent-decoded;
     /// a user without a password takes it from `DLOCK_PASSWORD`.
     pub credentials: Option<Credentials>,
+    /// The key prefix of a Redis URL (`?prefix=app1:`) or the key namespace of an etcd
+    /// URL (`?namespace=/app1/`); see `SessionOptions::namespace`.
+    pub namespace: Option<String>,
 }
 
 /// The servers a URL names, by backend.
@@ -144,7 +147,7 @@ impl BackendUrl {
             return Err(bad("a backend URL takes no #fragment"));
         }
         let credentials = credentials(&parsed, password_env).map_err(|r| bad(&r))?;
-        let tls = tls_options(&parsed, tls).map_err(|r| bad(&r))?;
+        let (tls, namespace) = query(&parsed, tls, kind).map_err(|r| bad(&r))?;
         let path = Some(parsed.path()).filter(|p| !p.trim_matches('/').is_empty());
         let servers = match kind {
             Kind::Zk => {
@@ -222,6 +225,7 @@ impl BackendUrl {
             servers,
             tls,
             credentials,
+            namespace,
         })
     }
 
@@ -293,11 +297,18 @@ fn credentials(
     })
 }
 
-fn tls_options(url: &url::Url, tls: bool) -> Result<Option<TlsOptions>, String> {
+/// The query: TLS settings (on a TLS scheme only) and the key namespace (`prefix` on
+/// Redis, `namespace` on etcd).
+fn query(
+    url: &url::Url,
+    tls: bool,
+    kind: Kind,
+) -> Result<(Option<TlsOptions>, Option<String>), String> {
     let mut opts = TlsOptions::new();
-    let mut any = false;
+    let mut any_tls = false;
+    let mut namespace = None;
+    let redis = matches!(kind, Kind::Redis | Kind::Redlock | Kind::Sentinel);
     for (k, v) in url.query_pairs() {
-        any = true;
         let v = v.into_owned();
         if v.is_empty() {
             return Err(format!("query parameter {k} has no value"));
@@ -307,20 +318,46 @@ fn tls_options(url: &url::Url, tls: bool) -> Result<Option<TlsOptions>, String> 
             "cert" => &mut opts.cert,
             "key" => &mut opts.key,
             "server_name" => {
+                any_tls = true;
                 opts.server_name = Some(v);
                 continue;
             }
+            "prefix" if redis => {
+                if v.contains(['{', '}']) || v.chars().any(char::is_control) {
+                    return Err(
+                        "the Redis key prefix may not contain '{', '}' or control characters"
+                            .to_owned(),
+                    );
+                }
+                namespace = Some(v);
+                continue;
+            }
+            "namespace" if kind == Kind::Etcd => {
+                if v.chars().any(char::is_control) {
+                    return Err("the etcd namespace may not contain control characters".to_owned());
+                }
+                namespace = Some(v);
+                continue;
+            }
+            "prefix" | "namespace" => {
+                return Err(match kind {
+                    Kind::Zk => "ZooKeeper keeps applications apart with a chroot (zk://h:p/app), not a query parameter".to_owned(),
+                    Kind::Etcd => "etcd takes ?namespace=, not ?prefix=".to_owned(),
+                    _ => "Redis takes ?prefix=, not ?namespace=".to_owned(),
+                })
+            }
             other => {
                 return Err(format!(
-                    "unknown query parameter {other:?} (known: ca, cert, key, server_name)"
+                    "unknown query parameter {other:?} (known: ca, cert, key, server_name; prefix on Redis, namespace on etcd)"
                 ))
             }
         };
+        any_tls = true;
         if slot.replace(PathBuf::from(v)).is_some() {
             return Err(format!("query parameter {k} given twice"));
         }
     }
-    if any && !tls {
+    if any_tls && !tls {
         return Err(
             "ca, cert, key and server_name are TLS settings: use the TLS scheme (zks://, \
              etcds://, rediss://, redlocks://, rediss+sentinel://)"
@@ -330,7 +367,7 @@ fn tls_options(url: &url::Url, tls: bool) -> Result<Option<TlsOptions>, String> 
     if opts.cert.is_some() != opts.key.is_some() {
         return Err("cert and key go together: give both or neither".to_owned());
     }
-    Ok(tls.then_some(opts))
+    Ok((tls.then_some(opts), namespace))
 }
 
 #[cfg(test)]
@@ -422,6 +459,10 @@ mod tests {
             "rediss://a:1?ca=",
             "rediss://a:1?cert=/c",
             "rediss://a:1?bogus=1",
+            "zk://a:1?prefix=x",
+            "etcd://a:1?prefix=x",
+            "redis://a:1?namespace=x",
+            "redis://a:1?prefix=a{b",
             "rediss://a:1?ca=/x&ca=/y",
             "etcd://:pw@a:1",
             "zk://:pw@a:1",
@@ -492,6 +533,21 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn namespaces_per_backend() {
+        let ns = |url: &str| BackendUrl::parse_with(url, || None).expect(url).namespace;
+        assert_eq!(ns("redis://a:1?prefix=app1:").as_deref(), Some("app1:"));
+        assert_eq!(
+            ns("redlocks://a:1,b:1,c:1?prefix=app1:&ca=/x").as_deref(),
+            Some("app1:")
+        );
+        assert_eq!(
+            ns("etcd://a:1?namespace=%2Fapp1%2F").as_deref(),
+            Some("/app1/")
+        );
+        assert_eq!(ns("etcd://a:1"), None);
     }
 
     #[test]

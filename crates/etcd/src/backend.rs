@@ -46,6 +46,8 @@ pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(60);
 /// without `close` revokes it in the background.
 pub struct EtcdBackend {
     pub(crate) kv: KvClient,
+    /// In front of every key (`?namespace=`; empty for none).
+    pub(crate) namespace: String,
     /// Every watch of this client, multiplexed over one stream.
     pub(crate) watches: Watches,
     /// Bounds the requests this client has in flight; see [`request`].
@@ -210,6 +212,7 @@ impl EtcdBackend {
         sessions.insert(session.id(), session.clone());
         Ok(Arc::new(EtcdBackend {
             kv: client.kv_client(),
+            namespace: opts.namespace.clone().unwrap_or_default(),
             watches: Watches::new(client.watch_client(), request_timeout),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
             lease: client.lease_client(),
@@ -312,19 +315,19 @@ impl Backend for EtcdBackend {
     }
 
     async fn queue(&self, q: &QueuePath) -> Result<Vec<Entry>> {
-        let prefix = layout::queue_prefix(q);
+        let prefix = layout::queue_prefix(&self.namespace, q);
         Ok(self.read_queue(&prefix).await?.0)
     }
 
     async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
-        let prefix = layout::queue_prefix(q);
+        let prefix = layout::queue_prefix(&self.namespace, q);
         self.read_queue_linearizable(&prefix).await
     }
 
     /// One linearizable keys-only read of the entry's key (a lagging member must not
     /// vouch for a deleted entry), its create revision compared with the token.
     async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
-        let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+        let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
         let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
             let mut kv = self.kv.clone();
             let key = key.as_str();
@@ -339,7 +342,7 @@ impl Backend for EtcdBackend {
     fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
         async move {
-            let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+            let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
             self.retry_watch(&key, || self.wait_gone_once(&key, entry))
                 .await
         }
@@ -353,7 +356,7 @@ impl Backend for EtcdBackend {
     ) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.wait_changed", lock = %q);
         async move {
-            let prefix = layout::queue_prefix(q);
+            let prefix = layout::queue_prefix(&self.namespace, q);
             self.retry_watch(&prefix, || self.wait_changed_once(&prefix, seen))
                 .await
         }
@@ -363,7 +366,7 @@ impl Backend for EtcdBackend {
     fn remove(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.remove", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
         async move {
-            let key = format!("{}{}", layout::queue_prefix(q), entry.name);
+            let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
             let ticket = entry.ticket.as_deref();
             let deleted = match self.take_claim(&key, ticket, layout::lease_of(entry)) {
                 Some(primary) => self.delete_claimed(&key, primary).await,
@@ -382,7 +385,7 @@ impl Backend for EtcdBackend {
     fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.abandon", lock = %q, ticket = ticket.as_str());
         async move {
-            let prefix = layout::queue_prefix(q);
+            let prefix = layout::queue_prefix(&self.namespace, q);
             let pending = self
                 .local
                 .lock()

@@ -171,7 +171,7 @@ impl EtcdBackend {
                 )))
             }
         };
-        let prefix = layout::queue_prefix(q);
+        let prefix = layout::queue_prefix(&self.namespace, q);
         let session = self.live_session().await?;
         let lease = session.id();
         let value = layout::encode_value(ticket, writer.map(|w| w.seq), data);

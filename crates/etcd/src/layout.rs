@@ -31,9 +31,10 @@ use dlock_core::{Entry, EntryKind, FencingToken, QueuePath, Ticket};
 /// The start of every value dlock writes.
 const MAGIC: &[u8] = b"dlock1 ";
 
-/// The key prefix of queue `q`: `NAME/` or `NAME/sub/`.
-pub(crate) fn queue_prefix(q: &QueuePath) -> String {
-    format!("{}/", q.relative())
+/// The key prefix of queue `q` under `namespace` (empty for none):
+/// `<namespace>NAME/` or `<namespace>NAME/sub/`.
+pub(crate) fn queue_prefix(namespace: &str, q: &QueuePath) -> String {
+    format!("{namespace}{}/", q.relative())
 }
 
 /// The entry name (the key below the queue prefix) a ticket uses.
@@ -294,7 +295,7 @@ mod tests {
     #[test]
     fn queue_filters_depth_and_sorts_beside() {
         let name = LockName::new("orders/42", crate::NAME_RULES).expect("valid");
-        let prefix = queue_prefix(&QueuePath::root(name));
+        let prefix = queue_prefix("", &QueuePath::root(name));
         assert_eq!(prefix, "orders/42/");
         let t = dlock_testkit::ticket();
         let w = format!(

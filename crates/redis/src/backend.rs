@@ -72,6 +72,8 @@ pub struct Stats {
 
 pub(crate) struct Shared {
     pub(crate) mode: Mode,
+    /// In front of every key and channel name (`?prefix=`; empty for none).
+    pub(crate) prefix: String,
     pub(crate) nodes: Vec<Node>,
     pub(crate) majority: usize,
     pub(crate) lease: Duration,
@@ -275,7 +277,9 @@ impl Backend for RedisBackend {
 
     async fn queue(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         self.shared.check_open()?;
-        self.shared.list(&QueueKeys::new(q), false, None).await
+        self.shared
+            .list(&QueueKeys::new(&self.shared.prefix, q), false, None)
+            .await
     }
 
     async fn queue_ahead(&self, q: &QueuePath, mine: &Entry) -> Result<Vec<Entry>> {
@@ -283,7 +287,11 @@ impl Backend for RedisBackend {
         // Every entry ahead of `mine` has a sequence up to its own (a downgrade's
         // read entry shares its writer's): one ZRANGEBYSCORE, O(entries ahead).
         self.shared
-            .list(&QueueKeys::new(q), false, Some(mine.seq))
+            .list(
+                &QueueKeys::new(&self.shared.prefix, q),
+                false,
+                Some(mine.seq),
+            )
             .await
     }
 
@@ -319,7 +327,7 @@ impl Backend for RedisBackend {
         async move {
             let s = &self.shared;
             s.check_open()?;
-            let keys = QueueKeys::new(q);
+            let keys = QueueKeys::new(&self.shared.prefix, q);
             let key = keys.entry(&entry.name);
             // Subscribe first, then check on the same connection: a removal between
             // the two is seen by the check, one after it by the message.
@@ -378,7 +386,7 @@ impl Backend for RedisBackend {
         async move {
             let s = &self.shared;
             s.check_open()?;
-            let keys = QueueKeys::new(q);
+            let keys = QueueKeys::new(&self.shared.prefix, q);
             let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
             // Confirmed: the listing below runs on the command connection.
             let listener = s.listen(&keys.changed, true).await;
@@ -411,9 +419,13 @@ impl Backend for RedisBackend {
             let s = &self.shared;
             // Stop renewing before deleting: no renewal may follow a release. A live
             // entry's keys were built by its enqueue; reuse them.
-            let keys = match s.settle(&QueueKeys::queue_key(q), &entry.name, Fate::Released) {
+            let keys = match s.settle(
+                &QueueKeys::queue_key(&self.shared.prefix, q),
+                &entry.name,
+                Fate::Released,
+            ) {
                 Some(keys) => keys,
-                None => Arc::new(QueueKeys::new(q)),
+                None => Arc::new(QueueKeys::new(&self.shared.prefix, q)),
             };
             s.check_open()?;
             s.remove_names(&keys, std::slice::from_ref(&entry.name))
@@ -426,7 +438,7 @@ impl Backend for RedisBackend {
         let span = tracing::debug_span!("abandon", lock = %q, ticket = ticket.as_str());
         async move {
             let s = &self.shared;
-            let keys = QueueKeys::new(q);
+            let keys = QueueKeys::new(&self.shared.prefix, q);
             let mine: Vec<String> = s
                 .live
                 .lock()
@@ -456,7 +468,7 @@ impl Backend for RedisBackend {
             .shared
             .live
             .lock()
-            .get(&(QueueKeys::queue_key(q), name.clone()))
+            .get(&(QueueKeys::queue_key(&self.shared.prefix, q), name.clone()))
             .map(|l| l.fate.subscribe());
         let closed = self.shared.closed.load(Ordering::SeqCst);
         Box::pin(async move {
@@ -484,7 +496,9 @@ impl Backend for RedisBackend {
 
     async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         self.shared.check_open()?;
-        self.shared.list(&QueueKeys::new(q), true, None).await
+        self.shared
+            .list(&QueueKeys::new(&self.shared.prefix, q), true, None)
+            .await
     }
 
     /// `PING` on every master: healthy when a majority (the one master) answers. The

@@ -122,6 +122,14 @@ impl RedisBackend {
                 reason: "no server given".into(),
             });
         }
+        // The hash tag `{lock name}` must stay the only braces of every key.
+        let prefix = opts.namespace.clone().unwrap_or_default();
+        if prefix.contains(['{', '}']) || prefix.chars().any(char::is_control) {
+            return Err(Error::InvalidUrl {
+                url: what,
+                reason: "the key prefix may not contain '{', '}' or control characters".into(),
+            });
+        }
         let distinct: HashSet<&String> = addrs.iter().collect();
         if distinct.len() != addrs.len() {
             return Err(Error::InvalidUrl {
@@ -181,6 +189,7 @@ impl RedisBackend {
         }
         let shared = Arc::new(Shared {
             mode,
+            prefix,
             majority,
             lease,
             lease_ms: Value::from(lease.as_millis().to_string()),

@@ -24,21 +24,23 @@ impl QueueKeys {
     /// Built on every enqueue and release, so with plain appends ([`key`]): six `format!`
     /// calls cost about 7k instructions per build (callgrind), a sizeable part of an
     /// uncontended acquire + release on the client.
-    pub fn new(q: &QueuePath) -> Self {
+    ///
+    /// `prefix` goes in front of every name (`?prefix=`; empty for none).
+    pub fn new(prefix: &str, q: &QueuePath) -> Self {
         QueueKeys {
-            queue: key(q, "q", q.sub, ""),
-            seq: key(q, "seq", q.sub, ""),
-            token: key(q, "token", None, ""),
-            entry_prefix: key(q, "e", q.sub, ":"),
-            gone_prefix: key(q, "gone", q.sub, ":"),
-            changed: key(q, "chg", q.sub, ""),
+            queue: key(prefix, q, "q", q.sub, ""),
+            seq: key(prefix, q, "seq", q.sub, ""),
+            token: key(prefix, q, "token", None, ""),
+            entry_prefix: key(prefix, q, "e", q.sub, ":"),
+            gone_prefix: key(prefix, q, "gone", q.sub, ":"),
+            changed: key(prefix, q, "chg", q.sub, ""),
         }
     }
 
     /// Just the queue's sorted-set key (what live entries are filed under), without
     /// building the other names.
-    pub fn queue_key(q: &QueuePath) -> String {
-        key(q, "q", q.sub, "")
+    pub fn queue_key(prefix: &str, q: &QueuePath) -> String {
+        key(prefix, q, "q", q.sub, "")
     }
 
     /// The three keys every script takes, in script order.
@@ -55,11 +57,13 @@ impl QueueKeys {
     }
 }
 
-/// `dlock:{<lock>}:<what>[:<sub>]<suffix>`.
-fn key(q: &QueuePath, what: &str, sub: Option<&str>, suffix: &str) -> String {
+/// `<prefix>dlock:{<lock>}:<what>[:<sub>]<suffix>`.
+fn key(prefix: &str, q: &QueuePath, what: &str, sub: Option<&str>, suffix: &str) -> String {
     let lock = q.lock.as_str();
     let sub_len = sub.map_or(0, |s| s.len() + 1);
-    let mut s = String::with_capacity(9 + lock.len() + what.len() + sub_len + suffix.len());
+    let mut s =
+        String::with_capacity(prefix.len() + 9 + lock.len() + what.len() + sub_len + suffix.len());
+    s.push_str(prefix);
     s.push_str("dlock:{");
     s.push_str(lock);
     s.push_str("}:");
@@ -80,17 +84,17 @@ mod tests {
     #[test]
     fn keys_share_the_hash_tag() {
         let lock = LockName::new("orders/42", crate::NAME_RULES).expect("valid");
-        let k = QueueKeys::new(&QueuePath::sub(lock.clone(), "leases"));
+        let k = QueueKeys::new("", &QueuePath::sub(lock.clone(), "leases"));
         assert_eq!(k.queue, "dlock:{orders/42}:q:leases");
         assert_eq!(
-            QueueKeys::queue_key(&QueuePath::sub(lock.clone(), "leases")),
+            QueueKeys::queue_key("", &QueuePath::sub(lock.clone(), "leases")),
             k.queue
         );
         assert_eq!(k.token, "dlock:{orders/42}:token");
         assert_eq!(k.entry("x"), "dlock:{orders/42}:e:leases:x");
-        let r = QueueKeys::new(&QueuePath::root(lock.clone()));
+        let r = QueueKeys::new("", &QueuePath::root(lock.clone()));
         assert_eq!(r.queue, "dlock:{orders/42}:q");
-        assert_eq!(QueueKeys::queue_key(&QueuePath::root(lock)), r.queue);
+        assert_eq!(QueueKeys::queue_key("", &QueuePath::root(lock)), r.queue);
         assert_eq!(r.gone_channel("x"), "dlock:{orders/42}:gone:x");
         assert_eq!(
             (&k.seq, &k.entry_prefix, &k.gone_prefix, &k.changed),

@@ -205,7 +205,7 @@ impl RedisBackend {
     ) -> Result<Enqueued> {
         let s = &self.shared;
         s.check_open()?;
-        let keys = Arc::new(QueueKeys::new(q));
+        let keys = Arc::new(QueueKeys::new(&s.prefix, q));
         let started = Instant::now();
         let prefix = ticket.name_prefix(kind);
         // Redlock proposals: each is above every counter a master reported and every

@@ -45,6 +45,14 @@ pub(crate) fn configure(
     mut connector: zk::Connector,
     opts: &SessionOptions,
 ) -> Result<(zk::Connector, bool)> {
+    if opts.namespace.is_some() {
+        return Err(Error::InvalidUrl {
+            url: String::new(),
+            reason: "ZooKeeper keeps applications apart with a chroot (zk://h:p/app), not a \
+                     namespace"
+                .into(),
+        });
+    }
     if let Some(c) = &opts.credentials {
         let user = c.user.as_deref().ok_or_else(|| Error::InvalidUrl {
             url: String::new(),

@@ -126,6 +126,8 @@ all_backends! {
     // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
     // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
     // an in-memory server lives inside this test process and has none.
+    // A namespace is a URL parameter (a chroot on ZooKeeper): mem has no URL.
+    servers namespaces_keep_applications_apart => crate::recipes::namespaces_keep_applications_apart,
     servers cli_processes_never_overlap => crate::cli::cli_processes_never_overlap,
     servers cli_exit_codes => crate::cli::cli_exit_codes,
     servers cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,

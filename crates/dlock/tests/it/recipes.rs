@@ -531,3 +531,44 @@ pub async fn health_is_ok_while_live_and_an_error_after_close(_kind: Kind, url: 
         .expect_err("a closed client is not healthy");
     assert!(e.is_lost(), "{e:?}");
 }
+
+/// Two applications on one server, each in its own namespace (`?prefix=` on Redis,
+/// `?namespace=` on etcd, a chroot on ZooKeeper), take the same lock name at once and
+/// never see each other's entries; inside one namespace the lock still excludes.
+pub async fn namespaces_keep_applications_apart(kind: Kind, url: &str) {
+    let tag = unique("ns").replace('/', "-");
+    let within = |app: &str| match kind {
+        Kind::Zk => format!("{url}/{tag}-{app}"),
+        Kind::Etcd => format!("{url}?namespace={tag}-{app}/"),
+        _ => format!("{url}?prefix={tag}-{app}:"),
+    };
+    let (a, b, a2) = (
+        client(&within("a")).await,
+        client(&within("b")).await,
+        client(&within("a")).await,
+    );
+    let name = unique("shared-name");
+    let mut ga = a
+        .mutex(&name)
+        .expect("n")
+        .try_lock()
+        .await
+        .expect("a takes it");
+    let mut gb = b
+        .mutex(&name)
+        .expect("n")
+        .try_lock()
+        .await
+        .expect("b takes the same name in its own namespace");
+    assert!(matches!(
+        a2.mutex(&name).expect("n").try_lock().await,
+        Err(Error::WouldBlock)
+    ));
+    assert_eq!(leftovers(&a, &name).await, 1, "a sees only its own entry");
+    assert_eq!(leftovers(&b, &name).await, 1, "b sees only its own entry");
+    ga.release().await.expect("release");
+    gb.release().await.expect("release");
+    for c in [a, b, a2] {
+        c.close().await.expect("close");
+    }
+}
