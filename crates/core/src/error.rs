@@ -154,10 +154,33 @@ impl Error {
         }
     }
 
+    /// True for a refusal by the server's security: credentials ([`Error::Unauthenticated`]),
+    /// permissions ([`Error::PermissionDenied`]) or TLS ([`Error::Tls`]). Retrying, or
+    /// another server of the same deployment, does not change the answer.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            Error::Unauthenticated(_) | Error::PermissionDenied(_) | Error::Tls(_)
+        )
+    }
+
     /// True for errors after which the lock must be considered gone.
     pub fn is_lost(&self) -> bool {
         matches!(self, Error::LockLost(_) | Error::Closed)
     }
+}
+
+/// `e` and each of its sources, joined by `: `: where a client crate buries the cause
+/// (a failed TLS handshake under a transport error) that an adapter has to read.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// The result type of every fallible dlock operation.

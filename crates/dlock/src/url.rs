@@ -125,12 +125,7 @@ impl BackendUrl {
                  rediss+sentinel://"
             ))
         })?;
-        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-        let (authority, tail) = rest.split_at(end);
-        let (userinfo, host_list) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
+        let (userinfo, host_list, tail) = split_authority(rest);
         let mut hosts = Vec::new();
         for h in host_list.split(',') {
             hosts.push(host_port(h).map_err(|r| bad(&r))?);
@@ -235,16 +230,25 @@ impl BackendUrl {
         let Some((scheme, rest)) = url.split_once("://") else {
             return url.to_owned();
         };
-        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-        let (authority, tail) = rest.split_at(end);
-        match authority.rsplit_once('@') {
-            Some((userinfo, hosts)) => {
+        match split_authority(rest) {
+            (Some(userinfo), hosts, tail) => {
                 let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
                 let hidden = if userinfo.contains(':') { ":***" } else { "" };
                 format!("{scheme}://{user}{hidden}@{hosts}{tail}")
             }
-            None => url.to_owned(),
+            (None, ..) => url.to_owned(),
         }
+    }
+}
+
+/// What follows `scheme://`, split into the userinfo (up to the last `@` of the
+/// authority), the host list, and the path, query and fragment.
+fn split_authority(rest: &str) -> (Option<&str>, &str, &str) {
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts, tail),
+        None => (None, authority, tail),
     }
 }
 

@@ -69,13 +69,7 @@ fn access_error(context: &str, e: &EtcdError) -> Option<Error> {
         }
     }
     // The cause of a failed handshake is a few sources down (transport, hyper, rustls).
-    let mut chain = String::new();
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(s) = source {
-        chain.push_str(&s.to_string());
-        chain.push_str(": ");
-        source = s.source();
-    }
+    let chain = dlock_core::error::chain(e);
     let tls_words = [
         "certificate",
         "CertificateRequired",
@@ -83,10 +77,7 @@ fn access_error(context: &str, e: &EtcdError) -> Option<Error> {
         "tls handshake",
     ];
     if tls_words.iter().any(|w| chain.contains(w)) {
-        return Some(Error::Tls(format!(
-            "{context}: {}",
-            chain.trim_end_matches(": ")
-        )));
+        return Some(Error::Tls(format!("{context}: {chain}")));
     }
     None
 }

@@ -161,19 +161,13 @@ impl RedisBackend {
                 n.shutdown().await;
             }
             // A refusal (credentials, permissions, TLS) says more than "unreachable".
-            let refused = |e: &Error| {
-                matches!(
-                    e,
-                    Error::Unauthenticated(_) | Error::PermissionDenied(_) | Error::Tls(_)
-                )
-            };
             let errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
-            let first = match errors.iter().position(refused) {
+            let first = match errors.iter().position(Error::is_refusal) {
                 Some(i) => errors.into_iter().nth(i),
                 None => errors.into_iter().next(),
             };
             return Err(match (mode, first) {
-                (_, Some(e)) if refused(&e) => e,
+                (_, Some(e)) if e.is_refusal() => e,
                 (Mode::Single, Some(e)) => e,
                 _ => Error::Unreachable(format!(
                     "only {connected} of {} redis masters connected within {:?}; a majority ({majority}) is needed",

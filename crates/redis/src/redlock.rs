@@ -376,15 +376,7 @@ impl Jitter {
 /// permissions, TLS) are enough on their own to deny a majority: retrying elsewhere
 /// cannot help, and "unreachable" would hide the cause. `None` otherwise.
 pub(crate) fn decisive_refusal(errors: &[Error], n: usize, majority: usize) -> Option<Error> {
-    let refusals: Vec<&Error> = errors
-        .iter()
-        .filter(|e| {
-            matches!(
-                e,
-                Error::Unauthenticated(_) | Error::PermissionDenied(_) | Error::Tls(_)
-            )
-        })
-        .collect();
+    let refusals: Vec<&Error> = errors.iter().filter(|e| e.is_refusal()).collect();
     if refusals.len() <= n - majority {
         return None;
     }

@@ -73,7 +73,7 @@ pub(crate) fn configure(
         });
     }
     // zookeeper-client builds its rustls config with the process's default provider.
-    let _ = rustls_provider();
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
     let read = |what: &str, path: &std::path::Path| {
         std::fs::read_to_string(path)
             .map_err(|e| Error::Tls(format!("reading {what} {}: {e}", path.display())))
@@ -94,12 +94,6 @@ pub(crate) fn configure(
             .map_err(|e| Error::Tls(format!("the client certificate and key: {e}")))?;
     }
     Ok((connector.with_tls(options), true))
-}
-
-fn rustls_provider() -> bool {
-    rustls::crypto::aws_lc_rs::default_provider()
-        .install_default()
-        .is_ok()
 }
 
 /// The system's CA bundle as PEM: zookeeper-client takes PEM text only.
@@ -128,14 +122,7 @@ pub(crate) fn access_error(context: &str, err: &zk::Error) -> Option<Error> {
              allow this identity)"
         ))),
         zk::Error::Custom(_) => {
-            let mut text = String::new();
-            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
-            while let Some(s) = source {
-                text.push_str(&s.to_string());
-                text.push_str("; ");
-                source = s.source();
-            }
-            let text = text.trim_end_matches("; ").to_owned();
+            let text = dlock_core::error::chain(err);
             let tls = ["certificate", "tls", "TLS", "handshake"];
             tls.iter()
                 .any(|w| text.contains(w))

@@ -92,14 +92,7 @@ pub fn url(kind: Kind) -> Option<String> {
 /// it is not exported. ZooKeeper's gets the chroot `/dlock-secure` if it has none: the
 /// ACL of a chroot made by the allowed user is what refuses other identities there.
 pub fn secure_url(kind: Kind) -> Option<String> {
-    let var = match kind {
-        Kind::Zk => dlock_testkit::ENV_SECURE_ZK,
-        Kind::Etcd => dlock_testkit::ENV_SECURE_ETCD,
-        Kind::Redis => dlock_testkit::ENV_SECURE_REDIS,
-        Kind::Redlock => dlock_testkit::ENV_SECURE_REDLOCK,
-        Kind::RedisSentinel => dlock_testkit::ENV_SECURE_REDIS_SENTINEL,
-        Kind::Mem => return None,
-    };
+    let var = kind.service()?.secure_env_var();
     match std::env::var(var) {
         // ZooKeeper without the client certificate: it would add the certificate's x509
         // identity, shared by every test client, to the "creator" of every node.
