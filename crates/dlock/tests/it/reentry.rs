@@ -38,9 +38,24 @@ impl Occupancy {
 /// One critical section: lock (after `delay`), stay inside for [`HOLD`], release.
 /// Returns the token held.
 async fn section(m: &Mutex, occ: &Occupancy, delay: Duration) -> u64 {
-    tokio::time::sleep(delay).await;
+    section_after(m, occ, tokio::time::sleep(delay), None).await
+}
+
+/// [`section`] that asks for the lock once `start` is ready and, when `entered` is
+/// given, signals it once inside: a test that needs one contender to ask while the other
+/// holds waits for the signal instead of guessing how long the first grant takes.
+async fn section_after(
+    m: &Mutex,
+    occ: &Occupancy,
+    start: impl std::future::Future<Output = ()>,
+    entered: Option<&tokio::sync::Notify>,
+) -> u64 {
+    start.await;
     let mut g = m.lock_timeout(GENEROUS).await.expect("lock");
     occ.enter();
+    if let Some(entered) = entered {
+        entered.notify_one();
+    }
     tokio::time::sleep(HOLD).await;
     occ.leave();
     let t = g.token().get();
@@ -98,15 +113,23 @@ pub async fn select_branch_waits_for_the_holder(_kind: Kind, url: &str) {
     let c = client(url).await;
     let m = c.mutex(&name).expect("name");
     let occ = Occupancy::default();
+    // The sibling asks only once the holder is inside (a fixed head start is not enough
+    // on a loaded machine: the holder's first round trip can take longer than it, and
+    // then the sibling is first in line, legitimately).
+    let inside = tokio::sync::Notify::new();
     let winner = tokio::select! {
-        _ = section(&m, &occ, Duration::ZERO) => "holder",
-        _ = section(&m, &occ, Duration::from_millis(20)) => "sibling",
+        _ = section_after(&m, &occ, std::future::ready(()), Some(&inside)) => "holder",
+        _ = section_after(&m, &occ, inside.notified(), None) => "sibling",
     };
     assert_eq!(
-        winner, "holder",
+        occ.peak(),
+        1,
         "the sibling branch got in while the holder was inside"
     );
-    assert_eq!(occ.peak(), 1);
+    assert_eq!(
+        winner, "holder",
+        "the sibling branch, asking while the holder was inside, finished first"
+    );
     assert!(
         eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
         "the cancelled sibling left its entry behind"
