@@ -81,6 +81,32 @@ pub use dlock_recipes::{
 };
 pub use url::{BackendUrl, Servers, PASSWORD_ENV};
 
+/// The adapters of this build's backends, to build a backend yourself: above all on the
+/// application's own client (bring your own client), handed to [`Client::from_backend`].
+/// Each re-exports the client crate it is built on, so the application names the same
+/// version.
+///
+/// ```no_run
+/// # #[cfg(feature = "etcd")]
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use dlock::backends::{etcd_client, EtcdBackend};
+/// let etcd = etcd_client::Client::connect(["127.0.0.1:2379"], None).await?;
+/// let backend = EtcdBackend::from_client(etcd.clone(), dlock::SessionOptions::default()).await?;
+/// let client = dlock::Client::from_backend(backend);
+/// let mut guard = client.mutex("orders/42")?.lock().await?;
+/// guard.release().await?;
+/// client.close().await?; // revokes dlock's lease; `etcd` stays connected
+/// # Ok(()) }
+/// ```
+pub mod backends {
+    #[cfg(feature = "etcd")]
+    pub use dlock_etcd::{etcd_client, EtcdBackend};
+    #[cfg(feature = "redis")]
+    pub use dlock_redis::{fred, RedisBackend};
+    #[cfg(feature = "zookeeper")]
+    pub use dlock_zookeeper::{zookeeper_client, ZkBackend, ZkOptions};
+}
+
 // The protocol core (queue order, drivers, the `Backend` contract's helper types) is not
 // re-exported wholesale: backend authors depend on `dlock-core` itself, and what a user
 // of locks needs is re-exported by name above.
@@ -166,11 +192,11 @@ async fn open(url: &str, servers: Servers, opts: SessionOptions) -> Result<Arc<d
             #[cfg(not(feature = "etcd"))]
             Err(missing("etcd"))
         }
-        Servers::Redis { host } => {
+        Servers::Redis { host, database } => {
             #[cfg(feature = "redis")]
             {
                 let b: Arc<dyn DynBackend> =
-                    dlock_redis::RedisBackend::connect(&host, opts).await?;
+                    dlock_redis::RedisBackend::connect_database(&host, database, opts).await?;
                 Ok(b)
             }
             #[cfg(not(feature = "redis"))]

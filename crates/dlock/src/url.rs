@@ -51,6 +51,10 @@ pub enum Servers {
     Redis {
         /// `host:port` of the server.
         host: String,
+        /// The database number (`redis://h:p/3`; 0 when the URL has no path). Keys are
+        /// per database; pub/sub channels are not, so two databases only share
+        /// wake-ups, which waiters re-check.
+        database: u8,
     },
     /// `redlock://host:port,host:port,host:port[,...]`: independent masters.
     Redlock {
@@ -171,11 +175,14 @@ impl BackendUrl {
                 Servers::Etcd { hosts }
             }
             Kind::Redis => {
-                if path.is_some_and(|p| p.trim_matches('/') != "0") {
-                    return Err(bad("redis URLs take no path (database 0 only)"));
-                }
+                let database = match path.map(|p| p.trim_matches('/')) {
+                    None | Some("") => 0,
+                    Some(n) => n.parse::<u8>().map_err(|_| {
+                        bad("the path of a redis URL is the database number, 0 to 255")
+                    })?,
+                };
                 match <[String; 1]>::try_from(hosts) {
-                    Ok([host]) => Servers::Redis { host },
+                    Ok([host]) => Servers::Redis { host, database },
                     Err(_) => return Err(bad(
                         "redis:// takes one host; use redlock:// for several independent masters",
                     )),
@@ -412,7 +419,24 @@ mod tests {
             Servers::Etcd { .. }
         ));
         assert!(matches!(servers("redis://a:6379"), Servers::Redis { .. }));
-        assert!(matches!(servers("redis://a:6379/0"), Servers::Redis { .. }));
+        assert!(matches!(
+            servers("redis://a:6379/0"),
+            Servers::Redis { database: 0, .. }
+        ));
+        assert!(matches!(
+            servers("rediss://a:6379/12"),
+            Servers::Redis { database: 12, .. }
+        ));
+        for bad in [
+            "redis://a:6379/x",
+            "redis://a:6379/256",
+            "redis://a:6379/1/2",
+        ] {
+            assert!(
+                matches!(BackendUrl::parse(bad), Err(Error::InvalidUrl { .. })),
+                "{bad}"
+            );
+        }
         assert!(matches!(
             servers("redlock://a:1,b:2,c:3"),
             Servers::Redlock { .. }

@@ -208,15 +208,81 @@ impl EtcdBackend {
                 )))
             }
         };
+        Ok(Self::assemble(
+            &client,
+            session,
+            endpoints.to_vec(),
+            &opts,
+            request_timeout,
+        ))
+    }
+
+    /// Builds the backend on the application's own etcd client (bring your own client):
+    /// dlock's requests, watches and lease keep-alives share its connections, and its
+    /// endpoints, TLS and credentials are the client's.
+    ///
+    /// **Who owns what.** The connection stays the application's: dlock never closes it,
+    /// and [`Backend::close`] only revokes dlock's lease. The lease (the session every
+    /// entry is attached to) is dlock's own, granted here with the TTL of
+    /// `opts.session_timeout` (or [`DEFAULT_SESSION_TTL`]); `opts.tls` and
+    /// `opts.credentials` are ignored (they are the client's). dlock puts its own
+    /// timeout (`opts.connect_timeout`, at least 5 s) on each of its requests.
+    ///
+    /// **What dlock needs of the client.** Build it with HTTP/2 keep-alive
+    /// (`ConnectOptions::with_keep_alive` and `with_keep_alive_while_idle(true)`), as
+    /// [`EtcdBackend::connect`] does: without it, a watch on an idle connection to a
+    /// server that died waits until the lease's own deadline fires the lost signal
+    /// instead of failing over at once. The lost signal itself does not depend on it.
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`] if the lease is not granted within `opts.connect_timeout`;
+    /// [`Error::Unauthenticated`] or [`Error::PermissionDenied`] if the client's user
+    /// may not grant a lease.
+    pub async fn from_client(client: Client, opts: SessionOptions) -> Result<Arc<EtcdBackend>> {
+        let ttl = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TTL);
+        let connect_timeout = opts.connect_timeout;
+        let request_timeout = connect_timeout.max(Duration::from_secs(5));
+        let mut probe = client.clone();
+        let attempt = async {
+            crate::server_version::warn_if_affected(&mut probe).await;
+            Session::start(client.lease_client(), ttl).await
+        };
+        let session = match timeout(connect_timeout, attempt).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::Unreachable(format!(
+                    "the application's etcd client did not grant a lease within {connect_timeout:?}"
+                )))
+            }
+        };
+        Ok(Self::assemble(
+            &client,
+            session,
+            Vec::new(),
+            &opts,
+            request_timeout,
+        ))
+    }
+
+    /// The backend around a connected client and its first session.
+    fn assemble(
+        client: &Client,
+        session: Arc<Session>,
+        endpoints: Vec<String>,
+        opts: &SessionOptions,
+        request_timeout: Duration,
+    ) -> Arc<EtcdBackend> {
+        let ttl = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TTL);
+        let connect_timeout = opts.connect_timeout;
         let mut sessions = HashMap::new();
         sessions.insert(session.id(), session.clone());
-        Ok(Arc::new(EtcdBackend {
+        Arc::new(EtcdBackend {
             kv: client.kv_client(),
             namespace: opts.namespace.clone().unwrap_or_default(),
             watches: Watches::new(client.watch_client(), request_timeout),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
             lease: client.lease_client(),
-            endpoints: endpoints.to_vec(),
+            endpoints,
             ttl_requested: ttl,
             connect_timeout,
             request_timeout,
@@ -226,7 +292,7 @@ impl EtcdBackend {
             local: parking_lot::Mutex::new(Local::default()),
             closed: AtomicBool::new(false),
             seen_rev: AtomicI64::new(0),
-        }))
+        })
     }
 
     /// The id of the current session's lease (etcd's mutex keys end in it, in hex).

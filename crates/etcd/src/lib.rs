@@ -7,7 +7,8 @@
 //! # Where to start
 //! [`EtcdBackend::connect`] takes `host:port` endpoints and a
 //! [`dlock_core::SessionOptions`], grants the session's lease and returns the
-//! [`dlock_core::Backend`] the recipes drive. The rest of the crate is the trait's
+//! [`dlock_core::Backend`] the recipes drive ([`EtcdBackend::from_client`] builds one on
+//! the application's own etcd client instead). The rest of the crate is the trait's
 //! implementation:
 //! - `layout`: the key layout (below), pure and unit-tested;
 //! - `session`: the lease and its keep-alive task, and the lost signal;
@@ -166,6 +167,9 @@ mod waits;
 mod watches;
 
 pub use backend::{EtcdBackend, DEFAULT_SESSION_TTL};
+/// The client crate this adapter is built on, so that an application handing its own
+/// client to [`EtcdBackend::from_client`] names the same version.
+pub use etcd_client;
 pub use server_version::revokes_live_leases_on_leader_resume;
 
 #[cfg(test)]

@@ -60,6 +60,22 @@ pub struct Participant {
     pub holds: bool,
 }
 
+impl Client<dyn DynBackend> {
+    /// A client over a backend built by hand, such as an adapter on the application's
+    /// own client (`ZkBackend::from_client`, `EtcdBackend::from_client`,
+    /// `RedisBackend::from_client`): the same type [`dlock::connect`] returns, so the
+    /// rest of the application cannot tell the two apart.
+    ///
+    /// The backend's session is this client's: [`Client::close`] closes the backend
+    /// (which, for an adapter on a borrowed client, removes dlock's entries and leaves
+    /// the application's connection open).
+    ///
+    /// [`dlock::connect`]: https://docs.rs/dlock/latest/dlock/fn.connect.html
+    pub fn from_backend<B: DynBackend + 'static>(backend: Arc<B>) -> Self {
+        Client::new(backend)
+    }
+}
+
 impl<B: DynBackend + ?Sized> Client<B> {
     /// A client over an already connected backend.
     pub fn new(backend: Arc<B>) -> Self {

@@ -39,7 +39,22 @@ impl RedisBackend {
     /// [`Error::Unreachable`] if the server does not accept a connection within
     /// `opts.connect_timeout`.
     pub async fn connect(addr: &str, opts: SessionOptions) -> Result<Arc<RedisBackend>> {
-        Self::connect_mode(Mode::Single, &[addr.to_owned()], None, opts).await
+        Self::connect_mode(Mode::Single, &[addr.to_owned()], None, 0, opts).await
+    }
+
+    /// [`RedisBackend::connect`] to database `database` of the server (`SELECT`ed on
+    /// every connection; `redis://host:port/3` in the facade). Keys live in that
+    /// database; pub/sub channels are server-wide, so clients of two databases that use
+    /// the same lock name only see each other's wake-ups, which their waiters re-check.
+    ///
+    /// # Errors
+    /// As [`RedisBackend::connect`].
+    pub async fn connect_database(
+        addr: &str,
+        database: u8,
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        Self::connect_mode(Mode::Single, &[addr.to_owned()], None, database, opts).await
     }
 
     /// Connects to the primary of the Sentinel-monitored `service`, found through the
@@ -80,7 +95,7 @@ impl RedisBackend {
                         .into(),
             });
         }
-        Self::connect_mode(Mode::Single, sentinels, Some(service), opts).await
+        Self::connect_mode(Mode::Single, sentinels, Some(service), 0, opts).await
     }
 
     /// Connects to N independent masters for Redlock (see the crate docs for what that
@@ -94,7 +109,84 @@ impl RedisBackend {
         addrs: &[String],
         opts: SessionOptions,
     ) -> Result<Arc<RedisBackend>> {
-        Self::connect_mode(Mode::Redlock, addrs, None, opts).await
+        Self::connect_mode(Mode::Redlock, addrs, None, 0, opts).await
+    }
+
+    /// Builds the backend on the application's own fred client (bring your own client):
+    /// dlock's commands go over `client`'s connection; dlock opens one connection of its
+    /// own, a subscriber for its wake-ups (a connection in subscribed mode can run no
+    /// other command), with `client`'s configuration: server, TLS, credentials. A client
+    /// configured for Sentinel gets the failover watch of
+    /// [`RedisBackend::connect_sentinel`] (one more connection per Sentinel).
+    ///
+    /// **Who owns what.** `client` stays the application's: dlock never connects, quits
+    /// or reconfigures it, so call its `init()` (or `connect()`) as usual; dlock waits up
+    /// to `opts.connect_timeout` for it to be connected. [`Backend::close`] removes
+    /// dlock's entries and closes only dlock's subscriber. `opts.tls` and
+    /// `opts.credentials` are ignored (they are the client's); `opts.session_timeout`
+    /// (the lease) and `opts.namespace` (the key prefix) apply as for
+    /// [`RedisBackend::connect`].
+    ///
+    /// **What dlock needs of the client.** Each of dlock's commands is sent with its own
+    /// options, whatever the client's defaults: one attempt (never replayed after a
+    /// reconnection, where a replayed enqueue could take a second place in a queue) and
+    /// a timeout of half the lease (1 to 5 s). The client may speak RESP2 or RESP3.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for a client configured for Redis Cluster (not supported
+    /// yet), a lease below [`MIN_LEASE`] or a bad prefix; [`Error::Unreachable`] if the
+    /// client or dlock's subscriber is not connected within `opts.connect_timeout`;
+    /// [`Error::Unauthenticated`], [`Error::PermissionDenied`] or [`Error::Tls`] if the
+    /// server refuses the subscriber.
+    ///
+    /// [`Backend::close`]: dlock_core::Backend::close
+    pub async fn from_client(
+        client: fred::clients::Client,
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        let what = "the application's fred client".to_owned();
+        let (lease, prefix) = check_session(&what, &opts)?;
+        let node = Node::borrow(client, tuning(&opts, lease))?;
+        Self::assemble(Mode::Single, vec![node], what, &opts, lease, prefix).await
+    }
+
+    /// [`RedisBackend::from_client`] on one client of the application's `pool` (the
+    /// next in its rotation): dlock's commands use that client's connection.
+    ///
+    /// # Errors
+    /// As [`RedisBackend::from_client`].
+    pub async fn from_pool(
+        pool: &fred::clients::Pool,
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        Self::from_client(pool.next().clone(), opts).await
+    }
+
+    /// Redlock over the application's own clients, one per independent master, as
+    /// [`RedisBackend::connect_redlock`] and with what [`RedisBackend::from_client`]
+    /// says of each client.
+    ///
+    /// # Errors
+    /// As [`RedisBackend::from_client`], and [`Error::InvalidUrl`] for no client or two
+    /// clients of the same server.
+    pub async fn from_redlock_clients(
+        clients: Vec<fred::clients::Client>,
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        let what = "the application's fred clients".to_owned();
+        let (lease, prefix) = check_session(&what, &opts)?;
+        let nodes = clients
+            .into_iter()
+            .map(|c| Node::borrow(c, tuning(&opts, lease)))
+            .collect::<Result<Vec<_>>>()?;
+        let distinct: HashSet<&String> = nodes.iter().map(|n| &n.addr).collect();
+        if nodes.is_empty() || distinct.len() != nodes.len() {
+            return Err(Error::InvalidUrl {
+                url: what,
+                reason: "Redlock needs at least one client, each of a different server".into(),
+            });
+        }
+        Self::assemble(Mode::Redlock, nodes, what, &opts, lease, prefix).await
     }
 
     /// `addrs` are the masters, or with `sentinel_service` the Sentinels of that service
@@ -103,31 +195,18 @@ impl RedisBackend {
         mode: Mode,
         addrs: &[String],
         sentinel_service: Option<&str>,
+        database: u8,
         opts: SessionOptions,
     ) -> Result<Arc<RedisBackend>> {
-        let lease = opts.session_timeout.unwrap_or(DEFAULT_LEASE);
         let what = match sentinel_service {
             Some(service) => format!("{}/{service}", addrs.join(",")),
             None => addrs.join(","),
         };
-        if lease < MIN_LEASE {
-            return Err(Error::InvalidUrl {
-                url: what,
-                reason: format!("session timeout {lease:?} is below the minimum {MIN_LEASE:?}"),
-            });
-        }
+        let (lease, prefix) = check_session(&what, &opts)?;
         if addrs.is_empty() {
             return Err(Error::InvalidUrl {
                 url: what,
                 reason: "no server given".into(),
-            });
-        }
-        // The hash tag `{lock name}` must stay the only braces of every key.
-        let prefix = opts.namespace.clone().unwrap_or_default();
-        if prefix.contains(['{', '}']) || prefix.chars().any(char::is_control) {
-            return Err(Error::InvalidUrl {
-                url: what,
-                reason: "the key prefix may not contain '{', '}' or control characters".into(),
             });
         }
         let distinct: HashSet<&String> = addrs.iter().collect();
@@ -141,8 +220,8 @@ impl RedisBackend {
             crate::node::check_addr(a)?;
         }
         let tuning = Tuning {
-            connect_timeout: opts.connect_timeout,
-            command_timeout: (lease / 2).clamp(Duration::from_secs(1), Duration::from_secs(5)),
+            database: (database != 0).then_some(database),
+            ..tuning(&opts, lease)
         };
         let access = Access::new(&opts)?;
         let nodes = match sentinel_service {
@@ -152,6 +231,18 @@ impl RedisBackend {
                 .map(|a| Node::start(a, tuning, &access))
                 .collect::<Result<Vec<_>>>()?,
         };
+        Self::assemble(mode, nodes, what, &opts, lease, prefix).await
+    }
+
+    /// Waits for a majority of `nodes` to connect, then starts the backend on them.
+    async fn assemble(
+        mode: Mode,
+        nodes: Vec<Node>,
+        what: String,
+        opts: &SessionOptions,
+        lease: Duration,
+        prefix: String,
+    ) -> Result<Arc<RedisBackend>> {
         let majority = nodes.len() / 2 + 1;
         let deadline = Instant::now() + opts.connect_timeout;
         let results = join_all(nodes.iter().map(|n| n.wait_connected(deadline))).await;
@@ -171,7 +262,7 @@ impl RedisBackend {
                 (Mode::Single, Some(e)) => e,
                 _ => Error::Unreachable(format!(
                     "only {connected} of {} redis masters connected within {:?}; a majority ({majority}) is needed",
-                    addrs.len(),
+                    nodes.len(),
                     opts.connect_timeout
                 )),
             });
@@ -204,6 +295,35 @@ impl RedisBackend {
         shared.start_tasks();
         info!(kind = shared.kind(), masters = %what, ?lease, "redis backend connected");
         Ok(Arc::new(RedisBackend { shared }))
+    }
+}
+
+/// The lease and key prefix of `opts`, checked.
+fn check_session(what: &str, opts: &SessionOptions) -> Result<(Duration, String)> {
+    let lease = opts.session_timeout.unwrap_or(DEFAULT_LEASE);
+    if lease < MIN_LEASE {
+        return Err(Error::InvalidUrl {
+            url: what.to_owned(),
+            reason: format!("session timeout {lease:?} is below the minimum {MIN_LEASE:?}"),
+        });
+    }
+    // The hash tag `{lock name}` must stay the only braces of every key.
+    let prefix = opts.namespace.clone().unwrap_or_default();
+    if prefix.contains(['{', '}']) || prefix.chars().any(char::is_control) {
+        return Err(Error::InvalidUrl {
+            url: what.to_owned(),
+            reason: "the key prefix may not contain '{', '}' or control characters".into(),
+        });
+    }
+    Ok((lease, prefix))
+}
+
+/// The client settings for `lease`.
+fn tuning(opts: &SessionOptions, lease: Duration) -> Tuning {
+    Tuning {
+        connect_timeout: opts.connect_timeout,
+        command_timeout: (lease / 2).clamp(Duration::from_secs(1), Duration::from_secs(5)),
+        database: None,
     }
 }
 

@@ -7,7 +7,9 @@
 //! `redis+sentinel://s1:p1,s2:p2,s3:p3/mymaster` or `redlock://h1:p1,h2:p2,...`) and the
 //! recipes; use this crate directly only to build a backend by hand:
 //! [`RedisBackend::connect`], [`RedisBackend::connect_sentinel`],
-//! or [`RedisBackend::connect_redlock`]. The facade parses URLs (`dlock::BackendUrl`);
+//! or [`RedisBackend::connect_redlock`]; or on the application's own fred clients:
+//! [`RedisBackend::from_client`], [`RedisBackend::from_pool`],
+//! [`RedisBackend::from_redlock_clients`]. The facade parses URLs (`dlock::BackendUrl`);
 //! this crate takes addresses.
 //!
 //! ```no_run
@@ -188,6 +190,9 @@ mod watchdog;
 
 pub use backend::{RedisBackend, Stats};
 pub use connect::{DEFAULT_LEASE, MIN_LEASE};
+/// The client crate this adapter is built on, so that an application handing its own
+/// client to [`RedisBackend::from_client`] names the same version.
+pub use fred;
 
 #[cfg(test)]
 mod name_rule_tests {

@@ -5,8 +5,8 @@ use std::time::Duration;
 use dlock_core::Error;
 use fred::clients::SubscriberClient;
 use fred::prelude::{
-    Builder, ClientLike, Config, ErrorKind, EventInterface, KeysInterface, PubsubInterface,
-    ReconnectPolicy, ServerConfig, Value,
+    Builder, ClientLike, Config, ErrorKind, EventInterface, KeysInterface, LuaInterface,
+    PubsubInterface, ReconnectPolicy, ServerConfig, Value,
 };
 use fred::types::scripts::Script;
 use fred::types::{ConnectHandle, RespVersion};
@@ -21,15 +21,25 @@ use std::sync::Arc;
 pub(crate) struct Tuning {
     pub connect_timeout: Duration,
     pub command_timeout: Duration,
+    /// The database to SELECT (`None`: the server's default, 0).
+    pub database: Option<u8>,
 }
 
 /// One master. Both clients reconnect forever ([`reconnect_policy`]); commands are never
 /// replayed after a reconnect (`max_command_attempts = 1`, pitfall R1), and every command
 /// times out after [`Tuning::command_timeout`] (fred's default is no timeout at all).
+///
+/// The command client may be the application's own ([`Node::borrow`]): then dlock's
+/// commands carry those two settings themselves ([`Node::cmd`]), and the client's
+/// connection, reconnection and shutdown stay the application's.
 pub(crate) struct Node {
     pub addr: String,
     pub client: fred::prelude::Client,
     pub sub: SubscriberClient,
+    /// The options every command of ours carries: one attempt, our timeout.
+    cmd: fred::types::config::Options,
+    /// False when `client` is the application's: we never connect or quit it.
+    owns_client: bool,
     conn_tasks: Vec<ConnectHandle>,
     resubscriber: tokio::task::AbortHandle,
     /// Sentinel mode: one pub/sub client per Sentinel, listening for `+switch-master`.
@@ -129,7 +139,57 @@ impl Node {
                 reason: e.to_string(),
             })?;
         access.apply(&mut config);
-        Self::start_with(addr.to_owned(), config, tuning)
+        config.database = tuning.database;
+        Self::start_with(addr.to_owned(), config, tuning, None)
+    }
+
+    /// A node on the application's own command client (bring your own client): dlock
+    /// sends its commands over `client`'s connection and opens only its subscriber, with
+    /// `client`'s configuration (server, TLS, credentials). A client configured for
+    /// Sentinel gets the same failover watch as [`Node::start_sentinel`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for a client configured for Redis Cluster, which this
+    /// adapter does not drive yet.
+    pub fn borrow(client: fred::prelude::Client, tuning: Tuning) -> Result<Node, Error> {
+        let config = client.client_config();
+        match &config.server {
+            ServerConfig::Centralized { server } => {
+                let addr = format!("{}:{}", server.host, server.port);
+                Self::start_with(addr, config, tuning, Some(client))
+            }
+            ServerConfig::Sentinel {
+                hosts,
+                service_name,
+                ..
+            } => {
+                let hosts: Vec<(String, u16)> =
+                    hosts.iter().map(|h| (h.host.to_string(), h.port)).collect();
+                let service = service_name.clone();
+                let label = hosts
+                    .iter()
+                    .map(|(h, p)| format!("{h}:{p}"))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                let mut node = Self::start_with(
+                    format!("sentinel {label}/{service}"),
+                    config.clone(),
+                    tuning,
+                    Some(client),
+                )?;
+                let last = Arc::new(parking_lot::Mutex::new(None::<String>));
+                for (host, port) in hosts {
+                    node.watch_sentinel(host, port, &service, tuning, &config, last.clone())?;
+                }
+                Ok(node)
+            }
+            _ => Err(Error::InvalidUrl {
+                url: "the application's fred client".into(),
+                reason: "a client configured for Redis Cluster is not supported yet; pass a \
+                         client of one server or of a Sentinel group"
+                    .into(),
+            }),
+        }
     }
 
     /// Builds clients that find the primary of `service` through the Sentinels at
@@ -171,10 +231,10 @@ impl Node {
             ..Config::default()
         };
         access.apply(&mut config);
-        let mut node = Self::start_with(format!("sentinel {label}"), config, tuning)?;
+        let mut node = Self::start_with(format!("sentinel {label}"), config.clone(), tuning, None)?;
         let last = Arc::new(parking_lot::Mutex::new(None::<String>));
         for (host, port) in hosts {
-            node.watch_sentinel(host, port, service, tuning, access, last.clone())?;
+            node.watch_sentinel(host, port, service, tuning, &config, last.clone())?;
         }
         Ok(node)
     }
@@ -188,22 +248,23 @@ impl Node {
     /// it keeps answering as a master until the Sentinels demote it, about 10 s later,
     /// and meanwhile new clients are sent to the new primary — two holders of one lock.
     /// Every Sentinel publishes the switch; `last` keeps the three from reconnecting
-    /// three times for one switch.
+    /// three times for one switch. The watcher reaches the Sentinel with `base`'s TLS
+    /// settings and credentials.
     fn watch_sentinel(
         &mut self,
         host: String,
         port: u16,
         service: &str,
         tuning: Tuning,
-        access: &Access,
+        base: &Config,
         last: Arc<parking_lot::Mutex<Option<String>>>,
     ) -> Result<(), Error> {
-        let mut config = Config {
+        let config = Config {
             server: ServerConfig::new_centralized(host.clone(), port),
             fail_fast: false,
-            ..Config::default()
+            version: RespVersion::RESP2,
+            ..base.clone()
         };
-        access.apply(&mut config);
         let mut b = Builder::from_config(config);
         b.with_connection_config(|c| {
             c.connection_timeout = tuning.connect_timeout;
@@ -278,7 +339,14 @@ impl Node {
         Ok(())
     }
 
-    fn start_with(addr: String, mut config: Config, tuning: Tuning) -> Result<Node, Error> {
+    /// Builds the subscriber (and, unless `borrowed` is the application's client, the
+    /// command client) from `config` and starts connecting what it built.
+    fn start_with(
+        addr: String,
+        mut config: Config,
+        tuning: Tuning,
+        borrowed: Option<fred::prelude::Client>,
+    ) -> Result<Node, Error> {
         // Keep retrying a server that is down at start-up too: a Redlock minority may come
         // back later, and a Sentinel group may be between primaries. The caller bounds the
         // wait with the connect timeout.
@@ -302,14 +370,28 @@ impl Node {
                 .set_policy(reconnect_policy());
             b
         };
-        let client = builder(config)
-            .build()
-            .map_err(|e| Error::backend(format!("configuring client for {addr}"), e))?;
+        let owns_client = borrowed.is_none();
+        let client = match borrowed {
+            Some(client) => client,
+            None => builder(config)
+                .build()
+                .map_err(|e| Error::backend(format!("configuring client for {addr}"), e))?,
+        };
         let sub = builder(sub_config)
             .build_subscriber_client()
             .map_err(|e| Error::backend(format!("configuring subscriber for {addr}"), e))?;
-        let conn_errors = parking_lot::Mutex::new(vec![client.error_rx(), sub.error_rx()]);
-        let conn_tasks = vec![client.connect(), sub.connect()];
+        let mut conn_errors = vec![sub.error_rx()];
+        let mut conn_tasks = vec![sub.connect()];
+        if owns_client {
+            conn_errors.push(client.error_rx());
+            conn_tasks.push(client.connect());
+        }
+        let conn_errors = parking_lot::Mutex::new(conn_errors);
+        let cmd = fred::types::config::Options {
+            max_attempts: Some(1),
+            timeout: Some(tuning.command_timeout),
+            ..Default::default()
+        };
         // R3: only a SubscriberClient that manages its subscriptions re-subscribes after a
         // reconnect. The handle ends when the client quits.
         let resubscriber = resubscribe_on_reconnect(&sub, addr.clone());
@@ -317,6 +399,8 @@ impl Node {
             addr,
             client,
             sub,
+            cmd,
+            owns_client,
             conn_tasks,
             resubscriber,
             watchers: Vec::new(),
@@ -413,8 +497,13 @@ impl Node {
     /// client of an unreachable server stops reconnecting.
     pub async fn shutdown(&self) {
         let quit = async {
+            let client = async {
+                if self.owns_client {
+                    let _ = self.client.quit().await;
+                }
+            };
             let _ = futures::join!(
-                self.client.quit(),
+                client,
                 self.sub.quit(),
                 futures::future::join_all(self.watchers.iter().map(|w| w.quit()))
             );
@@ -441,16 +530,33 @@ impl Node {
         keys: Vec<String>,
         args: Vec<Value>,
     ) -> Result<Value, Error> {
-        script
-            .evalsha_with_reload::<Value, _, _>(&self.client, keys, args)
-            .await
-            .map_err(|e| self.map_err(what, e))
+        // Not `Script::evalsha_with_reload`: it takes a bare client, without our options.
+        let client = self.client.with_options(&self.cmd);
+        let first = client
+            .evalsha::<Value, _, _, _>(script.sha1().clone(), keys.clone(), args.clone())
+            .await;
+        let answer = match first {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                // Our scripts are all built from their source, so it is always there.
+                let Some(lua) = script.lua() else {
+                    return Err(self.map_err(what, e));
+                };
+                client
+                    .script_load::<Value, _>(lua.clone())
+                    .await
+                    .map_err(|e| self.map_err(what, e))?;
+                client.evalsha(script.sha1().clone(), keys, args).await
+            }
+            other => other,
+        };
+        answer.map_err(|e| self.map_err(what, e))
     }
 
     /// The time `key` has left in ms (-1: no TTL), or `None` if it does not exist.
     pub async fn pttl(&self, key: &str) -> Result<Option<i64>, Error> {
         let n: i64 = self
             .client
+            .with_options(&self.cmd)
             .pttl(key)
             .await
             .map_err(|e| self.map_err("checking an entry", e))?;

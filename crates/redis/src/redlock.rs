@@ -260,6 +260,16 @@ impl RedisBackend {
                 mine.data = data.to_vec();
                 mine.token = added.iter().filter_map(|(m, _)| m.token).max();
                 s.register(&keys, &mine.name, Some(ticket.as_str().to_owned()), sent_at);
+                if s.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                    // `close` ran while this enqueue was in flight: its sweep of the live
+                    // entries may have run before the line above, so take it back here
+                    // rather than leave it to the lease.
+                    s.settle(&keys.queue, &mine.name, crate::watchdog::Fate::Closed);
+                    let _ = s
+                        .remove_names(&keys, std::slice::from_ref(&mine.name))
+                        .await;
+                    return Err(Error::Closed);
+                }
                 let views = added.into_iter().map(|(_, q)| q).collect();
                 let queue = s.merge(&keys, views);
                 debug!(entry = %mine.name, seq = mine.seq, token = ?mine.token, waiting = queue.len(), "entry added");

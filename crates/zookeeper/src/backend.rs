@@ -15,7 +15,7 @@ use tracing::Instrument;
 use zookeeper_client as zk;
 
 use crate::errors::{is_connection_loss, map_err};
-use crate::session::{Health, Shared};
+use crate::session::{remove_tracked, Health, Shared};
 
 /// The session timeout asked for when [`dlock_core::SessionOptions::session_timeout`] is `None`.
 ///
@@ -153,6 +153,7 @@ impl Backend for ZkBackend {
     ) -> impl Future<Output = Result<Enqueued>> + Send {
         let span = tracing::debug_span!("zk.enqueue", queue = %q, %kind, ticket = ticket.as_str());
         async move {
+            self.shared.track(ticket.as_str());
             let result = self
                 .guarded(self.enqueue_inner(q, ticket, kind, at, data))
                 .await;
@@ -181,11 +182,15 @@ impl Backend for ZkBackend {
     ) -> impl Future<Output = Result<Entry>> + Send {
         let span = tracing::debug_span!("zk.enqueue_removing", queue = %q, %kind, ticket = ticket.as_str(), gone = %gone.name);
         async move {
+            self.shared.track(ticket.as_str());
             let result = self
                 .guarded(self.enqueue_removing_inner(q, ticket, kind, data, gone_q, gone))
                 .await;
             match &result {
-                Ok(mine) => tracing::debug!(entry = %mine.name, "enqueued, handed on"),
+                Ok(mine) => {
+                    self.shared.untrack(&gone.name);
+                    tracing::debug!(entry = %mine.name, "enqueued, handed on")
+                }
                 Err(err) => tracing::debug!(%err, "enqueue_removing failed"),
             }
             result
@@ -323,7 +328,10 @@ impl Backend for ZkBackend {
                     let client = self.handle()?;
                     let path = format!("{}/{}", znode(q), entry.name);
                     match retry(|| client.delete(&path, None)).await {
-                        Ok(()) | Err(zk::Error::NoNode) => Ok(()),
+                        Ok(()) | Err(zk::Error::NoNode) => {
+                            self.shared.untrack(&entry.name);
+                            Ok(())
+                        }
                         Err(err) => Err(map_err("removing an entry", err)),
                     }
                 })
@@ -350,7 +358,10 @@ impl Backend for ZkBackend {
             }
             let names = match retry(|| client.list_children(&parent)).await {
                 Ok(names) => names,
-                Err(zk::Error::NoNode) => return Ok(()),
+                Err(zk::Error::NoNode) => {
+                    self.shared.untrack(ticket.as_str());
+                    return Ok(());
+                }
                 Err(err) => return Err(map_err("abandoning an entry: listing", err)),
             };
             let deletes: Vec<_> = names
@@ -369,6 +380,7 @@ impl Backend for ZkBackend {
                     Err(err) => return Err(map_err("abandoning an entry", err)),
                 }
             }
+            self.shared.untrack(ticket.as_str());
             Ok(())
         })
         .instrument(span)
@@ -514,6 +526,20 @@ impl Backend for ZkBackend {
     async fn close(&self) -> Result<()> {
         let mut states = self.states.clone();
         self.shared.conclude(Health::Closed);
+        if let Some(borrowed) = &self.shared.borrowed {
+            // The session is the application's and goes on: delete what we made in it.
+            match tokio::time::timeout(self.session_timeout, remove_tracked(borrowed)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(err)) => return Err(map_err("removing entries on close", err)),
+                Err(_) => {
+                    return Err(Error::Unreachable(format!(
+                        "ZooKeeper did not confirm the removal of dlock's entries within {:?}",
+                        self.session_timeout
+                    )))
+                }
+            }
+            return Ok(());
+        }
         // The session ends once the last client clone is gone; in-flight operations
         // drop theirs as their guards see `Closed`. Wait (bounded) for the server to
         // confirm, so entries are gone when close returns.

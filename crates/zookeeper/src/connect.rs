@@ -167,11 +167,108 @@ impl ZkBackend {
             }
         };
 
+        Ok(Self::assemble(
+            client, requested, tick, servers, acls, false,
+        ))
+    }
+
+    /// Builds the backend on the application's own zookeeper-client session (bring your
+    /// own client): every entry is an ephemeral node of that session, under its chroot.
+    ///
+    /// **Who owns what.** The session stays the application's: dlock never closes it.
+    /// Because dropping dlock's handle then does not end it, dlock deletes what it made by
+    /// hand: [`Backend::close`] deletes every entry of this backend (it waits for the
+    /// server), and after a lost verdict (the session was cut off too long to be
+    /// trusted, see the crate docs) dlock deletes them as soon as the session is
+    /// connected again, so a session that comes back does not keep locks whose holders
+    /// were told they lost them. `opts` is read only for its connect timeout; the
+    /// session's timeout, TLS, authentication and chroot are the client's.
+    ///
+    /// **Access control.** If the session has authenticated with digest credentials
+    /// (`Connector::with_auth("digest", ..)`), the nodes dlock creates get "creator: all,
+    /// world: read", as with credentials in a URL; otherwise "anyone: all".
+    ///
+    /// **What dlock needs of the session.** A server of ZooKeeper 3.6 or later (it lists
+    /// the session's own ephemerals to clean up). dlock cannot see the client's servers,
+    /// so it cannot ask them for `tickTime`: set [`ZkOptions::tick_time`], or dlock
+    /// assumes half the session timeout (safe, but the lost signal then also fires on
+    /// leader elections). The lost signal needs a proof that the session is live on the
+    /// leader, which takes two `sync`s one pair gap apart (two ticks, at most half the
+    /// session timeout): this call waits that long. TCP_NODELAY is the client's business.
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`] if the session is not connected, or does not answer within
+    /// `opts.connect_timeout` (plus the pair gap); [`Error::LockLost`] if it has expired
+    /// or was closed.
+    ///
+    /// [`Backend::close`]: dlock_core::Backend::close
+    pub async fn from_client(
+        client: zk::Client,
+        opts: SessionOptions,
+        zk_opts: ZkOptions,
+    ) -> Result<Arc<ZkBackend>> {
+        let t = client.session_timeout();
+        match client.state() {
+            zk::SessionState::SyncConnected => {}
+            zk::SessionState::Disconnected | zk::SessionState::ConnectedReadOnly => {
+                return Err(Error::Unreachable(
+                    "the application's ZooKeeper session is not connected (read-write)".into(),
+                ))
+            }
+            other => {
+                return Err(Error::LockLost(format!(
+                    "the application's ZooKeeper session is over ({other})"
+                )))
+            }
+        }
+        let limit = opts.connect_timeout;
+        let users = within(
+            limit,
+            "listing the session's identities",
+            client.list_auth_users(),
+        )
+        .await?;
+        let acls = crate::security::acls_for(users.iter().any(|u| u.scheme() == "digest"));
+        // Prove the session live on the leader: two completed syncs a pair gap apart
+        // (see `heartbeat`), so the first one's send time starts the lost signal's clock.
+        let gap = crate::heartbeat::pair_gap(t, zk_opts.tick_time);
+        let first = tokio::time::Instant::now();
+        within(limit, "proving the session", client.sync("/")).await?;
+        tokio::time::sleep_until(first + gap).await;
+        within(limit, "proving the session", client.sync("/")).await?;
+        if zk_opts.tick_time.is_none() {
+            tracing::warn!(
+                session_timeout = ?t,
+                "dlock cannot ask the servers of an application's ZooKeeper client for \
+                 tickTime: assuming half the session timeout (set ZkOptions::tick_time), so \
+                 the lost signal will also fire on leader elections and reconnections"
+            );
+        }
+        Ok(Self::assemble(
+            client,
+            first,
+            zk_opts.tick_time,
+            Arc::from(Vec::new()),
+            acls,
+            true,
+        ))
+    }
+
+    /// The backend on an established session; `requested` starts the lost signal's
+    /// clock (the session lives on the leader at least a timeout from then).
+    fn assemble(
+        client: zk::Client,
+        requested: tokio::time::Instant,
+        tick: Option<std::time::Duration>,
+        servers: Arc<[std::net::SocketAddr]>,
+        acls: zk::Acls<'static>,
+        borrowed: bool,
+    ) -> Arc<ZkBackend> {
         let session_timeout = client.session_timeout();
         let session_id = client.session_id();
         let states = client.state_watcher();
         let task_states = client.state_watcher();
-        let shared = Arc::new(Shared::new(client));
+        let shared = Arc::new(Shared::new(client, borrowed));
         let task = tokio::spawn(watch_session(
             Arc::downgrade(&shared),
             task_states,
@@ -194,8 +291,8 @@ impl ZkBackend {
             heartbeat: heartbeat.abort_handle(),
             acls,
         });
-        tracing::info!(session = %session_id, ?session_timeout, "ZooKeeper session established");
-        Ok(backend)
+        tracing::info!(session = %session_id, ?session_timeout, borrowed, "ZooKeeper session established");
+        backend
     }
 }
 
@@ -217,6 +314,21 @@ pub(crate) fn split_chroot(connect_string: &str) -> (&str, Option<&str>) {
         return (&connect_string[..i], root);
     }
     (connect_string, None)
+}
+
+/// `request` on the application's session, within `limit`.
+async fn within<T>(
+    limit: std::time::Duration,
+    what: &'static str,
+    request: impl std::future::Future<Output = std::result::Result<T, zk::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(limit, request).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(err)) => Err(map_err(what, err)),
+        Err(_elapsed) => Err(Error::Unreachable(format!(
+            "the application's ZooKeeper session did not answer within {limit:?} ({what})"
+        ))),
+    }
 }
 
 #[cfg(test)]

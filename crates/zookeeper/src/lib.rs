@@ -7,7 +7,8 @@
 //!
 //! # Where to start
 //! - [`ZkBackend::connect`] opens a session (`"host:port,host:port/chroot"`) and returns an
-//!   `Arc<ZkBackend>` that any number of locks and tasks share.
+//!   `Arc<ZkBackend>` that any number of locks and tasks share;
+//!   [`ZkBackend::from_client`] builds one on the application's own session instead.
 //! - [`ZkOptions`] holds the adapter's own settings; [`DEFAULT_SESSION_TIMEOUT`] (10 s) is
 //!   used when [`dlock_core::SessionOptions`] does not set one.
 //! - [`ZkBackend::client`] hands out the underlying [`zookeeper_client::Client`] for
@@ -145,6 +146,9 @@ mod security;
 mod session;
 
 pub use backend::{ZkBackend, DEFAULT_SESSION_TIMEOUT};
+/// The client crate this adapter is built on, so that an application handing its own
+/// session to [`ZkBackend::from_client`] names the same version.
+pub use zookeeper_client;
 
 /// Adapter-specific connect options; [`ZkOptions::default`] is right for almost everyone.
 #[derive(Debug, Clone, PartialEq, Eq)]

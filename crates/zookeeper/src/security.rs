@@ -28,9 +28,16 @@ static CREATOR_ALL_WORLD_READ: [zk::Acl; 2] = [
 /// The ACL of every node this session creates: "creator: all, world: read" with
 /// credentials, open to anyone (as before) without.
 pub(crate) fn acls(opts: &SessionOptions) -> zk::Acls<'static> {
-    match opts.credentials {
-        Some(_) => zk::Acls::new(&CREATOR_ALL_WORLD_READ),
-        None => zk::Acls::anyone_all(),
+    acls_for(opts.credentials.is_some())
+}
+
+/// The ACL of every node dlock creates on a session that has (or has not)
+/// authenticated with digest credentials.
+pub(crate) fn acls_for(digest: bool) -> zk::Acls<'static> {
+    if digest {
+        zk::Acls::new(&CREATOR_ALL_WORLD_READ)
+    } else {
+        zk::Acls::anyone_all()
     }
 }
 

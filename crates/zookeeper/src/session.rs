@@ -5,6 +5,7 @@
 //! a partition may be never (pitfall Z5). So the task also runs Curator's SUSPENDED → LOST
 //! timer itself, see [`local_expiry_after`].
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -47,13 +48,48 @@ pub(crate) struct Shared {
     pub(crate) client: Mutex<Option<Arc<zk::Client>>>,
     /// The verdict; `lost()` futures and operation guards subscribe to it.
     pub(crate) health: watch::Sender<Health>,
+    /// Set when the session is the application's ([`crate::ZkBackend::from_client`]):
+    /// dropping our handle then does not end it, so what this backend created must be
+    /// deleted by hand after a verdict ([`clean_up_after_loss`]).
+    pub(crate) borrowed: Option<Borrowed>,
+}
+
+/// What a backend on a borrowed session keeps to delete its own entries.
+#[derive(Debug, Clone)]
+pub(crate) struct Borrowed {
+    /// A handle that survives the verdict, used only to delete.
+    pub(crate) client: zk::Client,
+    /// The tickets of the entries this backend may still have: added before every
+    /// create, removed once the entry is deleted.
+    pub(crate) tickets: Arc<Mutex<HashSet<String>>>,
 }
 
 impl Shared {
-    pub(crate) fn new(client: zk::Client) -> Self {
+    /// `borrowed`: the session is the application's, not ours to end.
+    pub(crate) fn new(client: zk::Client, borrowed: bool) -> Self {
+        let borrowed = borrowed.then(|| Borrowed {
+            client: client.clone(),
+            tickets: Arc::default(),
+        });
         Shared {
             client: Mutex::new(Some(Arc::new(client))),
             health: watch::Sender::new(Health::Live),
+            borrowed,
+        }
+    }
+
+    /// Notes that an entry with `ticket` may be created (borrowed sessions only).
+    pub(crate) fn track(&self, ticket: &str) {
+        if let Some(b) = &self.borrowed {
+            b.tickets.lock().insert(ticket.to_owned());
+        }
+    }
+
+    /// Notes that the entry named `name` (or with ticket `name`) is gone.
+    pub(crate) fn untrack(&self, name: &str) {
+        if let Some(b) = &self.borrowed {
+            let ticket = dlock_core::entry::protected_id(name).unwrap_or_else(|| name.to_owned());
+            b.tickets.lock().remove(&ticket);
         }
     }
 
@@ -78,11 +114,73 @@ impl Shared {
         // Dropped outside the lock: the last drop of a client wakes the session task.
         let client = self.client.lock().take();
         drop(client);
+        // A borrowed session goes on after our verdict: if it comes back, it must not
+        // keep entries whose holders were told they lost them. (On close, `close` deletes
+        // them itself.)
+        if let (true, Some(b), Health::Lost(_)) = (changed, &self.borrowed, &verdict) {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(clean_up_after_loss(b.clone()));
+            }
+        }
     }
 
     /// The current verdict as an error, `None` while live.
     pub(crate) fn error(&self) -> Option<Error> {
         self.health.borrow().error()
+    }
+}
+
+/// Deletes the entries of `b`'s tracked tickets that its session still has; returns how
+/// many. Lists the session's own ephemerals (one request), so it costs nothing per lock.
+pub(crate) async fn remove_tracked(b: &Borrowed) -> Result<usize, zk::Error> {
+    if b.tickets.lock().is_empty() {
+        return Ok(0);
+    }
+    let paths = b.client.list_ephemerals("/").await?;
+    let mut removed = 0;
+    for path in paths {
+        let name = path.rsplit('/').next().unwrap_or(&path);
+        let Some(ticket) = dlock_core::entry::protected_id(name) else {
+            continue;
+        };
+        if !b.tickets.lock().contains(&ticket) {
+            continue;
+        }
+        match b.client.delete(&path, None).await {
+            Ok(()) => removed += 1,
+            Err(zk::Error::NoNode) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    b.tickets.lock().clear();
+    Ok(removed)
+}
+
+/// After a local verdict on a borrowed session: once the session is connected again,
+/// deletes what this backend left in it. Ends when done, or when the session ends (the
+/// server then deletes them). Requests the session queued while disconnected are sent
+/// before this one's on reconnection, so a create still in flight is listed too.
+pub(crate) async fn clean_up_after_loss(b: Borrowed) {
+    let mut states = b.client.state_watcher();
+    loop {
+        match states.peek_state() {
+            zk::SessionState::SyncConnected => match remove_tracked(&b).await {
+                Ok(n) => {
+                    if n > 0 {
+                        tracing::info!(entries = n, "removed the entries the application's ZooKeeper session kept after dlock declared it lost");
+                    }
+                    return;
+                }
+                Err(e) if crate::errors::is_connection_loss(&e) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot remove dlock's entries from the application's ZooKeeper session; they stay until it ends");
+                    return;
+                }
+            },
+            zk::SessionState::Disconnected | zk::SessionState::ConnectedReadOnly => {}
+            _ => return,
+        }
+        states.changed().await;
     }
 }
 

@@ -22,6 +22,7 @@ mod curator_peer;
 mod faults;
 mod fuzz;
 mod late_grant;
+mod own_client;
 mod recipes;
 #[cfg(feature = "redis")]
 mod redis_faults;
@@ -128,6 +129,8 @@ all_backends! {
     // an in-memory server lives inside this test process and has none.
     // A namespace is a URL parameter (a chroot on ZooKeeper): mem has no URL.
     servers namespaces_keep_applications_apart => crate::recipes::namespaces_keep_applications_apart,
+    // The client libraries' own clients: real servers only.
+    servers own_client_shares_locks => crate::own_client::own_client_shares_locks_and_leaves_the_connection_open,
     servers cli_processes_never_overlap => crate::cli::cli_processes_never_overlap,
     servers cli_exit_codes => crate::cli::cli_exit_codes,
     servers cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,

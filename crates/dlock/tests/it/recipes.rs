@@ -571,4 +571,35 @@ pub async fn namespaces_keep_applications_apart(kind: Kind, url: &str) {
     for c in [a, b, a2] {
         c.close().await.expect("close");
     }
+    if kind == Kind::Redis {
+        // Databases: `redis://h:p/N` keeps its keys in database N.
+        let (d3, d4, d3b, d0) = (
+            client(&format!("{url}/3")).await,
+            client(&format!("{url}/4")).await,
+            client(&format!("{url}/3")).await,
+            client(url).await,
+        );
+        let mut g3 = d3.mutex(&name).expect("n").try_lock().await.expect("db 3");
+        let mut g4 = d4
+            .mutex(&name)
+            .expect("n")
+            .try_lock()
+            .await
+            .expect("the same name in database 4");
+        assert!(matches!(
+            d3b.mutex(&name).expect("n").try_lock().await,
+            Err(Error::WouldBlock)
+        ));
+        assert_eq!(leftovers(&d0, &name).await, 0, "database 0 sees nothing");
+        assert_eq!(
+            leftovers(&d3, &name).await,
+            1,
+            "database 3 sees its own entry"
+        );
+        g3.release().await.expect("release");
+        g4.release().await.expect("release");
+        for c in [d3, d4, d3b, d0] {
+            c.close().await.expect("close");
+        }
+    }
 }
