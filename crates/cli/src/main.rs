@@ -21,7 +21,7 @@ mod child;
 #[derive(Debug, Parser)]
 #[command(name = "dlock", version, about, long_about = None)]
 struct Cli {
-    /// Backend URL: zk://h:p[,h:p][/chroot], etcd://h:p[,h:p], redis://h:p, redlock://h:p,h:p,h:p,
+    /// Backend URL: zk://h:p[,h:p][/chroot], etcd://h:p[,h:p], redis://h:p[/db], redlock://h:p,h:p,h:p,
     /// redis+sentinel://h:p[,h:p]/service; TLS with zks://, etcds://, rediss://, redlocks://,
     /// rediss+sentinel:// and ?ca=PATH&cert=PATH&key=PATH&server_name=NAME; credentials as
     /// USER:PASSWORD@ or USER@ with the password in DLOCK_PASSWORD

@@ -26,7 +26,7 @@
 //! |---|---|---|
 //! | `zk://h:p[,h:p...][/chroot]` | ZooKeeper, wire-compatible with Curator | `zookeeper` |
 //! | `etcd://h:p[,h:p...]` | etcd, layout shared with etcd's lock | `etcd` |
-//! | `redis://h:p` | one Redis server, watchdog leases | `redis` |
+//! | `redis://h:p[/db]` | one Redis server (database `db`, default 0), watchdog leases | `redis` |
 //! | `redlock://h:p,h:p,h:p[,...]` | Redlock over independent Redis masters | `redis` |
 //! | `redis+sentinel://h:p[,h:p...]/service` | the primary of a Sentinel-monitored Redis, followed across failovers | `redis` |
 //!

@@ -9,7 +9,7 @@ use zookeeper_client as zk;
 use crate::backend::{ZkBackend, DEFAULT_SESSION_TIMEOUT};
 use crate::errors::{connect_error, map_err};
 use crate::session::{watch_session, Shared};
-use crate::{nodelay, ZkOptions};
+use crate::ZkOptions;
 
 impl ZkBackend {
     /// Connects to ZooKeeper with the default [`ZkOptions`].
@@ -78,11 +78,10 @@ impl ZkBackend {
             Err(e) => return Err(e),
         };
 
-        let (resolved, conf) = {
+        let conf = {
             let hosts = hosts.to_owned();
             let tls = opts.tls.as_ref().and_then(crate::security::client_config);
             tokio::task::spawn_blocking(move || {
-                let resolved = nodelay::resolve(&hosts);
                 let named: Vec<String> = hosts
                     .split(',')
                     .map(|h| {
@@ -98,8 +97,7 @@ impl ZkBackend {
                         }
                     })
                     .collect();
-                let conf = crate::heartbeat::probe_conf(&named, tls.as_ref());
-                (resolved, conf)
+                crate::heartbeat::probe_conf(&named, tls.as_ref())
             })
             .await
             .unwrap_or_default()
@@ -137,13 +135,6 @@ impl ZkBackend {
             }
             Some(_) => {}
         }
-        let servers: Arc<[std::net::SocketAddr]> = if zk_opts.tcp_nodelay {
-            nodelay::apply(&resolved);
-            resolved.into()
-        } else {
-            Arc::from(Vec::new())
-        };
-
         let client = match chroot {
             None => client,
             Some(root) => {
@@ -168,7 +159,7 @@ impl ZkBackend {
         };
 
         Ok(Self::assemble(
-            client, requested, tick, servers, acls, false,
+            client, requested, tick, acls, false,
         ))
     }
 
@@ -194,7 +185,7 @@ impl ZkBackend {
     /// assumes half the session timeout (safe, but the lost signal then also fires on
     /// leader elections). The lost signal needs a proof that the session is live on the
     /// leader, which takes two `sync`s one pair gap apart (two ticks, at most half the
-    /// session timeout): this call waits that long. TCP_NODELAY is the client's business.
+    /// session timeout): this call waits that long.
     ///
     /// # Errors
     /// [`Error::Unreachable`] if the session is not connected, or does not answer within
@@ -248,7 +239,6 @@ impl ZkBackend {
             client,
             first,
             zk_opts.tick_time,
-            Arc::from(Vec::new()),
             acls,
             true,
         ))
@@ -260,7 +250,6 @@ impl ZkBackend {
         client: zk::Client,
         requested: tokio::time::Instant,
         tick: Option<std::time::Duration>,
-        servers: Arc<[std::net::SocketAddr]>,
         acls: zk::Acls<'static>,
         borrowed: bool,
     ) -> Arc<ZkBackend> {
@@ -273,7 +262,6 @@ impl ZkBackend {
             Arc::downgrade(&shared),
             task_states,
             session_timeout,
-            servers,
         ));
         let heartbeat = tokio::spawn(crate::heartbeat::run(
             Arc::downgrade(&shared),

@@ -25,9 +25,11 @@
 //! transaction that created it, which only grows across the whole ensemble.
 //!
 //! Enqueue is one round trip: the `create` and the `get_children` of the parent are written
-//! back to back without waiting (zookeeper-client fixes request order at call time), and
-//! the connection runs with `TCP_NODELAY` so the second request is not held back by Nagle
-//! (zookeeper-client never sets it; see [`ZkOptions::tcp_nodelay`]).
+//! back to back without waiting (zookeeper-client fixes request order at call time).
+//! zookeeper-client 0.11 never sets `TCP_NODELAY` and offers no way to, so Nagle's
+//! algorithm holds the second request until the first is acknowledged, usually by its
+//! reply: pipelining saves less than it could. The adapter leaves the client's sockets
+//! alone; `docs/benchmarks.md` has the measured cost.
 //!
 //! # The design decision: the adapter declares loss itself, before the server can
 //! The server expires a session a session timeout `t` after it last heard from the
@@ -141,7 +143,6 @@ mod connect;
 mod enqueue;
 mod errors;
 mod heartbeat;
-mod nodelay;
 mod security;
 mod session;
 
@@ -151,16 +152,9 @@ pub use backend::{ZkBackend, DEFAULT_SESSION_TIMEOUT};
 pub use zookeeper_client;
 
 /// Adapter-specific connect options; [`ZkOptions::default`] is right for almost everyone.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ZkOptions {
-    /// Set `TCP_NODELAY` on the session's connections (Linux only; a no-op elsewhere).
-    /// Default `true`. Turning it off only makes sense to measure what it buys.
-    ///
-    /// The option is found and set per process, not per session: the adapter sets it on
-    /// every socket of the process connected to one of the session's servers, so `false`
-    /// here does not keep another session to the same servers from switching it on.
-    pub tcp_nodelay: bool,
     /// The servers' `tickTime`, which bounds how often a follower reports its clients'
     /// activity to the leader; the lost signal's proof of a live session depends on it
     /// (see the crate docs). Default `None`: asked of the servers with the `conf`
@@ -171,21 +165,7 @@ pub struct ZkOptions {
     pub tick_time: Option<std::time::Duration>,
 }
 
-impl Default for ZkOptions {
-    fn default() -> Self {
-        ZkOptions {
-            tcp_nodelay: true,
-            tick_time: None,
-        }
-    }
-}
-
 impl ZkOptions {
-    /// Sets [`ZkOptions::tcp_nodelay`].
-    pub fn with_tcp_nodelay(mut self, on: bool) -> Self {
-        self.tcp_nodelay = on;
-        self
-    }
 
     /// Sets [`ZkOptions::tick_time`].
     pub fn with_tick_time(mut self, tick: std::time::Duration) -> Self {

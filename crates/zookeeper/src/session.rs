@@ -6,7 +6,6 @@
 //! timer itself, see [`local_expiry_after`].
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -16,7 +15,6 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
-use crate::nodelay;
 
 /// What the adapter knows about its session. Moves only from `Live` to one terminal value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,12 +198,10 @@ pub(crate) fn local_expiry_after(t: Duration) -> Duration {
 }
 
 /// Watches `states` until the session ends, recording the verdict in `shared`.
-/// Re-applies TCP_NODELAY after every reconnect when `servers` is non-empty.
 pub(crate) async fn watch_session(
     shared: Weak<Shared>,
     mut states: zk::StateWatcher,
     session_timeout: Duration,
-    servers: Arc<[SocketAddr]>,
 ) {
     let grace = local_expiry_after(session_timeout);
     let mut suspended_until: Option<Instant> = None;
@@ -244,9 +240,6 @@ pub(crate) async fn watch_session(
             zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly => {
                 if suspended_until.take().is_some() {
                     tracing::info!("ZooKeeper connection re-established; session resumed");
-                }
-                if !servers.is_empty() {
-                    nodelay::apply(&servers);
                 }
                 continue;
             }
