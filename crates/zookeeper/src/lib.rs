@@ -140,6 +140,7 @@ mod connect;
 mod enqueue;
 mod errors;
 mod heartbeat;
+mod listing;
 mod nodelay;
 mod security;
 mod session;
