@@ -22,6 +22,7 @@ mod curator_peer;
 mod faults;
 mod fuzz;
 mod late_grant;
+mod listing;
 mod recipes;
 #[cfg(feature = "redis")]
 mod redis_faults;
@@ -123,6 +124,7 @@ all_backends! {
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
     mem health_is_ok_while_live_and_an_error_after_close => crate::recipes::health_is_ok_while_live_and_an_error_after_close,
+    mem locks_lists_what_is_held_and_waited_for => crate::listing::locks_lists_what_is_held_and_waited_for,
     // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
     // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
     // an in-memory server lives inside this test process and has none.
