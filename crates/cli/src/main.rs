@@ -55,6 +55,9 @@ enum Command {
     /// Show the holders and waiters of NAME in queue order; exit 0 if it is held, 3 if
     /// not.
     Status(StatusArgs),
+    /// List the locks that have holders or waiters, sorted by name: every lock, or those
+    /// whose name starts with PREFIX. Exit 0, also when there are none.
+    List(ListArgs),
     /// Ask the holders of NAME to release it (cooperative, Curator's Revoker): only
     /// holders that took it revocably (`exec --revocable`, Curator's makeRevocable) react.
     Revoke(RevokeArgs),
@@ -130,6 +133,16 @@ struct StatusArgs {
     /// The lock name.
     name: String,
     /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct ListArgs {
+    /// A plain string prefix of lock names: `orders/` lists the locks below `orders`,
+    /// `orders/4` also `orders/42`. Default: every lock.
+    prefix: Option<String>,
+    /// Print a JSON array instead of a table.
     #[arg(long)]
     json: bool,
 }
@@ -220,6 +233,7 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
         Command::Exec(a) => exec(&client, a, cli.kill_after).await,
         Command::Multi(a) => multi(&client, a, cli.kill_after).await,
         Command::Status(a) => status(&client, a).await,
+        Command::List(a) => list(&client, a).await,
         Command::Revoke(a) => revoke(&client, a).await,
     };
     let _ = client.close().await;
@@ -426,6 +440,39 @@ async fn revoke(client: &Client, a: RevokeArgs) -> Result<u8, Error> {
         println!("{}: free (nobody to ask)", a.name);
     } else {
         println!("{}: asked {asked} holder(s) to release", a.name);
+    }
+    Ok(0)
+}
+
+/// One line per lock (holders, waiters, kind, then the name, which may contain spaces)
+/// under a header, nothing at all when no lock is held or waited for; or a JSON array.
+async fn list(client: &Client, a: ListArgs) -> Result<u8, Error> {
+    let locks = client.locks(a.prefix.as_deref().unwrap_or("")).await?;
+    if a.json {
+        let rows: Vec<serde_json::Value> = locks
+            .iter()
+            .map(|l| {
+                serde_json::json!({
+                    "name": l.name.as_str(),
+                    "kind": l.kind.label(),
+                    "holders": l.holders,
+                    "waiters": l.waiters,
+                    "entries": l.entries(),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::Value::Array(rows));
+    } else if !locks.is_empty() {
+        println!("{:>7} {:>7} {:<9} name", "holders", "waiters", "kind");
+        for l in &locks {
+            println!(
+                "{:>7} {:>7} {:<9} {}",
+                l.holders,
+                l.waiters,
+                l.kind.label(),
+                l.name
+            );
+        }
     }
     Ok(0)
 }

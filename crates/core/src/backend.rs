@@ -22,6 +22,9 @@
 //! - **Cancel safety.** Every future may be dropped at any await point. A dropped
 //!   `enqueue` may still have created its entry on the server; the caller then calls
 //!   `abandon` with the same [`Ticket`], which removes whatever the ticket created.
+//! - **Listing.** [`Backend::list_queues`] finds every queue with an entry under a name
+//!   prefix, named by its path ([`QueuePath::relative`]) with no namespace, chroot or key
+//!   prefix in front: what a queue of that path would be called by the caller.
 
 use std::future::Future;
 use std::time::Duration;
@@ -189,6 +192,30 @@ pub struct Enqueued {
     pub mine: Entry,
     /// The whole queue right after the add, in queue order, `mine` included.
     pub queue: Vec<Entry>,
+}
+
+/// One queue with at least one entry, as [`Backend::list_queues`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ListedQueue {
+    /// The queue's path as [`QueuePath::relative`] writes it: `orders/42` for a lock's
+    /// own queue, `orders/42/leases` for a semaphore's sub-queue. A backend cannot tell a
+    /// sub-queue from a lock of that name (both are the same path on ZooKeeper and etcd),
+    /// so it reports paths and leaves the recipes' layout to the recipes.
+    pub path: String,
+    /// Its entries in queue order, never empty: names, kinds and sequence numbers
+    /// always; tokens and payloads where the listing read them anyway.
+    pub entries: Vec<Entry>,
+}
+
+impl ListedQueue {
+    /// The queue at `path` with `entries` (the struct is `#[non_exhaustive]`).
+    pub fn new(path: impl Into<String>, entries: Vec<Entry>) -> Self {
+        ListedQueue {
+            path: path.into(),
+            entries,
+        }
+    }
 }
 
 /// How long before the earliest moment the server may expire a session of timeout
@@ -411,6 +438,19 @@ pub trait Backend: Send + Sync + 'static {
         Backend::queue(self, q)
     }
 
+    /// Every queue whose path ([`QueuePath::relative`]) starts with `prefix` (a plain
+    /// string prefix; `""` for all) and that has at least one entry, each with its
+    /// entries in queue order; sorted by path. `prefix` has no leading `/`. Paths are as
+    /// the caller names locks: without the backend's namespace, key prefix or chroot.
+    ///
+    /// Each queue is read as a whole, but the listing is not one atomic view across
+    /// queues unless the backend says so: a queue may gain or lose its entries while the
+    /// others are read. Its cost grows with what the backend must walk to find the queues
+    /// (the znodes under the prefix, the keys under it, the whole keyspace for a Redis
+    /// `SCAN`), not only with the queues found: meant for operators and status tools, not
+    /// for a hot path.
+    fn list_queues(&self, prefix: &str) -> impl Future<Output = Result<Vec<ListedQueue>>> + Send;
+
     /// Whether this client can take locks now: its session is live and its servers
     /// answer, checked with one cheap round trip that needs no permission on any lock
     /// (for a readiness probe). `Ok` when they do; otherwise the error an acquire would
@@ -506,6 +546,8 @@ pub trait DynBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Option<Vec<u8>>>>;
     /// [`Backend::participants`].
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
+    /// [`Backend::list_queues`].
+    fn list_queues<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, Result<Vec<ListedQueue>>>;
     /// [`Backend::health`].
     fn health(&self) -> BoxFuture<'_, Result<()>>;
     /// [`Backend::close`].
@@ -611,6 +653,9 @@ impl<B: Backend> DynBackend for B {
     }
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(Backend::participants(self, q))
+    }
+    fn list_queues<'a>(&'a self, prefix: &'a str) -> BoxFuture<'a, Result<Vec<ListedQueue>>> {
+        Box::pin(Backend::list_queues(self, prefix))
     }
     fn health(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(Backend::health(self))

@@ -61,11 +61,12 @@ pub mod security;
 pub mod token;
 
 pub use backend::{
-    lost_margin, Backend, Capability, DynBackend, Enqueued, Gone, Hints, Position, SessionOptions,
+    lost_margin, Backend, Capability, DynBackend, Enqueued, Gone, Hints, ListedQueue, Position,
+    SessionOptions,
 };
 pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};
 pub use error::{Error, NameError, Result};
-pub use name::{LockName, NameRules, QueuePath};
+pub use name::{name_prefix, LockName, NameRules, QueuePath};
 pub use security::{Credentials, Secret, TlsOptions};
 pub use token::{FenceGate, FencingToken};

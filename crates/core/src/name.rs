@@ -129,6 +129,37 @@ impl fmt::Display for LockName {
     }
 }
 
+/// Checks a prefix of lock names, as a listing takes it, and returns it normalised: a
+/// leading `/` dropped, as from a name. `""` (or `/`) is every name. The prefix is a
+/// plain string prefix: `orders/4` covers `orders/42` and `orders/4/x`, `orders/42/` only
+/// the names below `orders/42`. What comes before a trailing `/` must be a valid name
+/// (its last segment may be a partial one), so a prefix no valid name starts with is
+/// refused rather than listed as empty.
+///
+/// # Errors
+/// [`Error::InvalidName`] saying what is wrong with the prefix.
+pub fn name_prefix(prefix: &str, rules: NameRules) -> Result<String, Error> {
+    let p = prefix.trim_start_matches('/');
+    if p.is_empty() {
+        return Ok(String::new());
+    }
+    let body = p.strip_suffix('/').unwrap_or(p);
+    if body.is_empty() || body.ends_with('/') {
+        return Err(Error::InvalidName {
+            name: prefix.to_owned(),
+            reason: NameError::BadSegment,
+        });
+    }
+    LockName::new(body, rules).map_err(|e| match e {
+        Error::InvalidName { reason, .. } => Error::InvalidName {
+            name: prefix.to_owned(),
+            reason,
+        },
+        other => other,
+    })?;
+    Ok(p.to_owned())
+}
+
 /// One queue of entries under a lock: the lock itself, or one of its sub-directories
 /// (the semaphore's `leases` and `locks`, as Curator lays them out).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -207,6 +238,26 @@ mod tests {
             bad(&"x".repeat(2000), ETCD),
             NameError::TooLong { .. }
         ));
+    }
+
+    #[test]
+    fn name_prefixes() {
+        assert_eq!(name_prefix("", ZK).expect("all"), "");
+        assert_eq!(name_prefix("/", ZK).expect("all"), "");
+        assert_eq!(name_prefix("/orders/4", ZK).expect("ok"), "orders/4");
+        assert_eq!(name_prefix("orders/", ETCD).expect("ok"), "orders/");
+        let refused = |p: &str, rules| match name_prefix(p, rules) {
+            Err(Error::InvalidName { name, reason }) => {
+                assert_eq!(name, p);
+                reason
+            }
+            other => panic!("expected InvalidName for {p:?}, got {other:?}"),
+        };
+        assert_eq!(refused("a//", ETCD), NameError::BadSegment);
+        assert_eq!(refused("a//b", ETCD), NameError::BadSegment);
+        assert_eq!(refused("zookeeper/", ZK), NameError::Reserved("zookeeper"));
+        assert_eq!(refused("a{", REDIS), NameError::BadChar('{'));
+        assert_eq!(refused("a\0", ETCD), NameError::ControlChar(1));
     }
 
     #[test]

@@ -76,8 +76,8 @@ pub use dlock_core::{
 };
 pub use dlock_core::{Credentials, Secret, TlsOptions};
 pub use dlock_recipes::{
-    semaphore, LockGuard, MultiGuard, MultiLock, Part, Participant, RevocableGuard, Semaphore,
-    SemaphoreMutex, TicketSource,
+    semaphore, LockGuard, LockKind, LockSummary, MultiGuard, MultiLock, Part, Participant,
+    RevocableGuard, Semaphore, SemaphoreMutex, TicketSource,
 };
 pub use url::{BackendUrl, Servers, PASSWORD_ENV};
 

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, Hints, NameRules, Position, QueuePath, Result,
-    SessionOptions, Ticket,
+    Backend, Enqueued, Entry, EntryKind, Error, Hints, ListedQueue, NameRules, Position, QueuePath,
+    Result, SessionOptions, Ticket,
 };
 use etcd_client::{
     Certificate, Client, ConnectOptions, GetOptions, GetResponse, Identity, KvClient, LeaseClient,
@@ -388,6 +388,12 @@ impl Backend for EtcdBackend {
     async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         let prefix = layout::queue_prefix(&self.namespace, q);
         self.read_queue_linearizable(&prefix).await
+    }
+
+    /// Range reads of the keys under the prefix at one revision (`reads.rs`): entries
+    /// bound to the lease their name starts with, grouped by queue.
+    async fn list_queues(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
+        self.list_queues_inner(prefix).await
     }
 
     /// One linearizable keys-only read of the entry's key (a lagging member must not

@@ -224,6 +224,60 @@ pub(crate) fn queue_from_kvs<'a>(
     q
 }
 
+/// The queue path (relative to `namespace`) and the entry of one key of a listing, or
+/// `None` unless the key is a lock entry bound to the lease its name starts with, as
+/// every key dlock and etcd's own lock write is (`lease` is the key's lease, 0 for none).
+/// Any key under a lock counts as a contender when a lock is taken, but a listing of a
+/// shared etcd must not show every directory of configuration keys as a lock.
+pub(crate) fn listed_entry(namespace: &str, kv: RawKv<'_>, lease: i64) -> Option<(String, Entry)> {
+    let rel = std::str::from_utf8(kv.key.strip_prefix(namespace.as_bytes())?).ok()?;
+    let (path, name) = rel.rsplit_once('/')?;
+    if path.is_empty() || parse_name(name)?.lease != Some(lease) {
+        return None;
+    }
+    let entry = entry_from_kv(&format!("{namespace}{path}/"), kv)?;
+    Some((path.to_owned(), entry))
+}
+
+/// The queues of a listing, from its keys with their leases: each queue's entries in
+/// queue order, queues sorted by path.
+pub(crate) fn listed_queues<'a>(
+    namespace: &str,
+    kvs: impl IntoIterator<Item = (RawKv<'a>, i64)>,
+) -> Vec<dlock_core::ListedQueue> {
+    let mut by_path: std::collections::BTreeMap<String, Vec<Entry>> = Default::default();
+    for (kv, lease) in kvs {
+        if let Some((path, entry)) = listed_entry(namespace, kv, lease) {
+            by_path.entry(path).or_default().push(entry);
+        }
+    }
+    by_path
+        .into_iter()
+        .map(|(path, mut entries)| {
+            sort_queue(&mut entries);
+            dlock_core::ListedQueue::new(path, entries)
+        })
+        .collect()
+}
+
+/// The end of the key range of every key starting with `start` (etcd's prefix end:
+/// the last byte below 0xff incremented, what follows it dropped), and the key to start
+/// at: `\0` with the end `\0` for "every key" when `start` is empty.
+pub(crate) fn prefix_range(start: &[u8]) -> (Vec<u8>, Vec<u8>) {
+    if start.is_empty() {
+        return (vec![0], vec![0]);
+    }
+    let mut end = start.to_vec();
+    while let Some(&last) = end.last() {
+        if last < 0xff {
+            *end.last_mut().expect("not empty") += 1;
+            return (start.to_vec(), end);
+        }
+        end.pop();
+    }
+    (start.to_vec(), vec![0])
+}
+
 /// The lease an entry is bound to, read from its name.
 pub(crate) fn lease_of(entry: &Entry) -> Option<i64> {
     parse_name(&entry.name).and_then(|p| p.lease)
@@ -274,6 +328,57 @@ mod tests {
         }
         assert_eq!(parse_name("leases/694d-x-l"), None);
         assert_eq!(parse_name(""), None);
+    }
+
+    #[test]
+    fn listings_keep_lease_bound_lock_keys() {
+        let t = dlock_testkit::ticket();
+        let lease = 0x694d_7a1b_2c3d_4e5f_i64;
+        let key = |path: &str, kind, primary| {
+            format!("app1/{path}/{}", entry_name(lease, &t, kind, primary))
+        };
+        let (m1, m2) = (
+            key("m", EntryKind::Lock, true),
+            key("m", EntryKind::Write, false),
+        );
+        let lease_key = key("s/leases", EntryKind::Lease, false);
+        let etcdctl = format!("app1/e/{lease:x}");
+        let (other, bare) = (
+            key("other", EntryKind::Lock, true),
+            key("bare", EntryKind::Lock, true),
+        );
+        let outside = format!("app2/n/{lease:x}");
+        let keys = [
+            (kv(&m2, b"", 7), lease),
+            (kv(&m1, b"", 5), lease),
+            (kv(&lease_key, b"", 6), lease),
+            // etcd's own lock key: its name is its lease.
+            (kv(&etcdctl, b"", 8), lease),
+            // A configuration key, a key on another lease than its name says, a key on
+            // no lease, a key outside the namespace: no lock entries.
+            (kv("app1/config/db/url", b"x", 9), lease),
+            (kv(&other, b"", 10), lease + 1),
+            (kv(&bare, b"", 11), 0),
+            (kv(&outside, b"", 12), lease),
+        ];
+        let listed = listed_queues("app1/", keys);
+        let got: Vec<(&str, Vec<u64>)> = listed
+            .iter()
+            .map(|q| (q.path.as_str(), q.entries.iter().map(|e| e.seq).collect()))
+            .collect();
+        assert_eq!(
+            got,
+            [("e", vec![8]), ("m", vec![5, 7]), ("s/leases", vec![6])]
+        );
+        assert_eq!(listed[2].entries[0].kind, EntryKind::Lease);
+    }
+
+    #[test]
+    fn prefix_ranges() {
+        assert_eq!(prefix_range(b""), (vec![0], vec![0]));
+        assert_eq!(prefix_range(b"ab"), (b"ab".to_vec(), b"ac".to_vec()));
+        assert_eq!(prefix_range(b"a\xff"), (b"a\xff".to_vec(), b"b".to_vec()));
+        assert_eq!(prefix_range(b"\xff\xff"), (b"\xff\xff".to_vec(), vec![0]));
     }
 
     #[test]

@@ -3,12 +3,16 @@
 
 use std::sync::atomic::Ordering;
 
-use dlock_core::{Entry, Result};
+use dlock_core::{Entry, ListedQueue, Result};
 use etcd_client::{GetOptions, GetResponse, SortOrder, SortTarget};
 
 use crate::backend::{request, EtcdBackend};
 use crate::errors::map;
 use crate::layout::{self, RawKv};
+
+/// Keys per range read of a listing: a page of lock entries (a few hundred bytes each)
+/// stays far below etcd's response size limits.
+const LIST_PAGE: i64 = 1000;
 
 pub(crate) fn queue_read() -> GetOptions {
     GetOptions::new()
@@ -89,6 +93,51 @@ impl EtcdBackend {
         .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
         self.observe(header_rev(resp.header()));
         Ok(layout::queue_from_kvs(prefix, resp.kvs().iter().map(raw)))
+    }
+
+    /// Every lock entry under `prefix` (after the namespace), grouped into queues: range
+    /// reads of [`LIST_PAGE`] keys, the first linearizable and the others at its
+    /// revision, so the whole listing is one view of the cluster however many pages it
+    /// takes (unless that revision is compacted away meanwhile: then an error).
+    pub(crate) async fn list_queues_inner(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
+        let start = format!("{}{prefix}", self.namespace);
+        let (mut from, end) = layout::prefix_range(start.as_bytes());
+        let mut rev = 0;
+        let mut pages: Vec<GetResponse> = Vec::new();
+        loop {
+            let opts = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(LIST_PAGE)
+                .with_revision(rev);
+            let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
+                let (mut kv, key, opts) = (self.kv.clone(), from.clone(), opts.clone());
+                async move { kv.get(key, Some(opts)).await }
+            })
+            .await
+            .map_err(|e| map(&format!("listing the locks under {start:?}"), e))?;
+            if rev == 0 {
+                rev = header_rev(resp.header());
+                self.observe(rev);
+            }
+            let next = match resp.kvs().last() {
+                Some(last) if resp.more() => {
+                    let mut k = last.key().to_vec();
+                    k.push(0);
+                    Some(k)
+                }
+                _ => None,
+            };
+            pages.push(resp);
+            match next {
+                Some(k) => from = k,
+                None => break,
+            }
+        }
+        let kvs = pages
+            .iter()
+            .flat_map(|p| p.kvs())
+            .map(|kv| (raw(kv), kv.lease()));
+        Ok(layout::listed_queues(&self.namespace, kvs))
     }
 
     pub(crate) async fn read_queue(&self, prefix: &str) -> Result<(Vec<Entry>, i64)> {

@@ -10,6 +10,7 @@ use dlock_core::{
 use tracing::Instrument;
 
 use crate::guard::{Held, LockGuard};
+use crate::listing::LockSummary;
 use crate::queue::{self, Wait};
 use crate::reentry::{ClientId, HoldKey, Recipe, Scope};
 use crate::tickets::TicketSource;
@@ -181,6 +182,34 @@ impl<B: DynBackend + ?Sized> Client<B> {
             }));
         }
         Ok(out)
+    }
+
+    /// Every lock whose name starts with `prefix` (a plain string prefix, `""` for all;
+    /// `orders/` for the locks below `orders`) that has a holder or a waiter now, sorted
+    /// by name, with its kind and how many entries hold and wait. A lock nobody holds or
+    /// waits for is not listed: the servers keep nothing else that names it.
+    ///
+    /// A snapshot of each lock, not of all of them at once (but on etcd, where one
+    /// revision is read): a lock may be taken or freed while the others are read, so the
+    /// listing can show a lock that is already free, or miss one taken meanwhile. What it
+    /// costs depends on the backend: ZooKeeper lists every znode under the prefix (one
+    /// request per znode, a few at a time), etcd reads every key under it (in pages, at
+    /// one revision), Redis `SCAN`s its whole keyspace on every master for the lock
+    /// queues' keys and reads each queue found. For operators and tools, not a hot path.
+    ///
+    /// On etcd only keys bound to the lease their name starts with count (dlock's and
+    /// etcd's own lock keys), so the configuration keys of a shared etcd are not listed
+    /// as locks. A semaphore is listed once, under its own name; a lock named
+    /// `…/locks` is taken for a semaphore's internal queue, as [`Client::participants`]
+    /// takes it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] for a prefix no valid name starts with; a backend error.
+    pub async fn locks(&self, prefix: &str) -> Result<Vec<LockSummary>> {
+        let rules = self.backend.name_rules();
+        let prefix = dlock_core::name_prefix(prefix, rules)?;
+        let queues = self.backend.list_queues(&prefix).await?;
+        Ok(crate::listing::summarize(&prefix, &queues, rules))
     }
 
     /// How long a crashed or paused holder keeps its locks.

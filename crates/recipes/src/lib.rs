@@ -87,6 +87,7 @@
 
 mod client;
 mod guard;
+mod listing;
 pub mod metrics;
 mod multi;
 mod mutex;
@@ -98,6 +99,7 @@ mod tickets;
 
 pub use client::{Client, Participant};
 pub use guard::{LockGuard, RevocableGuard};
+pub use listing::{LockKind, LockSummary};
 pub use multi::{MultiGuard, MultiLock, Part};
 pub use mutex::Mutex;
 pub use rwlock::RwLock;

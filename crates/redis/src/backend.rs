@@ -1,15 +1,15 @@
 //! [`RedisBackend`]: the `dlock_core::Backend` implementation over one master or, in
 //! Redlock mode, over N independent masters.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, Gone, NameRules, Position, QueuePath, Result,
-    Ticket,
+    Backend, Enqueued, Entry, EntryKind, Error, Gone, ListedQueue, NameRules, Position, QueuePath,
+    Result, Ticket,
 };
 use fred::prelude::Value;
 use futures::future::{join_all, BoxFuture};
@@ -18,11 +18,14 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tracing::{info, warn, Instrument};
 
-use crate::keys::QueueKeys;
+use crate::keys::{self, QueueKeys};
 use crate::node::Node;
 use crate::pubsub::Chan;
 use crate::scripts::Scripts;
 use crate::watchdog::{Fate, Live};
+
+/// How many queues a listing reads at once.
+const LIST_PARALLEL: usize = 16;
 
 /// Which servers the backend talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -499,6 +502,48 @@ impl Backend for RedisBackend {
         self.shared
             .list(&QueueKeys::new(&self.shared.prefix, q), true, None)
             .await
+    }
+
+    /// `SCAN MATCH <prefix>dlock:{<name prefix>*}:q*` on every master (a majority must
+    /// answer; Sentinel: the primary), then one listing of each queue key found in any of
+    /// them (the same listing as [`Backend::queue`]: on Redlock a majority's merged view).
+    /// `SCAN` walks the whole keyspace of each master whatever the prefix, in steps
+    /// between other clients' commands; a queue created or emptied during the walk may
+    /// be missed or found empty.
+    async fn list_queues(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
+        use futures::{StreamExt, TryStreamExt};
+        self.shared.check_open()?;
+        let rp = self.shared.prefix.as_str();
+        let pattern = keys::queue_scan_pattern(rp, prefix);
+        let scans = self
+            .shared
+            .gather(self.shared.nodes.iter().map(|n| n.scan_keys(&pattern)))
+            .await;
+        let found: BTreeSet<String> = self.shared.quorum(scans)?.into_iter().flatten().collect();
+        let queues: Vec<(String, QueueKeys)> = found
+            .iter()
+            .filter_map(|k| keys::parse_queue_key(rp, k))
+            .map(|(lock, sub)| {
+                let path = match sub {
+                    Some(sub) => format!("{lock}/{sub}"),
+                    None => lock.to_owned(),
+                };
+                (path, QueueKeys::of(rp, lock, sub))
+            })
+            .filter(|(path, _)| path.starts_with(prefix))
+            .collect();
+        let shared = &self.shared;
+        let mut listed: Vec<ListedQueue> = futures::stream::iter(queues)
+            .map(|(path, keys)| async move {
+                let entries = shared.list(&keys, false, None).await?;
+                Ok::<_, Error>(ListedQueue::new(path, entries))
+            })
+            .buffer_unordered(LIST_PARALLEL)
+            .try_filter(|q| std::future::ready(!q.entries.is_empty()))
+            .try_collect()
+            .await?;
+        listed.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(listed)
     }
 
     /// `PING` on every master: healthy when a majority (the one master) answers. The

@@ -27,20 +27,25 @@ impl QueueKeys {
     ///
     /// `prefix` goes in front of every name (`?prefix=`; empty for none).
     pub fn new(prefix: &str, q: &QueuePath) -> Self {
+        Self::of(prefix, q.lock.as_str(), q.sub)
+    }
+
+    /// The names of the queue `sub` (`None`: the lock's own) of the lock named `lock`.
+    pub fn of(prefix: &str, lock: &str, sub: Option<&str>) -> Self {
         QueueKeys {
-            queue: key(prefix, q, "q", q.sub, ""),
-            seq: key(prefix, q, "seq", q.sub, ""),
-            token: key(prefix, q, "token", None, ""),
-            entry_prefix: key(prefix, q, "e", q.sub, ":"),
-            gone_prefix: key(prefix, q, "gone", q.sub, ":"),
-            changed: key(prefix, q, "chg", q.sub, ""),
+            queue: key(prefix, lock, "q", sub, ""),
+            seq: key(prefix, lock, "seq", sub, ""),
+            token: key(prefix, lock, "token", None, ""),
+            entry_prefix: key(prefix, lock, "e", sub, ":"),
+            gone_prefix: key(prefix, lock, "gone", sub, ":"),
+            changed: key(prefix, lock, "chg", sub, ""),
         }
     }
 
     /// Just the queue's sorted-set key (what live entries are filed under), without
     /// building the other names.
     pub fn queue_key(prefix: &str, q: &QueuePath) -> String {
-        key(prefix, q, "q", q.sub, "")
+        key(prefix, q.lock.as_str(), "q", q.sub, "")
     }
 
     /// The three keys every script takes, in script order.
@@ -57,9 +62,49 @@ impl QueueKeys {
     }
 }
 
+/// The `SCAN` pattern of the queue keys of every lock whose name starts with
+/// `name_prefix`: `<prefix>dlock:{<name_prefix>*}:q*`, with the glob characters of both
+/// prefixes escaped. A name has no `}`, so the `*` inside the braces cannot run past the
+/// hash tag, and after it only the queue keys (`:q`, `:q:<sub>`) start with `:q`.
+pub(crate) fn queue_scan_pattern(prefix: &str, name_prefix: &str) -> String {
+    format!(
+        "{}dlock:{{{}*}}:q*",
+        glob_escape(prefix),
+        glob_escape(name_prefix)
+    )
+}
+
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The lock name and sub-queue of a queue key (the inverse of [`QueueKeys::of`]'s
+/// `queue`), or `None` for any other key.
+pub(crate) fn parse_queue_key<'k>(
+    prefix: &str,
+    key: &'k str,
+) -> Option<(&'k str, Option<&'k str>)> {
+    let rest = key.strip_prefix(prefix)?.strip_prefix("dlock:{")?;
+    let (lock, what) = rest.split_once('}')?;
+    match what.strip_prefix(":q")? {
+        "" => Some((lock, None)),
+        sub => {
+            let sub = sub.strip_prefix(':')?;
+            (!sub.is_empty() && !sub.contains(':')).then_some((lock, Some(sub)))
+        }
+    }
+    .filter(|(lock, _)| !lock.is_empty())
+}
+
 /// `<prefix>dlock:{<lock>}:<what>[:<sub>]<suffix>`.
-fn key(prefix: &str, q: &QueuePath, what: &str, sub: Option<&str>, suffix: &str) -> String {
-    let lock = q.lock.as_str();
+fn key(prefix: &str, lock: &str, what: &str, sub: Option<&str>, suffix: &str) -> String {
     let sub_len = sub.map_or(0, |s| s.len() + 1);
     let mut s =
         String::with_capacity(prefix.len() + 9 + lock.len() + what.len() + sub_len + suffix.len());
@@ -80,6 +125,32 @@ fn key(prefix: &str, q: &QueuePath, what: &str, sub: Option<&str>, suffix: &str)
 mod tests {
     use super::*;
     use dlock_core::LockName;
+
+    #[test]
+    fn queue_keys_are_scanned_and_parsed_back() {
+        assert_eq!(queue_scan_pattern("", ""), "dlock:{*}:q*");
+        assert_eq!(
+            queue_scan_pattern("app*1:", "jobs/[x]?"),
+            "app\\*1:dlock:{jobs/\\[x\\]\\?*}:q*"
+        );
+        let lock = LockName::new("orders/42", crate::NAME_RULES).expect("valid");
+        for (prefix, sub) in [("", None), ("app1:", Some("leases")), ("p:", Some("locks"))] {
+            let q = QueuePath {
+                lock: lock.clone(),
+                sub,
+            };
+            let k = QueueKeys::new(prefix, &q);
+            assert_eq!(parse_queue_key(prefix, &k.queue), Some(("orders/42", sub)));
+            assert_eq!(QueueKeys::of(prefix, "orders/42", sub), k);
+            // None of the lock's other keys is a queue key.
+            for other in [&k.seq, &k.token, &k.entry("lock-0000000001"), &k.changed] {
+                assert_eq!(parse_queue_key(prefix, other), None, "{other}");
+            }
+        }
+        assert_eq!(parse_queue_key("app1:", "dlock:{x}:q"), None);
+        assert_eq!(parse_queue_key("", "dlock:{}:q"), None);
+        assert_eq!(parse_queue_key("", "dlock:{x}:qq"), None);
+    }
 
     #[test]
     fn keys_share_the_hash_tag() {

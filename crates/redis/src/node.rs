@@ -16,6 +16,10 @@ use crate::tls::Access;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// How many keys one `SCAN` step asks the server to look at: a step stays short on the
+/// server (SCAN runs on its one thread between other clients' commands).
+const SCAN_COUNT: u32 = 1000;
+
 /// Client settings derived from the session options.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Tuning {
@@ -643,6 +647,20 @@ impl Node {
             }
             _ => Error::backend(format!("{what} on redis at {}", self.addr), e),
         }
+    }
+
+    /// Every key matching `pattern`: a full `SCAN` cursor walk over this master's
+    /// keyspace, [`SCAN_COUNT`] keys a step. `SCAN` may return a key twice; the caller
+    /// de-duplicates.
+    pub async fn scan_keys(&self, pattern: &str) -> Result<Vec<String>, Error> {
+        use futures::TryStreamExt;
+        let keys: Vec<fred::types::Key> = self
+            .client
+            .scan_buffered(pattern.to_owned(), Some(SCAN_COUNT), None)
+            .try_collect()
+            .await
+            .map_err(|e| self.map_err("listing the locks (SCAN)", e))?;
+        Ok(keys.into_iter().filter_map(|k| k.into_string()).collect())
     }
 
     /// Calls `on_reconnect` after every reconnection of the command client (and the first

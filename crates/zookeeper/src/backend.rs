@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use dlock_core::entry::sort_queue;
 use dlock_core::{
-    Backend, Capability, Enqueued, Entry, EntryKind, Error, FencingToken, Hints, NameRules,
-    Position, QueuePath, Result, Ticket,
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, FencingToken, Hints, ListedQueue,
+    NameRules, Position, QueuePath, Result, Ticket,
 };
 use futures::future::BoxFuture;
 use tracing::Instrument;
@@ -501,6 +501,11 @@ impl Backend for ZkBackend {
             }
         })
         .instrument(span)
+    }
+
+    /// A walk of the znodes under the prefix (`crate::listing`), after one `sync`.
+    fn list_queues(&self, prefix: &str) -> impl Future<Output = Result<Vec<ListedQueue>>> + Send {
+        self.guarded(self.list_queues_inner(prefix))
     }
 
     /// An `exists` of the (chroot's) root, through the session: ZooKeeper checks no ACL

@@ -143,6 +143,7 @@ mod connect;
 mod enqueue;
 mod errors;
 mod heartbeat;
+mod listing;
 mod security;
 mod session;
 
@@ -166,7 +167,6 @@ pub struct ZkOptions {
 }
 
 impl ZkOptions {
-
     /// Sets [`ZkOptions::tick_time`].
     pub fn with_tick_time(mut self, tick: std::time::Duration) -> Self {
         self.tick_time = Some(tick);

@@ -289,3 +289,73 @@ pub async fn cli_status_shows_queue(_kind: Kind, url: &str) {
     waiter.close().await.expect("close");
     c.close().await.expect("close");
 }
+
+/// `dlock list PREFIX` names the locks with holders or waiters under PREFIX, as a table
+/// and as JSON; none is success with no table and `[]`; a bad prefix exits 64.
+pub async fn cli_list_shows_locks(_kind: Kind, url: &str) {
+    let base = unique("cli-list");
+    let prefix = format!("{base}/");
+    let run = |args: &[&str]| {
+        let out = dlock()
+            .args(["--url", url, "list"])
+            .args(args)
+            .output()
+            .expect("run");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    assert_eq!(run(&[&prefix]), (Some(0), String::new()), "nothing held");
+    assert_eq!(run(&[&prefix, "--json"]), (Some(0), "[]\n".to_owned()));
+    assert_eq!(run(&["a//b"]).0, Some(64), "a prefix no name starts with");
+
+    let (a, b) = (format!("{base}/a"), format!("{base}/b b"));
+    let c = client(url).await;
+    let mut ga = c.mutex(&a).expect("n").lock().await.expect("lock");
+    let mut gb = c.mutex(&b).expect("n").lock().await.expect("lock");
+    let waiter = client(url).await;
+    let m = waiter.mutex(&b).expect("n");
+    let pending = tokio::spawn(async move {
+        let r = m.lock_timeout(Duration::from_secs(60)).await;
+        (r.map(|mut g| async move { g.release().await }), waiter)
+    });
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            leftovers(&c, &b).await == 2
+        })
+        .await
+    );
+    let (code, json) = run(&[&prefix, "--json"]);
+    assert_eq!(code, Some(0));
+    let doc: serde_json::Value = serde_json::from_str(&json).expect("json");
+    assert_eq!(
+        doc,
+        serde_json::json!([
+            {"name": a, "kind": "mutex", "holders": 1, "waiters": 0, "entries": 1},
+            {"name": b, "kind": "mutex", "holders": 1, "waiters": 1, "entries": 2},
+        ])
+    );
+    let (code, text) = run(&[&prefix]);
+    assert_eq!(code, Some(0));
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "holders waiters kind name".to_owned(),
+            format!("1 0 mutex {a}"),
+            format!("1 1 mutex {b}"),
+        ],
+        "{text}"
+    );
+    ga.release().await.expect("release");
+    gb.release().await.expect("release");
+    let (r, waiter) = pending.await.expect("waiter");
+    r.expect("waiter acquired").await.expect("release");
+    waiter.close().await.expect("close");
+    assert_eq!(run(&[&prefix]), (Some(0), String::new()), "all released");
+    c.close().await.expect("close");
+}

@@ -22,6 +22,7 @@ mod curator_peer;
 mod faults;
 mod fuzz;
 mod late_grant;
+mod listing;
 mod own_client;
 mod recipes;
 #[cfg(feature = "redis")]
@@ -124,6 +125,7 @@ all_backends! {
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
     mem health_is_ok_while_live_and_an_error_after_close => crate::recipes::health_is_ok_while_live_and_an_error_after_close,
+    mem locks_lists_what_is_held_and_waited_for => crate::listing::locks_lists_what_is_held_and_waited_for,
     // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
     // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
     // an in-memory server lives inside this test process and has none.
@@ -135,6 +137,7 @@ all_backends! {
     servers cli_exit_codes => crate::cli::cli_exit_codes,
     servers cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
     servers cli_status_shows_queue => crate::cli::cli_status_shows_queue,
+    servers cli_list_shows_locks => crate::cli::cli_list_shows_locks,
     servers cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
     servers cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
     servers cli_lost_lock_stops_the_whole_process_group => crate::faults::cli_lost_lock_stops_the_whole_process_group,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dlock::{Backend, DynBackend, Error, Result};
 use dlock_core::entry::{Entry, EntryKind, Ticket};
-use dlock_core::{Capability, Enqueued, Gone, Hints, NameRules, Position, QueuePath};
+use dlock_core::{Capability, Enqueued, Gone, Hints, ListedQueue, NameRules, Position, QueuePath};
 use futures::future::BoxFuture;
 
 use crate::support::{client, eventually, leftovers, unique, Kind};
@@ -151,6 +151,9 @@ impl Backend for FailingRemovals {
     }
     async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         self.inner.participants(q).await
+    }
+    async fn list_queues(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
+        self.inner.list_queues(prefix).await
     }
     async fn health(&self) -> Result<()> {
         self.inner.health().await

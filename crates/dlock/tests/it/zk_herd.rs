@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dlock::{Backend, DynBackend, Error, LockGuard, Result};
 use dlock_core::entry::{Entry, EntryKind, Ticket};
-use dlock_core::{Capability, Enqueued, Gone, NameRules, Position, QueuePath};
+use dlock_core::{Capability, Enqueued, Gone, ListedQueue, NameRules, Position, QueuePath};
 use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 
@@ -149,6 +149,9 @@ impl Backend for Counting {
     }
     async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
         self.inner.participants(q).await
+    }
+    async fn list_queues(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
+        self.inner.list_queues(prefix).await
     }
     async fn set_data(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
         self.inner.set_data(q, entry, data).await

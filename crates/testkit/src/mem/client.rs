@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use dlock_core::backend::lost_margin;
 use dlock_core::{
-    Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, Hints, NameRules, Position,
-    QueuePath, Result, Ticket,
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, Hints, ListedQueue, NameRules,
+    Position, QueuePath, Result, Ticket,
 };
 use futures::future::BoxFuture;
 use tokio::sync::{oneshot, watch};
@@ -448,6 +448,11 @@ impl Backend for MemBackend {
     /// Closes the session: its entries go at once (unless it is cut off, when the server
     /// expires it by its timeout), its `lost()` fires, and every later call fails with
     /// [`Error::Closed`]. Idempotent.
+    /// One step on the server: every queue at once, atomically.
+    fn list_queues(&self, prefix: &str) -> impl Future<Output = Result<Vec<ListedQueue>>> + Send {
+        self.call(move |ops| Ok(ops.list_queues(prefix)))
+    }
+
     /// One request to the server: fails as every call does once the session is over or
     /// while the client is partitioned.
     async fn health(&self) -> Result<()> {

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use dlock_core::entry::{format_seq, queue_order};
 use dlock_core::{
-    Enqueued, Entry, EntryKind, Error, FencingToken, Gone, LockName, Position, QueuePath, Result,
-    SessionOptions, Ticket,
+    Enqueued, Entry, EntryKind, Error, FencingToken, Gone, ListedQueue, LockName, Position,
+    QueuePath, Result, SessionOptions, Ticket,
 };
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -345,6 +345,32 @@ impl Ops<'_> {
     /// The queue in queue order.
     pub(crate) fn queue(&mut self, q: &QueuePath) -> Vec<Entry> {
         self.st.list(q)
+    }
+
+    /// Every queue with an entry whose path starts with `prefix`, sorted by path: the
+    /// whole server is read in one step, so the listing is one atomic view.
+    pub(crate) fn list_queues(&mut self, prefix: &str) -> Vec<ListedQueue> {
+        let mut out: Vec<ListedQueue> = self
+            .st
+            .queues
+            .iter()
+            .filter(|(_, queue)| !queue.entries.is_empty())
+            .map(|((lock, sub), queue)| {
+                let path = QueuePath {
+                    lock: lock.clone(),
+                    sub: *sub,
+                }
+                .relative();
+                (path, queue)
+            })
+            .filter(|(path, _)| path.starts_with(prefix))
+            .map(|(path, queue)| {
+                let entries = queue.entries.values().map(|s| s.entry.clone()).collect();
+                ListedQueue::new(path, entries)
+            })
+            .collect();
+        out.sort_by(|a, b| a.path.cmp(&b.path));
+        out
     }
 
     /// Whether `entry` (its name, and its token where known) is in `q`.
