@@ -193,6 +193,26 @@ pub async fn cli_on_secured_servers(_kind: Kind, url: &str) {
     );
     assert_eq!(out.status.code(), Some(3), "free: {shown}");
     assert!(!shown.contains(&password), "the password leaked: {shown}");
+    // `list` is allowed to the application's user (on Redis, the documented ACL lets it
+    // SCAN) and names the lock it holds.
+    let holder = crate::support::client(url).await;
+    let mut held = holder
+        .mutex(&name)
+        .expect("name")
+        .lock()
+        .await
+        .expect("lock");
+    let out = crate::support::dlock()
+        .env("DLOCK_URL", url)
+        .args(["list", &name, "--json"])
+        .output()
+        .expect("dlock runs");
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(listed.contains(&format!("\"{name}\"")), "{listed}");
+    assert!(!listed.contains(&password), "the password leaked: {listed}");
+    held.release().await.expect("release");
+    holder.close().await.expect("close");
     let help = crate::support::dlock()
         .env("DLOCK_URL", url)
         .arg("--help")
