@@ -274,6 +274,7 @@ macro_rules! backend_contract {
             wait_changed_wakes_on_a_removal_and_an_addition,
             sub_queues_are_independent,
             bad_input_gets_typed_errors,
+            list_queues_finds_the_queues_with_entries,
         );
         $crate::__contract_if_claimed!(revocation in [$($cap),*] {
             $crate::__contract_capability_tests!(__contract_connect;

@@ -683,3 +683,56 @@ pub async fn bad_input_gets_typed_errors(connect: Connect) {
         .is_empty());
     within("close", a.close()).await.expect("close");
 }
+
+/// `list_queues` finds every queue under a prefix that has entries, each with its
+/// entries in queue order (what `queue` reads), sorted by path, sub-queues by their own
+/// path; a prefix nothing starts with finds nothing; a queue whose entries all went is
+/// no longer listed.
+pub async fn list_queues_finds_the_queues_with_entries(connect: Connect) {
+    let a = session(&connect).await;
+    let b = session(&connect).await;
+    let name = fresh_name(&*a, "listing");
+    let root = QueuePath::root(name.clone());
+    let leases = QueuePath::sub(name, "leases");
+    let (path, sub_path) = (root.relative(), leases.relative());
+    let first = add(&*a, &root, EntryKind::Lock, "holder").await;
+    let second = add(&*b, &root, EntryKind::Lock, "waiter").await;
+    let lease = add(&*b, &leases, EntryKind::Lease, "lease").await;
+    let listed = || async {
+        within("list", a.list_queues(&path))
+            .await
+            .expect("list_queues")
+    };
+    eventually("both queues are listed", || async {
+        listed()
+            .await
+            .iter()
+            .map(|q| q.entries.len())
+            .sum::<usize>()
+            == 3
+    })
+    .await;
+    let got = listed().await;
+    let paths: Vec<&str> = got.iter().map(|q| q.path.as_str()).collect();
+    assert_eq!(paths, vec![path.as_str(), sub_path.as_str()], "{got:?}");
+    assert_eq!(
+        names(&got[0].entries),
+        vec![first.mine.name.as_str(), second.mine.name.as_str()],
+        "the lock's entries in queue order"
+    );
+    assert_eq!(names(&got[1].entries), vec![lease.mine.name.as_str()]);
+    let none = within("list", a.list_queues(&format!("{path}-nothing-here")))
+        .await
+        .expect("list_queues");
+    assert!(none.is_empty(), "a prefix nothing starts with: {none:?}");
+
+    within("remove", b.remove(&leases, &lease.mine))
+        .await
+        .expect("remove");
+    eventually("the emptied sub-queue is no longer listed", || async {
+        listed().await.len() == 1
+    })
+    .await;
+    within("close", a.close()).await.expect("close");
+    within("close", b.close()).await.expect("close");
+}
