@@ -332,9 +332,13 @@ fn msrv_offenders(metadata: &Value) -> anyhow::Result<MsrvReport> {
                 version: package["version"].as_str().unwrap_or("?").to_owned(),
                 rust_version: RustVersion::parse(text).with_context(|| format!("package {id}"))?,
             };
-            if highest
-                .as_ref()
-                .is_none_or(|h| dep.rust_version > h.rust_version)
+            // The highest one reported is outside the workspace: a member reached as a
+            // dependency is checked above but says nothing new (it declares the same).
+            let external = !members.iter().any(|m| m.as_str() == Some(id));
+            if external
+                && highest
+                    .as_ref()
+                    .is_none_or(|h| dep.rust_version > h.rust_version)
             {
                 highest = Some(Declared {
                     name: dep.name.clone(),
