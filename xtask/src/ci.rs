@@ -1,5 +1,6 @@
 //! `cargo xtask ci`: the whole gate, fail fast: fmt, clippy, rustdoc (warnings denied),
-//! the seeded simulation (10,000 seeds over the in-memory backend), then integration (tests, doc tests, the examples, a dlock-bench smoke pass whose
+//! the publish checks (rust-version against the dependencies', `cargo deny check licenses
+//! bans`, `cargo package`; see [`crate::publish`]), the seeded simulation (10,000 seeds over the in-memory backend), then integration (tests, doc tests, the examples, a dlock-bench smoke pass whose
 //! figures are never asserted), the demo, then the short chaos run. `.ci/run` calls
 //! exactly this.
 
@@ -51,6 +52,12 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
     if !status.success() {
         eprintln!("xtask ci: `{title}` failed ({status})");
         return Ok(status.code().unwrap_or(1));
+    }
+    // The crates stay publishable: an honest rust-version, licenses and duplicates, and
+    // every publishable crate packs and builds from its package.
+    let code = crate::publish::run(root, &[])?;
+    if code != 0 {
+        return Ok(code);
     }
     // The seeded simulation: every recipe over the in-memory backend under drawn faults,
     // 10,000 seeds on virtual time (about 20 s), before anything needs a server.

@@ -19,9 +19,12 @@ pub(crate) enum Task {
     Cluster(ClusterArgs),
     /// Start servers, export DLOCK_TEST_*, run every workspace test, tear down.
     Integration(IntegrationArgs),
-    /// What CI runs: fmt check, clippy -D warnings, rustdoc -D warnings, then integration
-    /// (which also runs the examples).
+    /// What CI runs: fmt check, clippy -D warnings, rustdoc -D warnings, the publish
+    /// checks, then integration (which also runs the examples).
     Ci(IntegrationArgs),
+    /// The publish checks of `ci` alone, no servers: every dependency's rust-version
+    /// against the declared one, `cargo deny check licenses bans`, `cargo package`.
+    PublishCheck(PublishCheckArgs),
     /// Run every example of examples/ once against real servers (its own single-node
     /// cluster, or the given URLs).
     Examples(ExamplesArgs),
@@ -125,6 +128,13 @@ fn redis_count(s: &str) -> Result<u32, String> {
         "0" | "1" | "5" => s.parse().map_err(|e| format!("{e}")),
         _ => Err(format!("{s:?}: expected 0, 1 or 5")),
     }
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct PublishCheckArgs {
+    /// Only these checks (default: all, in this order: msrv, deny, package).
+    #[arg(value_enum)]
+    pub(crate) steps: Vec<crate::publish::Step>,
 }
 
 #[derive(Debug, Args)]

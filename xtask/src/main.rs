@@ -3,7 +3,8 @@
 //!
 //! - `cluster up|down|status`: real ZooKeeper / etcd / Redis servers on 127.0.0.1.
 //! - `integration`: start servers, export `DLOCK_TEST_*`, run every test, tear down.
-//! - `ci`: fmt check, clippy, rustdoc, integration (with the examples), a dlock-bench smoke pass. What `.ci/run` calls.
+//! - `ci`: fmt check, clippy, rustdoc, the publish checks, integration (with the examples), a dlock-bench smoke pass. What `.ci/run` calls.
+//! - `publish-check`: the publish checks of `ci` alone: rust-version, `cargo deny`, `cargo package`.
 //! - `examples`: every example of `examples/` once against real servers.
 //! - `demo`: the stock-deduction scenario, with and without the lock.
 //! - `bench`: dlock-bench beside the peers; markdown table, JSON, SVG chart.
@@ -17,6 +18,7 @@ mod demo;
 mod examples;
 mod flags;
 mod integration;
+mod publish;
 mod sim;
 mod teardown;
 
@@ -32,6 +34,7 @@ fn main() -> anyhow::Result<()> {
         flags::Task::Cluster(args) => cluster::run_args(&root, args)?,
         flags::Task::Integration(args) => integration::run(&root, &args)?,
         flags::Task::Ci(args) => ci::run(&root, &args)?,
+        flags::Task::PublishCheck(args) => publish::run(&root, &args.steps)?,
         flags::Task::Demo(args) => demo::run(&root, &args)?,
         flags::Task::Bench(args) => bench::run(&root, &args)?,
         flags::Task::Examples(args) => examples::run(&root, &args)?,

@@ -61,7 +61,8 @@
 //! written once over its object-safe form, `DynBackend`. So every recipe has the same
 //! semantics on every backend, and the facade can pick the backend at run time from a URL
 //! (`Arc<dyn DynBackend>`). See
-//! `docs/ARCHITECTURE.md`; for choosing a backend, `docs/choosing-a-backend.md`.
+//! [ARCHITECTURE.md](https://github.com/dlock-rs/dlock/blob/main/docs/ARCHITECTURE.md); for choosing a backend,
+//! [choosing-a-backend.md](https://github.com/dlock-rs/dlock/blob/main/docs/choosing-a-backend.md).
 
 #![deny(missing_docs)]
 

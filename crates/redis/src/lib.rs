@@ -133,7 +133,7 @@
 //! replica never received (replication is asynchronous); a replicated entry keeps its
 //! lock. Tokens stay monotonic across the failover through the clock floor, provided the
 //! new primary's clock is not behind the old one's by more than the failover took
-//! (`docs/safety.md`).
+//! ([safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md)).
 //!
 //! # Redlock
 //! In Redlock mode (the algorithm of the Redis docs, as in redsync) an entry is written

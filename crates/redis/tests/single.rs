@@ -731,7 +731,7 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
                 }
                 occupancy.enter(kind);
                 tokio::task::yield_now().await;
-                if kind == EntryKind::Write && x % 3 == 0 {
+                if kind == EntryKind::Write && x.is_multiple_of(3) {
                     // Downgrade: a read beside the held write, then the write goes while
                     // others wait behind it: the one way an entry joins ahead of them.
                     let beside = b

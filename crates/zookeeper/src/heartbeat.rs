@@ -106,7 +106,7 @@ fn parse_conf(conf: &str) -> Option<ServerConf> {
 /// max(0.15·`t`, 100 ms) before the earliest expiry; with `t` under twice the follower's
 /// detection time, that leaves no room and every follower partition costs the session.
 pub(crate) fn session_outlasts_follower_detection(t: Duration, conf: &ServerConf) -> bool {
-    conf.follower_detection.map_or(true, |d| t >= d * 2)
+    conf.follower_detection.is_none_or(|d| t >= d * 2)
 }
 
 /// The leader-side expiry the client can prove, from the send times of completed syncs.

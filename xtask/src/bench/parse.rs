@@ -69,7 +69,7 @@ pub(crate) fn summarise(rows: &[Row]) -> BTreeMap<(String, String), Summary> {
                 runs: rs.len(),
                 counter_ok_all: rs
                     .iter()
-                    .all(|r| r.get("counter_ok").map_or(true, |v| v == "true")),
+                    .all(|r| r.get("counter_ok").is_none_or(|v| v == "true")),
                 status: rs.iter().find_map(|r| r.get("status").cloned()),
                 ..Summary::default()
             };

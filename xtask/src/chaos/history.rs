@@ -465,9 +465,7 @@ pub(crate) fn check(
         // fault: one that ended by itself before anyone else came in had nothing to lose.
         let inside = f.victim.is_some_and(|victim| {
             secs.iter().any(|s| {
-                s.worker == victim
-                    && s.start_us <= f.at_us
-                    && s.end_us.map_or(true, |e| e > f.at_us)
+                s.worker == victim && s.start_us <= f.at_us && s.end_us.is_none_or(|e| e > f.at_us)
             })
         });
         if f.measure_margin && inside {
