@@ -158,9 +158,7 @@ impl ZkBackend {
             }
         };
 
-        Ok(Self::assemble(
-            client, requested, tick, acls, false,
-        ))
+        Ok(Self::assemble(client, requested, tick, acls, false))
     }
 
     /// Builds the backend on the application's own zookeeper-client session (bring your
@@ -235,13 +233,7 @@ impl ZkBackend {
                  the lost signal will also fire on leader elections and reconnections"
             );
         }
-        Ok(Self::assemble(
-            client,
-            first,
-            zk_opts.tick_time,
-            acls,
-            true,
-        ))
+        Ok(Self::assemble(client, first, zk_opts.tick_time, acls, true))
     }
 
     /// The backend on an established session; `requested` starts the lost signal's

@@ -166,7 +166,6 @@ pub struct ZkOptions {
 }
 
 impl ZkOptions {
-
     /// Sets [`ZkOptions::tick_time`].
     pub fn with_tick_time(mut self, tick: std::time::Duration) -> Self {
         self.tick_time = Some(tick);

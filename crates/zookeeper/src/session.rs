@@ -15,7 +15,6 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use zookeeper_client as zk;
 
-
 /// What the adapter knows about its session. Moves only from `Live` to one terminal value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Health {
