@@ -297,3 +297,43 @@ pub async fn observe_sees_every_change_in_order(kind: Kind, url: &str) {
         c.close().await.expect("close");
     }
 }
+
+/// A leader whose session ends (its client closed) sees `lost()` fire, and already has
+/// when the next candidate leads; `verify()` then fails with `LockLost`.
+pub async fn lost_leadership_fires_before_the_next_leads(_kind: Kind, url: &str) {
+    let name = unique("elect-lost");
+    let a = client(url).await;
+    let b = client(url).await;
+    let la = a
+        .election(&name)
+        .expect("name")
+        .campaign("a")
+        .await
+        .expect("campaign");
+    let la = Arc::new(la);
+    let eb = b.election(&name).expect("name");
+    let watched = la.clone();
+    let next = tokio::spawn(async move {
+        let lb = eb.campaign_timeout("b", GENEROUS).await.expect("campaign");
+        // The old leader must know it lost before the new one acts.
+        assert!(watched.is_lost(), "B leads while A's lost() has not fired");
+        lb
+    });
+    queued(&b, &name, 2).await;
+    let lost = la.lost();
+    assert!(!la.is_lost());
+    a.close().await.expect("close");
+    let e = tokio::time::timeout(GENEROUS, lost)
+        .await
+        .expect("lost fired");
+    assert!(matches!(e, Error::LockLost(_)), "{e:?}");
+    let lb = next.await.expect("task");
+    assert!(matches!(la.verify().await, Err(Error::LockLost(_))));
+    let seen = b.election(&name).expect("name").leader().await;
+    assert_eq!(
+        seen.expect("leader").expect("a leader").value_str(),
+        Some("b")
+    );
+    lb.resign().await.expect("resign");
+    b.close().await.expect("close");
+}
