@@ -77,8 +77,8 @@ pub use dlock_core::{
 };
 pub use dlock_core::{Credentials, Secret, TlsOptions};
 pub use dlock_recipes::{
-    semaphore, LockGuard, LockKind, LockSummary, MultiGuard, MultiLock, Part, Participant,
-    RevocableGuard, Semaphore, SemaphoreMutex, TicketSource,
+    semaphore, Election, Leader, Leadership, LockGuard, LockKind, LockSummary, MultiGuard,
+    MultiLock, Part, Participant, RevocableGuard, Semaphore, SemaphoreMutex, TicketSource,
 };
 pub use url::{BackendUrl, Servers, PASSWORD_ENV};
 
@@ -258,6 +258,8 @@ const _: () = {
     send_sync_static::<SemaphoreMutex>();
     send_sync_static::<Semaphore>();
     send_sync_static::<MultiLock>();
+    send_sync_static::<Election>();
+    send_sync_static::<Leadership>();
     send_sync_static::<LockGuard>();
     send_sync_static::<MultiGuard>();
     send_sync_static::<RevocableGuard>();

@@ -14,7 +14,7 @@ use crate::listing::LockSummary;
 use crate::queue::{self, Wait};
 use crate::reentry::{ClientId, HoldKey, Recipe, Scope};
 use crate::tickets::TicketSource;
-use crate::{MultiLock, Mutex, RwLock, Semaphore, SemaphoreMutex};
+use crate::{Election, MultiLock, Mutex, RwLock, Semaphore, SemaphoreMutex};
 
 /// A session on one backend: every lock made from it shares the session (its entries
 /// vanish together if the process dies). A hold re-enters only through the client (or a
@@ -145,6 +145,16 @@ impl<B: DynBackend + ?Sized> Client<B> {
             ));
         }
         Ok(Semaphore::new(self.clone(), self.lock_name(name)?, permits))
+    }
+
+    /// A leader election (etcd's `concurrency.Election`, Curator's `LeaderLatch`). See
+    /// [`Election`]. Its queue is a mutex's of the same name: give elections names of
+    /// their own.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn election(&self, name: &str) -> Result<Election<B>> {
+        Ok(Election::new(self.clone(), self.lock_name(name)?))
     }
 
     /// An empty multi-lock; add parts with [`MultiLock::mutex`] and friends.

@@ -224,6 +224,11 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
         scope.run(fut)
     }
 
+    /// The hold this guard counts in.
+    pub(crate) fn held(&self) -> &Arc<Held<B>> {
+        &self.held
+    }
+
     /// True if this guard is unreleased and belongs to the hold `key` names.
     pub(crate) fn is_hold_of(&self, key: &HoldKey) -> bool {
         !self.released && self.held.key.as_ref() == Some(key)

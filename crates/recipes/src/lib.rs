@@ -8,7 +8,9 @@
 //! - [`SemaphoreMutex`]: non-reentrant (InterProcessSemaphoreMutex);
 //! - [`RwLock`]: shared readers, exclusive writers, downgrade (InterProcessReadWriteLock);
 //! - [`Semaphore`]: N permits (InterProcessSemaphoreV2);
-//! - [`MultiLock`]: any mix of the above, all-or-nothing.
+//! - [`MultiLock`]: any mix of the above, all-or-nothing;
+//! - [`Election`]: leader election on the same fair queue, with a term, a value and a
+//!   stream of leader changes (etcd's `concurrency.Election`).
 //!
 //! Every recipe acquires the same three ways, as tokio's locks do: wait
 //! ([`Mutex::lock`], [`RwLock::read`] / [`RwLock::write`], [`Semaphore::acquire`],
@@ -86,6 +88,7 @@
 #![deny(missing_docs)]
 
 mod client;
+mod election;
 mod guard;
 mod listing;
 pub mod metrics;
@@ -98,6 +101,7 @@ pub mod semaphore;
 mod tickets;
 
 pub use client::{Client, Participant};
+pub use election::{Election, Leader, Leadership};
 pub use guard::{LockGuard, RevocableGuard};
 pub use listing::{LockKind, LockSummary};
 pub use multi::{MultiGuard, MultiLock, Part};
@@ -118,5 +122,6 @@ const _: () = {
         clone_debug::<Semaphore>();
         clone_debug::<SemaphoreMutex>();
         clone_debug::<MultiLock>();
+        clone_debug::<Election>();
     }
 };

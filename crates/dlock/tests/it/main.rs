@@ -19,6 +19,7 @@ mod cli;
 mod curator;
 #[cfg(feature = "zookeeper")]
 mod curator_peer;
+mod election;
 mod faults;
 mod fuzz;
 mod late_grant;
@@ -126,6 +127,12 @@ all_backends! {
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
     mem health_is_ok_while_live_and_an_error_after_close => crate::recipes::health_is_ok_while_live_and_an_error_after_close,
     mem locks_lists_what_is_held_and_waited_for => crate::listing::locks_lists_what_is_held_and_waited_for,
+    mem election_one_leader_at_a_time => crate::election::one_leader_at_a_time_and_terms_grow,
+    mem election_resign_hands_over_in_fifo_order => crate::election::resign_hands_over_in_fifo_order,
+    mem election_cancelled_campaigns_leave_nothing => crate::election::cancelled_campaigns_leave_nothing,
+    mem election_leader_names_the_value_and_term => crate::election::leader_names_the_value_and_term,
+    mem election_observe_sees_every_change_in_order => crate::election::observe_sees_every_change_in_order,
+    mem election_lost_fires_before_the_next_leads => crate::election::lost_leadership_fires_before_the_next_leads,
     // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
     // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
     // an in-memory server lives inside this test process and has none.
