@@ -1,7 +1,8 @@
 //! The `dlock` command line tool: run a command while holding a distributed lock, and
 //! show who holds and waits for a lock.
 //!
-//! Exit codes (a contract for scripts): the command's own exit code when it ran;
+//! Exit codes (a contract for scripts): the command's own exit code when it ran
+//! (`exec`, `multi`, `elect`); `status` and `leader` 0 when held / led, 3 when not;
 //! 75 timed out; 69 backend unreachable; 64 bad usage, name or URL; 70 lock lost while
 //! the command ran (the command's process group got SIGTERM, then SIGKILL after
 //! `--kill-after`, or the hold could not be confirmed on the server once the command had
@@ -61,6 +62,48 @@ enum Command {
     /// Ask the holders of NAME to release it (cooperative, Curator's Revoker): only
     /// holders that took it revocably (`exec --revocable`, Curator's makeRevocable) react.
     Revoke(RevokeArgs),
+    /// Campaign in election NAME with VALUE, then run CMD while leading, with DLOCK_NAME,
+    /// DLOCK_TERM and DLOCK_VALUE set; resign and exit with CMD's code. On loss of the
+    /// leadership CMD's process group gets SIGTERM and dlock exits 70; not elected within
+    /// --timeout: 75.
+    Elect(ElectArgs),
+    /// Print the leader of election NAME (value and term); exit 0 when there is one, 3
+    /// when there is none. With --watch, one line per change until interrupted.
+    Leader(LeaderArgs),
+}
+
+#[derive(Debug, Args)]
+struct ElectArgs {
+    /// The election name, e.g. jobs/scheduler.
+    name: String,
+    /// What this candidate stands with: others see it as the leader's value
+    /// (`dlock leader NAME`).
+    #[arg(long)]
+    value: String,
+    /// Give up after this long (exit 75), e.g. 500ms, 2s, 1m. Default: wait forever.
+    /// `0` asks once: lead now if nobody else does, else exit 75 at once.
+    #[arg(long, value_parser = parse_duration)]
+    timeout: Option<Duration>,
+    /// Lead only if nobody leads now, else exit 75 at once (`--timeout 0`).
+    #[arg(long = "try", conflicts_with = "timeout")]
+    try_only: bool,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, num_args = 1..)]
+    cmd: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct LeaderArgs {
+    /// The election name.
+    name: String,
+    /// Print one JSON object (`{"name":..,"value":..,"term":..}`; value and term are
+    /// null when nobody leads) instead of a line.
+    #[arg(long)]
+    json: bool,
+    /// Keep printing: the leader now, then one line (or object) per change, until
+    /// interrupted.
+    #[arg(long)]
+    watch: bool,
 }
 
 #[derive(Debug, Args)]
@@ -235,6 +278,8 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
         Command::Status(a) => status(&client, a).await,
         Command::List(a) => list(&client, a).await,
         Command::Revoke(a) => revoke(&client, a).await,
+        Command::Elect(a) => elect(&client, a, cli.kill_after).await,
+        Command::Leader(a) => leader(&client, a).await,
     };
     let _ = client.close().await;
     code
@@ -432,6 +477,76 @@ fn lost_while_running(e: Error) -> Error {
     } else {
         Error::LockLost(format!("the hold could not be confirmed: {e}"))
     }
+}
+
+async fn elect(client: &Client, a: ElectArgs, kill_after: Duration) -> Result<u8, Error> {
+    let name = client.lock_name(&a.name)?;
+    let election = client.election(name.as_str())?;
+    let wait = if a.try_only {
+        Some(Duration::ZERO)
+    } else {
+        a.timeout
+    };
+    let leadership = match wait {
+        Some(t) => election.campaign_timeout(&a.value, t).await?,
+        None => election.campaign(&a.value).await?,
+    };
+    let term = leadership.term().to_string();
+    let lost = leadership.lost();
+    let env = [
+        ("DLOCK_NAME", name.to_string()),
+        ("DLOCK_TERM", term),
+        ("DLOCK_VALUE", a.value.clone()),
+    ];
+    let run = Run {
+        cmd: &a.cmd,
+        env: &env,
+        kill_after,
+    };
+    let outcome = child::run(&run, lost, None).await;
+    let verified = confirm(&outcome, leadership.verify()).await;
+    let resigned = leadership.resign().await;
+    finish(outcome, verified, resigned)
+}
+
+/// The leader as one line (`NAME: VALUE (term T)`, `NAME: no leader`) or one JSON object.
+fn show_leader(name: &str, leader: Option<&dlock::Leader>, json: bool) {
+    if json {
+        let doc = match leader {
+            Some(l) => serde_json::json!({
+                "name": name,
+                "value": String::from_utf8_lossy(&l.value),
+                "term": l.term.get(),
+            }),
+            None => serde_json::json!({ "name": name, "value": null, "term": null }),
+        };
+        println!("{doc}");
+    } else {
+        match leader {
+            Some(l) => println!(
+                "{name}: {} (term {})",
+                String::from_utf8_lossy(&l.value),
+                l.term
+            ),
+            None => println!("{name}: no leader"),
+        }
+    }
+}
+
+async fn leader(client: &Client, a: LeaderArgs) -> Result<u8, Error> {
+    let name = client.lock_name(&a.name)?;
+    let election = client.election(name.as_str())?;
+    if a.watch {
+        use futures::StreamExt;
+        let mut changes = election.observe();
+        while let Some(change) = changes.next().await {
+            show_leader(name.as_str(), change?.as_ref(), a.json);
+        }
+        return Ok(0);
+    }
+    let current = election.leader().await?;
+    show_leader(name.as_str(), current.as_ref(), a.json);
+    Ok(if current.is_some() { 0 } else { STATUS_FREE })
 }
 
 async fn revoke(client: &Client, a: RevokeArgs) -> Result<u8, Error> {

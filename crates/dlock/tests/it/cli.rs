@@ -359,3 +359,128 @@ pub async fn cli_list_shows_locks(_kind: Kind, url: &str) {
     assert_eq!(run(&[&prefix]), (Some(0), String::new()), "all released");
     c.close().await.expect("close");
 }
+
+/// `dlock elect` runs its command only while leading, with the term and value in its
+/// environment; `dlock leader` names that leader (text and JSON, exit 0) and says when
+/// nobody leads (exit 3); a second candidate with a timeout exits 75; `leader --watch`
+/// prints the leader and then its resignation.
+pub async fn cli_elect_and_leader(_kind: Kind, url: &str) {
+    let name = unique("elect-cli");
+    let dir = tempdir("elect-cli");
+    let (seen, gate) = (dir.join("seen"), dir.join("gate"));
+    let leader = |extra: &[&str]| {
+        dlock()
+            .args(["--url", url, "leader", &name])
+            .args(extra)
+            .output()
+            .expect("run")
+    };
+    let none = leader(&[]);
+    assert_eq!(none.status.code(), Some(3), "nobody leads yet: {none:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&none.stdout).trim(),
+        format!("{name}: no leader")
+    );
+    let none: serde_json::Value =
+        serde_json::from_slice(&leader(&["--json"]).stdout).expect("json");
+    assert_eq!(
+        none,
+        serde_json::json!({ "name": name, "value": null, "term": null })
+    );
+
+    let script = format!(
+        "echo \"$DLOCK_NAME $DLOCK_TERM $DLOCK_VALUE\" > {}; while [ ! -e {} ]; do sleep 0.05; done",
+        seen.display(),
+        gate.display()
+    );
+    let mut first = dlock()
+        .args(["--url", url, "elect", &name, "--value", "node-1", "--"])
+        .args(["sh", "-c", &script])
+        .spawn()
+        .expect("spawn");
+    assert!(
+        eventually(Duration::from_secs(30), || async { seen.exists() }).await,
+        "the first candidate never led"
+    );
+    let line = eventually_read(&seen).await;
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(fields.len(), 3, "{line:?}");
+    assert_eq!((fields[0], fields[2]), (name.as_str(), "node-1"));
+    let term: u64 = fields[1].parse().expect("DLOCK_TERM is a number");
+
+    let now = leader(&["--json"]);
+    assert_eq!(now.status.code(), Some(0), "{now:?}");
+    let now: serde_json::Value = serde_json::from_slice(&now.stdout).expect("json");
+    assert_eq!(
+        now,
+        serde_json::json!({ "name": name, "value": "node-1", "term": term })
+    );
+    let text = leader(&[]);
+    assert_eq!(
+        String::from_utf8_lossy(&text.stdout).trim(),
+        format!("{name}: node-1 (term {term})")
+    );
+    let second = dlock()
+        .args(["--url", url, "elect", &name, "--value", "node-2"])
+        .args(["--timeout", "300ms", "--", "true"])
+        .output()
+        .expect("run");
+    assert_eq!(second.status.code(), Some(75), "{second:?}");
+
+    let mut watch = dlock()
+        .args(["--url", url, "leader", &name, "--watch", "--json"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut lines = {
+        use std::io::BufRead;
+        std::io::BufReader::new(watch.stdout.take().expect("stdout")).lines()
+    };
+    let next = |lines: &mut std::io::Lines<_>| -> serde_json::Value {
+        let l: String = lines
+            .next()
+            .expect("a line from --watch")
+            .expect("readable");
+        serde_json::from_str(&l).expect("json")
+    };
+    assert_eq!(
+        next(&mut lines)["value"],
+        "node-1",
+        "--watch starts with the leader"
+    );
+    std::fs::write(&gate, b"").expect("open the gate");
+    let status = tokio::task::spawn_blocking(move || first.wait())
+        .await
+        .expect("join")
+        .expect("wait");
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "elect exits with its command's code"
+    );
+    assert_eq!(
+        next(&mut lines),
+        serde_json::json!({ "name": name, "value": null, "term": null }),
+        "--watch prints the resignation"
+    );
+    let _ = watch.kill();
+    let _ = watch.wait();
+    let after = leader(&[]);
+    assert_eq!(after.status.code(), Some(3), "{after:?}");
+}
+
+/// The first line of `path`, once the writer has finished it.
+async fn eventually_read(path: &std::path::Path) -> String {
+    let mut text = String::new();
+    let done = eventually(Duration::from_secs(10), || {
+        let t = std::fs::read_to_string(path).unwrap_or_default();
+        let ready = t.ends_with('\n');
+        if ready {
+            text = t;
+        }
+        async move { ready }
+    })
+    .await;
+    assert!(done, "{} never got its line", path.display());
+    text.trim().to_owned()
+}

@@ -144,6 +144,7 @@ all_backends! {
     servers cli_exit_codes => crate::cli::cli_exit_codes,
     servers cli_sigkill_frees_the_lock => crate::cli::cli_sigkill_frees_the_lock,
     servers cli_status_shows_queue => crate::cli::cli_status_shows_queue,
+    servers cli_elect_and_leader => crate::cli::cli_elect_and_leader,
     servers cli_list_shows_locks => crate::cli::cli_list_shows_locks,
     servers cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
     servers cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
