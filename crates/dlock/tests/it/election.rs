@@ -1,36 +1,15 @@
 //! Leader election (`Client::election`), written once and run on every backend and on
 //! `mem` by `all_backends!`.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock::{Capability, Error, Leader};
 use futures::{FutureExt, StreamExt};
 
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{client, eventually, leftovers, unique, Kind, Occupancy};
 
 const GENEROUS: Duration = Duration::from_secs(30);
-
-/// How many candidates act as leader at once, and the most ever seen.
-#[derive(Default)]
-struct Occupancy {
-    now: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-impl Occupancy {
-    fn enter(&self) {
-        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
-        self.peak.fetch_max(n, Ordering::SeqCst);
-    }
-    fn leave(&self) {
-        self.now.fetch_sub(1, Ordering::SeqCst);
-    }
-    fn peak(&self) -> usize {
-        self.peak.load(Ordering::SeqCst)
-    }
-}
 
 /// Waits until `name` has `n` entries: a campaign that must be queued before the next
 /// one starts is, without guessing how long its enqueue takes.

@@ -2,38 +2,17 @@
 //! `FuturesUnordered`) are separate contenders, and a lost hold is never handed out
 //! again. Written once, run on every backend.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dlock::{Error, Mutex};
 use futures::stream::{FuturesUnordered, StreamExt};
 
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{client, eventually, leftovers, unique, Kind, Occupancy};
 
 const GENEROUS: Duration = Duration::from_secs(30);
 /// How long a holder stays inside: long enough that a wrongly admitted sibling is sure
 /// to be seen inside with it; never asserted as a speed.
 const HOLD: Duration = Duration::from_millis(300);
-
-/// Counts holders inside one critical section and remembers the most seen at once.
-#[derive(Default)]
-struct Occupancy {
-    now: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-impl Occupancy {
-    fn enter(&self) {
-        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
-        self.peak.fetch_max(n, Ordering::SeqCst);
-    }
-    fn leave(&self) {
-        self.now.fetch_sub(1, Ordering::SeqCst);
-    }
-    fn peak(&self) -> usize {
-        self.peak.load(Ordering::SeqCst)
-    }
-}
 
 /// One critical section: lock (after `delay`), stay inside for [`HOLD`], release.
 /// Returns the token held.

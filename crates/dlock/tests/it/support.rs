@@ -292,3 +292,23 @@ pub fn tempdir(prefix: &str) -> PathBuf {
     std::fs::create_dir_all(&d).expect("tempdir");
     d
 }
+
+/// Counts holders inside one critical section and remembers the most seen at once.
+#[derive(Default)]
+pub struct Occupancy {
+    now: std::sync::atomic::AtomicUsize,
+    peak: std::sync::atomic::AtomicUsize,
+}
+
+impl Occupancy {
+    pub fn enter(&self) {
+        let n = self.now.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        self.peak.fetch_max(n, std::sync::atomic::Ordering::SeqCst);
+    }
+    pub fn leave(&self) {
+        self.now.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+    pub fn peak(&self) -> usize {
+        self.peak.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
