@@ -105,9 +105,27 @@ impl EtcdBackend {
         } else {
             now + UNSYNCED_WINDOW
         };
+        // A backstop, once per session TTL: if the watch ever misses the delete (it must
+        // not, but a missed wake-up would strand this waiter, and everyone queued behind
+        // it, for as long as the session lives), a read finds it. One read per waiter per
+        // TTL; a waiter that finds its predecessor gone this way says so.
+        let audit_every = self.session.lock().ttl().max(Duration::from_secs(1));
+        let mut next_audit = now + audit_every;
         loop {
             let msg = tokio::select! {
                 m = watch.message() => m,
+                _ = tokio::time::sleep_until(next_audit) => {
+                    next_audit += audit_every;
+                    let r = self
+                        .fresh_get(key, GetOptions::new(), watch_rev)
+                        .await
+                        .map_err(|e| map(&format!("reading {key}"), e))?;
+                    if !exists(&r) {
+                        tracing::warn!(key, "the entry ahead is gone but its watch did not report the delete; found by the periodic re-read");
+                        return Ok(());
+                    }
+                    continue;
+                }
                 _ = tokio::time::sleep_until(next_check), if next_check <= last_check => {
                     next_check += UNSYNCED_CHECK;
                     let r = self

@@ -527,6 +527,11 @@ fn run_round(
                 FAST_WORK_MS
             };
             let mut cmd = Command::new(&me);
+            if g.via(id) == "lib" && std::env::var_os("RUST_LOG").is_none() {
+                // The library's debug log in each worker's log file: a failing round
+                // (a stall above all, which no history line explains) prints its tail.
+                cmd.env("RUST_LOG", WORKER_LOG);
+            }
             cmd.arg("chaos-worker")
                 .args(["--via", g.via(id)])
                 .arg("--dlock")
@@ -587,6 +592,7 @@ fn run_round(
                     || Ok(g.ends_after(after)? >= 4),
                 );
                 if let Err(e) = r {
+                    eprintln!("{}", log_tails(&dir, g));
                     notes.push((gi, format!("{e:#} (alive workers {:?})", workers.alive())));
                 }
             }
@@ -630,6 +636,7 @@ fn run_round(
                     || Ok(g.ends_after(after)? >= 4),
                 );
                 if let Err(e) = r {
+                    eprintln!("{}", log_tails(&dir, g));
                     notes.push((gi, format!("{e:#} (alive workers {:?})", workers.alive())));
                 }
             }
@@ -695,6 +702,38 @@ fn run_round(
         });
     }
     Ok(rows)
+}
+
+/// What the library logs in a `lib` worker's log file unless `RUST_LOG` says otherwise.
+const WORKER_LOG: &str =
+    "warn,dlock=debug,dlock_core=debug,dlock_recipes=debug,dlock_etcd=debug,dlock_redis=debug,dlock_zookeeper=debug";
+
+/// How many lines of each worker's log a liveness failure prints.
+const TAIL_LINES: usize = 40;
+
+/// The last lines of the logs of `g`'s workers, for a group that stopped making progress:
+/// the round's directory is gone by the time anyone reads a CI log.
+fn log_tails(dir: &std::path::Path, g: &Group) -> String {
+    let mut out = String::new();
+    for &(id, _) in &g.ids {
+        let path = dir.join(format!("worker{id}.log"));
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let from = lines.len().saturating_sub(TAIL_LINES);
+        out.push_str(&format!(
+            "  --- worker {id} ({}), last {} of {} lines of {}\n",
+            g.via(id),
+            lines.len() - from,
+            lines.len(),
+            path.display()
+        ));
+        for l in &lines[from..] {
+            out.push_str("  | ");
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// Polls `cond` every 20 ms until it holds or `limit` passes.
