@@ -67,6 +67,10 @@ pub struct EtcdBackend {
     pub(crate) closed: AtomicBool,
     /// The highest cluster revision this client has seen; reads must not go back before it.
     pub(crate) seen_rev: AtomicI64,
+    /// This backend, for the background tasks that must not keep it alive (`sweeps.rs`).
+    pub(crate) me: std::sync::Weak<EtcdBackend>,
+    /// How many sweeps run (`sweeps.rs`).
+    pub(crate) sweeps: std::sync::atomic::AtomicUsize,
 }
 
 impl fmt::Debug for EtcdBackend {
@@ -276,7 +280,7 @@ impl EtcdBackend {
         let connect_timeout = opts.connect_timeout;
         let mut sessions = HashMap::new();
         sessions.insert(session.id(), session.clone());
-        Arc::new(EtcdBackend {
+        Arc::new_cyclic(|me| EtcdBackend {
             kv: client.kv_client(),
             namespace: opts.namespace.clone().unwrap_or_default(),
             watches: Watches::new(client.watch_client(), request_timeout),
@@ -292,6 +296,8 @@ impl EtcdBackend {
             local: parking_lot::Mutex::new(Local::default()),
             closed: AtomicBool::new(false),
             seen_rev: AtomicI64::new(0),
+            me: me.clone(),
+            sweeps: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -304,6 +310,11 @@ impl EtcdBackend {
     /// stream broke and was re-opened. For tests and diagnostics.
     pub fn watch_streams_opened(&self) -> u64 {
         self.watches.opened()
+    }
+
+    /// The session of lease `id`, if this client had one.
+    pub(crate) fn session_of(&self, id: i64) -> Option<Arc<Session>> {
+        self.sessions.lock().get(&id).cloned()
     }
 
     /// The current session, granting a new lease if the last one was lost.
@@ -447,7 +458,11 @@ impl Backend for EtcdBackend {
             if !deleted {
                 self.remove_exact(&key, entry.token).await?;
             }
-            self.forget(ticket, &key);
+            if let Some(p) = self.forget(ticket, &key) {
+                if p.is_uncertain() {
+                    self.sweep_later(&p, ticket.unwrap_or_default());
+                }
+            }
             tracing::debug!("removed");
             Ok(())
         }
@@ -493,6 +508,9 @@ impl Backend for EtcdBackend {
                 .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
             }
             self.forget(Some(ticket.as_str()), &p.key);
+            if p.is_uncertain() {
+                self.sweep_later(&p, ticket.as_str());
+            }
             tracing::debug!(key = %p.key, "abandoned");
             Ok(())
         }

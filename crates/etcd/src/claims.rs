@@ -3,6 +3,8 @@
 //! transaction, and the deletes that free a claimed key.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use dlock_core::{Enqueued, EntryKind, Error, Position, QueuePath, Result, Ticket};
 use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
@@ -30,10 +32,21 @@ pub(crate) struct Local {
 pub(crate) struct Pending {
     pub(crate) key: String,
     pub(crate) primary: bool,
-    lease: i64,
+    pub(crate) lease: i64,
     /// Becomes `true` once the enqueue's transaction has been answered (or failed): only
     /// then can a delete not be overtaken by it.
     pub(crate) done: watch::Receiver<bool>,
+    /// Set when an attempt of the enqueue's transaction went unanswered (it was retried,
+    /// or the enqueue failed): a copy of it may still be applied later, after the entry
+    /// is removed (see `sweeps.rs`).
+    pub(crate) uncertain: Arc<AtomicBool>,
+}
+
+impl Pending {
+    /// Whether a copy of this enqueue may still land (see [`Pending::uncertain`]).
+    pub(crate) fn is_uncertain(&self) -> bool {
+        self.uncertain.load(Ordering::Acquire)
+    }
 }
 
 impl EtcdBackend {
@@ -46,12 +59,12 @@ impl EtcdBackend {
         kind: EntryKind,
         lease: i64,
         avoid_primary: bool,
-    ) -> (String, bool, Option<watch::Receiver<bool>>) {
+    ) -> (String, bool, Option<Pending>) {
         let mut local = self.local.lock();
         if let Some(p) = local.tickets.get(ticket.as_str()) {
             if p.lease == lease && p.key.starts_with(prefix) && !(avoid_primary && p.primary) {
                 // A retry with the same ticket: the same key, so the retry is idempotent.
-                return (p.key.clone(), p.primary, Some(p.done.clone()));
+                return (p.key.clone(), p.primary, Some(p.clone()));
             }
         }
         if let Some(old) = local.tickets.remove(ticket.as_str()) {
@@ -141,17 +154,25 @@ impl EtcdBackend {
         false
     }
 
-    /// Forgets what `ticket` claimed for `key`. A primary key retired by
+    /// Forgets what `ticket` claimed for `key`, and returns it. A primary key retired by
     /// [`Self::take_claim`] stays retired.
-    pub(crate) fn forget(&self, ticket: Option<&str>, key: &str) {
-        let Some(ticket) = ticket else { return };
+    pub(crate) fn forget(&self, ticket: Option<&str>, key: &str) -> Option<Pending> {
+        let ticket = ticket?;
         let mut local = self.local.lock();
-        if local.tickets.get(ticket).is_some_and(|p| p.key == key) {
-            local.tickets.remove(ticket);
-        }
+        let pending = if local.tickets.get(ticket).is_some_and(|p| p.key == key) {
+            local.tickets.remove(ticket)
+        } else {
+            None
+        };
         if local.primary.get(key).map(String::as_str) == Some(ticket) {
             local.primary.remove(key);
         }
+        pending
+    }
+
+    /// Whether any contender of this client claims `key` now.
+    pub(crate) fn claimed(&self, key: &str) -> bool {
+        self.local.lock().tickets.values().any(|p| p.key == key)
     }
 
     pub(crate) async fn enqueue_impl(
@@ -195,7 +216,12 @@ impl EtcdBackend {
         let mut cleaned = false;
         loop {
             let (key, primary, previous) = self.claim(&prefix, ticket, kind, lease, avoid_primary);
-            if let Some(mut prev) = previous {
+            // A retry of this ticket keeps what an earlier attempt left uncertain.
+            let uncertain: Arc<AtomicBool> = previous
+                .as_ref()
+                .map(|p| p.uncertain.clone())
+                .unwrap_or_default();
+            if let Some(Pending { done: mut prev, .. }) = previous {
                 // Let an earlier attempt with this ticket land first, so that this one
                 // finds its key instead of racing it.
                 let _ = timeout(self.request_timeout, prev.wait_for(|d| *d)).await;
@@ -208,6 +234,7 @@ impl EtcdBackend {
                     primary,
                     lease,
                     done: done_rx,
+                    uncertain: uncertain.clone(),
                 },
             );
             // etcd's Go Mutex in one round trip: create my key if it does not exist, and
@@ -239,11 +266,20 @@ impl EtcdBackend {
             let budget = self.request_timeout;
             let limit = self.in_flight.clone();
             tokio::spawn(async move {
+                let mut sent = 0u32;
                 let r = request(&limit, budget, || {
+                    sent += 1;
                     let (mut kv, txn) = (kv.clone(), txn.clone());
                     async move { kv.txn(txn).await }
                 })
                 .await;
+                // An attempt that was not answered may have been applied, or may still
+                // be: a member that forwarded it to a leader which then stopped hands it
+                // on when that leader resumes, after the retry and maybe after the
+                // entry's release.
+                if sent > 1 || r.is_err() {
+                    uncertain.store(true, Ordering::Release);
+                }
                 // `done` first: a release right after the answer must find it set.
                 let _ = done_tx.send(true);
                 let _ = tx.send(r);

@@ -163,6 +163,7 @@ mod layout;
 mod reads;
 mod server_version;
 mod session;
+mod sweeps;
 mod waits;
 mod watches;
 

@@ -31,7 +31,7 @@ impl EtcdBackend {
     /// puts such a watcher in its *synced* group and sends it each event as it is
     /// committed, where a watch from a past revision (etcd's own Mutex) is served by the
     /// loop that catches up unsynced watchers every 100 ms.
-    async fn arm(&self, key: &str, prefix: bool, no_put: bool) -> Result<(Watch, i64)> {
+    pub(crate) async fn arm(&self, key: &str, prefix: bool, no_put: bool) -> Result<(Watch, i64)> {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }

@@ -262,6 +262,7 @@ exclusive! {
     etcd_holder_cut_off => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_holder_cut_off,
     zk_holder_cut_off => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_holder_cut_off,
     etcd_resumed_leader_and_a_lease_kept_alive_elsewhere => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_resumed_leader_and_a_lease_kept_alive_elsewhere,
+    etcd_late_enqueue_leaves_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_enqueue_leaves_no_orphan,
     redis_waiter_whose_entry_was_wiped_never_grants_itself => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_was_wiped_never_grants_itself,
 }
 

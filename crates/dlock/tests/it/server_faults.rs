@@ -381,3 +381,96 @@ pub async fn etcd_resumed_leader_and_a_lease_kept_alive_elsewhere(_url: &str) {
     holder.close().await.ok();
     observer.close().await.ok();
 }
+
+/// A request a follower forwards to a leader that then stops waits in the stopped
+/// leader's socket; the client retries once a new leader is elected, and its entry is
+/// created, granted and released. When the old leader resumes it hands the forwarded
+/// proposal on to the new leader, which applies it: a late copy of an enqueue puts the
+/// entry back under the client's live lease, where nobody holds or releases it, and every
+/// other contender would wait behind it for as long as the client lives. The client must
+/// take such an entry back.
+pub async fn etcd_late_enqueue_leaves_no_orphan(_url: &str) {
+    let Some((state, leader)) = three_nodes(Server::Etcd) else {
+        return;
+    };
+    let (_, follower_addr) = leader_and_follower(&state, Server::Etcd, leader);
+    // A session long enough to outlive the pause: the lease stays alive through the
+    // follower, so a late write under it stays too.
+    let client = connect(&format!("etcd://{follower_addr}"), Duration::from_secs(10))
+        .await
+        .expect("connect to a follower");
+    let observer = connect(&format!("etcd://{follower_addr}"), Duration::from_secs(10))
+        .await
+        .expect("connect to a follower");
+    let base = unique("late-enqueue");
+    // Several contenders at once, each on locks of its own: more requests in flight when
+    // the leader stops, so more of them wait in its socket.
+    let names: Vec<String> = (0..4).map(|i| format!("{base}-{i}")).collect();
+    tokio::task::block_in_place(|| state.stop(Server::Etcd, leader)).expect("SIGSTOP leader");
+    // The first attempts are forwarded to the stopped leader and never answered; the
+    // retries go through once the others elect a leader. Every entry is released
+    // before the old leader resumes.
+    let until = Instant::now() + Duration::from_secs(5);
+    let loops = names.iter().map(|name| {
+        let (client, name) = (client.clone(), name.clone());
+        tokio::spawn(async move {
+            let rw = client.rwlock(&name).expect("name");
+            let sem = client.semaphore(&format!("{name}-sem"), 1).expect("name");
+            let (mut turns, mut failed) = (0u32, Vec::new());
+            while Instant::now() < until {
+                match rw.write_timeout(Duration::from_secs(4)).await {
+                    Ok(mut w) => {
+                        if let Err(e) = w.release().await {
+                            failed.push(format!("release: {e}"));
+                        }
+                        turns += 1;
+                    }
+                    Err(e) => failed.push(format!("write lock: {e}")),
+                }
+                match sem.acquire_timeout(Duration::from_secs(4)).await {
+                    Ok(mut p) => {
+                        if let Err(e) = p.release().await {
+                            failed.push(format!("release: {e}"));
+                        }
+                        turns += 1;
+                    }
+                    Err(e) => failed.push(format!("permit: {e}")),
+                }
+            }
+            (turns, failed)
+        })
+    });
+    let results = futures::future::join_all(loops).await;
+    tokio::task::block_in_place(|| state.cont(Server::Etcd, leader)).expect("SIGCONT leader");
+    let mut turns = 0;
+    for r in results {
+        let (t, failed) = r.expect("a contender task");
+        turns += t;
+        let _ = writeln!(std::io::stderr(), "{t} turns; failed: {failed:?}");
+    }
+    assert!(turns > 0, "no turn completed while the leader was stopped");
+    // Give the resumed member time to hand on what it had, then the client time to take
+    // it back: every lock must be free while the client is still connected.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut left = Vec::new();
+    for name in &names {
+        let sem_name = format!("{name}-sem");
+        let clear = eventually(Duration::from_secs(10), || async {
+            leftovers(&observer, name).await == 0 && leftovers(&observer, &sem_name).await == 0
+        })
+        .await;
+        if !clear {
+            left.push((
+                observer.participants(name).await,
+                observer.participants(&sem_name).await,
+            ));
+        }
+    }
+    let _ = tokio::task::block_in_place(|| state.wait_leader(Server::Etcd, GENEROUS));
+    client.close().await.ok();
+    observer.close().await.ok();
+    assert!(
+        left.is_empty(),
+        "entries nobody holds were left under the live session: {left:?}"
+    );
+}
