@@ -245,7 +245,7 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
     /// One recipe only (mutex, reentrant-mutex, semaphore-mutex, rwlock, semaphore,
-    /// multi-lock); default: each seed runs the next recipe in turn.
+    /// multi-lock, election); default: each seed runs the next recipe in turn.
     #[arg(long)]
     pub(crate) recipe: Option<String>,
 }
@@ -263,7 +263,8 @@ pub(crate) struct ChaosArgs {
     #[arg(long)]
     pub(crate) list: bool,
     /// Recipes to run (repeat or comma-separate): mutex, reentrant-mutex,
-    /// semaphore-mutex, rwlock, semaphore, multi-lock. Default: all, side by side.
+    /// semaphore-mutex, rwlock, semaphore, multi-lock, election. Default: all, side by
+    /// side.
     #[arg(long = "recipe", value_delimiter = ',')]
     pub(crate) recipes: Vec<String>,
     /// The seed every random choice (scenario, victim, timing) is drawn from; printed
@@ -288,7 +289,8 @@ pub(crate) struct ChaosArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct ChaosWorkerArgs {
-    /// `cli` (every section is a `dlock exec` process) or `lib` (one process, the library).
+    /// `cli` (every section is a `dlock exec` or `dlock elect` process) or `lib` (one
+    /// process, the library).
     #[arg(long)]
     pub(crate) via: String,
     /// Path of the `dlock` binary, for `--via cli`.
@@ -303,8 +305,9 @@ pub(crate) struct ChaosWorkerArgs {
     /// Session timeout, e.g. 2s.
     #[arg(long)]
     pub(crate) session_timeout: String,
-    /// The recipe the worker takes (`--via lib`): mutex, reentrant-mutex, semaphore-mutex,
-    /// rwlock, semaphore or multi-lock.
+    /// The recipe the worker takes: mutex, reentrant-mutex, semaphore-mutex, rwlock,
+    /// semaphore, multi-lock or election (`--via cli`: mutex through `dlock exec`, election
+    /// through `dlock elect`).
     #[arg(long, default_value = "mutex")]
     pub(crate) recipe: String,
     /// The semaphore's permits (`--recipe semaphore`).
