@@ -185,6 +185,15 @@ pub(crate) struct BenchArgs {
     /// Also run the scale checks (S1 waiters, S2 held locks).
     #[arg(long)]
     pub(crate) scale: bool,
+    /// W6, leader failover: SIGKILL the leader this many times per backend, and the same
+    /// for `etcdctl elect` and Curator's `LeaderLatch` (when etcdctl, javac and the
+    /// Curator jars are installed). 0 leaves W6 out.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) failovers: u32,
+    /// Port offset of the servers this starts (without --peers); the next free offsets
+    /// 50 apart are tried when its ports are taken.
+    #[arg(long = "port-offset", default_value_t = 1000)]
+    pub(crate) port_offset: u16,
     /// Where to write the SVG chart (default target/bench/bench.svg).
     #[arg(long)]
     pub(crate) svg: Option<PathBuf>,
