@@ -22,6 +22,7 @@
 //! | `config_cache` | read-mostly config behind a [`dlock::RwLock`] | no torn read, no lost update, downgrade keeps writers out |
 //! | `rate_limit` | an upstream API allows N concurrent calls: a [`dlock::Semaphore`] | never more than N calls at once; a crashed caller's permit comes back |
 //! | `fenced_write` | a paused holder writes late with a stale token | the store rejects the stale write |
+//! | `leader` | a singleton scheduler only the elected leader runs ([`dlock::Election`]), failover on a crash and on resignation | one scheduler at a time; the crashed leader's late dispatch (old term) is rejected |
 //! | `cron/run-once.sh` | a cron job on three machines, through `dlock exec` | the job runs exactly once |
 //!
 //! `cargo xtask examples` runs them all against real servers; `cargo xtask integration`

@@ -13,12 +13,13 @@ use dlock_testkit::ClusterSpec;
 use crate::flags::ExamplesArgs;
 
 /// The Rust examples, in the order they run.
-const EXAMPLES: [&str; 6] = [
+const EXAMPLES: [&str; 7] = [
     "stock",
     "transfer",
     "config_cache",
     "rate_limit",
     "fenced_write",
+    "leader",
     "metrics",
 ];
 /// The exit code an example uses for "backend not compiled in".

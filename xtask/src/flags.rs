@@ -185,6 +185,15 @@ pub(crate) struct BenchArgs {
     /// Also run the scale checks (S1 waiters, S2 held locks).
     #[arg(long)]
     pub(crate) scale: bool,
+    /// W6, leader failover: SIGKILL the leader this many times per backend, and the same
+    /// for `etcdctl elect` and Curator's `LeaderLatch` (when etcdctl, javac and the
+    /// Curator jars are installed). 0 leaves W6 out.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) failovers: u32,
+    /// Port offset of the servers this starts (without --peers); the next free offsets
+    /// 50 apart are tried when its ports are taken.
+    #[arg(long = "port-offset", default_value_t = 1000)]
+    pub(crate) port_offset: u16,
     /// Where to write the SVG chart (default target/bench/bench.svg).
     #[arg(long)]
     pub(crate) svg: Option<PathBuf>,
@@ -245,7 +254,7 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
     /// One recipe only (mutex, reentrant-mutex, semaphore-mutex, rwlock, semaphore,
-    /// multi-lock); default: each seed runs the next recipe in turn.
+    /// multi-lock, election); default: each seed runs the next recipe in turn.
     #[arg(long)]
     pub(crate) recipe: Option<String>,
 }
@@ -263,7 +272,8 @@ pub(crate) struct ChaosArgs {
     #[arg(long)]
     pub(crate) list: bool,
     /// Recipes to run (repeat or comma-separate): mutex, reentrant-mutex,
-    /// semaphore-mutex, rwlock, semaphore, multi-lock. Default: all, side by side.
+    /// semaphore-mutex, rwlock, semaphore, multi-lock, election. Default: all, side by
+    /// side.
     #[arg(long = "recipe", value_delimiter = ',')]
     pub(crate) recipes: Vec<String>,
     /// The seed every random choice (scenario, victim, timing) is drawn from; printed
@@ -288,7 +298,8 @@ pub(crate) struct ChaosArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct ChaosWorkerArgs {
-    /// `cli` (every section is a `dlock exec` process) or `lib` (one process, the library).
+    /// `cli` (every section is a `dlock exec` or `dlock elect` process) or `lib` (one
+    /// process, the library).
     #[arg(long)]
     pub(crate) via: String,
     /// Path of the `dlock` binary, for `--via cli`.
@@ -303,8 +314,9 @@ pub(crate) struct ChaosWorkerArgs {
     /// Session timeout, e.g. 2s.
     #[arg(long)]
     pub(crate) session_timeout: String,
-    /// The recipe the worker takes (`--via lib`): mutex, reentrant-mutex, semaphore-mutex,
-    /// rwlock, semaphore or multi-lock.
+    /// The recipe the worker takes: mutex, reentrant-mutex, semaphore-mutex, rwlock,
+    /// semaphore, multi-lock or election (`--via cli`: mutex through `dlock exec`, election
+    /// through `dlock elect`).
     #[arg(long, default_value = "mutex")]
     pub(crate) recipe: String,
     /// The semaphore's permits (`--recipe semaphore`).

@@ -18,9 +18,13 @@
 //! W4 N workers on a semaphore of `--leases` permits; W5 N workers on a read/write lock,
 //! 90 % reads (`peak_readers` = most readers inside at once). `--scale` adds S1 (server
 //! operations per release with 10..1000 waiters queued) and S2 (memory per held lock,
-//! measured in a process of its own).
+//! measured in a process of its own). `--failovers N` adds W6, leader failover: three
+//! candidate processes in one election, the leader SIGKILLed N times, the time to the next
+//! leader's announcement (p50/p99), for every backend and every `--w6-peer` command
+//! (`etcdctl elect`, Curator's `LeaderLatch`; see [`failover`]).
 
 mod ceiling;
+mod failover;
 mod harness;
 mod resp;
 mod scale;
@@ -79,6 +83,28 @@ struct Args {
     /// S2: locks held at once by one client.
     #[arg(long, default_value_t = 10_000)]
     held: usize,
+    /// W6 (leader failover): this many SIGKILLs of the leader per backend and peer. 0 (the
+    /// default) leaves W6 out; `--only` must list W6 too when it is given.
+    #[arg(long, default_value_t = 0)]
+    failovers: usize,
+    /// W6: the session timeout (seconds) of dlock's candidates; a failover cannot be
+    /// shorter.
+    #[arg(long = "w6-session", default_value_t = 2.0)]
+    w6_session: f64,
+    /// W6 beside another implementation: `NAME:SESSION_SECS:COMMAND`, a candidate run by
+    /// `sh -c` with `{name}` (the election) and `{id}` replaced, that prints a line when
+    /// it leads and leads until killed. Repeatable.
+    #[arg(long = "w6-peer")]
+    w6_peers: Vec<String>,
+    /// Internal (W6): be one dlock candidate on this URL.
+    #[arg(long = "w6-candidate", hide = true, requires = "w6_name")]
+    w6_candidate: Option<String>,
+    /// Internal (W6): the candidate's election.
+    #[arg(long = "w6-name", hide = true)]
+    w6_name: Option<String>,
+    /// Internal (W6): the candidate's number, in its value.
+    #[arg(long = "w6-id", hide = true, default_value_t = 0)]
+    w6_id: u32,
     /// S2 in this process. Without it, S2 re-runs this binary with only S2 for the one
     /// backend: memory the earlier workloads freed is reused by the held locks, which
     /// hid their growth (a measured 0 B per lock).
@@ -88,10 +114,17 @@ struct Args {
 
 impl Args {
     fn wants(&self, w: &str) -> bool {
+        if w == "W6" && self.failovers == 0 {
+            return false;
+        }
         match &self.only {
             Some(only) => only.iter().any(|o| o == w),
             None => !w.starts_with('S') || self.scale,
         }
+    }
+
+    fn w6_session(&self) -> Duration {
+        Duration::from_secs_f64(self.w6_session)
     }
 }
 
@@ -135,6 +168,25 @@ fn first_host(list: &str) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if !(args.w6_session > 0.0 && args.w6_session.is_finite()) {
+        eprintln!("dlock-bench: --w6-session must be > 0");
+        return ExitCode::from(2);
+    }
+    if let (Some(url), Some(name)) = (&args.w6_candidate, &args.w6_name) {
+        return candidate(url, name, args.w6_session(), args.w6_id);
+    }
+    let peers: Result<Vec<failover::PeerSpec>, String> = args
+        .w6_peers
+        .iter()
+        .map(|p| failover::PeerSpec::parse(p))
+        .collect();
+    let peers = match peers {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("dlock-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
     if !(args.duration > 0.0 && args.duration.is_finite()) || args.workers == 0 {
         eprintln!("dlock-bench: --duration must be > 0 and --workers >= 1");
         return ExitCode::from(2);
@@ -153,7 +205,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let failed = rt.block_on(run(args));
+    let failed = rt.block_on(run(args, peers));
     if failed {
         ExitCode::FAILURE
     } else {
@@ -161,7 +213,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> bool {
+async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
     let mut sink = Sink::default();
     let duration = Duration::from_secs_f64(args.duration);
     let prefix = args.prefix.trim_matches('/').to_owned();
@@ -241,7 +293,83 @@ async fn run(args: Args) -> bool {
     for t in &targets {
         run_target(&mut sink, &args, &prefix, t, duration).await;
     }
+    if args.wants("W6") {
+        for p in &w6_peers {
+            let name = format!("{prefix}/{}/w6", p.peer);
+            let spec = p.clone();
+            let spawn = move |id: u32| spec.command(&name, id);
+            run_w6(
+                &mut sink,
+                &p.peer,
+                spawn,
+                failover::failovers_for(args.failovers, p.session),
+                p.session,
+            )
+            .await;
+        }
+    }
     sink.failed
+}
+
+/// W6 for one peer: [`failover::measure`] on a blocking thread, then its line.
+async fn run_w6(
+    sink: &mut Sink,
+    peer: &str,
+    spawn: impl Fn(u32) -> std::process::Command + Send + 'static,
+    failovers: usize,
+    session: Duration,
+) {
+    // Settle: the new leader leads a while (an announcement meanwhile is a violation) and
+    // the replacement candidate has time to queue. Limit: well past any session.
+    let settle = Duration::from_secs(1);
+    let limit = session * 3 + Duration::from_secs(30);
+    let r =
+        tokio::task::spawn_blocking(move || failover::measure(&spawn, failovers, settle, limit))
+            .await;
+    match r {
+        Ok(Ok(f)) => sink.emit(failover::line(peer, &f, session)),
+        Ok(Err(e)) => sink.fail(peer, "W6", &e),
+        Err(e) => sink.fail(peer, "W6", &format!("W6 task: {e}")),
+    }
+}
+
+/// `--w6-candidate`: campaign in `name`, print `leading term=T` the moment this process
+/// leads, lead until killed. Exit 70 if the leadership is lost, 1 if it never came.
+fn candidate(url: &str, name: &str, session: Duration, id: u32) -> ExitCode {
+    use std::io::Write as _;
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("dlock-bench candidate: tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async {
+        let led = async {
+            let c = workloads::connect(url, session).await?;
+            let election = c.election(name)?;
+            let leadership = election.campaign(format!("candidate-{id}")).await?;
+            Ok::<_, dlock::Error>((c, leadership))
+        };
+        match led.await {
+            Ok((_client, leadership)) => {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "leading term={}", leadership.term());
+                let _ = out.flush();
+                drop(out);
+                let e = leadership.lost().await;
+                eprintln!("dlock-bench candidate {id}: {e}");
+                ExitCode::from(70)
+            }
+            Err(e) => {
+                eprintln!("dlock-bench candidate {id}: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    })
 }
 
 /// Runs a backend's ceiling: one raw client, no recipe, no checks.
@@ -450,6 +578,22 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
             t.counter.as_ref(),
         )
         .await;
+    }
+    if args.wants("W6") {
+        let exe = match std::env::current_exe() {
+            Ok(exe) => exe,
+            Err(e) => return sink.fail(peer, "W6", &format!("finding this binary: {e}")),
+        };
+        let (url, name) = (t.url.clone(), format!("{base}/w6"));
+        let session = args.w6_session();
+        let spawn = move |id: u32| {
+            let mut c = std::process::Command::new(&exe);
+            c.args(["--w6-candidate", &url, "--w6-name", &name])
+                .args(["--w6-session", &session.as_secs_f64().to_string()])
+                .args(["--w6-id", &id.to_string()]);
+            c
+        };
+        run_w6(sink, peer, spawn, args.failovers, session).await;
     }
     if args.wants("S1") {
         run_s1(sink, args, t, &base).await;

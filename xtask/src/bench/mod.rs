@@ -56,7 +56,7 @@ pub(crate) fn run(root: &Path, args: &BenchArgs) -> anyhow::Result<i32> {
         let r = if let Some(peers) = &args.peers {
             run_peers(root, args, &bin, peers, &bar)
         } else {
-            run_own(args, &bin, &bar)
+            run_own(root, args, &bin, &bar)
         };
         bar.finish_and_clear();
         r?

@@ -225,6 +225,7 @@ pub(crate) fn markdown(s: &Sums) -> String {
         }
         out.push('\n');
     }
+    out.push_str(&failover_table(s));
     let mut t = String::from("### Targets\n\n| target | measured | met |\n|---|---:|---|\n");
     let mut any = false;
     for tg in TARGETS {
@@ -270,6 +271,56 @@ pub(crate) fn markdown(s: &Sums) -> String {
     if any {
         out.push_str(&t);
     }
+    out
+}
+
+/// W6's rows (leader failover), each backend's dlock beside the election it is compared
+/// with: (backend, peer).
+const FAILOVER_ROWS: &[(&str, &str)] = &[
+    ("ZooKeeper", "dlock-zk"),
+    ("ZooKeeper", "curator-leaderlatch"),
+    ("etcd", "dlock-etcd"),
+    ("etcd", "etcdctl-elect"),
+    ("Redis", "dlock-redis"),
+    ("Redlock", "dlock-redlock"),
+];
+
+/// The W6 table: SIGKILL of the leader to the next leader's announcement; empty when W6
+/// did not run.
+fn failover_table(s: &Sums) -> String {
+    let mut out = String::new();
+    let rows: Vec<_> = FAILOVER_ROWS
+        .iter()
+        .filter_map(|(b, p)| get(s, p, "W6").map(|x| (b, p, x)))
+        .collect();
+    if rows.is_empty() {
+        return out;
+    }
+    out.push_str("### Leader failover (W6)\n\n");
+    out.push_str("| backend | peer | session s | p50 ms | p99 ms | max ms | p50 − session ms | failovers | violations |\n");
+    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (b, p, x) in rows {
+        let f = |k: &str| x.fields.get(k).copied();
+        let Some(p50) = f("p50_ms") else {
+            let _ = writeln!(
+                out,
+                "| {b} | {p} | {} | | | | | | |",
+                x.status.clone().unwrap_or_default()
+            );
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "| {b} | {p} | {:.0} | {p50:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} |",
+            f("session_s").unwrap_or(f64::NAN),
+            f("p99_ms").unwrap_or(f64::NAN),
+            f("max_ms").unwrap_or(f64::NAN),
+            f("excess_p50_ms").unwrap_or(f64::NAN),
+            f("n").unwrap_or(f64::NAN),
+            x.violations_total,
+        );
+    }
+    out.push('\n');
     out
 }
 
@@ -488,5 +539,31 @@ peer=dlock-etcd workload=all status=skipped reason=no_feature";
         );
         let chart = svg(&s, "t");
         assert!(chart.starts_with("<svg") && chart.contains("ZooKeeper W2"));
+        assert!(!md.contains("W6"), "no W6 table without W6 lines: {md}");
+    }
+
+    #[test]
+    fn failover_rows_sit_beside_their_peers() {
+        let raw = "\
+run=1 peer=dlock-etcd workload=W6 p50_ms=2100 p99_ms=2600 max_ms=2600 n=10 session_s=2.0 excess_p50_ms=100 violations=0 note=sigkill_to_next_leader
+run=1 peer=etcdctl-elect workload=W6 p50_ms=60300 p99_ms=60900 max_ms=60900 n=3 session_s=60.0 excess_p50_ms=300 violations=0 note=sigkill_to_next_leader
+run=1 peer=curator-leaderlatch workload=W6 status=failed reason=x";
+        let rows: Vec<Row> = raw.lines().filter_map(parse_line).collect();
+        let md = markdown(&summarise(&rows));
+        assert!(md.contains("### Leader failover (W6)"), "{md}");
+        assert!(
+            md.contains("| etcd | dlock-etcd | 2 | 2100 | 2600 | 2600 | 100 | 10 | 0 |"),
+            "{md}"
+        );
+        assert!(md.contains("| etcd | etcdctl-elect | 60 | 60300 |"), "{md}");
+        assert!(
+            md.contains("| ZooKeeper | curator-leaderlatch | failed |"),
+            "{md}"
+        );
+        let zk = md.find("curator-leaderlatch").unwrap_or(usize::MAX);
+        assert!(
+            zk < md.find("dlock-etcd").unwrap_or(0),
+            "ZooKeeper rows first: {md}"
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! Running the benchmarks: dlock-bench against our own servers (plus `redis-benchmark` as
 //! the Redis wire ceiling) or inside the peer harness, collecting their result lines.
 
+use std::fmt::Write as _;
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -80,6 +81,7 @@ fn run_collect(
 
 /// Our own servers: ZooKeeper 1, etcd 1, Redis 5 (Redlock), dlock-bench and redis-benchmark.
 pub(super) fn run_own(
+    root: &Path,
     args: &BenchArgs,
     bin: &Path,
     bar: &ProgressBar,
@@ -90,9 +92,22 @@ pub(super) fn run_own(
         redis: 5,
         ..ClusterSpec::default()
     };
-    spec.port_offset = 1000;
-    let cluster = crate::cluster::start_with_progress(&mut spec, (1..40).map(|i| 1000 + i * 50))?;
+    let base = args.port_offset;
+    spec.port_offset = base;
+    let cluster = crate::cluster::start_with_progress(
+        &mut spec,
+        (1..40u16).map(|i| base.saturating_add(i * 50)),
+    )?;
     let e = cluster.endpoints();
+    let w6_peers = if args.failovers > 0 {
+        w6_peer_flags(
+            root,
+            e.zk.as_deref().map(first_addr),
+            e.etcd.as_deref().map(first_addr),
+        )
+    } else {
+        Vec::new()
+    };
     let mut lines = Vec::new();
     let mut ok = true;
     for r in 1..=args.repeats {
@@ -122,6 +137,12 @@ pub(super) fn run_own(
         }
         if args.scale {
             cmd.arg("--scale");
+        }
+        if args.failovers > 0 {
+            cmd.args(["--failovers", &args.failovers.to_string()]);
+            for p in &w6_peers {
+                cmd.args(["--w6-peer", p]);
+            }
         }
         let (l, good) = run_collect(cmd, bar, u64::from(args.repeats))?;
         ok &= good;
@@ -199,6 +220,14 @@ pub(super) fn run_peers(
         bin.display(),
         if args.scale { " --scale" } else { "" }
     );
+    let mut rust_cmd = rust_cmd;
+    if args.failovers > 0 {
+        // W6 inside the harness too, its peers on the harness's servers.
+        let _ = write!(rust_cmd, " --failovers {}", args.failovers);
+        for p in w6_peer_flags(root, Some("$ZK_ADDR"), Some("$ETCD_ADDR")) {
+            let _ = write!(rust_cmd, " --w6-peer \"{}\"", p.replace('"', "\\\""));
+        }
+    }
     eprintln!("RUST_BENCH_CMD={rust_cmd}");
     // The peer folder may be read-only: its venv and rust-peers build go under target/.
     let venv = work.join("venv");
@@ -289,4 +318,86 @@ fn prepare_offline(venv: &Path, rp_target: &Path, peers: &Path) -> anyhow::Resul
         }
     }
     Ok(())
+}
+
+/// The first address of a comma-separated list.
+fn first_addr(list: &str) -> &str {
+    list.split(',').next().unwrap_or(list)
+}
+
+/// The session of W6's peer candidates: dlock-bench's `--w6-session` default, so every
+/// implementation is timed with the same session; `etcdctl elect` has no flag for it
+/// and always runs on a 60 s lease.
+const W6_SESSION_SECS: u32 = 2;
+
+/// Curator's classpath from the Debian jars (as the peer harness's run.sh).
+const CURATOR_CP: &[&str] = &[
+    "curator-recipes.jar",
+    "curator-framework.jar",
+    "curator-client.jar",
+    "zookeeper.jar",
+    "zookeeper-jute.jar",
+    "guava.jar",
+    "slf4j-api.jar",
+    "slf4j-nop.jar",
+];
+
+/// dlock-bench's `--w6-peer` values: `etcdctl elect` on `etcd`, Curator's `LeaderLatch`
+/// (`crates/bench/peers/LeaderLatchCandidate.java`, compiled here) on `zk`. A peer whose
+/// tools are missing is left out with a note.
+fn w6_peer_flags(root: &Path, zk: Option<&str>, etcd: Option<&str>) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(etcd) = etcd {
+        if Command::new("etcdctl").arg("version").output().is_ok() {
+            out.push(format!(
+                "etcdctl-elect:60:env ETCDCTL_API=3 etcdctl --endpoints={etcd} elect {{name}} candidate-{{id}}"
+            ));
+        } else {
+            eprintln!("xtask bench: W6 without etcdctl elect: etcdctl not found");
+        }
+    }
+    if let Some(zk) = zk {
+        match compile_latch(root) {
+            Ok(cp) => out.push(format!(
+                "curator-leaderlatch:{W6_SESSION_SECS}:java -Xmx256m -cp {cp} LeaderLatchCandidate {zk} {{name}} {} {{id}}",
+                W6_SESSION_SECS * 1000
+            )),
+            Err(e) => eprintln!("xtask bench: W6 without Curator LeaderLatch: {e:#}"),
+        }
+    }
+    out
+}
+
+/// Compiles the LeaderLatch candidate into `target/bench/classes`; returns the classpath
+/// to run it with.
+fn compile_latch(root: &Path) -> anyhow::Result<String> {
+    let java = Path::new("/usr/share/java");
+    let jars: Vec<String> = CURATOR_CP
+        .iter()
+        .map(|j| java.join(j))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if jars.len() != CURATOR_CP.len() {
+        bail!("the Curator jars are not all in /usr/share/java (libcurator-recipes-java)");
+    }
+    let classes = crate::target_dir(root).join("bench").join("classes");
+    std::fs::create_dir_all(&classes)?;
+    let src = root
+        .join("crates")
+        .join("bench")
+        .join("peers")
+        .join("LeaderLatchCandidate.java");
+    let cp = jars.join(":");
+    let st = Command::new("javac")
+        .args(["-nowarn", "-d"])
+        .arg(&classes)
+        .args(["-cp", &cp])
+        .arg(&src)
+        .status()
+        .context("running javac")?;
+    if !st.success() {
+        bail!("javac {} failed ({st})", src.display());
+    }
+    Ok(format!("{}:{cp}", classes.display()))
 }

@@ -3,8 +3,8 @@
 //!
 //! A run is a list of rounds; a round is one scenario on one backend, with every recipe
 //! side by side ([`Recipe`]): per recipe, worker processes (two through the `dlock` CLI
-//! and two through the library for the mutex, two or three through the library for the
-//! others) take their lock again and again; each critical section logs its start, its
+//! and two through the library for the mutex and the election, two or three through the
+//! library for the others) take their lock (or campaign and lead) again and again; each critical section logs its start, its
 //! end and how it held ([`history`]) and writes to its recipe's fenced store ([`store`])
 //! with its token. Inject the faults, let the workers run on, stop them, check that no
 //! entry is left under any lock, and check each history: overlaps of two holders, token
@@ -666,7 +666,7 @@ fn run_round(
         // clients' sessions have expired.
         let mut leaked = 0;
         for name in g.recipe.names(&g.name) {
-            leaked += rt.block_on(leftovers(&url, &name))?;
+            leaked += rt.block_on(leftovers(&url, &name, g.recipe))?;
         }
         let rules = Rules {
             permits: g.recipe.permits(),
@@ -755,8 +755,9 @@ fn wait_for(
 }
 
 /// Entries left under `name` once every client has gone, after waiting out the sessions
-/// of the killed ones.
-async fn leftovers(url: &str, name: &str) -> anyhow::Result<usize> {
+/// of the killed ones. For an election, a leader the election itself still reports
+/// counts too, whatever layout its candidacies take.
+async fn leftovers(url: &str, name: &str, recipe: Recipe) -> anyhow::Result<usize> {
     let opts = dlock::SessionOptions::default().with_session_timeout(SESSION);
     let client = dlock::connect_with(url, opts)
         .await
@@ -767,8 +768,18 @@ async fn leftovers(url: &str, name: &str) -> anyhow::Result<usize> {
             .participants(name)
             .await
             .with_context(|| format!("reading the participants of {name}"))?;
-        if parts.is_empty() || Instant::now() > deadline {
-            break parts.len();
+        let mut left = parts.len();
+        if left == 0 && recipe == Recipe::Election {
+            let leader = client
+                .election(name)
+                .context("naming the election")?
+                .leader()
+                .await
+                .with_context(|| format!("reading the leader of {name}"))?;
+            left = usize::from(leader.is_some());
+        }
+        if left == 0 || Instant::now() > deadline {
+            break left;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };

@@ -169,16 +169,20 @@ pub(crate) enum Recipe {
     Semaphore,
     /// Two mutexes taken all-or-nothing.
     MultiLock,
+    /// Leader election: candidates campaign, and the leader's section writes with its
+    /// term as the fencing token (CLI workers through `dlock elect`).
+    Election,
 }
 
 impl Recipe {
-    pub(crate) const ALL: [Recipe; 6] = [
+    pub(crate) const ALL: [Recipe; 7] = [
         Recipe::Mutex,
         Recipe::ReentrantMutex,
         Recipe::SemaphoreMutex,
         Recipe::RwLock,
         Recipe::Semaphore,
         Recipe::MultiLock,
+        Recipe::Election,
     ];
 
     pub(crate) fn label(self) -> &'static str {
@@ -189,6 +193,7 @@ impl Recipe {
             Recipe::RwLock => "rwlock",
             Recipe::Semaphore => "semaphore",
             Recipe::MultiLock => "multi-lock",
+            Recipe::Election => "election",
         }
     }
 
@@ -197,7 +202,7 @@ impl Recipe {
             .into_iter()
             .find(|r| r.label() == s.trim())
             .with_context(|| {
-                format!("unknown recipe {s:?}: expected mutex, reentrant-mutex, semaphore-mutex, rwlock, semaphore or multi-lock")
+                format!("unknown recipe {s:?}: expected mutex, reentrant-mutex, semaphore-mutex, rwlock, semaphore, multi-lock or election")
             })
     }
 
@@ -217,11 +222,14 @@ impl Recipe {
         }
     }
 
-    /// Its workers: (via, slow). The slow ones are the victims. The mutex has CLI workers
-    /// too; a semaphore of two permits has three workers, so one always waits.
+    /// Its workers: (via, slow). The slow ones are the victims. The mutex and the election
+    /// have CLI workers too (`dlock exec`, `dlock elect`); a semaphore of two permits has
+    /// three workers, so one always waits.
     pub(super) fn workers(self) -> &'static [(&'static str, bool)] {
         match self {
-            Recipe::Mutex => &[("cli", true), ("cli", false), ("lib", true), ("lib", false)],
+            Recipe::Mutex | Recipe::Election => {
+                &[("cli", true), ("cli", false), ("lib", true), ("lib", false)]
+            }
             Recipe::Semaphore => &[("lib", true), ("lib", false), ("lib", false)],
             _ => &[("lib", true), ("lib", false)],
         }

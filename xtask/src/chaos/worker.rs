@@ -4,7 +4,8 @@
 //!
 //! Two kinds, so both the CLI and the library are exercised:
 //! - `--via cli`: every section is `dlock exec NAME -- xtask chaos-section`, a fresh
-//!   process with the token in `$DLOCK_TOKEN`;
+//!   process with the token in `$DLOCK_TOKEN` (for the election, `dlock elect NAME
+//!   --value V -- xtask chaos-section`, with the term in `$DLOCK_TERM`);
 //! - `--via lib`: one process with one client taking one recipe ([`Recipe`]), and the
 //!   section run on a blocking thread while a task watches the guard's lost signal.
 //!
@@ -56,15 +57,24 @@ pub(crate) fn section(p: &SectionParams, token: u64, mode: Mode) -> anyhow::Resu
     Ok(write)
 }
 
-/// `xtask chaos-section`: one section under `dlock exec`, token from `$DLOCK_TOKEN`.
+/// `xtask chaos-section`: one section under `dlock exec`, token from `$DLOCK_TOKEN`, or
+/// under `dlock elect`, token from `$DLOCK_TERM` (the term is the leader's fencing token).
 ///
-/// `dlock exec` sends SIGTERM when its lock's lost signal fires; the section then logs
-/// its end as `killed`, so the history knows exactly when it stopped.
+/// `dlock exec` and `dlock elect` send SIGTERM when their lost signal fires; the section
+/// then logs its end as `killed`, so the history knows exactly when it stopped.
 pub(crate) fn chaos_section(args: &ChaosSectionArgs) -> anyhow::Result<i32> {
-    let token: u64 = std::env::var("DLOCK_TOKEN")
-        .context("DLOCK_TOKEN is not set: run this under `dlock exec`")?
+    let (var, raw) = match std::env::var("DLOCK_TOKEN") {
+        Ok(t) => ("DLOCK_TOKEN", t),
+        Err(_) => (
+            "DLOCK_TERM",
+            std::env::var("DLOCK_TERM").context(
+                "neither DLOCK_TOKEN nor DLOCK_TERM is set: run this under `dlock exec` or `dlock elect`",
+            )?,
+        ),
+    };
+    let token: u64 = raw
         .parse()
-        .context("DLOCK_TOKEN is not a number")?;
+        .with_context(|| format!("{var} is not a number"))?;
     let p = args.section.clone();
     ctrlc::set_handler(move || {
         let end = Record::End {
@@ -86,9 +96,10 @@ pub(crate) fn chaos_section(args: &ChaosSectionArgs) -> anyhow::Result<i32> {
 pub(crate) fn worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
     let session = humantime::parse_duration(&args.session_timeout)
         .with_context(|| format!("--session-timeout {:?}", args.session_timeout))?;
+    let recipe = Recipe::parse(&args.recipe)?;
     match args.via.as_str() {
-        "cli" => cli_worker(args),
-        "lib" => lib_worker(args, session, Recipe::parse(&args.recipe)?),
+        "cli" => cli_worker(args, recipe),
+        "lib" => lib_worker(args, session, recipe),
         other => bail!("--via {other:?}: expected cli or lib"),
     }
 }
@@ -108,18 +119,37 @@ fn stopped(stop: &Path) -> bool {
     stop.exists()
 }
 
-fn cli_worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
+/// The CLI command that runs one section: `dlock elect` for the election (the worker's
+/// number as its value), `dlock exec` for the mutex.
+fn cli_command(recipe: Recipe, worker: u32) -> anyhow::Result<Vec<String>> {
+    match recipe {
+        Recipe::Mutex => Ok(vec!["exec".into()]),
+        Recipe::Election => Ok(vec![
+            "elect".into(),
+            "--value".into(),
+            format!("worker-{worker}"),
+        ]),
+        other => bail!(
+            "--via cli runs the mutex or the election, not {}",
+            other.label()
+        ),
+    }
+}
+
+fn cli_worker(args: &ChaosWorkerArgs, recipe: Recipe) -> anyhow::Result<i32> {
     let dlock = args.dlock.as_ref().context("--via cli needs --dlock")?;
     let me = std::env::current_exe().context("locating the xtask binary")?;
     let p = &args.section;
+    let command = cli_command(recipe, p.worker)?;
     while !stopped(&args.stop) {
         let mut child = Command::new(dlock)
             .arg("--url")
             .arg(&args.url)
             .arg("--session-timeout")
             .arg(&args.session_timeout)
-            .arg("exec")
+            .arg(&command[0])
             .arg(&args.name)
+            .args(&command[1..])
             .arg("--timeout")
             .arg(format!("{}s", ACQUIRE_TIMEOUT.as_secs()))
             .arg("--")
@@ -136,33 +166,34 @@ fn cli_worker(args: &ChaosWorkerArgs) -> anyhow::Result<i32> {
             .stdin(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .context("running dlock exec")?;
+            .with_context(|| format!("running dlock {}", command[0]))?;
         // The CLI announces its lost signal on stderr the moment it fires; time it there,
         // not at exit, which waits for the release.
         let seen = child.stderr.take().map(|err| {
             let p = p.clone();
+            let sub = command[0].clone();
             std::thread::spawn(move || {
                 let mut seen = false;
                 for line in BufReader::new(err).lines() {
                     let Ok(line) = line else { break };
                     if !seen && line.contains("stopping the command") {
                         seen = true;
-                        lost(&p, &format!("dlock exec: {line}"));
+                        lost(&p, &format!("dlock {sub}: {line}"));
                     }
                     eprintln!("{line}");
                 }
                 seen
             })
         });
-        let status = child.wait().context("waiting for dlock exec")?;
+        let status = child.wait().context("waiting for dlock")?;
         let seen = seen.is_some_and(|t| t.join().unwrap_or(false));
         match status.code() {
             Some(0) | Some(75) => {}
             Some(70) if seen => {}
             // Lost before the command started, or the message changed: count it anyway.
-            Some(70) => lost(p, "dlock exec exited 70: lock lost"),
+            Some(70) => lost(p, &format!("dlock {} exited 70: lock lost", command[0])),
             _ => {
-                eprintln!("chaos worker {}: dlock exec: {status}", p.worker);
+                eprintln!("chaos worker {}: dlock {}: {status}", p.worker, command[0]);
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
@@ -357,6 +388,23 @@ async fn one_turn(
             let released = g.release().await;
             r?;
             released.map_err(|_| Turn::Broken)
+        }
+        Recipe::Election => {
+            let election = c.election(name).map_err(named)?;
+            let leadership = election
+                .campaign_timeout(format!("worker-{w}"), t)
+                .await
+                .map_err(|e| acquire_failed(w, e))?;
+            // The leader acts with its term as the fencing token: a deposed leader's late
+            // write carries an older term than its successor's.
+            let lost = leadership.lost();
+            let r = run_section(p, leadership.term().get(), Mode::Exclusive, lost, || {
+                leadership.is_lost()
+            })
+            .await;
+            let resigned = leadership.resign().await;
+            r?;
+            resigned.map_err(|_| Turn::Broken)
         }
     }
 }

@@ -380,6 +380,22 @@ impl Worker {
                 let ok = self.hold(token, Mode::Exclusive, lost).await;
                 g.release().await.is_ok() && ok
             }
+            Recipe::Election => {
+                let Ok(election) = c.election(name) else {
+                    return false;
+                };
+                let leadership = match election
+                    .campaign_timeout(format!("worker-{}", self.id), t)
+                    .await
+                {
+                    Ok(l) => l,
+                    Err(e) => return acquire_failed(&e),
+                };
+                // The leader's section, fenced by its term.
+                let term = leadership.term().get();
+                let ok = self.hold(term, Mode::Exclusive, leadership.lost()).await;
+                leadership.resign().await.is_ok() && ok
+            }
         }
     }
 
