@@ -22,6 +22,7 @@ pub(crate) fn run_args(root: &Path, args: ClusterArgs) -> anyhow::Result<i32> {
                 etcd: 1,
                 redis: 5,
                 sentinel: true,
+                redis_cluster: false,
                 secure: args.secure,
                 offset: args.offset,
                 state: StateArg {
@@ -66,10 +67,15 @@ pub(crate) fn start_with_progress(
     } else {
         0
     };
-    let n = spec.zk + spec.etcd + spec.redis + group;
+    let redis_cluster = if spec.redis_cluster {
+        dlock_testkit::CLUSTER_NODES
+    } else {
+        0
+    };
+    let n = spec.zk + spec.etcd + spec.redis + group + redis_cluster;
     let from = spec.port_offset;
     let spinner = ProgressBar::new_spinner().with_message(format!(
-        "starting {n} servers (ZooKeeper {}, etcd {}, Redis {}, Sentinel group {group}) at port offset {from}",
+        "starting {n} servers (ZooKeeper {}, etcd {}, Redis {}, Sentinel group {group}, Redis Cluster {redis_cluster}) at port offset {from}",
         spec.zk, spec.etcd, spec.redis
     ));
     spinner.enable_steady_tick(Duration::from_millis(100));
@@ -100,6 +106,7 @@ fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {
         etcd: args.etcd,
         redis: args.redis,
         sentinel_replicas: u32::from(args.sentinel),
+        redis_cluster: args.redis_cluster,
         port_offset: args.offset.value,
         state_path: Some(path.clone()),
         base_dir: None,
@@ -130,7 +137,12 @@ fn up(root: &Path, args: &UpArgs) -> anyhow::Result<i32> {
         return Ok(0);
     }
     let endpoints = state.endpoints();
-    for url in endpoints.urls().into_iter().chain(endpoints.sentinel_url()) {
+    for url in endpoints
+        .urls()
+        .into_iter()
+        .chain(endpoints.sentinel_url())
+        .chain(endpoints.cluster_url())
+    {
         println!("{url}");
     }
     eprintln!(
@@ -190,7 +202,7 @@ fn status(path: &Path) -> anyhow::Result<i32> {
             Backend::Etcd if etcd_leader == Some(s.id) => "leader".into(),
             Backend::Etcd if ready => "follower".into(),
             Backend::Redis if ready => "master".into(),
-            Backend::RedisHa if ready => {
+            Backend::RedisHa | Backend::RedisCluster if ready => {
                 dlock_testkit::redis_query(&s.addr, &["ROLE"], Duration::from_secs(1))
                     .and_then(|r| r.lines().next().map(str::to_owned))
                     .map(|r| if r == "slave" { "replica".into() } else { r })
@@ -211,7 +223,12 @@ fn status(path: &Path) -> anyhow::Result<i32> {
     }
     println!();
     let endpoints = state.endpoints();
-    for url in endpoints.urls().into_iter().chain(endpoints.sentinel_url()) {
+    for url in endpoints
+        .urls()
+        .into_iter()
+        .chain(endpoints.sentinel_url())
+        .chain(endpoints.cluster_url())
+    {
         println!("{url}");
     }
     Ok(if all_ready { 0 } else { 1 })

@@ -100,6 +100,7 @@ fn start_zookeeper(root: &Path, offset: u16) -> anyhow::Result<dlock_testkit::Cl
         etcd: 0,
         redis: 0,
         sentinel_replicas: 0,
+        redis_cluster: false,
         port_offset: offset,
         state_path: Some(
             crate::target_dir(root)

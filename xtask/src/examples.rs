@@ -40,6 +40,7 @@ pub(crate) fn run(root: &Path, args: &ExamplesArgs) -> anyhow::Result<i32> {
             etcd: 1,
             redis: 1,
             sentinel_replicas: 0,
+            redis_cluster: false,
             port_offset: args.offset.value,
             state_path: Some(
                 crate::target_dir(root)

@@ -104,6 +104,10 @@ pub(crate) struct UpArgs {
     /// (`redis+sentinel://.../mymaster`, `DLOCK_TEST_REDIS_SENTINEL`).
     #[arg(long)]
     pub(crate) sentinel: bool,
+    /// Also a Redis Cluster: six nodes, three masters with one replica each
+    /// (`redis+cluster://...`, `DLOCK_TEST_REDIS_CLUSTER`). Not with `--secure` yet.
+    #[arg(long = "redis-cluster", conflicts_with = "secure")]
+    pub(crate) redis_cluster: bool,
     /// Secured servers: TLS (a CA made for this cluster), users and access control; prints
     /// `zks://`, `etcds://`, `rediss://`, `redlocks://` (and `rediss+sentinel://`) URLs.
     #[arg(long)]

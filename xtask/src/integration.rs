@@ -44,13 +44,15 @@ pub(crate) fn run_with(
         redis,
         // Always: the Sentinel failover tests need it, and a CI run must not skip them.
         sentinel_replicas: 1,
+        // Always, for the same reason: the backend-generic suite runs on it.
+        redis_cluster: true,
         port_offset: args.offset.value,
         state_path: Some(state_path.clone()),
         base_dir: None,
         secure: false,
     };
     crate::header(&format!(
-        "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, Sentinel group (primary, replica, 3 Sentinels), port offset {}",
+        "integration: ZooKeeper {zk}, etcd {etcd}, Redis {redis}, Sentinel group (primary, replica, 3 Sentinels), Redis Cluster (3 masters, 3 replicas), port offset {}",
         spec.port_offset
     ));
     // Dropped on every way out of this function, panics included: kills the servers.
@@ -73,6 +75,7 @@ pub(crate) fn run_with(
         etcd: 1,
         redis: 5,
         sentinel_replicas: 1,
+        redis_cluster: false,
         port_offset: 0,
         state_path: Some(secure_state),
         base_dir: None,

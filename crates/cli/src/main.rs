@@ -23,8 +23,9 @@ mod child;
 #[command(name = "dlock", version, about, long_about = None)]
 struct Cli {
     /// Backend URL: zk://h:p[,h:p][/chroot], etcd://h:p[,h:p], redis://h:p[/db], redlock://h:p,h:p,h:p,
-    /// redis+sentinel://h:p[,h:p]/service; TLS with zks://, etcds://, rediss://, redlocks://,
-    /// rediss+sentinel:// and ?ca=PATH&cert=PATH&key=PATH&server_name=NAME; credentials as
+    /// redis+sentinel://h:p[,h:p]/service, redis+cluster://h:p[,h:p]; TLS with zks://, etcds://,
+    /// rediss://, redlocks://, rediss+sentinel://, rediss+cluster:// and
+    /// ?ca=PATH&cert=PATH&key=PATH&server_name=NAME; credentials as
     /// USER:PASSWORD@ or USER@ with the password in DLOCK_PASSWORD
     #[arg(long, global = true, env = "DLOCK_URL", hide_env_values = true)]
     url: Option<String>,
@@ -594,6 +595,8 @@ async fn list(client: &Client, a: ListArgs) -> Result<u8, Error> {
 
 async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
     let parts = client.participants(&a.name).await?;
+    // Where the lock lives, on backends where that depends on the lock (Redis Cluster).
+    let node = client.serving_node(&a.name)?;
     let now_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
@@ -614,11 +617,20 @@ async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
                 })
             })
             .collect();
-        let doc = serde_json::json!({ "name": a.name, "participants": rows });
+        let mut doc = serde_json::json!({ "name": a.name, "participants": rows });
+        if let Some(node) = &node {
+            doc["node"] = serde_json::json!(node);
+        }
         println!("{doc}");
     } else if parts.is_empty() {
         println!("{}: free (no holders, no waiters)", a.name);
+        if let Some(node) = &node {
+            println!("served by {node}");
+        }
     } else {
+        if let Some(node) = &node {
+            println!("served by {node}");
+        }
         println!(
             "{:<7} {:<6} {:<5} {:>10} {:>12} {:>9}  owner",
             "state", "queue", "kind", "sequence", "token", "age"

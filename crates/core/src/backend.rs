@@ -432,6 +432,16 @@ pub trait Backend: Send + Sync + 'static {
         async move { Err(unsupported(Backend::kind(self), Capability::Revocation)) }
     }
 
+    /// The server that serves queue `q` when that depends on the lock (a Redis Cluster:
+    /// the master of the lock's slot, as `host:port (slot N)`), for status output;
+    /// `None` (the default) where every lock is served alike (one server, an ensemble, a
+    /// quorum). Read from what this client routes by, without a round trip: after a
+    /// failover the client has not yet seen, it names the old server.
+    fn serving_node(&self, q: &QueuePath) -> Option<String> {
+        let _ = q;
+        None
+    }
+
     /// The queue `q` with every detail the backend can give (tokens, data, creation
     /// time), for status output. May cost more round trips than [`Backend::queue`].
     fn participants(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
@@ -544,6 +554,8 @@ pub trait DynBackend: Send + Sync + 'static {
         entry: &'a Entry,
         seen: &'a [u8],
     ) -> BoxFuture<'a, Result<Option<Vec<u8>>>>;
+    /// [`Backend::serving_node`].
+    fn serving_node(&self, q: &QueuePath) -> Option<String>;
     /// [`Backend::participants`].
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>>;
     /// [`Backend::list_queues`].
@@ -650,6 +662,9 @@ impl<B: Backend> DynBackend for B {
         seen: &'a [u8],
     ) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
         Box::pin(Backend::wait_data_changed(self, q, entry, seen))
+    }
+    fn serving_node(&self, q: &QueuePath) -> Option<String> {
+        Backend::serving_node(self, q)
     }
     fn participants<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Vec<Entry>>> {
         Box::pin(Backend::participants(self, q))

@@ -29,6 +29,7 @@
 //! | `redis://h:p[/db]` | one Redis server (database `db`, default 0), watchdog leases | `redis` |
 //! | `redlock://h:p,h:p,h:p[,...]` | Redlock over independent Redis masters | `redis` |
 //! | `redis+sentinel://h:p[,h:p...]/service` | the primary of a Sentinel-monitored Redis, followed across failovers | `redis` |
+//! | `redis+cluster://h:p[,h:p...]` | a Redis Cluster (seed nodes), each lock on its slot's master, followed across failovers | `redis` |
 //!
 //! A URL whose backend this build leaves out gives [`Error::InvalidUrl`] saying which
 //! feature is missing. [`connect_env`] reads the URL from `DLOCK_URL`.
@@ -36,7 +37,7 @@
 //! # Feature flags
 //! - `zookeeper` (default): the ZooKeeper backend, `dlock-zookeeper`.
 //! - `etcd` (default): the etcd backend, `dlock-etcd`.
-//! - `redis` (default): the Redis (single master or Sentinel) and Redlock backends,
+//! - `redis` (default): the Redis (single master, Sentinel or Cluster) and Redlock backends,
 //!   `dlock-redis`.
 //!
 //! Turn off the backends you do not use with `default-features = false`. The `dlock`
@@ -218,6 +219,16 @@ async fn open(url: &str, servers: Servers, opts: SessionOptions) -> Result<Arc<d
             {
                 let b: Arc<dyn DynBackend> =
                     dlock_redis::RedisBackend::connect_sentinel(&sentinels, &service, opts).await?;
+                Ok(b)
+            }
+            #[cfg(not(feature = "redis"))]
+            Err(missing("redis"))
+        }
+        Servers::RedisCluster { seeds } => {
+            #[cfg(feature = "redis")]
+            {
+                let b: Arc<dyn DynBackend> =
+                    dlock_redis::RedisBackend::connect_cluster(&seeds, opts).await?;
                 Ok(b)
             }
             #[cfg(not(feature = "redis"))]

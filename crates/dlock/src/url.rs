@@ -1,6 +1,7 @@
-//! Backend URLs: `zk://`, `etcd://`, `redis://`, `redlock://`, `redis+sentinel://`, their
-//! TLS forms (`zks://`, `etcds://`, `rediss://`, `redlocks://`, `rediss+sentinel://`),
-//! credentials in the userinfo and TLS settings in the query.
+//! Backend URLs: `zk://`, `etcd://`, `redis://`, `redlock://`, `redis+sentinel://`,
+//! `redis+cluster://`, their TLS forms (`zks://`, `etcds://`, `rediss://`, `redlocks://`,
+//! `rediss+sentinel://`, `rediss+cluster://`), credentials in the userinfo and TLS
+//! settings in the query.
 
 use std::path::PathBuf;
 
@@ -20,7 +21,7 @@ pub struct BackendUrl {
     /// The servers and how they are used.
     pub servers: Servers,
     /// TLS settings: `Some` for the TLS schemes (`zks://`, `etcds://`, `rediss://`,
-    /// `redlocks://`, `rediss+sentinel://`), from the `ca`, `cert`, `key` and
+    /// `redlocks://`, `rediss+sentinel://`, `rediss+cluster://`), from the `ca`, `cert`, `key` and
     /// `server_name` query parameters.
     pub tls: Option<TlsOptions>,
     /// The credentials of the userinfo (`USER:PASSWORD@`, `:PASSWORD@`), percent-decoded;
@@ -70,6 +71,13 @@ pub enum Servers {
         /// The monitored service (master) name, e.g. `mymaster`.
         service: String,
     },
+    /// `redis+cluster://host:port[,host:port...]`: a Redis Cluster, found through these
+    /// seed nodes (any of its nodes; one that answers is enough), each lock on the master
+    /// of its slot, followed across failovers and slot migrations.
+    RedisCluster {
+        /// `host:port` of each seed node.
+        seeds: Vec<String>,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -79,6 +87,7 @@ enum Kind {
     Redis,
     Redlock,
     Sentinel,
+    Cluster,
 }
 
 /// Scheme → (backend, TLS).
@@ -94,6 +103,8 @@ fn scheme(s: &str) -> Option<(Kind, bool)> {
         "redlocks" => (Kind::Redlock, true),
         "redis+sentinel" => (Kind::Sentinel, false),
         "rediss+sentinel" => (Kind::Sentinel, true),
+        "redis+cluster" => (Kind::Cluster, false),
+        "rediss+cluster" => (Kind::Cluster, true),
         _ => return None,
     })
 }
@@ -124,9 +135,9 @@ impl BackendUrl {
             .ok_or_else(|| bad("expected scheme://host:port, e.g. zk://127.0.0.1:2181"))?;
         let (kind, tls) = scheme(scheme_str).ok_or_else(|| {
             bad(&format!(
-                "unknown scheme {scheme_str:?}: use zk://, etcd://, redis://, redlock:// or \
-                 redis+sentinel://, or their TLS forms zks://, etcds://, rediss://, redlocks://, \
-                 rediss+sentinel://"
+                "unknown scheme {scheme_str:?}: use zk://, etcd://, redis://, redlock://, \
+                 redis+sentinel:// or redis+cluster://, or their TLS forms zks://, etcds://, \
+                 rediss://, redlocks://, rediss+sentinel://, rediss+cluster://"
             ))
         })?;
         let (userinfo, host_list, tail) = split_authority(rest);
@@ -213,6 +224,17 @@ impl BackendUrl {
                     sentinels: hosts,
                     service: service.to_owned(),
                 }
+            }
+            Kind::Cluster => {
+                if path.is_some() {
+                    return Err(bad(
+                        "redis+cluster URLs take no path: a Redis Cluster has only database 0",
+                    ));
+                }
+                if hosts.iter().collect::<std::collections::HashSet<_>>().len() != hosts.len() {
+                    return Err(bad("a seed node is listed twice"));
+                }
+                Servers::RedisCluster { seeds: hosts }
             }
         };
         if let Some(c) = &credentials {
@@ -318,7 +340,10 @@ fn query(
     let mut opts = TlsOptions::new();
     let mut any_tls = false;
     let mut namespace = None;
-    let redis = matches!(kind, Kind::Redis | Kind::Redlock | Kind::Sentinel);
+    let redis = matches!(
+        kind,
+        Kind::Redis | Kind::Redlock | Kind::Sentinel | Kind::Cluster
+    );
     for (k, v) in url.query_pairs() {
         let v = v.into_owned();
         if v.is_empty() {
@@ -371,7 +396,7 @@ fn query(
     if any_tls && !tls {
         return Err(
             "ca, cert, key and server_name are TLS settings: use the TLS scheme (zks://, \
-             etcds://, rediss://, redlocks://, rediss+sentinel://)"
+             etcds://, rediss://, redlocks://, rediss+sentinel://, rediss+cluster://)"
                 .to_owned(),
         );
     }
@@ -454,7 +479,24 @@ mod tests {
                 hosts: vec!["[::1]:2379".into()]
             }
         );
+        assert_eq!(
+            servers("redis+cluster://127.0.0.1:7001,127.0.0.1:7002"),
+            Servers::RedisCluster {
+                seeds: vec!["127.0.0.1:7001".into(), "127.0.0.1:7002".into()],
+            }
+        );
+        assert_eq!(
+            servers("redis+cluster://h:7001?prefix=app1:"),
+            Servers::RedisCluster {
+                seeds: vec!["h:7001".into()],
+            }
+        );
         for bad in [
+            "redis+cluster://127.0.0.1:7001/0",
+            "redis+cluster://127.0.0.1:7001,127.0.0.1:7001",
+            "redis+cluster://127.0.0.1",
+            "redis+cluster://a:1?namespace=x",
+            "redis+cluster://a:1?ca=/x",
             "redis+sentinel://127.0.0.1:6393",
             "redis+sentinel://127.0.0.1:6393/",
             "redis+sentinel://127.0.0.1:6393/a/b",
@@ -519,6 +561,8 @@ mod tests {
             ("redlocks://a:1,b:1,c:1", true),
             ("rediss+sentinel://a:1/m", true),
             ("redis+sentinel://a:1/m", false),
+            ("rediss+cluster://a:1,b:2", true),
+            ("redis+cluster://a:1,b:2", false),
         ] {
             let u = BackendUrl::parse_with(url, || None).expect(url);
             assert_eq!(u.tls.is_some(), tls, "{url}");

@@ -162,6 +162,17 @@ impl<B: DynBackend + ?Sized> Client<B> {
         MultiLock::new(self.clone())
     }
 
+    /// The server that serves the lock `name` when that depends on the lock (on a Redis
+    /// Cluster: the master of its slot, `host:port (slot N)`), as this client routes it
+    /// now; `None` on backends where every lock is served alike. No round trip.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`].
+    pub fn serving_node(&self, name: &str) -> Result<Option<String>> {
+        let lock = self.lock_name(name)?;
+        Ok(self.backend.serving_node(&QueuePath::root(lock)))
+    }
+
     /// Every contender of the lock `name`, whatever the recipe: entries directly under
     /// the name (mutex, read/write) and in a semaphore's `leases` and `locks` queues.
     ///

@@ -203,6 +203,7 @@ impl Drop for RedisBackend {
 impl Shared {
     pub(crate) fn kind(&self) -> &'static str {
         match self.mode {
+            Mode::Single if self.nodes.iter().any(|n| n.sharded) => "redis-cluster",
             Mode::Single => "redis",
             Mode::Redlock => "redlock",
         }
@@ -495,6 +496,13 @@ impl Backend for RedisBackend {
                 Err(_) => Error::NotHeld(format!("entry {name} was released by this client")),
             }
         })
+    }
+
+    /// On a Redis Cluster, the master of the lock's slot in the command client's slot
+    /// map (what its commands are routed by), `host:port (slot N)`; `None` otherwise.
+    fn serving_node(&self, q: &QueuePath) -> Option<String> {
+        let node = self.shared.nodes.first().filter(|n| n.sharded)?;
+        node.serving(&QueueKeys::queue_key(&self.shared.prefix, q))
     }
 
     async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {

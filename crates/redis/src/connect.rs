@@ -95,7 +95,39 @@ impl RedisBackend {
                         .into(),
             });
         }
-        Self::connect_mode(Mode::Single, sentinels, Some(service), 0, opts).await
+        Self::connect_mode(
+            Mode::Single,
+            sentinels,
+            Some(Topology::Sentinel(service)),
+            0,
+            opts,
+        )
+        .await
+    }
+
+    /// Connects to the Redis Cluster that the seed nodes `seeds` (`host:port` each; any
+    /// of its nodes, one is enough) belong to.
+    ///
+    /// Each lock lives on the master of its slot (every key of a lock shares the hash
+    /// tag `{name}`), so each lock behaves as on [`RedisBackend::connect`]'s one master:
+    /// the same scripts, tokens, watchdog and FIFO queue. The clients follow the
+    /// cluster: `MOVED` and `ASK` are followed, and after any change of the slot map
+    /// (a failover, a slot migration) the watchdog runs a round at once, so an entry
+    /// the new master never received (replication is asynchronous) fires `lost()`, and
+    /// the waiters re-check. Wake-ups use sharded pub/sub (`SSUBSCRIBE` and, in the
+    /// scripts, `SPUBLISH` on the lock's slot; Redis 7.0 or later), so a release is
+    /// sent to the subscribers of that slot's master and its replicas only, not over
+    /// the whole cluster bus.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for an empty or repeated seed list, a malformed address or a
+    /// lease below [`MIN_LEASE`]; [`Error::Unreachable`] if no seed answers within
+    /// `opts.connect_timeout`.
+    pub async fn connect_cluster(
+        seeds: &[String],
+        opts: SessionOptions,
+    ) -> Result<Arc<RedisBackend>> {
+        Self::connect_mode(Mode::Single, seeds, Some(Topology::Cluster), 0, opts).await
     }
 
     /// Connects to N independent masters for Redlock (see the crate docs for what that
@@ -117,7 +149,8 @@ impl RedisBackend {
     /// own, a subscriber for its wake-ups (a connection in subscribed mode can run no
     /// other command), with `client`'s configuration: server, TLS, credentials. A client
     /// configured for Sentinel gets the failover watch of
-    /// [`RedisBackend::connect_sentinel`] (one more connection per Sentinel).
+    /// [`RedisBackend::connect_sentinel`] (one more connection per Sentinel), and one
+    /// configured for a Redis Cluster works as [`RedisBackend::connect_cluster`].
     ///
     /// **Who owns what.** `client` stays the application's: dlock never connects, quits
     /// or reconfigures it, so call its `init()` (or `connect()`) as usual; dlock waits up
@@ -133,8 +166,8 @@ impl RedisBackend {
     /// a timeout of half the lease (1 to 5 s). The client may speak RESP2 or RESP3.
     ///
     /// # Errors
-    /// [`Error::InvalidUrl`] for a client configured for Redis Cluster (not supported
-    /// yet), a lease below [`MIN_LEASE`] or a bad prefix; [`Error::Unreachable`] if the
+    /// [`Error::InvalidUrl`] for a client configured for anything but one server, a
+    /// Sentinel group or a Redis Cluster, a lease below [`MIN_LEASE`] or a bad prefix; [`Error::Unreachable`] if the
     /// client or dlock's subscriber is not connected within `opts.connect_timeout`;
     /// [`Error::Unauthenticated`], [`Error::PermissionDenied`] or [`Error::Tls`] if the
     /// server refuses the subscriber.
@@ -189,18 +222,18 @@ impl RedisBackend {
         Self::assemble(Mode::Redlock, nodes, what, &opts, lease, prefix).await
     }
 
-    /// `addrs` are the masters, or with `sentinel_service` the Sentinels of that service
-    /// (one node: the primary they name).
+    /// `addrs` are the masters, or the Sentinels of a service (one node: the primary
+    /// they name), or the seeds of a cluster (one node: the whole cluster).
     async fn connect_mode(
         mode: Mode,
         addrs: &[String],
-        sentinel_service: Option<&str>,
+        topology: Option<Topology<'_>>,
         database: u8,
         opts: SessionOptions,
     ) -> Result<Arc<RedisBackend>> {
-        let what = match sentinel_service {
-            Some(service) => format!("{}/{service}", addrs.join(",")),
-            None => addrs.join(","),
+        let what = match topology {
+            Some(Topology::Sentinel(service)) => format!("{}/{service}", addrs.join(",")),
+            _ => addrs.join(","),
         };
         let (lease, prefix) = check_session(&what, &opts)?;
         if addrs.is_empty() {
@@ -224,8 +257,11 @@ impl RedisBackend {
             ..tuning(&opts, lease)
         };
         let access = Access::new(&opts)?;
-        let nodes = match sentinel_service {
-            Some(service) => vec![Node::start_sentinel(addrs, service, tuning, &access)?],
+        let nodes = match topology {
+            Some(Topology::Sentinel(service)) => {
+                vec![Node::start_sentinel(addrs, service, tuning, &access)?]
+            }
+            Some(Topology::Cluster) => vec![Node::start_cluster(addrs, tuning, &access)?],
             None => addrs
                 .iter()
                 .map(|a| Node::start(a, tuning, &access))
@@ -280,7 +316,7 @@ impl RedisBackend {
             lease_ms: Value::from(lease.as_millis().to_string()),
             recheck: (lease / 3).min(Duration::from_secs(1)),
             drift: lease / 100 + Duration::from_millis(2),
-            scripts: Scripts::new(),
+            scripts: Scripts::new(nodes.iter().any(|n| n.sharded)),
             live: Mutex::new(HashMap::new()),
             chans: Mutex::new(HashMap::new()),
             idle_chans: Mutex::new(Vec::new()),
@@ -296,6 +332,15 @@ impl RedisBackend {
         info!(kind = shared.kind(), masters = %what, ?lease, "redis backend connected");
         Ok(Arc::new(RedisBackend { shared }))
     }
+}
+
+/// How the addresses of a URL are used, besides as independent masters.
+#[derive(Debug, Clone, Copy)]
+enum Topology<'a> {
+    /// Sentinels of this service.
+    Sentinel(&'a str),
+    /// Seed nodes of a Redis Cluster.
+    Cluster,
 }
 
 /// The lease and key prefix of `opts`, checked.
@@ -367,6 +412,15 @@ impl Shared {
                     }
                 },
             ) {
+                tasks.push(h.abort_handle());
+            }
+            let w = weak.clone();
+            for h in node.on_cluster_change(move || {
+                if let Some(s) = w.upgrade() {
+                    s.wake.notify_one();
+                    s.wake_all_waiters();
+                }
+            }) {
                 tasks.push(h.abort_handle());
             }
         }

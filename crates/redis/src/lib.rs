@@ -1,13 +1,14 @@
 //! The Redis adapter of dlock: [`RedisBackend`] implements [`dlock_core::Backend`] on
 //! [fred](https://docs.rs/fred) 10, over one Redis master (given directly, or found
-//! through Redis Sentinel and followed across failovers) or, in Redlock mode, over N
-//! independent masters.
+//! through Redis Sentinel and followed across failovers), over a Redis Cluster (each lock
+//! on the master of its slot) or, in Redlock mode, over N independent masters.
 //!
 //! You usually reach it through the `dlock` facade (`redis://host:port`,
-//! `redis+sentinel://s1:p1,s2:p2,s3:p3/mymaster` or `redlock://h1:p1,h2:p2,...`) and the
-//! recipes; use this crate directly only to build a backend by hand:
-//! [`RedisBackend::connect`], [`RedisBackend::connect_sentinel`],
-//! or [`RedisBackend::connect_redlock`]; or on the application's own fred clients:
+//! `redis+sentinel://s1:p1,s2:p2,s3:p3/mymaster`, `redis+cluster://n1:p1,n2:p2,...` or
+//! `redlock://h1:p1,h2:p2,...`) and the recipes; use this crate directly only to build a
+//! backend by hand: [`RedisBackend::connect`], [`RedisBackend::connect_sentinel`],
+//! [`RedisBackend::connect_cluster`] or [`RedisBackend::connect_redlock`]; or on the
+//! application's own fred clients:
 //! [`RedisBackend::from_client`], [`RedisBackend::from_pool`],
 //! [`RedisBackend::from_redlock_clients`]. The facade parses URLs (`dlock::BackendUrl`);
 //! this crate takes addresses.
@@ -75,8 +76,9 @@
 //! uncontended acquire + release runs 9 commands inside its two scripts (see the
 //! `scripts` module for what each costs).
 //!
-//! The layout is Cluster-ready (one slot per lock), but the client connects to one master
-//! per address: pointing it at a Redis Cluster node is not supported yet.
+//! The layout is Cluster-ready: every key a script touches, and every channel it
+//! publishes on, carries the lock's hash tag, so each script names keys of one slot (see
+//! "Redis Cluster").
 //!
 //! # Lifetime of an entry: the watchdog
 //! An entry key expires one lease after its last renewal (the lease is
@@ -134,6 +136,33 @@
 //! lock. Tokens stay monotonic across the failover through the clock floor, provided the
 //! new primary's clock is not behind the old one's by more than the failover took
 //! ([safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md)).
+//!
+//! # Redis Cluster
+//! With [`RedisBackend::connect_cluster`] (seed nodes of the cluster) the command and
+//! subscriber clients are fred's cluster clients: one connection per master, each command
+//! sent to the master of its first key's slot, `MOVED` and `ASK` followed. Every key and
+//! channel of a lock carries the hash tag `{L}`, so one lock lives on one slot, on one
+//! master, and behaves there as on one master: the same scripts, tokens, watchdog,
+//! FIFO queue and `Gone::Head` handoffs. Locks are spread over the masters by their
+//! names; a [`dlock_core::Backend::list_queues`] walks every master (`SCAN` on each).
+//!
+//! Wake-ups use Redis 7 **sharded pub/sub**: the scripts `SPUBLISH` on the lock's slot
+//! and waiters `SSUBSCRIBE` there, so a release reaches only the subscribers of that
+//! slot's master (and its replicas) instead of being broadcast over the cluster bus as a
+//! plain `PUBLISH` is. fred waits for an `SSUBSCRIBE`'s confirmation, so the waiter's
+//! existence check that follows it cannot overtake it. When a slot changes masters (a
+//! failover, a migration) the old master drops the slot's sharded subscriptions; after
+//! every change of the slot map either client sees, the subscriptions are renewed on
+//! the new masters, the waiters re-check, and the watchdog runs a round at once, so a
+//! held entry that the promoted replica never received fires `lost()`. A change the
+//! clients have not yet seen (nothing of theirs touched the moved slot) is seen at the
+//! latest by the next renewal (lease/3) or re-check timer.
+//!
+//! Fencing tokens stay increasing across a failover as with Sentinel: a token is above
+//! the lock's replicated counter and floored at the slot master's clock in
+//! microseconds, so a promoted replica that missed the last writes still hands out a
+//! larger token, provided its clock is not behind the old master's by more than the
+//! failover took.
 //!
 //! # Redlock
 //! In Redlock mode (the algorithm of the Redis docs, as in redsync) an entry is written

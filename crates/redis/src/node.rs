@@ -38,6 +38,10 @@ pub(crate) struct Tuning {
 /// connection, reconnection and shutdown stay the application's.
 pub(crate) struct Node {
     pub addr: String,
+    /// A Redis Cluster: commands go to the master of their key's slot (fred follows
+    /// `MOVED` and `ASK`), and wake-ups use sharded pub/sub on that slot
+    /// (`SSUBSCRIBE`; the scripts `SPUBLISH`).
+    pub sharded: bool,
     pub client: fred::prelude::Client,
     pub sub: SubscriberClient,
     /// The options every command of ours carries: one attempt, our timeout.
@@ -133,6 +137,25 @@ pub(crate) fn check_addr(addr: &str) -> Result<&str, Error> {
     Ok(addr)
 }
 
+/// `host:port` addresses, checked, as (host, port) pairs.
+fn host_ports(addrs: &[String]) -> Result<Vec<(String, u16)>, Error> {
+    let mut hosts = Vec::with_capacity(addrs.len());
+    for a in addrs {
+        let (host, port) = check_addr(a)?
+            .rsplit_once(':')
+            .ok_or_else(|| Error::InvalidUrl {
+                url: a.clone(),
+                reason: "expected host:port".into(),
+            })?;
+        let port = port.parse::<u16>().map_err(|e| Error::InvalidUrl {
+            url: a.clone(),
+            reason: e.to_string(),
+        })?;
+        hosts.push((host.to_owned(), port));
+    }
+    Ok(hosts)
+}
+
 impl Node {
     /// Builds the clients and starts connecting them; does not wait for the connection.
     pub fn start(addr: &str, tuning: Tuning, access: &Access) -> Result<Node, Error> {
@@ -147,14 +170,33 @@ impl Node {
         Self::start_with(addr.to_owned(), config, tuning, None)
     }
 
+    /// Builds clients of the Redis Cluster that the seed nodes `seeds` (`host:port`
+    /// each) belong to, and starts connecting them; does not wait.
+    ///
+    /// fred reads the slot map (`CLUSTER SLOTS`) from the first seed that answers and
+    /// keeps one connection per master; a command goes to the master of its first key's
+    /// slot and follows `MOVED` (re-reading the map) and `ASK` (during a slot
+    /// migration) by itself. Every key and channel of one lock shares the lock's hash
+    /// tag, so each script and each wake-up of a lock is on one slot, one master.
+    pub fn start_cluster(seeds: &[String], tuning: Tuning, access: &Access) -> Result<Node, Error> {
+        let hosts = host_ports(seeds)?;
+        let mut config = Config {
+            server: ServerConfig::new_clustered(hosts),
+            ..Config::default()
+        };
+        access.apply(&mut config);
+        Self::start_with(format!("cluster {}", seeds.join(",")), config, tuning, None)
+    }
+
     /// A node on the application's own command client (bring your own client): dlock
     /// sends its commands over `client`'s connection and opens only its subscriber, with
     /// `client`'s configuration (server, TLS, credentials). A client configured for
-    /// Sentinel gets the same failover watch as [`Node::start_sentinel`].
+    /// Sentinel gets the same failover watch as [`Node::start_sentinel`]; one configured
+    /// for a Redis Cluster is used as [`Node::start_cluster`]'s.
     ///
     /// # Errors
-    /// [`Error::InvalidUrl`] for a client configured for Redis Cluster, which this
-    /// adapter does not drive yet.
+    /// [`Error::Backend`] if fred cannot build the subscriber from `client`'s
+    /// configuration.
     pub fn borrow(client: fred::prelude::Client, tuning: Tuning) -> Result<Node, Error> {
         let config = client.client_config();
         match &config.server {
@@ -187,12 +229,14 @@ impl Node {
                 }
                 Ok(node)
             }
-            _ => Err(Error::InvalidUrl {
-                url: "the application's fred client".into(),
-                reason: "a client configured for Redis Cluster is not supported yet; pass a \
-                         client of one server or of a Sentinel group"
-                    .into(),
-            }),
+            ServerConfig::Clustered { hosts, .. } => {
+                let label = hosts
+                    .iter()
+                    .map(|h| format!("{}:{}", h.host, h.port))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                Self::start_with(format!("cluster {label}"), config, tuning, Some(client))
+            }
         }
     }
 
@@ -215,21 +259,7 @@ impl Node {
         access: &Access,
     ) -> Result<Node, Error> {
         let label = format!("{}/{service}", sentinels.join(","));
-        let mut hosts = Vec::with_capacity(sentinels.len());
-        for s in sentinels {
-            let (host, port) =
-                check_addr(s)?
-                    .rsplit_once(':')
-                    .ok_or_else(|| Error::InvalidUrl {
-                        url: s.clone(),
-                        reason: "expected host:port".into(),
-                    })?;
-            let port = port.parse::<u16>().map_err(|e| Error::InvalidUrl {
-                url: s.clone(),
-                reason: e.to_string(),
-            })?;
-            hosts.push((host.to_owned(), port));
-        }
+        let hosts = host_ports(sentinels)?;
         let mut config = Config {
             server: ServerConfig::new_sentinel(hosts.clone(), service),
             ..Config::default()
@@ -355,6 +385,7 @@ impl Node {
         // back later, and a Sentinel group may be between primaries. The caller bounds the
         // wait with the connect timeout.
         config.fail_fast = false;
+        let sharded = matches!(config.server, ServerConfig::Clustered { .. });
         // The subscriber speaks RESP3 so that it can also run the waiter's existence
         // check: sent after the SUBSCRIBE on the same connection, the server answers it
         // only once the subscription is in force, which saves the confirming PING and its
@@ -401,6 +432,7 @@ impl Node {
         let resubscriber = resubscribe_on_reconnect(&sub, addr.clone());
         Ok(Node {
             addr,
+            sharded,
             client,
             sub,
             cmd,
@@ -545,11 +577,18 @@ impl Node {
                 let Some(lua) = script.lua() else {
                     return Err(self.map_err(what, e));
                 };
-                client
-                    .script_load::<Value, _>(lua.clone())
-                    .await
-                    .map_err(|e| self.map_err(what, e))?;
-                client.evalsha(script.sha1().clone(), keys, args).await
+                if self.sharded {
+                    // SCRIPT LOAD is not routed by key on a cluster (it would load the
+                    // script on some node, perhaps not the slot's master): EVAL goes to
+                    // the slot's master and caches the script there.
+                    client.eval(lua.clone(), keys, args).await
+                } else {
+                    client
+                        .script_load::<Value, _>(lua.clone())
+                        .await
+                        .map_err(|e| self.map_err(what, e))?;
+                    client.evalsha(script.sha1().clone(), keys, args).await
+                }
             }
             other => other,
         };
@@ -586,11 +625,17 @@ impl Node {
 
     /// Sends SUBSCRIBE for `channel`. It is *not* in force yet: see
     /// [`Node::confirm_subscriptions`] and [`Node::pttl_after_subscribe`].
+    ///
+    /// On a cluster this is `SSUBSCRIBE` on the channel's slot (the master the waiter's
+    /// existence check goes to next), and it *is* in force when it returns: fred waits
+    /// for the server's confirmation of an `SSUBSCRIBE`, following `MOVED`.
     pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
-        self.sub
-            .subscribe(channel)
-            .await
-            .map_err(|e| self.map_err("subscribing", e))
+        let sent = if self.sharded {
+            self.sub.ssubscribe(channel).await
+        } else {
+            self.sub.subscribe(channel).await
+        };
+        sent.map_err(|e| self.map_err("subscribing", e))
     }
 
     /// Returns once the server has processed every SUBSCRIBE sent before this call.
@@ -610,11 +655,27 @@ impl Node {
     }
 
     /// Sends one UNSUBSCRIBE for all of `channels` (at least one).
+    ///
+    /// On a cluster, one `SUNSUBSCRIBE` per slot: the server refuses one whose channels
+    /// are on different slots.
     pub async fn unsubscribe_all(&self, channels: &[String]) -> Result<(), Error> {
-        self.sub
-            .unsubscribe(channels.to_vec())
-            .await
-            .map_err(|e| self.map_err("unsubscribing", e))
+        if !self.sharded {
+            return self
+                .sub
+                .unsubscribe(channels.to_vec())
+                .await
+                .map_err(|e| self.map_err("unsubscribing", e));
+        }
+        let groups = fred::util::group_by_hash_slot(channels.iter().map(String::as_str))
+            .map_err(|e| self.map_err("unsubscribing", e))?;
+        for (_, group) in groups {
+            let group: Vec<String> = group.into_iter().filter_map(|k| k.into_string()).collect();
+            self.sub
+                .sunsubscribe(group)
+                .await
+                .map_err(|e| self.map_err("unsubscribing", e))?;
+        }
+        Ok(())
     }
 
     /// Maps a fred error: connection trouble and timeouts are [`Error::Unreachable`],
@@ -623,7 +684,10 @@ impl Node {
     /// A server that is not (or not yet) a writable primary also counts as unreachable:
     /// `READONLY` (a demoted primary, before the client reconnected to the promoted
     /// replica), `LOADING` (a restart reading its data), `MASTERDOWN` (a replica cut off
-    /// from its primary). Each is transient; the command was not applied.
+    /// from its primary); on a cluster `CLUSTERDOWN` (slots without a master, during a
+    /// failover), `TRYAGAIN` (a multi-key command during a slot migration) and a
+    /// `MOVED`/`ASK` left over once fred's redirections ran out. Each is transient; the
+    /// command was not applied.
     ///
     /// ACL refusals are typed: `WRONGPASS`/`NOAUTH` [`Error::Unauthenticated`], `NOPERM`
     /// (and a script's call refused by the ACL) [`Error::PermissionDenied`]; a TLS
@@ -632,7 +696,15 @@ impl Node {
         if let Some(typed) = access_error(&e) {
             return typed;
         }
-        let transient = ["READONLY", "LOADING", "MASTERDOWN"];
+        let transient = [
+            "READONLY",
+            "LOADING",
+            "MASTERDOWN",
+            "CLUSTERDOWN",
+            "TRYAGAIN",
+            "MOVED",
+            "ASK",
+        ];
         if transient.iter().any(|p| e.details().starts_with(p)) {
             return Error::Unreachable(format!("redis at {} while {what}: {e}", self.addr));
         }
@@ -649,17 +721,34 @@ impl Node {
         }
     }
 
+    /// On a cluster, the master that `key`'s slot is routed to in the command client's
+    /// cached slot map, as `host:port (slot N)`.
+    pub fn serving(&self, key: &str) -> Option<String> {
+        use fred::interfaces::ClusterInterface as _;
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let state = self.client.cached_cluster_state()?;
+        let server = state.get_server(slot)?;
+        Some(format!("{}:{} (slot {slot})", server.host, server.port))
+    }
+
     /// Every key matching `pattern`: a full `SCAN` cursor walk over this master's
     /// keyspace, [`SCAN_COUNT`] keys a step. `SCAN` may return a key twice; the caller
     /// de-duplicates.
     pub async fn scan_keys(&self, pattern: &str) -> Result<Vec<String>, Error> {
         use futures::TryStreamExt;
-        let keys: Vec<fred::types::Key> = self
-            .client
-            .scan_buffered(pattern.to_owned(), Some(SCAN_COUNT), None)
-            .try_collect()
-            .await
-            .map_err(|e| self.map_err("listing the locks (SCAN)", e))?;
+        // On a cluster every master is walked (each holds its own slots' keys).
+        let keys: Vec<fred::types::Key> = if self.sharded {
+            self.client
+                .scan_cluster_buffered(pattern.to_owned(), Some(SCAN_COUNT), None)
+                .try_collect()
+                .await
+        } else {
+            self.client
+                .scan_buffered(pattern.to_owned(), Some(SCAN_COUNT), None)
+                .try_collect()
+                .await
+        }
+        .map_err(|e| self.map_err("listing the locks (SCAN)", e))?;
         Ok(keys.into_iter().filter_map(|k| k.into_string()).collect())
     }
 
@@ -689,6 +778,46 @@ impl Node {
             }
         });
         vec![a, b]
+    }
+}
+
+impl Node {
+    /// On a cluster, after every change of the slot map that either client saw (a
+    /// failover, a slot moved; fred re-reads the map on `MOVED` and after reconnecting):
+    /// renews the sharded subscriptions on the slots' new masters, then calls
+    /// `on_change` (the backend re-checks its held entries and wakes its waiters). None
+    /// on a single server.
+    pub fn on_cluster_change(
+        &self,
+        on_change: impl Fn() + Send + Sync + 'static,
+    ) -> Vec<tokio::task::JoinHandle<fred::prelude::FredResult<()>>> {
+        if !self.sharded {
+            return Vec::new();
+        }
+        let on_change = Arc::new(on_change);
+        [self.client.cluster_change_rx(), self.sub.cluster_change_rx()]
+            .into_iter()
+            .map(|mut rx| {
+                let (sub, f, addr) = (self.sub.clone(), on_change.clone(), self.addr.clone());
+                tokio::spawn(async move {
+                    use tokio::sync::broadcast::error::RecvError;
+                    loop {
+                        match rx.recv().await {
+                            Ok(changes) => {
+                                tracing::info!(cluster = %addr, ?changes, "the cluster's slot map changed; renewing subscriptions and re-checking held entries");
+                            }
+                            Err(RecvError::Lagged(_)) => {}
+                            Err(RecvError::Closed) => return Ok(()),
+                        }
+                        f();
+                        if let Err(e) = resubscribe_shards(&sub).await {
+                            tracing::warn!(cluster = %addr, error = %e, "renewing sharded subscriptions failed; waiters fall back to their re-check timers");
+                        }
+                        f();
+                    }
+                })
+            })
+            .collect()
     }
 }
 
@@ -730,6 +859,17 @@ async fn resubscribe(sub: &SubscriberClient) -> fred::prelude::FredResult<()> {
     if !patterns.is_empty() {
         sub.psubscribe(patterns.into_iter().collect::<Vec<_>>())
             .await?;
+    }
+    resubscribe_shards(sub).await
+}
+
+/// Sends `SSUBSCRIBE` again for every sharded channel `sub` tracks, one per channel (fred
+/// never pipelines them: each waits for its confirmation, following `MOVED`). Also after
+/// a slot changed masters: the old master pushes `sunsubscribe` for the slot's channels,
+/// which fred drops without a word, so a subscription is renewed on the new master.
+pub(crate) async fn resubscribe_shards(sub: &SubscriberClient) -> fred::prelude::FredResult<()> {
+    for channel in sub.tracked_shard_channels() {
+        sub.ssubscribe(channel).await?;
     }
     Ok(())
 }

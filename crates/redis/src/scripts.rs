@@ -10,6 +10,7 @@
 //! Scripts are sent with `EVALSHA` and loaded on `NOSCRIPT` (fred's
 //! `Script::evalsha_with_reload`), so a server restart that forgets them costs one extra
 //! round trip, never a replayed write: a `NOSCRIPT` reply means the script did not run.
+//! (On a cluster the reload is an `EVAL`, which goes to the slot's master.)
 //!
 //! # What each script costs
 //! Every command a script runs is server time on the lock's hot path (and a `calls` count
@@ -281,8 +282,20 @@ pub(crate) struct Scripts {
 }
 
 impl Scripts {
-    pub fn new() -> Self {
-        let with = |body: &str| Script::from_lua(format!("{PRELUDE}{body}"));
+    /// The scripts; `sharded` (a Redis Cluster) publishes with `SPUBLISH` instead of
+    /// `PUBLISH`: a sharded message goes to the subscribers of the slot's master and its
+    /// replicas only, where a plain one is broadcast over the whole cluster bus. Every
+    /// channel a script publishes on carries the lock's hash tag, so it is on the
+    /// script's own slot, as the server requires of a script's `SPUBLISH`.
+    pub fn new(sharded: bool) -> Self {
+        let with = |body: &str| {
+            let lua = format!("{PRELUDE}{body}");
+            Script::from_lua(if sharded {
+                lua.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")
+            } else {
+                lua
+            })
+        };
         Scripts {
             enqueue: with(ENQUEUE),
             list: with(LIST),
@@ -290,5 +303,28 @@ impl Scripts {
             abandon: with(ABANDON),
             renew: with(RENEW),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Scripts;
+
+    /// Every publish of the cluster's scripts is sharded, and the others publish plainly.
+    #[test]
+    fn cluster_scripts_publish_sharded() {
+        let plain = Scripts::new(false);
+        let sharded = Scripts::new(true);
+        for (p, s) in [
+            (&plain.remove, &sharded.remove),
+            (&plain.list, &sharded.list),
+            (&plain.abandon, &sharded.abandon),
+        ] {
+            let (p, s) = (p.lua().expect("source"), s.lua().expect("source"));
+            assert!(p.contains("redis.call('PUBLISH'") && !p.contains("SPUBLISH"));
+            assert!(s.contains("redis.call('SPUBLISH'"));
+            assert!(!s.contains("redis.call('PUBLISH'"));
+        }
+        assert_ne!(plain.remove.sha1(), sharded.remove.sha1());
     }
 }

@@ -1,6 +1,7 @@
-//! The backend contract (`dlock_testkit::contract`) on the three Redis deployments: one
-//! master (`DLOCK_TEST_REDIS`), Redlock over independent masters (`DLOCK_TEST_REDLOCK`)
-//! and the primary of a Sentinel group (`DLOCK_TEST_REDIS_SENTINEL`).
+//! The backend contract (`dlock_testkit::contract`) on the four Redis deployments: one
+//! master (`DLOCK_TEST_REDIS`), Redlock over independent masters (`DLOCK_TEST_REDLOCK`),
+//! the primary of a Sentinel group (`DLOCK_TEST_REDIS_SENTINEL`) and a Redis Cluster
+//! (`DLOCK_TEST_REDIS_CLUSTER`).
 
 /// One master.
 mod single {
@@ -58,6 +59,26 @@ mod sentinel {
 
     dlock_testkit::backend_contract! {
         endpoint: dlock_testkit::ENV_REDIS_SENTINEL,
+        connect: connect,
+        supports: [],
+    }
+}
+
+/// A Redis Cluster, through its nodes as seeds: each lock on its slot's master.
+mod cluster {
+    use dlock_redis::RedisBackend;
+    use dlock_testkit::contract::{connect_fn, Connect};
+
+    fn connect(nodes: String) -> Connect {
+        let seeds: Vec<String> = nodes.split(',').map(|s| s.trim().to_owned()).collect();
+        connect_fn(move |opts| {
+            let seeds = seeds.clone();
+            async move { RedisBackend::connect_cluster(&seeds, opts).await }
+        })
+    }
+
+    dlock_testkit::backend_contract! {
+        endpoint: dlock_testkit::ENV_REDIS_CLUSTER,
         connect: connect,
         supports: [],
     }

@@ -45,6 +45,10 @@ pub struct ClusterSpec {
     /// runs a Redis primary ([`Backend::RedisHa`] node 1), these replicas (nodes 2..) and
     /// three Sentinels ([`Backend::Sentinel`], quorum 2) that fail over in seconds.
     pub sentinel_replicas: u32,
+    /// Also a Redis Cluster of [`crate::CLUSTER_NODES`] nodes ([`Backend::RedisCluster`]):
+    /// three masters with one replica each, formed and serving every slot before
+    /// [`Cluster::start`] returns. Not in a secured cluster.
+    pub redis_cluster: bool,
     /// Added to every port of the default layout (see [`crate::client_port`]).
     pub port_offset: u16,
     /// Where to write the state file; `None` keeps the state in memory only.
@@ -65,6 +69,7 @@ impl Default for ClusterSpec {
             etcd: 1,
             redis: 1,
             sentinel_replicas: 0,
+            redis_cluster: false,
             port_offset: 0,
             state_path: None,
             base_dir: None,
@@ -80,6 +85,11 @@ impl ClusterSpec {
                 "at most 5 ZooKeeper, 5 etcd, 10 Redis nodes and 2 Sentinel-group replicas (asked {}/{}/{}/{})",
                 self.zk, self.etcd, self.redis, self.sentinel_replicas
             )));
+        }
+        if self.redis_cluster && self.secure {
+            return Err(Error::InvalidSpec(
+                "a secured Redis Cluster is not started by the testkit yet".into(),
+            ));
         }
         if self.port_offset > MAX_PORT_OFFSET {
             return Err(Error::InvalidSpec(format!(
@@ -169,6 +179,9 @@ impl Cluster {
         }
         if spec.sentinel_replicas > 0 {
             cluster.start_sentinel_group(spec, pki.as_ref())?;
+        }
+        if spec.redis_cluster {
+            cluster.state.create_redis_cluster(START_TIMEOUT)?;
         }
         Ok(cluster)
     }
@@ -332,6 +345,13 @@ impl Cluster {
                 Some(pki) => secure_redis_argv(id, off, &dir, pki),
             };
             self.spawn(Backend::Redis, id, dir, argv, tls.clone())?;
+        }
+        if spec.redis_cluster {
+            for id in 1..=crate::config::CLUSTER_NODES {
+                let dir = self.node_dir(Backend::RedisCluster, id)?;
+                let argv = crate::config::redis_cluster_argv(id, off, &dir);
+                self.spawn(Backend::RedisCluster, id, dir, argv, None)?;
+            }
         }
         Ok(())
     }

@@ -321,6 +321,38 @@ pub fn redis_argv(id: u32, offset: u16, dir: &Path) -> Vec<String> {
     ]
 }
 
+/// How many nodes the Redis Cluster has: three masters, one replica each.
+pub const CLUSTER_NODES: u32 = 6;
+
+/// How long a Redis Cluster node may be unreachable before the others count it as failed
+/// and its replica takes over (`--cluster-node-timeout`, ms). Short so a failover test
+/// takes seconds (a SIGKILLed master is replaced about 3 s later), long enough that a
+/// machine busy compiling does not fail a live master over.
+pub const CLUSTER_NODE_TIMEOUT_MS: u32 = 2000;
+
+/// The command line of Redis Cluster node `id`: like [`redis_argv`] (no persistence,
+/// `DEBUG` on) with cluster mode on, the bus on its own port in the layout
+/// (`--cluster-port`, Redis 7.0+), the node's cluster state in `<dir>/nodes.conf` (a
+/// restarted node rejoins from it, as a replica if it was failed over), and
+/// `--repl-diskless-sync-delay 0` so a replica's first sync does not wait 5 s.
+pub fn redis_cluster_argv(id: u32, offset: u16, dir: &Path) -> Vec<String> {
+    let mut argv = redis_argv(id, offset, dir);
+    argv[2] = client_port(Backend::RedisCluster, id, offset).to_string();
+    argv.extend([
+        "--cluster-enabled".into(),
+        "yes".into(),
+        "--cluster-port".into(),
+        crate::ports::cluster_bus_port(id, offset).to_string(),
+        "--cluster-config-file".into(),
+        dir.join("nodes.conf").display().to_string(),
+        "--cluster-node-timeout".into(),
+        CLUSTER_NODE_TIMEOUT_MS.to_string(),
+        "--repl-diskless-sync-delay".into(),
+        "0".into(),
+    ]);
+    argv
+}
+
 /// How many Sentinels watch the Sentinel group (quorum [`SENTINEL_QUORUM`]).
 pub const SENTINELS: u32 = 3;
 

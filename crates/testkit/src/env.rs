@@ -16,6 +16,9 @@ pub const ENV_REDLOCK: &str = "DLOCK_TEST_REDLOCK";
 /// `127.0.0.1:6393,127.0.0.1:6394,127.0.0.1:6395/mymaster` (the facade URL is
 /// `redis+sentinel://` followed by this).
 pub const ENV_REDIS_SENTINEL: &str = "DLOCK_TEST_REDIS_SENTINEL";
+/// Every node of the Redis Cluster, `127.0.0.1:6396,...,127.0.0.1:6401` (the facade URL
+/// is `redis+cluster://` followed by this: every node is a seed).
+pub const ENV_REDIS_CLUSTER: &str = "DLOCK_TEST_REDIS_CLUSTER";
 /// Path of the cluster state JSON, for fault tests.
 pub const ENV_STATE: &str = "DLOCK_TEST_STATE";
 
@@ -32,6 +35,8 @@ pub const ENV_SECURE_REDLOCK: &str = "DLOCK_TEST_SECURE_REDLOCK";
 /// A secured Sentinel group: its Sentinels and service name,
 /// `rediss+sentinel://dlock-app:PASSWORD@h:p,h:p,h:p/mymaster?ca=...&cert=...&key=...`.
 pub const ENV_SECURE_REDIS_SENTINEL: &str = "DLOCK_TEST_SECURE_REDIS_SENTINEL";
+/// A secured Redis Cluster, `rediss+cluster://dlock-app:PASSWORD@h:p,...?ca=...`.
+pub const ENV_SECURE_REDIS_CLUSTER: &str = "DLOCK_TEST_SECURE_REDIS_CLUSTER";
 /// Path of the secured cluster's state JSON (its PKI is [`crate::State::pki`]).
 pub const ENV_SECURE_STATE: &str = "DLOCK_TEST_SECURE_STATE";
 
@@ -95,6 +100,8 @@ pub struct Endpoints {
     pub redlock: Option<String>,
     /// [`ENV_REDIS_SENTINEL`].
     pub redis_sentinel: Option<String>,
+    /// [`ENV_REDIS_CLUSTER`].
+    pub redis_cluster: Option<String>,
     /// [`ENV_STATE`].
     pub state: Option<PathBuf>,
 }
@@ -112,6 +119,7 @@ impl Endpoints {
             redis: var(ENV_REDIS),
             redlock: var(ENV_REDLOCK),
             redis_sentinel: var(ENV_REDIS_SENTINEL),
+            redis_cluster: var(ENV_REDIS_CLUSTER),
             state: var(ENV_STATE).map(PathBuf::from),
         }
     }
@@ -125,6 +133,7 @@ impl Endpoints {
             (ENV_REDIS, &self.redis),
             (ENV_REDLOCK, &self.redlock),
             (ENV_REDIS_SENTINEL, &self.redis_sentinel),
+            (ENV_REDIS_CLUSTER, &self.redis_cluster),
         ];
         for (name, value) in pairs {
             if let Some(v) = value {
@@ -145,6 +154,14 @@ impl Endpoints {
         self.redis_sentinel
             .as_ref()
             .map(|v| format!("redis+sentinel://{v}"))
+    }
+
+    /// The Redis Cluster as a facade URL, `redis+cluster://a,b,c,d,e,f`; like
+    /// [`Endpoints::sentinel_url`], not part of [`Endpoints::urls`].
+    pub fn cluster_url(&self) -> Option<String> {
+        self.redis_cluster
+            .as_ref()
+            .map(|v| format!("redis+cluster://{v}"))
     }
 
     /// The endpoints as URLs for the `dlock` CLI and humans: `zk://a,b,c`, `etcd://a,b,c`,
@@ -238,6 +255,15 @@ pub fn require_redis_sentinel() -> Option<String> {
     require(ENV_REDIS_SENTINEL)
 }
 
+/// The Redis Cluster's nodes from [`ENV_REDIS_CLUSTER`]; same skip/fail rule as
+/// [`require_zk`].
+///
+/// # Panics
+/// When the variable is missing and env `CI` is set.
+pub fn require_redis_cluster() -> Option<String> {
+    require(ENV_REDIS_CLUSTER)
+}
+
 /// The loaded cluster [`State`] from [`ENV_STATE`], for fault tests; same skip/fail rule
 /// as [`require_zk`].
 ///
@@ -264,6 +290,7 @@ mod tests {
             redis: Some("127.0.0.1:6379".into()),
             redlock: Some("127.0.0.1:6379,127.0.0.1:6380".into()),
             redis_sentinel: Some("127.0.0.1:6393,127.0.0.1:6394/mymaster".into()),
+            redis_cluster: None,
             state: Some(PathBuf::from("/t/state.json")),
         };
         assert_eq!(

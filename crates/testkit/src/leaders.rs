@@ -178,9 +178,9 @@ impl State {
                 Backend::Zookeeper => Ok(self.zk_leader()),
                 Backend::Etcd => self.etcd_leader(),
                 Backend::RedisHa => Ok(self.sentinel_primary()),
-                Backend::Redis | Backend::Sentinel => Err(Error::InvalidSpec(format!(
-                    "{backend} nodes have no leader"
-                ))),
+                Backend::Redis | Backend::Sentinel | Backend::RedisCluster => Err(
+                    Error::InvalidSpec(format!("{backend} nodes have no leader")),
+                ),
             },
             || Error::Command {
                 command: format!("wait for {backend} leader"),

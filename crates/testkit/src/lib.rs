@@ -74,22 +74,25 @@ mod netcut;
 mod ports;
 mod probe;
 mod process;
+mod redis_cluster;
 pub mod secure;
 mod service;
 mod state;
 
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
 pub use config::{
-    etcd_argv, redis_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv,
+    etcd_argv, redis_argv, redis_cluster_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv,
     secure_redis_ha_argv, secure_sentinel_conf, secure_zk_argv, secure_zoo_cfg, sentinel_argv,
-    sentinel_conf, zk_argv, zoo_cfg, NETTY_CODEC_JAR, SENTINELS, SENTINEL_QUORUM, SENTINEL_SERVICE,
-    ZK_JAR,
+    sentinel_conf, zk_argv, zoo_cfg, CLUSTER_NODES, CLUSTER_NODE_TIMEOUT_MS, NETTY_CODEC_JAR,
+    SENTINELS, SENTINEL_QUORUM, SENTINEL_SERVICE, ZK_JAR,
 };
 pub use env::{
-    reap_scratch_clusters, require_etcd, require_redis, require_redis_sentinel, require_redlock,
-    require_state, require_zk, scratch_state_path, Endpoints, ENV_CLUSTER_DIR, ENV_ETCD, ENV_REDIS,
-    ENV_REDIS_SENTINEL, ENV_REDLOCK, ENV_SECURE_ETCD, ENV_SECURE_REDIS, ENV_SECURE_REDIS_SENTINEL,
-    ENV_SECURE_REDLOCK, ENV_SECURE_STATE, ENV_SECURE_ZK, ENV_STATE, ENV_ZK,
+    reap_scratch_clusters, require_etcd, require_redis, require_redis_cluster,
+    require_redis_sentinel, require_redlock, require_state, require_zk, scratch_state_path,
+    Endpoints, ENV_CLUSTER_DIR, ENV_ETCD, ENV_REDIS, ENV_REDIS_CLUSTER, ENV_REDIS_SENTINEL,
+    ENV_REDLOCK, ENV_SECURE_ETCD, ENV_SECURE_REDIS, ENV_SECURE_REDIS_CLUSTER,
+    ENV_SECURE_REDIS_SENTINEL, ENV_SECURE_REDLOCK, ENV_SECURE_STATE, ENV_SECURE_ZK, ENV_STATE,
+    ENV_ZK,
 };
 pub use error::{Error, Result};
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
@@ -122,5 +125,6 @@ pub use probe::{
     etcd_healthy, etcd_healthy_over, redis_ping, redis_ping_over, redis_query, redis_query_over,
     tls_handshake, zk_mode, zk_mode_over, ZkMode,
 };
+pub use redis_cluster::key_slot;
 pub use service::LockService;
 pub use state::{default_state_path, Backend, Server, State};

@@ -3,14 +3,15 @@
 //! Node ids start at 1. Layout at offset 0 (the servers' usual defaults):
 //! ZooKeeper client 2181.., quorum 2888.., election 3888..; etcd client 2379/2479/2579,
 //! peer 2380/2480/2580; Redis 6379..6388; the Sentinel group's primary and replicas
-//! 6390..6392, its three Sentinels 6393..6395 (not 26379: every port stays below 6400 so
-//! the same offsets fit).
+//! 6390..6392, its three Sentinels 6393..6395 (not 26379); the Redis Cluster's six nodes
+//! 6396..6401 with their cluster bus ports 6402..6407 (not port + 10000): every port
+//! stays below 6410 so the same offsets fit.
 
 use std::net::TcpListener;
 
 use crate::{Backend, ClusterSpec};
 
-/// The largest accepted port offset: the highest port of the layout (6395) plus this stays
+/// The largest accepted port offset: the highest port of the layout (6407) plus this stays
 /// below 65536.
 pub const MAX_PORT_OFFSET: u16 = 59_000;
 
@@ -23,7 +24,13 @@ pub fn client_port(backend: Backend, id: u32, offset: u16) -> u16 {
         Backend::Redis => 6379 + i + offset,
         Backend::RedisHa => 6390 + i + offset,
         Backend::Sentinel => 6393 + i + offset,
+        Backend::RedisCluster => 6396 + i + offset,
     }
+}
+
+/// The cluster bus port of Redis Cluster node `id` (`--cluster-port`).
+pub(crate) fn cluster_bus_port(id: u32, offset: u16) -> u16 {
+    6402 + id.saturating_sub(1) as u16 + offset
 }
 
 /// ZooKeeper quorum and election ports of node `id`.
@@ -65,6 +72,12 @@ pub(crate) fn spec_ports(spec: &ClusterSpec) -> Vec<u16> {
             ports.push(client_port(Backend::Sentinel, id, off));
         }
     }
+    if spec.redis_cluster {
+        for id in 1..=crate::config::CLUSTER_NODES {
+            ports.push(client_port(Backend::RedisCluster, id, off));
+            ports.push(cluster_bus_port(id, off));
+        }
+    }
     ports
 }
 
@@ -102,14 +115,16 @@ mod tests {
             etcd: 3,
             redis: 10,
             sentinel_replicas: 2,
+            redis_cluster: true,
             ..ClusterSpec::default()
         };
         let mut ports = spec_ports(&spec);
-        assert_eq!(ports.len(), 9 + 6 + 10 + 3 + 3);
+        assert_eq!(ports.len(), 9 + 6 + 10 + 3 + 3 + 12);
         ports.sort_unstable();
         ports.dedup();
-        assert_eq!(ports.len(), 31);
+        assert_eq!(ports.len(), 43);
         assert_eq!(client_port(Backend::Sentinel, 3, MAX_PORT_OFFSET), 65_395);
+        assert_eq!(cluster_bus_port(6, MAX_PORT_OFFSET), 65_407);
     }
 
     #[test]

@@ -292,7 +292,7 @@ impl Caller {
 
 impl LockService {
     /// The facade's TLS URL scheme for this service: `zks`, `etcds`, `rediss`,
-    /// `redlocks`, `rediss+sentinel`.
+    /// `redlocks`, `rediss+sentinel`, `rediss+cluster`.
     pub fn secure_scheme(self) -> &'static str {
         match self {
             LockService::Zk => "zks",
@@ -300,14 +300,15 @@ impl LockService {
             LockService::Redis => "rediss",
             LockService::Redlock => "redlocks",
             LockService::RedisSentinel => "rediss+sentinel",
+            LockService::RedisCluster => "rediss+cluster",
         }
     }
 
     /// The environment variable holding this service's full secured URL.
     pub fn secure_env_var(self) -> &'static str {
         use crate::env::{
-            ENV_SECURE_ETCD, ENV_SECURE_REDIS, ENV_SECURE_REDIS_SENTINEL, ENV_SECURE_REDLOCK,
-            ENV_SECURE_ZK,
+            ENV_SECURE_ETCD, ENV_SECURE_REDIS, ENV_SECURE_REDIS_CLUSTER, ENV_SECURE_REDIS_SENTINEL,
+            ENV_SECURE_REDLOCK, ENV_SECURE_ZK,
         };
         match self {
             LockService::Zk => ENV_SECURE_ZK,
@@ -315,6 +316,7 @@ impl LockService {
             LockService::Redis => ENV_SECURE_REDIS,
             LockService::Redlock => ENV_SECURE_REDLOCK,
             LockService::RedisSentinel => ENV_SECURE_REDIS_SENTINEL,
+            LockService::RedisCluster => ENV_SECURE_REDIS_CLUSTER,
         }
     }
 

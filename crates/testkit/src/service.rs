@@ -1,11 +1,11 @@
 //! The lock services dlock's tests and `cargo xtask chaos` run against, by name.
 
 use crate::config::SENTINEL_SERVICE;
-use crate::env::{ENV_ETCD, ENV_REDIS, ENV_REDIS_SENTINEL, ENV_REDLOCK, ENV_ZK};
+use crate::env::{ENV_ETCD, ENV_REDIS, ENV_REDIS_CLUSTER, ENV_REDIS_SENTINEL, ENV_REDLOCK, ENV_ZK};
 use crate::{Backend, Endpoints};
 
 /// A lock service as a dlock user names it in a URL: one backend, or one way of using the
-/// Redis servers (a single master, a Redlock set, a Sentinel group).
+/// Redis servers (a single master, a Redlock set, a Sentinel group, a Redis Cluster).
 ///
 /// One list, so a test suite and the chaos runner cannot disagree on which services exist,
 /// which `DLOCK_TEST_*` variable carries each one's endpoints, or how its URL is spelled.
@@ -21,16 +21,19 @@ pub enum LockService {
     Redlock,
     /// The primary of a Sentinel group, `redis+sentinel://h:p,h:p,h:p/mymaster`.
     RedisSentinel,
+    /// A Redis Cluster through its nodes, `redis+cluster://h:p,h:p,...`.
+    RedisCluster,
 }
 
 impl LockService {
     /// Every service, in the order runs report them.
-    pub const ALL: [LockService; 5] = [
+    pub const ALL: [LockService; 6] = [
         LockService::Zk,
         LockService::Etcd,
         LockService::Redis,
         LockService::Redlock,
         LockService::RedisSentinel,
+        LockService::RedisCluster,
     ];
 
     /// The name reports and file names use (`zookeeper`, `redis-sentinel`, ...).
@@ -41,6 +44,7 @@ impl LockService {
             LockService::Redis => "redis",
             LockService::Redlock => "redlock",
             LockService::RedisSentinel => "redis-sentinel",
+            LockService::RedisCluster => "redis-cluster",
         }
     }
 
@@ -52,6 +56,7 @@ impl LockService {
             LockService::Redis => "redis",
             LockService::Redlock => "redlock",
             LockService::RedisSentinel => "redis+sentinel",
+            LockService::RedisCluster => "redis+cluster",
         }
     }
 
@@ -64,6 +69,7 @@ impl LockService {
             LockService::Redis => ENV_REDIS,
             LockService::Redlock => ENV_REDLOCK,
             LockService::RedisSentinel => ENV_REDIS_SENTINEL,
+            LockService::RedisCluster => ENV_REDIS_CLUSTER,
         }
     }
 
@@ -75,11 +81,13 @@ impl LockService {
             LockService::Etcd => Backend::Etcd,
             LockService::Redis | LockService::Redlock => Backend::Redis,
             LockService::RedisSentinel => Backend::Sentinel,
+            LockService::RedisCluster => Backend::RedisCluster,
         }
     }
 
     /// Parses a label or scheme (`zk`, `zookeeper`, `etcd`, `redis`, `redlock`,
-    /// `redis-sentinel`, `sentinel`), ignoring case and surrounding blanks.
+    /// `redis-sentinel`, `sentinel`, `redis-cluster`, `cluster`), ignoring case and
+    /// surrounding blanks.
     pub fn parse(s: &str) -> Option<LockService> {
         Some(match s.trim().to_ascii_lowercase().as_str() {
             "zk" | "zookeeper" => LockService::Zk,
@@ -87,6 +95,7 @@ impl LockService {
             "redis" => LockService::Redis,
             "redlock" => LockService::Redlock,
             "redis-sentinel" | "redis+sentinel" | "sentinel" => LockService::RedisSentinel,
+            "redis-cluster" | "redis+cluster" | "cluster" => LockService::RedisCluster,
             _ => return None,
         })
     }
@@ -114,6 +123,7 @@ impl LockService {
             LockService::Redis => endpoints.redis.as_deref(),
             LockService::Redlock => endpoints.redlock.as_deref(),
             LockService::RedisSentinel => endpoints.redis_sentinel.as_deref(),
+            LockService::RedisCluster => endpoints.redis_cluster.as_deref(),
         }
     }
 
@@ -164,12 +174,14 @@ mod tests {
             redis: Some("r".into()),
             redlock: None,
             redis_sentinel: Some("s/mymaster".into()),
+            redis_cluster: Some("c1,c2".into()),
             state: None,
         };
         assert_eq!(LockService::Zk.endpoint(&e), Some("z"));
         assert_eq!(LockService::Etcd.endpoint(&e), None);
         assert_eq!(LockService::Redis.endpoint(&e), Some("r"));
         assert_eq!(LockService::RedisSentinel.endpoint(&e), Some("s/mymaster"));
+        assert_eq!(LockService::RedisCluster.endpoint(&e), Some("c1,c2"));
         let distinct: std::collections::HashSet<_> =
             LockService::ALL.iter().map(|s| s.env_var()).collect();
         assert_eq!(distinct.len(), LockService::ALL.len());

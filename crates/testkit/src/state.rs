@@ -43,20 +43,26 @@ pub enum Backend {
     RedisHa,
     /// A Redis Sentinel watching the [`Backend::RedisHa`] group.
     Sentinel,
+    /// A node of the Redis Cluster: six nodes, created as three masters with one replica
+    /// each (which replica follows which master `redis-cli --cluster create` decides;
+    /// after a failover any node may be a master: see [`State::redis_cluster_master_of`]).
+    #[serde(rename = "redis-cluster")]
+    RedisCluster,
 }
 
 impl Backend {
     /// All server kinds, in the order clusters start them.
-    pub const ALL: [Backend; 5] = [
+    pub const ALL: [Backend; 6] = [
         Backend::Zookeeper,
         Backend::Etcd,
         Backend::Redis,
         Backend::RedisHa,
         Backend::Sentinel,
+        Backend::RedisCluster,
     ];
 
     /// The short name used in URLs, directories and messages: `zk`, `etcd`, `redis`,
-    /// `redis-ha`, `sentinel`.
+    /// `redis-ha`, `sentinel`, `redis-cluster`.
     pub fn short(self) -> &'static str {
         match self {
             Backend::Zookeeper => "zk",
@@ -64,6 +70,7 @@ impl Backend {
             Backend::Redis => "redis",
             Backend::RedisHa => "redis-ha",
             Backend::Sentinel => "sentinel",
+            Backend::RedisCluster => "redis-cluster",
         }
     }
 }
@@ -76,6 +83,7 @@ impl fmt::Display for Backend {
             Backend::Redis => "redis",
             Backend::RedisHa => "redis-ha",
             Backend::Sentinel => "sentinel",
+            Backend::RedisCluster => "redis-cluster",
         })
     }
 }
@@ -83,7 +91,8 @@ impl fmt::Display for Backend {
 impl FromStr for Backend {
     type Err = String;
 
-    /// Accepts `zk`, `zookeeper`, `etcd`, `redis`, `redis-ha`, `sentinel` (any case).
+    /// Accepts `zk`, `zookeeper`, `etcd`, `redis`, `redis-ha`, `sentinel`,
+    /// `redis-cluster` (any case).
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "zk" | "zookeeper" => Ok(Backend::Zookeeper),
@@ -91,8 +100,9 @@ impl FromStr for Backend {
             "redis" => Ok(Backend::Redis),
             "redis-ha" => Ok(Backend::RedisHa),
             "sentinel" => Ok(Backend::Sentinel),
+            "redis-cluster" => Ok(Backend::RedisCluster),
             other => Err(format!(
-                "unknown backend {other:?} (expected zk, etcd, redis, redis-ha or sentinel)"
+                "unknown backend {other:?} (expected zk, etcd, redis, redis-ha, sentinel or redis-cluster)"
             )),
         }
     }
@@ -143,7 +153,7 @@ impl Server {
         match self.backend {
             Backend::Zookeeper => self.zk_mode(timeout).is_some(),
             Backend::Etcd => etcd_healthy_over(&self.addr, tls, timeout),
-            Backend::Redis | Backend::RedisHa | Backend::Sentinel => {
+            Backend::Redis | Backend::RedisHa | Backend::Sentinel | Backend::RedisCluster => {
                 redis_ping_over(&self.addr, tls, timeout)
             }
         }
@@ -348,7 +358,8 @@ impl State {
     ///
     /// `redis` is the first Redis node; `redlock` lists all Redis nodes when there are
     /// more than one; `redis_sentinel` lists the Sentinels and the service name
-    /// (`h:p,h:p,h:p/mymaster`) when the cluster has a Sentinel group; `state` is this
+    /// (`h:p,h:p,h:p/mymaster`) when the cluster has a Sentinel group; `redis_cluster`
+    /// every node of the Redis Cluster (all are seeds) when it has one; `state` is this
     /// state's file.
     ///
     /// A secured cluster has none of these (every field `None`): plain clients cannot
@@ -366,6 +377,7 @@ impl State {
             redlock: (redis.len() > 1).then(|| self.addrs(Backend::Redis)),
             redis_sentinel: non_empty(self.addrs(Backend::Sentinel))
                 .map(|s| format!("{s}/{SENTINEL_SERVICE}")),
+            redis_cluster: non_empty(self.addrs(Backend::RedisCluster)),
             state: self.path.clone(),
         }
     }

@@ -162,6 +162,7 @@ fn sentinel_group_fails_over_when_the_primary_is_killed() {
         etcd: 0,
         redis: 0,
         sentinel_replicas: 2,
+        redis_cluster: false,
         state_path: Some(scratch_state_path("sentinel-selftest")),
         ..ClusterSpec::default()
     };

@@ -304,6 +304,7 @@ fn secure_sentinel_group_serves_the_app_user_and_fails_over() {
         etcd: 0,
         redis: 0,
         sentinel_replicas: 1,
+        redis_cluster: false,
         secure: true,
         state_path: Some(scratch_state_path("secure-sentinel-selftest")),
         ..ClusterSpec::default()

@@ -186,6 +186,7 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
             0
         },
         sentinel_replicas: u32::from(used.contains(&Kind::RedisSentinel)),
+        redis_cluster: false,
         port_offset: args.port_offset,
         state_path: Some(out_dir.join("cluster.json")),
         base_dir: None,

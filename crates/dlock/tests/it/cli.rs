@@ -154,6 +154,7 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
         Kind::Redis => "redis://127.0.0.1:1",
         Kind::Redlock => "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3",
         Kind::RedisSentinel => "redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster",
+        Kind::RedisCluster => "redis+cluster://127.0.0.1:1,127.0.0.1:2",
         Kind::Mem => panic!("the CLI tests need a real server: they are not instantiated on mem"),
     };
     assert_eq!(
@@ -237,7 +238,7 @@ pub async fn cli_sigkill_frees_the_lock(_kind: Kind, url: &str) {
 }
 
 /// `dlock status` lists holders and waiters in queue order, as text and JSON.
-pub async fn cli_status_shows_queue(_kind: Kind, url: &str) {
+pub async fn cli_status_shows_queue(kind: Kind, url: &str) {
     let name = unique("status");
     let c = client(url).await;
     let out = dlock()
@@ -270,12 +271,32 @@ pub async fn cli_status_shows_queue(_kind: Kind, url: &str) {
     assert_eq!(parts[0]["state"], "holder");
     assert_eq!(parts[1]["state"], "waiter");
     assert_eq!(parts[0]["token"].as_u64(), Some(g.token().get()));
+    // On a Redis Cluster the master of the lock's slot, one of the cluster's nodes;
+    // elsewhere nothing (every lock is served alike).
+    let node = doc["node"].as_str().map(str::to_owned);
+    if kind == Kind::RedisCluster {
+        let node = node.as_deref().expect("the serving node on a cluster");
+        let (addr, slot) = node.split_once(" (slot ").expect("host:port (slot N)");
+        assert!(url.contains(addr), "{addr} is a node of {url}");
+        let slot: u16 = slot.trim_end_matches(')').parse().expect("slot number");
+        assert_eq!(
+            slot,
+            dlock_testkit::key_slot(&format!("dlock:{{{name}}}:q"))
+        );
+    } else {
+        assert_eq!(node, None, "no serving node off a cluster");
+    }
     let text = dlock()
         .args(["--url", url, "status", &name])
         .output()
         .expect("run");
     let text = String::from_utf8_lossy(&text.stdout);
-    let rows: Vec<&str> = text.lines().skip(1).collect();
+    let mut lines = text.lines();
+    if kind == Kind::RedisCluster {
+        let served = lines.next().unwrap_or_default();
+        assert!(served.starts_with("served by "), "{text}");
+    }
+    let rows: Vec<&str> = lines.skip(1).collect();
     assert!(
         rows[0].starts_with("holder") && rows[1].starts_with("waiter"),
         "{text}"

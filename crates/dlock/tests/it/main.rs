@@ -95,6 +95,7 @@ macro_rules! all_backends {
                 backend_tests!(redis, crate::support::Kind::Redis, "redis"; $path);
                 backend_tests!(redlock, crate::support::Kind::Redlock, "redis"; $path);
                 backend_tests!(redis_sentinel, crate::support::Kind::RedisSentinel, "redis"; $path);
+                backend_tests!(redis_cluster, crate::support::Kind::RedisCluster, "redis"; $path);
                 all_backends!(@$on $path);
             }
         )*

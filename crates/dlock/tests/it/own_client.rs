@@ -102,7 +102,8 @@ async fn own(url: &str, opts: SessionOptions) -> (App, Client) {
         #[cfg(feature = "redis")]
         servers @ (Servers::Redis { .. }
         | Servers::Redlock { .. }
-        | Servers::RedisSentinel { .. }) => {
+        | Servers::RedisSentinel { .. }
+        | Servers::RedisCluster { .. }) => {
             use dlock::backends::fred::prelude::{Builder, ClientLike, Config, ServerConfig};
             use dlock::backends::RedisBackend;
             let connect = |config: Config| async move {
@@ -150,6 +151,24 @@ async fn own(url: &str, opts: SessionOptions) -> (App, Client) {
                     let backend = RedisBackend::from_client(c.clone(), opts)
                         .await
                         .expect("dlock on the application's Sentinel client");
+                    (App::Redis(vec![c]), Client::from_backend(backend))
+                }
+                Servers::RedisCluster { seeds } => {
+                    let hosts = seeds
+                        .iter()
+                        .map(|s| {
+                            let (h, p) = s.rsplit_once(':').expect("host:port");
+                            (h.to_owned(), p.parse::<u16>().expect("port"))
+                        })
+                        .collect();
+                    let c = connect(Config {
+                        server: ServerConfig::new_clustered(hosts),
+                        ..Config::default()
+                    })
+                    .await;
+                    let backend = RedisBackend::from_client(c.clone(), opts)
+                        .await
+                        .expect("dlock on the application's cluster client");
                     (App::Redis(vec![c]), Client::from_backend(backend))
                 }
                 _ => unreachable!("matched above"),

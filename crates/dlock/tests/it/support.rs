@@ -25,6 +25,8 @@ pub enum Kind {
     Redlock,
     /// The primary of a Redis Sentinel group.
     RedisSentinel,
+    /// A Redis Cluster (three masters, three replicas).
+    RedisCluster,
     /// dlock-testkit's `MemBackend` on one process-wide `MemServer`: no server, no
     /// endpoint, never skipped.
     Mem,
@@ -39,6 +41,7 @@ impl Kind {
             Kind::Redis => Some(LockService::Redis),
             Kind::Redlock => Some(LockService::Redlock),
             Kind::RedisSentinel => Some(LockService::RedisSentinel),
+            Kind::RedisCluster => Some(LockService::RedisCluster),
             Kind::Mem => None,
         }
     }

@@ -1,0 +1,260 @@
+//! The Redis Cluster of a test cluster: forming it from its six started nodes, waiting
+//! until it serves every slot, and asking it which node serves a key.
+
+use std::process::Command;
+use std::time::Duration;
+
+use crate::state::poll;
+use crate::{Backend, Error, Result, State};
+
+/// One line of `CLUSTER NODES`, the fields the tests need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NodeLine {
+    /// The node's cluster id (40 hex digits).
+    node_id: String,
+    /// `ip:port` of its client port.
+    addr: String,
+    /// A master (not flagged `fail`)?
+    master: bool,
+    /// Flagged `fail` or `fail?` by the node asked.
+    failing: bool,
+    /// For a replica, its master's node id.
+    master_id: Option<String>,
+    /// The slot ranges a master serves.
+    slots: Vec<(u16, u16)>,
+}
+
+/// Parses a `CLUSTER NODES` reply:
+/// `<id> <ip:port@bus[,hostname]> <flags> <master|-> <ping> <pong> <epoch> <link> <slot>...`.
+fn parse_nodes(reply: &str) -> Vec<NodeLine> {
+    reply
+        .lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 8 {
+                return None;
+            }
+            let addr = f[1].split('@').next()?.to_owned();
+            let flags: Vec<&str> = f[2].split(',').collect();
+            let failing = flags.iter().any(|x| *x == "fail" || *x == "fail?");
+            let slots = f[8..]
+                .iter()
+                // Importing/migrating markers look like `[123->-id]`: not served.
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => s.parse().ok().map(|n| (n, n)),
+                })
+                .collect();
+            Some(NodeLine {
+                node_id: f[0].to_owned(),
+                addr,
+                master: flags.contains(&"master"),
+                failing,
+                master_id: (f[3] != "-").then(|| f[3].to_owned()),
+                slots,
+            })
+        })
+        .collect()
+}
+
+/// The hash slot of `key` (CRC16/XMODEM of its hash tag, or of the whole key, mod 16384),
+/// as the server computes it.
+pub fn key_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tagged = bytes.iter().position(|&b| b == b'{').and_then(|open| {
+        let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+    });
+    let mut crc: u16 = 0;
+    for &b in tagged.unwrap_or(bytes) {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+impl State {
+    /// Forms the Redis Cluster from its started nodes (`redis-cli --cluster create ...
+    /// --cluster-replicas 1 --cluster-yes`: three masters, each with one replica), then
+    /// waits until it serves every slot ([`State::wait_redis_cluster_ok`]).
+    pub(crate) fn create_redis_cluster(&self, timeout: Duration) -> Result<()> {
+        let addrs: Vec<String> = self
+            .servers_of(Backend::RedisCluster)
+            .map(|s| s.addr.clone())
+            .collect();
+        let mut cmd = Command::new("redis-cli");
+        cmd.arg("--cluster").arg("create").args(&addrs).args([
+            "--cluster-replicas",
+            "1",
+            "--cluster-yes",
+        ]);
+        let out = cmd.output().map_err(|e| Error::Command {
+            command: "redis-cli --cluster create".into(),
+            detail: e.to_string(),
+        })?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        // redis-cli exits 0 on some failures: read what it says.
+        if !out.status.success() || !text.contains("All 16384 slots covered") {
+            return Err(Error::Command {
+                command: format!("redis-cli --cluster create {}", addrs.join(" ")),
+                detail: format!("{text}{}", String::from_utf8_lossy(&out.stderr)),
+            });
+        }
+        self.wait_redis_cluster_ok(timeout)
+    }
+
+    /// Waits until every live Redis Cluster node reports `cluster_state:ok`, every live
+    /// replica's link to its master is up, and every live node names the same master for
+    /// every slot: the state after creation, a failover or a node's return.
+    pub fn wait_redis_cluster_ok(&self, timeout: Duration) -> Result<()> {
+        let t = Duration::from_secs(1);
+        poll(
+            timeout,
+            Duration::from_millis(100),
+            || {
+                let mut views = Vec::new();
+                for s in self.live(Backend::RedisCluster) {
+                    let ok = s
+                        .redis_query(&["CLUSTER", "INFO"], t)
+                        .is_some_and(|i| i.contains("cluster_state:ok"));
+                    let role = s
+                        .redis_query(&["INFO", "replication"], t)
+                        .unwrap_or_default();
+                    let linked =
+                        role.contains("role:master") || role.contains("master_link_status:up");
+                    if !ok || !linked {
+                        return Ok(None);
+                    }
+                    let nodes = s.redis_query(&["CLUSTER", "NODES"], t).unwrap_or_default();
+                    let mut masters: Vec<(u16, u16, String)> = parse_nodes(&nodes)
+                        .into_iter()
+                        .filter(|n| n.master && !n.failing)
+                        .flat_map(|n| {
+                            n.slots
+                                .into_iter()
+                                .map(move |(a, b)| (a, b, n.addr.clone()))
+                        })
+                        .collect();
+                    masters.sort();
+                    views.push(masters);
+                }
+                let agreed = views.windows(2).all(|w| w[0] == w[1]);
+                let covered = views.first().is_some_and(|v| {
+                    v.iter().map(|(a, b, _)| u32::from(b - a) + 1).sum::<u32>() == 16384
+                });
+                Ok((agreed && covered).then_some(()))
+            },
+            || Error::Command {
+                command: "wait for the Redis Cluster".into(),
+                detail: format!(
+                    "not ok after {} s\n{}",
+                    timeout.as_secs(),
+                    self.servers_of(Backend::RedisCluster)
+                        .map(|s| format!("--- node {}:\n{}", s.id, s.log_tail(5)))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                ),
+            },
+        )
+    }
+
+    /// The id of the [`Backend::RedisCluster`] node that serves `key`'s slot as master,
+    /// as the first live node that answers sees it.
+    pub fn redis_cluster_master_of(&self, key: &str) -> Result<u32> {
+        let slot = key_slot(key);
+        let lines = self.redis_cluster_nodes()?;
+        let master = lines
+            .iter()
+            .find(|n| {
+                n.master && !n.failing && n.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot))
+            })
+            .ok_or_else(|| Error::Command {
+                command: format!("find the master of slot {slot}"),
+                detail: "no live master serves it".into(),
+            })?;
+        self.redis_cluster_id_of(&master.addr)
+    }
+
+    /// The id of a replica of the master node `master` (not flagged failing).
+    pub fn redis_cluster_replica_of(&self, master: u32) -> Result<u32> {
+        let master_addr = self.server(Backend::RedisCluster, master)?.addr.clone();
+        let lines = self.redis_cluster_nodes()?;
+        let master_id = lines
+            .iter()
+            .find(|n| n.addr == master_addr)
+            .map(|n| n.node_id.clone())
+            .ok_or_else(|| Error::Command {
+                command: format!("find node {master_addr} in CLUSTER NODES"),
+                detail: "not listed".into(),
+            })?;
+        let replica = lines
+            .iter()
+            .find(|n| !n.master && !n.failing && n.master_id.as_deref() == Some(master_id.as_str()))
+            .ok_or_else(|| Error::Command {
+                command: format!("find a replica of {master_addr}"),
+                detail: "none listed".into(),
+            })?;
+        self.redis_cluster_id_of(&replica.addr)
+    }
+
+    /// `CLUSTER NODES` of the first live node that answers, parsed.
+    fn redis_cluster_nodes(&self) -> Result<Vec<NodeLine>> {
+        self.live(Backend::RedisCluster)
+            .find_map(|s| s.redis_query(&["CLUSTER", "NODES"], Duration::from_secs(1)))
+            .map(|r| parse_nodes(&r))
+            .filter(|l| !l.is_empty())
+            .ok_or_else(|| Error::Command {
+                command: "CLUSTER NODES".into(),
+                detail: "no Redis Cluster node answered".into(),
+            })
+    }
+
+    fn redis_cluster_id_of(&self, addr: &str) -> Result<u32> {
+        self.servers_of(Backend::RedisCluster)
+            .find(|s| s.addr == addr)
+            .map(|s| s.id)
+            .ok_or_else(|| Error::Command {
+                command: format!("find the Redis Cluster node at {addr}"),
+                detail: "not one of this cluster's nodes".into(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_the_server() {
+        // Values from `CLUSTER KEYSLOT` on Redis 7.0.
+        assert_eq!(key_slot("dlock:{a}:q"), 15495);
+        assert_eq!(key_slot("dlock:{res1}:q"), 9470);
+        assert_eq!(key_slot("a"), 15495);
+        // An empty tag hashes the whole key.
+        assert_eq!(key_slot("{}a"), key_slot("{}a"));
+        assert_ne!(key_slot("{}a"), key_slot("a"));
+    }
+
+    #[test]
+    fn parses_cluster_nodes() {
+        let reply = "\
+a1 127.0.0.1:7001@7101 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7002@7102 master - 0 0 2 connected 5461-10922 [10923->-c3]
+c3 127.0.0.1:7003@7103 master,fail - 0 0 3 connected
+d4 127.0.0.1:7004@7104 slave a1 0 0 1 connected";
+        let n = parse_nodes(reply);
+        assert_eq!(n.len(), 4);
+        assert_eq!(n[0].slots, vec![(0, 5460)]);
+        assert_eq!(n[1].slots, vec![(5461, 10922)]);
+        assert!(n[2].failing && n[2].master);
+        assert_eq!(n[3].master_id.as_deref(), Some("a1"));
+        assert_eq!(n[3].addr, "127.0.0.1:7004");
+    }
+}
