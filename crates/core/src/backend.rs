@@ -154,6 +154,11 @@ pub enum Capability {
     /// A small value stored at a queue itself ([`Backend::read_value`]): the semaphore's
     /// shared permit count (Curator's `SharedCount`).
     SharedValue,
+    /// Replacing a live entry's own payload in place, only while it is still that entry
+    /// ([`Backend::proclaim`]), and watching it ([`Backend::wait_data_changed`]): how an
+    /// election's leader changes its value without giving up the lead (etcd's
+    /// `Election.Proclaim`).
+    Proclaim,
 }
 
 impl std::fmt::Display for Capability {
@@ -161,6 +166,7 @@ impl std::fmt::Display for Capability {
         f.write_str(match self {
             Capability::Revocation => "revocation (an entry's payload, written and watched)",
             Capability::SharedValue => "a shared value stored at the lock (a shared permit count)",
+            Capability::Proclaim => "proclaim (a live entry's own payload, replaced in place)",
         })
     }
 }
@@ -417,11 +423,41 @@ pub trait Backend: Send + Sync + 'static {
         async move { Err(unsupported(Backend::kind(self), Capability::Revocation)) }
     }
 
+    /// Replaces the payload of this session's own live `entry` in `q` with `data`, only
+    /// if the entry is still the one created (same token where the backend has tokens):
+    /// never on a newer entry that took its name. An election's leader changes its
+    /// value this way.
+    ///
+    /// # Errors
+    /// [`Error::LockLost`] where the backend can tell that the entry is gone or was
+    /// replaced (a backend that cannot tell writes nothing then, and the caller checks
+    /// the entry with a listing); a backend error.
+    ///
+    /// Part of [`Capability::Proclaim`]. The default writes with [`Backend::set_data`]
+    /// on a backend with [`Capability::Revocation`] (a znode's name is never reused
+    /// under its parent, so the write reaches only that entry or nothing), and fails
+    /// with [`Error::Unsupported`] otherwise.
+    fn proclaim(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        data: &[u8],
+    ) -> impl Future<Output = Result<()>> + Send {
+        async move {
+            if Backend::supports(self, Capability::Revocation) {
+                Backend::set_data(self, q, entry, data).await
+            } else {
+                Err(unsupported(Backend::kind(self), Capability::Proclaim))
+            }
+        }
+    }
+
     /// Completes with the payload of `entry` once it differs from `seen` (at once if it
     /// already does), or with `None` once the entry is gone. Arms its watch before it
     /// reads, so no change is missed.
     ///
-    /// Part of [`Capability::Revocation`]. The default fails with [`Error::Unsupported`].
+    /// Part of [`Capability::Revocation`] and of [`Capability::Proclaim`]. The default
+    /// fails with [`Error::Unsupported`].
     fn wait_data_changed(
         &self,
         q: &QueuePath,
@@ -547,6 +583,13 @@ pub trait DynBackend: Send + Sync + 'static {
         entry: &'a Entry,
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<()>>;
+    /// [`Backend::proclaim`].
+    fn proclaim<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>>;
     /// [`Backend::wait_data_changed`].
     fn wait_data_changed<'a>(
         &'a self,
@@ -654,6 +697,14 @@ impl<B: Backend> DynBackend for B {
         data: &'a [u8],
     ) -> BoxFuture<'a, Result<()>> {
         Box::pin(Backend::set_data(self, q, entry, data))
+    }
+    fn proclaim<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        data: &'a [u8],
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(Backend::proclaim(self, q, entry, data))
     }
     fn wait_data_changed<'a>(
         &'a self,

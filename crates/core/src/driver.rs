@@ -32,7 +32,7 @@ pub enum Decision<'a> {
 pub fn conflicts(earlier: &Entry, later: &Entry) -> bool {
     match later.kind {
         EntryKind::Read => earlier.kind.is_exclusive() && earlier.seq != later.seq,
-        EntryKind::Lock | EntryKind::Write | EntryKind::Lease => true,
+        EntryKind::Lock | EntryKind::Write | EntryKind::Lease | EntryKind::Candidate => true,
     }
 }
 

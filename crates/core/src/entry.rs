@@ -3,7 +3,8 @@
 //!
 //! Names follow Apache Curator 5.x so that Java services and dlock share one queue:
 //! `_c_<uuid>-lock-0000000007` for a mutex, `…-__READ__…` / `…-__WRIT__…` for the
-//! read/write lock (one shared sequence), `…-lease-…` for semaphore leases. The
+//! read/write lock (one shared sequence), `…-lease-…` for semaphore leases, `…-latch-…`
+//! for a leader-election candidate (Curator's `LeaderLatch`). The
 //! `_c_<uuid>-` "protected" prefix lets a contender find its own entry after a create
 //! whose reply was lost. Order is by the sequence part only, never by the whole name:
 //! the uuid in front would otherwise decide the order.
@@ -27,15 +28,21 @@ pub enum EntryKind {
     Write,
     /// A semaphore lease (Curator `lease-`).
     Lease,
+    /// A leader-election candidate (Curator `LeaderLatch`'s `latch-`): exclusive like
+    /// [`EntryKind::Lock`], and its payload is the candidate's value as it is, with
+    /// nothing around it, on every backend. Curator's `LeaderLatch` writes its
+    /// participant id there, and etcd's `concurrency.Election` its proposal.
+    Candidate,
 }
 
 impl EntryKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [EntryKind; 4] = [
+    pub const ALL: [EntryKind; 5] = [
         EntryKind::Lock,
         EntryKind::Read,
         EntryKind::Write,
         EntryKind::Lease,
+        EntryKind::Candidate,
     ];
 
     /// The marker Curator puts between the protected prefix and the sequence number.
@@ -45,12 +52,16 @@ impl EntryKind {
             EntryKind::Read => "__READ__",
             EntryKind::Write => "__WRIT__",
             EntryKind::Lease => "lease-",
+            EntryKind::Candidate => "latch-",
         }
     }
 
     /// True for entries that exclude everyone queued behind them.
     pub const fn is_exclusive(self) -> bool {
-        matches!(self, EntryKind::Lock | EntryKind::Write)
+        matches!(
+            self,
+            EntryKind::Lock | EntryKind::Write | EntryKind::Candidate
+        )
     }
 
     /// A short lower-case label, for status output.
@@ -60,6 +71,7 @@ impl EntryKind {
             EntryKind::Read => "read",
             EntryKind::Write => "write",
             EntryKind::Lease => "lease",
+            EntryKind::Candidate => "candidate",
         }
     }
 }
@@ -261,6 +273,10 @@ mod tests {
         let r = parse_name("_c_ae920474-0000-4000-8000-000000000000-__READ__0000000004")
             .expect("parse");
         assert_eq!((r.kind, r.seq), (EntryKind::Read, 4));
+        let c = parse_name("_c_0f4a4a2e-5bd6-4a8b-9d2e-3f6c1b2a9e77-latch-0000000012")
+            .expect("parse a LeaderLatch node");
+        assert_eq!((c.kind, c.seq), (EntryKind::Candidate, 12));
+        assert!(EntryKind::Candidate.is_exclusive());
         let w = parse_name("x-__WRIT__0000000002").expect("parse");
         assert_eq!((w.kind, w.seq, w.protected_id), (EntryKind::Write, 2, None));
         assert_eq!(
@@ -321,7 +337,7 @@ mod tests {
         }
 
         #[test]
-        fn format_then_parse(seq in 0u64..10_000_000_000, k in 0usize..4, id in any::<[u8; 16]>()) {
+        fn format_then_parse(seq in 0u64..10_000_000_000, k in 0usize..5, id in any::<[u8; 16]>()) {
             let kind = EntryKind::ALL[k];
             let t = Ticket::from_random_bytes(id);
             let e = Entry::from_name(format!("{}{}", t.name_prefix(kind), format_seq(seq))).expect("entry");

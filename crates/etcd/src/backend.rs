@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, Hints, ListedQueue, NameRules, Position, QueuePath,
-    Result, SessionOptions, Ticket,
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, Hints, ListedQueue, NameRules,
+    Position, QueuePath, Result, SessionOptions, Ticket,
 };
 use etcd_client::{
     Certificate, Client, ConnectOptions, GetOptions, GetResponse, Identity, KvClient, LeaseClient,
@@ -358,6 +358,51 @@ impl EtcdBackend {
 impl Backend for EtcdBackend {
     fn kind(&self) -> &'static str {
         "etcd"
+    }
+
+    /// [`Capability::Proclaim`] only: etcd writes no revocation requests.
+    fn supports(&self, capability: Capability) -> bool {
+        capability == Capability::Proclaim
+    }
+
+    /// Go's `Election.Proclaim`: one transaction, a put guarded by the key's create
+    /// revision (`crate::claims`).
+    fn proclaim(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        data: &[u8],
+    ) -> impl Future<Output = Result<()>> + Send {
+        let span = tracing::debug_span!("etcd.proclaim", lock = %q, entry = %entry.name);
+        self.proclaim_impl(q, entry, data).instrument(span)
+    }
+
+    /// A watch on the entry's key armed before one read (`crate::waits`), retried as
+    /// `wait_gone` is.
+    fn wait_data_changed(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
+        let span = tracing::debug_span!("etcd.wait_data_changed", lock = %q, entry = %entry.name);
+        async move {
+            let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
+            let out = std::sync::Mutex::new(None);
+            self.retry_watch(&key, || async {
+                let r = self.wait_data_changed_once(&key, entry, seen).await?;
+                if let Ok(mut slot) = out.lock() {
+                    *slot = Some(r);
+                }
+                Ok(())
+            })
+            .await?;
+            Ok(out
+                .into_inner()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .flatten())
+        }
+        .instrument(span)
     }
 
     fn name_rules(&self) -> NameRules {

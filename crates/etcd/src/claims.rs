@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use dlock_core::{Enqueued, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use dlock_core::{Enqueued, Entry, EntryKind, Error, Position, QueuePath, Result, Ticket};
 use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::{oneshot, watch};
 use tokio::time::timeout;
@@ -75,8 +75,9 @@ impl EtcdBackend {
             }
         }
         let primary_key = format!("{prefix}{}", layout::entry_name(lease, ticket, kind, true));
-        let primary =
-            kind == EntryKind::Lock && !avoid_primary && !local.primary.contains_key(&primary_key);
+        let primary = matches!(kind, EntryKind::Lock | EntryKind::Candidate)
+            && !avoid_primary
+            && !local.primary.contains_key(&primary_key);
         let key = if primary {
             local
                 .primary
@@ -195,7 +196,7 @@ impl EtcdBackend {
         let prefix = layout::queue_prefix(&self.namespace, q);
         let session = self.live_session().await?;
         let lease = session.id();
-        let value = layout::encode_value(ticket, writer.map(|w| w.seq), data);
+        let value = layout::encode_value(ticket, kind, writer.map(|w| w.seq), data);
         // A downgrade's read entry may only sit beside a write that is still ours: the
         // same entry (its creation revision is its token) under this session's lease. A
         // write deleted from outside, or left under a lease this session replaced, fails
@@ -314,7 +315,7 @@ impl EtcdBackend {
             }
             let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
             let name = &key[prefix.len()..];
-            let Some(mine) = queue.iter().find(|e| e.name == name).cloned() else {
+            let Some(mut mine) = queue.iter().find(|e| e.name == name).cloned() else {
                 return Err(Error::backend(
                     format!("enqueue on {q}"),
                     format!("the queue read does not contain the new key {key}"),
@@ -325,6 +326,12 @@ impl EtcdBackend {
                 // local contender claims it (this ticket holds the claim): an orphan that
                 // would hold the lock until the session ends. Delete exactly that entry
                 // and try again; if that fails, queue under a ticketed key instead.
+                //
+                // A candidate's value is raw (Go's election layout) and names no ticket,
+                // so an earlier attempt of this very ticket whose answer was lost lands
+                // here too: it is deleted by its create revision and put again, which
+                // leaves exactly one entry either way (queued anew, behind whoever
+                // came meanwhile) and never a stray one.
                 if primary && !cleaned {
                     cleaned = true;
                     tracing::warn!(key = %key, token = mine.token.map(|t| t.get()).unwrap_or(0), "removing an orphaned entry under this lease's mutex key");
@@ -334,6 +341,13 @@ impl EtcdBackend {
                 }
                 avoid_primary = true;
                 continue;
+            }
+            if kind == EntryKind::Candidate {
+                // Read back, a raw-valued key is a mutex contender without a ticket;
+                // the caller's own entry is the candidate its ticket made (`remove`
+                // finds its claim by this ticket).
+                mine.kind = kind;
+                mine.ticket = Some(ticket.as_str().to_owned());
             }
             tracing::debug!(
                 queue = %q,
@@ -368,5 +382,60 @@ impl EtcdBackend {
         .map_err(|e| map(&format!("releasing {key}"), e))?;
         self.observe(header_rev(resp.header()));
         Ok(())
+    }
+
+    /// Go's `Election.Proclaim`: puts `data` on `entry`'s key, on its lease, in one
+    /// transaction that compares the key's create revision with the entry's token, so
+    /// the value lands only on that very entry, never on a newer one under its name.
+    /// A candidate's value is `data` alone; another kind keeps dlock's header.
+    pub(crate) async fn proclaim_impl(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        data: &[u8],
+    ) -> Result<()> {
+        let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
+        let Some(rev) = entry.token.and_then(|t| i64::try_from(t.get()).ok()) else {
+            return Err(Error::LockLost(format!(
+                "{key}: the entry has no token to compare"
+            )));
+        };
+        let Some(lease) = layout::lease_of(entry) else {
+            return Err(Error::backend(
+                format!("proclaiming on {key}"),
+                "the key is not bound to a lease this layout names",
+            ));
+        };
+        let value = match (entry.kind, entry.ticket.as_deref()) {
+            (EntryKind::Candidate, _) | (_, None) => data.to_vec(),
+            (kind, Some(ticket)) => {
+                let beside = (kind == EntryKind::Read
+                    && Some(entry.seq) != entry.token.map(|t| t.get()))
+                .then_some(entry.seq);
+                layout::encode_value_for(ticket, kind, beside, data)
+            }
+        };
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                value,
+                Some(etcd_client::PutOptions::new().with_lease(lease)),
+            )]);
+        // A retried put is harmless: the same value under the same guard.
+        let resp = request(&self.in_flight, self.request_timeout, || {
+            let (mut kv, txn) = (self.kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await
+        .map_err(|e| map(&format!("proclaiming on {key}"), e))?;
+        self.observe(header_rev(resp.header()));
+        if resp.succeeded() {
+            Ok(())
+        } else {
+            Err(Error::LockLost(format!(
+                "{key}: the entry created at revision {rev} is gone; nothing was written"
+            )))
+        }
     }
 }

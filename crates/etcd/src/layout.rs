@@ -13,6 +13,8 @@
 //! | write lock | `NAME/<lease hex>-<ticket uuid>-w` |
 //! | semaphore lease | `NAME/leases/<lease hex>-<ticket uuid>-l` |
 //! | semaphore's internal mutex | `NAME/locks/<lease hex>` |
+//! | election candidate (`EntryKind::Candidate`) | `NAME/<lease hex>`: exactly the key of Go's `concurrency.Election` |
+//! | a second candidate of the same client in the same election | `NAME/<lease hex>-<ticket uuid>` |
 //!
 //! A queue is the set of keys *directly* under its prefix: the semaphore's `leases/...`
 //! keys are one level deeper than `NAME/...` and never appear in the root queue. etcd's
@@ -21,7 +23,11 @@
 //!
 //! The value of a dlock key is `dlock1 <ticket uuid> <beside revision>\n` followed by the
 //! caller's data. etcd's lock writes an empty value; a key without the header is read as
-//! a foreign mutex contender whose whole value is its data.
+//! a foreign mutex contender whose whole value is its data. A candidate's value is its
+//! data alone, as Go's `concurrency.Election` writes its proposal, so `etcdctl elect -l`
+//! prints it; read back, a candidate is a [`EntryKind::Lock`] entry (the two layouts are
+//! one: etcd's election and mutex keys cannot be told apart) without a ticket in its
+//! value (`crate::claims` says how a retried enqueue copes).
 //!
 //! Everything in this module is pure, so the parsing is unit-tested without a server.
 
@@ -39,13 +45,14 @@ pub(crate) fn queue_prefix(namespace: &str, q: &QueuePath) -> String {
 
 /// The entry name (the key below the queue prefix) a ticket uses.
 ///
-/// `primary` asks for etcd's own mutex key, `<lease hex>`; it is only meaningful for
-/// [`EntryKind::Lock`], since the other kinds always carry their ticket.
+/// `primary` asks for etcd's own mutex (or election) key, `<lease hex>`; it is only
+/// meaningful for [`EntryKind::Lock`] and [`EntryKind::Candidate`], since the other kinds
+/// always carry their ticket.
 pub(crate) fn entry_name(lease: i64, ticket: &Ticket, kind: EntryKind, primary: bool) -> String {
     let t = ticket.as_str();
     match kind {
-        EntryKind::Lock if primary => format!("{lease:x}"),
-        EntryKind::Lock => format!("{lease:x}-{t}"),
+        EntryKind::Lock | EntryKind::Candidate if primary => format!("{lease:x}"),
+        EntryKind::Lock | EntryKind::Candidate => format!("{lease:x}-{t}"),
         EntryKind::Read => format!("{lease:x}-{t}-r"),
         EntryKind::Write => format!("{lease:x}-{t}-w"),
         EntryKind::Lease => format!("{lease:x}-{t}-l"),
@@ -129,8 +136,28 @@ fn is_uuid(s: &str) -> bool {
 
 /// The value dlock stores: a header naming the ticket (so a retried enqueue recognises its
 /// own key) and, for a downgrade's read entry, the revision of the write it sits beside.
-pub(crate) fn encode_value(ticket: &Ticket, beside: Option<u64>, data: &[u8]) -> Vec<u8> {
-    let header = format!("{} {}\n", ticket.as_str(), beside.unwrap_or(0));
+/// A candidate's value is `data` alone, as Go's `concurrency.Election` stores its
+/// proposal.
+pub(crate) fn encode_value(
+    ticket: &Ticket,
+    kind: EntryKind,
+    beside: Option<u64>,
+    data: &[u8],
+) -> Vec<u8> {
+    encode_value_for(ticket.as_str(), kind, beside, data)
+}
+
+/// [`encode_value`] for a ticket given by its uuid text.
+pub(crate) fn encode_value_for(
+    ticket: &str,
+    kind: EntryKind,
+    beside: Option<u64>,
+    data: &[u8],
+) -> Vec<u8> {
+    if kind == EntryKind::Candidate {
+        return data.to_vec();
+    }
+    let header = format!("{ticket} {}\n", beside.unwrap_or(0));
     let mut v = Vec::with_capacity(MAGIC.len() + header.len() + data.len());
     v.extend_from_slice(MAGIC);
     v.extend_from_slice(header.as_bytes());
@@ -304,10 +331,20 @@ mod tests {
             entry_name(lease, &t, EntryKind::Lock, true),
             "694d7a1b2c3d4e5f"
         );
+        // A candidate's key is Go's election key, which is etcd's mutex key: it reads
+        // back as a mutex contender.
+        assert_eq!(
+            entry_name(lease, &t, EntryKind::Candidate, true),
+            "694d7a1b2c3d4e5f"
+        );
         for kind in EntryKind::ALL {
             let name = entry_name(lease, &t, kind, false);
             let p = parse_name(&name).expect("parses");
-            assert_eq!(p.kind, kind, "{name}");
+            let read_back = match kind {
+                EntryKind::Candidate => EntryKind::Lock,
+                other => other,
+            };
+            assert_eq!(p.kind, read_back, "{name}");
             assert_eq!(p.lease, Some(lease));
             assert_eq!(p.ticket.as_deref(), Some(t.as_str()));
         }
@@ -384,12 +421,12 @@ mod tests {
     #[test]
     fn values_round_trip() {
         let t = dlock_testkit::ticket();
-        let v = encode_value(&t, Some(42), b"host:1 pid 7\nmore");
+        let v = encode_value(&t, EntryKind::Lock, Some(42), b"host:1 pid 7\nmore");
         let d = decode_value(&v);
         assert_eq!(d.ticket, Some(t.as_str()));
         assert_eq!(d.beside, Some(42));
         assert_eq!(d.data, b"host:1 pid 7\nmore");
-        let v = encode_value(&t, None, b"");
+        let v = encode_value(&t, EntryKind::Lock, None, b"");
         assert_eq!(decode_value(&v).beside, None);
         for plain in [&b""[..], b"dlock1 x", b"dlock1 nope 3\nd", b"hello"] {
             let d = decode_value(plain);
@@ -409,7 +446,7 @@ mod tests {
         );
         let r_name = entry_name(0x10, &t, EntryKind::Read, false);
         let r = format!("orders/42/{r_name}");
-        let r_val = encode_value(&t, Some(5), b"");
+        let r_val = encode_value(&t, EntryKind::Read, Some(5), b"");
         let q = queue_from_kvs(
             &prefix,
             [
@@ -431,8 +468,13 @@ mod tests {
         assert_eq!(read.seq, 5);
         assert_eq!(read.token, Some(FencingToken::new(9)));
         assert_eq!(read.ticket.as_deref(), Some(t.as_str()));
+        // A candidate's value is its data alone, as Go's election writes it.
+        assert_eq!(
+            encode_value(&t, EntryKind::Candidate, None, b"host-a:8080"),
+            b"host-a:8080"
+        );
         // A beside claim on an exclusive entry is ignored.
-        let v = encode_value(&t, Some(1), b"");
+        let v = encode_value(&t, EntryKind::Lock, Some(1), b"");
         let e = entry_from_kv(&prefix, kv("orders/42/99", &v, 12)).expect("entry");
         assert_eq!(e.seq, 12);
     }

@@ -211,6 +211,63 @@ impl EtcdBackend {
         }
     }
 
+    /// One attempt of `wait_data_changed`: the entry's data once it differs from
+    /// `seen`, `None` once the entry is gone (deleted, or its key holds a newer entry).
+    pub(crate) async fn wait_data_changed_once(
+        &self,
+        key: &str,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> Result<Option<Vec<u8>>> {
+        let mine = |kv: &etcd_client::KeyValue| {
+            let created = u64::try_from(kv.create_revision()).ok();
+            kv.key() == key.as_bytes()
+                && entry.token_matches(created.map(dlock_core::FencingToken::new))
+        };
+        // Arm first, then read at or after the watch's start: a change is then either in
+        // the read or reported by the watch.
+        let (mut watch, watch_rev) = self.arm(key, false, false).await?;
+        let read = self
+            .fresh_get(key, GetOptions::new(), watch_rev)
+            .await
+            .map_err(|e| map(&format!("reading {key}"), e))?;
+        let Some(kv) = read.kvs().iter().find(|kv| mine(kv)) else {
+            return Ok(None);
+        };
+        let data = layout::decode_value(kv.value()).data;
+        if data != seen {
+            return Ok(Some(data.to_vec()));
+        }
+        loop {
+            match watch.message().await {
+                Some(m) => {
+                    self.observe(header_rev(m.header()));
+                    if m.canceled() {
+                        return Err(Error::Unreachable(format!(
+                            "watch on {key} cancelled by the server (compacted at {}): {}",
+                            m.compact_revision(),
+                            m.cancel_reason()
+                        )));
+                    }
+                    for e in m.events() {
+                        if e.event_type() == EventType::Delete {
+                            return Ok(None);
+                        }
+                        let Some(kv) = e.kv() else { continue };
+                        if !mine(kv) {
+                            return Ok(None);
+                        }
+                        let data = layout::decode_value(kv.value()).data;
+                        if data != seen {
+                            return Ok(Some(data.to_vec()));
+                        }
+                    }
+                }
+                None => return Err(Error::Unreachable(format!("watch on {key}: stream closed"))),
+            }
+        }
+    }
+
     /// Retries a watch attempt after transient failures (a broken stream, a server that
     /// went away, a compaction) for up to one session TTL; the caller's `lost` fires first
     /// if the outage outlives the session.

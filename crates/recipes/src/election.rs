@@ -1,6 +1,7 @@
 //! [`Election`]: leader election over the same fair queue as the [`crate::Mutex`]
-//! (etcd's `concurrency.Election`, Curator's `LeaderLatch`, in their semantics; not yet
-//! on their wire layouts, see `docs/election.md`).
+//! (etcd's `concurrency.Election`, Curator's `LeaderLatch`), on their wire layouts: a
+//! candidate is an [`EntryKind::Candidate`] entry, a `LeaderLatch` node on ZooKeeper
+//! and Go's election key on etcd (see `docs/election.md`).
 //!
 //! A candidacy is one exclusive entry in the election's queue whose payload is the
 //! candidate's value. The first entry leads; each candidate watches only the entry
@@ -172,7 +173,7 @@ impl<B: DynBackend + ?Sized> Election<B> {
                 backend,
                 &q,
                 ticket,
-                EntryKind::Lock,
+                EntryKind::Candidate,
                 Position::Tail,
                 value,
                 wait,
@@ -292,7 +293,7 @@ impl<B: DynBackend + ?Sized> Observer<B> {
             None => self.backend.wait_changed(&self.q, listing).await,
             Some(head) => {
                 let gone = self.backend.wait_gone(&self.q, head);
-                let changed = if self.backend.supports(Capability::Revocation) {
+                let changed = if self.backend.supports(Capability::Proclaim) {
                     self.backend
                         .wait_data_changed(&self.q, head, &head.data)
                         .map(|r| r.map(|_| ()))
@@ -430,26 +431,32 @@ impl<B: DynBackend + ?Sized> Leadership<B> {
     ///
     /// # Errors
     /// [`Error::Unsupported`] at once, with nothing written, on a backend without
-    /// [`Capability::Revocation`] (an entry's payload written and watched: ZooKeeper and
-    /// the in-memory backend have it, etcd and Redis not yet); [`Error::LockLost`] if the
-    /// leadership is lost (the value may then have been written to the gone entry, which
-    /// nobody reads); a backend error.
+    /// [`Capability::Proclaim`] (ZooKeeper, etcd and the in-memory backend have it;
+    /// Redis not yet); [`Error::LockLost`] if the leadership is lost (on etcd nothing is
+    /// written then, as Go's `Proclaim` guards its put with the key's create revision;
+    /// on ZooKeeper the value may have been written to the gone entry, which nobody
+    /// reads); a backend error.
+    ///
+    /// On ZooKeeper, a Curator `LeaderLatch` queued right behind this leader misses the
+    /// leader's resignation after a proclaim: its watch on the node ahead acts only on
+    /// a deletion, and the data change uses that one-shot watch up. Proclaim only in
+    /// elections without Curator latches (see `docs/election.md`).
     ///
     /// # Upstream
     /// etcd `concurrency.Election.Proclaim`.
     pub async fn proclaim(&self, value: impl AsRef<[u8]>) -> Result<()> {
         let held = self.guard.held();
-        if !held.backend.supports(Capability::Revocation) {
+        if !held.backend.supports(Capability::Proclaim) {
             return Err(Error::Unsupported {
                 backend: held.backend.kind(),
-                capability: Capability::Revocation,
+                capability: Capability::Proclaim,
             });
         }
         if let Some(reason) = held.lost_reason() {
             return Err(Error::LockLost(reason));
         }
         let value = value.as_ref();
-        held.backend.set_data(&held.q, &held.entry, value).await?;
+        held.backend.proclaim(&held.q, &held.entry, value).await?;
         self.verify().await?;
         *self
             .value

@@ -19,15 +19,20 @@ pub enum LockKind {
     ReadWrite,
     /// A semaphore's `leases` or `locks` queue (the semaphore-mutex too).
     Semaphore,
+    /// Election candidates (Curator `LeaderLatch`'s `latch-`). Where a backend cannot
+    /// tell a candidate from a mutex contender (etcd, whose election and mutex keys are
+    /// one layout), an election lists as [`LockKind::Mutex`].
+    Election,
 }
 
 impl LockKind {
-    /// A short lower-case label: `mutex`, `rwlock`, `semaphore`.
+    /// A short lower-case label: `mutex`, `rwlock`, `semaphore`, `election`.
     pub const fn label(self) -> &'static str {
         match self {
             LockKind::Mutex => "mutex",
             LockKind::ReadWrite => "rwlock",
             LockKind::Semaphore => "semaphore",
+            LockKind::Election => "election",
         }
     }
 }
@@ -124,6 +129,10 @@ pub(crate) fn summarize(
                         .any(|e| matches!(e.kind, EntryKind::Read | EntryKind::Write))
                 {
                     s.kind = LockKind::ReadWrite;
+                } else if s.kind == LockKind::Mutex
+                    && q.entries.iter().any(|e| e.kind == EntryKind::Candidate)
+                {
+                    s.kind = LockKind::Election;
                 }
             }
             Part::Leases => {
@@ -171,6 +180,7 @@ mod tests {
             q("app/s/locks", &[(Lock, 10)]),
             // A mutex whose last segment is `leases`: its entries are no leases.
             q("app/x/leases", &[(Lock, 11)]),
+            q("app/e", &[(Candidate, 12), (Candidate, 13)]),
             q("app/empty", &[]),
         ];
         let got = summarize("app/", &listed, NameRules::common());
@@ -178,13 +188,14 @@ mod tests {
         assert_eq!(
             rows,
             [
+                ("app/e", LockKind::Election, 1, 1),
                 ("app/m", LockKind::Mutex, 1, 2),
                 ("app/rw", LockKind::ReadWrite, 2, 2),
                 ("app/s", LockKind::Semaphore, 2, 1),
                 ("app/x/leases", LockKind::Mutex, 1, 0),
             ]
         );
-        assert_eq!(got[1].entries(), 4);
+        assert_eq!(got[2].entries(), 4);
     }
 
     #[test]

@@ -140,7 +140,10 @@ impl Backend for ZkBackend {
     /// Both: an entry's payload is its znode's data, watched with a data watch; a
     /// shared value is the data of the queue's znode (Curator's layouts).
     fn supports(&self, capability: Capability) -> bool {
-        matches!(capability, Capability::Revocation | Capability::SharedValue)
+        matches!(
+            capability,
+            Capability::Revocation | Capability::SharedValue | Capability::Proclaim
+        )
     }
 
     fn enqueue(

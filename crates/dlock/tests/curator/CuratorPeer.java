@@ -28,6 +28,17 @@
 //   <id> children <path>        sorted child names               -> CHILDREN a,b,c | NONODE
 //   <id> data <node-path>       node data as UTF-8               -> DATA <text> | NONODE
 //   <id> participants <path>    InterProcessMutex participants   -> PARTICIPANTS <n>
+//   <id> latch <path> <pid> [ms]
+//                               LeaderLatch(path, pid).start(), then await([ms])
+//                                                                -> LEADER | TIMEOUT
+//                               (release closes the latch; "latch" again on the same
+//                               id and path closes the earlier one first)
+//   <id> latchstart <path> <pid>
+//                               LeaderLatch started, not awaited -> STARTED
+//   <id> leads                  hasLeadership() of the latch <id> started last
+//                                                                -> LEADS true|false
+//   <id> leader <path>          a LeaderLatch's getLeader() and getParticipants()
+//                                                                -> LEADER <id> <n> | NOBODY <n>
 //   <id> quit                   closes the session and exits     -> BYE
 //
 // Anything that throws answers "<id> ERROR <message>". Without [ms] an acquire waits
@@ -50,6 +61,8 @@ import java.util.concurrent.TimeUnit;
 import org.apache.curator.framework.CuratorFramework;
 import org.apache.curator.framework.CuratorFrameworkFactory;
 import org.apache.curator.framework.api.ACLProvider;
+import org.apache.curator.framework.recipes.leader.LeaderLatch;
+import org.apache.curator.framework.recipes.leader.Participant;
 import org.apache.curator.framework.recipes.locks.InterProcessMutex;
 import org.apache.curator.framework.recipes.locks.InterProcessReadWriteLock;
 import org.apache.curator.framework.recipes.locks.InterProcessSemaphoreMutex;
@@ -75,6 +88,8 @@ public class CuratorPeer {
         final Deque<Held> held = new ArrayDeque<>();
         final Map<String, InterProcessReadWriteLock> rw = new HashMap<>();
         final Map<String, InterProcessMutex> mutexes = new HashMap<>();
+        /** The latch this id started last, if it is still open. */
+        LeaderLatch latch;
 
         Slot(String id) {
             this.id = id;
@@ -279,6 +294,51 @@ public class CuratorPeer {
                     say(id + " DATA " + new String(d, StandardCharsets.UTF_8));
                 } catch (KeeperException.NoNodeException e) {
                     say(id + " NONODE");
+                }
+                break;
+            }
+            case "latch":
+            case "latchstart": {
+                if (s.latch != null) {
+                    s.latch.close();
+                    s.latch = null;
+                }
+                LeaderLatch latch = new LeaderLatch(client, w[2], w[3]);
+                latch.start();
+                s.latch = latch;
+                s.held.push(() -> {
+                    if (s.latch == latch) {
+                        s.latch = null;
+                    }
+                    latch.close();
+                });
+                if (w[1].equals("latchstart")) {
+                    say(id + " STARTED");
+                    break;
+                }
+                long t = ms(w, 4);
+                boolean ok = true;
+                if (t < 0) {
+                    latch.await();
+                } else {
+                    ok = latch.await(t, TimeUnit.MILLISECONDS);
+                }
+                say(id + (ok ? " LEADER" : " TIMEOUT"));
+                break;
+            }
+            case "leads": {
+                say(id + " LEADS " + (s.latch != null && s.latch.hasLeadership()));
+                break;
+            }
+            case "leader": {
+                // A latch that is never started reads the path as any observer would.
+                LeaderLatch observer = new LeaderLatch(client, w[2], "observer-" + id);
+                Participant p = observer.getLeader();
+                int n = observer.getParticipants().size();
+                if (p.isLeader()) {
+                    say(id + " LEADER " + p.getId() + " " + n);
+                } else {
+                    say(id + " NOBODY " + n);
                 }
                 break;
             }

@@ -482,3 +482,129 @@ pub async fn shared_count_interop(url: &str) {
     java.quit().await;
     c.close().await.expect("close");
 }
+
+/// Asks the Java peer, as `id`, until its latch's `hasLeadership()` is `want`.
+async fn java_leads(java: &mut Peer, id: &str, want: bool) -> bool {
+    let deadline = tokio::time::Instant::now() + GENEROUS;
+    loop {
+        let got = java.cmd(id, "leads").await;
+        if got == format!("LEADS {want}") {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Curator's `LeaderLatch` and dlock's election on one path elect exactly one leader
+/// between them, in both directions; each side's `getLeader()` / `leader()` names the
+/// other's participant id (the node's data); dlock's candidates are `latch-` nodes as
+/// Curator names them; a value dlock proclaims is the id Curator reads.
+pub async fn leader_latch_interop(url: &str) {
+    let Some(mut java) = Peer::start(url).await else {
+        return;
+    };
+    let name = unique("cur-latch");
+    let path = format!("/{name}");
+    let a = client(url).await;
+    let b = client(url).await;
+    let ea = a.election(&name).expect("name");
+    let eb = b.election(&name).expect("name");
+
+    // Java leads: dlock cannot, leaves nothing, and names Java's participant id.
+    assert_eq!(
+        java.cmd("j1", &format!("latch {path} java-1")).await,
+        "LEADER"
+    );
+    assert!(matches!(
+        ea.try_campaign("dlock-a").await,
+        Err(Error::WouldBlock)
+    ));
+    match ea.campaign_timeout("dlock-a", SHORT).await {
+        Err(Error::Timeout(_)) => {}
+        other => panic!("dlock was elected while Curator's latch leads: {other:?}"),
+    }
+    let leader = ea.leader().await.expect("leader").expect("Java leads");
+    assert_eq!(leader.value_str(), Some("java-1"));
+    assert!(curator_shaped(&leader.entry, "latch-"), "{}", leader.entry);
+    participants_reach(&a, &name, 1).await;
+
+    // dlock queues behind Java: Java still leads, and counts dlock's candidate.
+    let waiting = tokio::spawn({
+        let eb = eb.clone();
+        async move { eb.campaign("dlock-b").await }
+    });
+    participants_reach(&a, &name, 2).await;
+    let parts = a.participants(&name).await.expect("participants");
+    assert!(
+        parts.iter().all(
+            |p| p.entry.kind == EntryKind::Candidate && curator_shaped(&p.entry.name, "latch-")
+        ),
+        "dlock's candidate must be a LeaderLatch node: {parts:?}"
+    );
+    assert_eq!(
+        java.cmd("q", &format!("leader {path}")).await,
+        "LEADER java-1 2"
+    );
+    assert!(!waiting.is_finished(), "dlock was elected while Java led");
+
+    // Java's latch closes: dlock's candidate leads, and Java names it.
+    assert_eq!(java.cmd("j1", "release").await, "RELEASED");
+    let lead = tokio::time::timeout(GENEROUS, waiting)
+        .await
+        .expect("dlock elected after Java resigned")
+        .expect("task")
+        .expect("campaign");
+    assert_eq!(
+        java.cmd("q", &format!("leader {path}")).await,
+        "LEADER dlock-b 1"
+    );
+    let seen = ea.leader().await.expect("leader").expect("dlock leads");
+    assert_eq!(
+        (seen.value_str(), seen.term),
+        (Some("dlock-b"), lead.term())
+    );
+    // What dlock proclaims is the participant id Curator reads. (Before any Java latch
+    // queues behind: a LeaderLatch's watch on the node ahead acts only on its deletion,
+    // and a data change uses that one-shot watch up; see docs/election.md.)
+    lead.proclaim("dlock-b2").await.expect("proclaim");
+    assert_eq!(
+        java.cmd("q", &format!("leader {path}")).await,
+        "LEADER dlock-b2 1"
+    );
+
+    // A Java latch joins behind dlock: it must not lead while dlock does.
+    assert_eq!(
+        java.cmd("j2", &format!("latchstart {path} java-2")).await,
+        "STARTED"
+    );
+    participants_reach(&a, &name, 2).await;
+    assert_eq!(java.cmd("j2", "leads").await, "LEADS false");
+    lead.verify().await.expect("dlock still leads");
+    assert_eq!(
+        java.cmd("q", &format!("leader {path}")).await,
+        "LEADER dlock-b2 2"
+    );
+
+    // dlock resigns: the Java latch leads, and dlock names it.
+    lead.resign().await.expect("resign");
+    assert!(
+        java_leads(&mut java, "j2", true).await,
+        "Java never led after dlock resigned"
+    );
+    let seen = eb.leader().await.expect("leader").expect("Java leads");
+    assert_eq!(seen.value_str(), Some("java-2"));
+    assert!(matches!(
+        eb.try_campaign("dlock-b").await,
+        Err(Error::WouldBlock)
+    ));
+
+    assert_eq!(java.cmd("j2", "release").await, "RELEASED");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&a, &name).await == 0 }).await,
+        "nodes left behind"
+    );
+    java.quit().await;
+}

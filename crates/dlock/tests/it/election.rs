@@ -236,7 +236,14 @@ pub async fn observe_sees_every_change_in_order(kind: Kind, url: &str) {
         "the next leader's term is larger"
     );
 
-    if b.backend().supports(Capability::Revocation) {
+    // Proclaim is there on ZooKeeper (the node's data), etcd (Go's guarded put) and mem.
+    let proclaims = b.backend().supports(Capability::Proclaim);
+    assert_eq!(
+        proclaims,
+        matches!(kind, Kind::Zk | Kind::Etcd | Kind::Mem),
+        "{kind:?}"
+    );
+    if proclaims {
         lb.proclaim("B2").await.expect("proclaim");
         assert_eq!(lb.value(), b"B2");
         let seen = next_leader(&mut stream).await.expect("B still leads");
@@ -255,7 +262,7 @@ pub async fn observe_sees_every_change_in_order(kind: Kind, url: &str) {
             matches!(
                 e,
                 Error::Unsupported {
-                    capability: Capability::Revocation,
+                    capability: Capability::Proclaim,
                     ..
                 }
             ),

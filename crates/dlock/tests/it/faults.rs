@@ -24,7 +24,7 @@ use crate::support::{
 const GENEROUS: Duration = Duration::from_secs(60);
 
 /// Held by the tests that kill an etcd member and by those that use one etcd endpoint.
-static ETCD_FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static ETCD_FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Sends `sig` (e.g. `STOP`) to every process of the group `pgid`.
 fn signal_group(pgid: u32, sig: &str) {
@@ -260,7 +260,7 @@ pub async fn cli_lost_lock_stops_the_whole_process_group(_kind: Kind, url: &str)
 }
 
 /// The first endpoint of an `etcd://a,b,c` URL, for `etcdctl`.
-fn first_endpoint(url: &str) -> String {
+pub(crate) fn first_endpoint(url: &str) -> String {
     let hosts = url.strip_prefix("etcd://").expect("an etcd URL");
     hosts.split(',').next().expect("an endpoint").to_owned()
 }

@@ -20,6 +20,7 @@ mod curator;
 #[cfg(feature = "zookeeper")]
 mod curator_peer;
 mod election;
+mod etcd_election;
 mod faults;
 mod fuzz;
 mod late_grant;
@@ -235,6 +236,9 @@ mod etcdctl_lock_blocks_dlock {
 mod dlock_blocks_etcdctl_lock {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::dlock_blocks_etcdctl_lock);
 }
+mod etcdctl_elect_interop {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::etcd_election::etcdctl_elect_interop);
+}
 mod etcd_leader_kill_keeps_the_lock {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);
 }
@@ -293,6 +297,7 @@ zk_only! {
     shared curator_rwlock_interop => crate::curator::rwlock_interop,
     shared curator_semaphore_interop => crate::curator::semaphore_interop,
     shared curator_shared_count_interop => crate::curator::shared_count_interop,
+    shared curator_leader_latch_interop => crate::curator::leader_latch_interop,
     shared no_herd_mutex_queue_of_50 => crate::zk_herd::mutex_queue_of_50,
     shared no_herd_readers_behind_writer => crate::zk_herd::readers_behind_writer,
     shared container_parents_are_reaped => crate::zk_scenarios::container_parents_are_reaped,

@@ -300,7 +300,10 @@ impl Backend for MemBackend {
     /// Both, as on ZooKeeper: payloads are written and watched, and a queue keeps a
     /// value of its own ([`MemServer::set_value`]).
     fn supports(&self, capability: Capability) -> bool {
-        matches!(capability, Capability::Revocation | Capability::SharedValue)
+        matches!(
+            capability,
+            Capability::Revocation | Capability::SharedValue | Capability::Proclaim
+        )
     }
 
     fn enqueue(
