@@ -604,3 +604,171 @@ pub async fn cli_unnoticed_loss_exits_70(_kind: Kind, url: &str) {
     c.close().await.expect("close");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Whether `kind` promises that every new leader's term is higher than the last one's
+/// (Redlock's tokens are not ordered across masters: docs/fencing.md).
+fn terms_ordered(kind: Kind) -> bool {
+    kind != Kind::Redlock
+}
+
+/// Starts `dlock elect NAME --value VALUE` with a 2 s session, whose command records its
+/// PID in `pidfile` and then sleeps; returns it once the command runs, with that PID.
+async fn spawn_leader(url: &str, name: &str, value: &str, dir: &Path) -> (Reap, u32) {
+    let pidfile = dir.join("child.pid");
+    let leader = spawn_exec(
+        &[
+            "--url",
+            url,
+            "--session-timeout",
+            "2s",
+            "elect",
+            name,
+            "--value",
+            value,
+        ],
+        "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+        &[&pidfile],
+        &dir.join("dlock.err"),
+    );
+    assert!(
+        eventually(GENEROUS, || async { pidfile.exists() }).await,
+        "the leader never ran its command"
+    );
+    let child_pid: u32 = std::fs::read_to_string(&pidfile)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    (leader, child_pid)
+}
+
+/// A `dlock elect` leader whose process group is SIGSTOPped past its session loses the
+/// lead to the next candidate (with a higher term where terms are ordered); once
+/// continued, its lost signal fires, it SIGTERMs its command and exits 70, the command is
+/// gone, and the new leader keeps the lead.
+pub async fn cli_paused_leader_exits_70(kind: Kind, url: &str) {
+    let name = unique("paused-leader");
+    let dir = tempdir("paused-leader");
+    let session = Duration::from_secs(2);
+    let (mut leader, child_pid) = spawn_leader(url, &name, "paused", &dir).await;
+    let child_start = start_time(child_pid).expect("the command runs");
+    let pgid = leader.0.id();
+    let c = client(url).await;
+    let election = c.election(&name).expect("name");
+    let first = election
+        .leader()
+        .await
+        .expect("leader")
+        .expect("the dlock elect process leads");
+    assert_eq!(first.value_str(), Some("paused"));
+
+    signal_group(pgid, "STOP");
+    let paused_at = tokio::time::Instant::now();
+    struct Cont(u32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .args(["-CONT", "--", &format!("-{}", self.0)])
+                .status();
+        }
+    }
+    let cont = Cont(pgid);
+    let next = election
+        .campaign_timeout("next", GENEROUS)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("the next candidate must lead once the paused leader's session ends: {e}")
+        });
+    if terms_ordered(kind) {
+        assert!(
+            next.term() > first.term,
+            "the new term {} must be higher than the paused leader's {}",
+            next.term(),
+            first.term
+        );
+    }
+    tokio::time::sleep_until(paused_at + 3 * session).await;
+    drop(cont);
+
+    let status = wait_exit(&mut leader.0, GENEROUS).await;
+    let err = std::fs::read_to_string(dir.join("dlock.err")).unwrap_or_default();
+    let status =
+        status.unwrap_or_else(|| panic!("dlock elect did not exit after SIGCONT; stderr: {err}"));
+    assert_eq!(
+        status.code(),
+        Some(70),
+        "dlock elect must exit 70 when leadership is lost under its command; stderr: {err}"
+    );
+    assert!(
+        err.contains("stopping the command"),
+        "the exit must come from the lost signal: {err}"
+    );
+    assert!(
+        eventually(GENEROUS, || async {
+            start_time(child_pid) != Some(child_start)
+        })
+        .await,
+        "the command (pid {child_pid}) outlived the lost leadership"
+    );
+    // The old leader waking up disturbed nobody.
+    next.verify().await.expect("the new leader still leads");
+    let now = election.leader().await.expect("leader").expect("a leader");
+    assert_eq!(now.value_str(), Some("next"));
+    next.resign().await.expect("resign");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left under {name}"
+    );
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A `dlock elect` leader SIGKILLed with its command: the next candidate leads once the
+/// dead process's session ends (with a higher term where terms are ordered), and nothing
+/// of the dead leader is left.
+pub async fn cli_killed_leader_is_replaced(kind: Kind, url: &str) {
+    let name = unique("killed-leader");
+    let dir = tempdir("killed-leader");
+    let (mut leader, _) = spawn_leader(url, &name, "killed", &dir).await;
+    let c = client(url).await;
+    let election = c.election(&name).expect("name");
+    let first = election
+        .leader()
+        .await
+        .expect("leader")
+        .expect("the dlock elect process leads");
+    assert_eq!(first.value_str(), Some("killed"));
+    signal_group(leader.0.id(), "KILL");
+    assert!(
+        wait_exit(&mut leader.0, GENEROUS).await.is_some(),
+        "the killed leader did not exit"
+    );
+    let next = election
+        .campaign_timeout("next", GENEROUS)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("the next candidate must lead once the dead leader's session ends: {e}")
+        });
+    if terms_ordered(kind) {
+        assert!(
+            next.term() > first.term,
+            "the new term {} must be higher than the killed leader's {}",
+            next.term(),
+            first.term
+        );
+    }
+    let now = election.leader().await.expect("leader").expect("a leader");
+    assert_eq!(now.value_str(), Some("next"));
+    assert_eq!(
+        c.participants(&name).await.map(|p| p.len()).ok(),
+        Some(1),
+        "only the new leader's candidacy is left"
+    );
+    next.resign().await.expect("resign");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left under {name}"
+    );
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -149,6 +149,8 @@ all_backends! {
     servers cli_elect_and_leader => crate::cli::cli_elect_and_leader,
     servers cli_list_shows_locks => crate::cli::cli_list_shows_locks,
     servers cli_paused_holder_exits_70 => crate::faults::cli_paused_holder_exits_70,
+    servers cli_paused_leader_exits_70 => crate::faults::cli_paused_leader_exits_70,
+    servers cli_killed_leader_is_replaced => crate::faults::cli_killed_leader_is_replaced,
     servers cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
     servers cli_lost_lock_stops_the_whole_process_group => crate::faults::cli_lost_lock_stops_the_whole_process_group,
 }
