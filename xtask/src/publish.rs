@@ -106,17 +106,56 @@ fn package(root: &Path) -> anyhow::Result<i32> {
     let metadata: Value =
         serde_json::from_slice(&output.stdout).context("parsing cargo metadata's output")?;
     let mut args = vec!["package".to_owned(), "--locked".to_owned()];
+    let mut packed = Vec::new();
     for package in metadata["packages"].as_array().into_iter().flatten() {
         if is_publishable(package) {
             let name = package["name"]
                 .as_str()
                 .context("a package without a name")?;
+            let version = package["version"].as_str().unwrap_or_default();
+            packed.push(format!("{name}-{version}"));
             args.extend(["-p".to_owned(), name.to_owned()]);
         }
     }
+    forget_stale_unpacked(&packed);
     let title = format!("cargo {}", args.join(" "));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     cargo_step(root, &title, &args)
+}
+
+/// Removes what an earlier `cargo package` left unpacked of `crates` (`name-version`) in
+/// cargo's registry sources.
+///
+/// The verify step builds each packed crate against the others through a local registry
+/// under `target/package`, and cargo unpacks those into `$CARGO_HOME/registry/src/<hash of
+/// the registry's path>/`, keeping what is there: a second run from the same checkout path
+/// built against the first run's sources of the same version (seen: dlock-etcd verified
+/// against a dlock-core from before a new enum variant). Only local registries' folders
+/// are touched (crates.io's is named `index.crates.io-...`), and in them only these crates.
+fn forget_stale_unpacked(crates: &[String]) {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
+    let Some(src) = home.map(|h| h.join("registry").join("src")) else {
+        return;
+    };
+    let Ok(registries) = std::fs::read_dir(&src) else {
+        return;
+    };
+    for registry in registries.flatten() {
+        // Local registries have no host in their folder's name: `-<hash>`.
+        if !registry.file_name().to_string_lossy().starts_with('-') {
+            continue;
+        }
+        for krate in crates {
+            let stale = registry.path().join(krate);
+            if stale.is_dir() {
+                if let Err(e) = std::fs::remove_dir_all(&stale) {
+                    eprintln!("xtask: could not remove {}: {e}", stale.display());
+                }
+            }
+        }
+    }
 }
 
 /// Whether a package of `cargo metadata` may be published: `publish = false` is an empty
