@@ -114,14 +114,22 @@ pub(crate) fn run(root: &Path, args: &ChaosArgs) -> anyhow::Result<i32> {
         .enable_all()
         .build()
         .context("starting the runtime")?;
+    // Redis Cluster has no chaos rows yet (#18): its faults (failover, reshard, a master
+    // killed) need scenarios of their own, and the client-side ones a proxy per node.
     let asked: Vec<Kind> = if args.backends.is_empty() {
-        Kind::ALL.to_vec()
+        Kind::ALL
+            .into_iter()
+            .filter(|k| *k != Kind::RedisCluster)
+            .collect()
     } else {
         args.backends
             .iter()
             .map(|b| parse_kind(b))
             .collect::<anyhow::Result<_>>()?
     };
+    if asked.contains(&Kind::RedisCluster) {
+        anyhow::bail!("cargo xtask chaos has no Redis Cluster rows yet");
+    }
     let recipes: Vec<Recipe> = if args.recipes.is_empty() {
         Recipe::ALL.to_vec()
     } else {
