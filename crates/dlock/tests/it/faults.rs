@@ -50,6 +50,18 @@ fn start_time(pid: u32) -> Option<u64> {
     fields.get(19)?.parse().ok()
 }
 
+/// SIGCONTs the process group it names when dropped: a test that stopped a group never
+/// leaves it stopped, whatever fails in between.
+struct Cont(u32);
+
+impl Drop for Cont {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", "--", &format!("-{}", self.0)])
+            .status();
+    }
+}
+
 /// Waits (polling, up to `limit`) for `child` to exit and returns its status, or `None`.
 async fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let deadline = tokio::time::Instant::now() + limit;
@@ -135,14 +147,6 @@ pub async fn cli_paused_holder_exits_70(_kind: Kind, url: &str) {
     signal_group(pgid, "STOP");
     let paused_at = tokio::time::Instant::now();
     // Whatever happens below, the group must not stay stopped.
-    struct Cont(u32);
-    impl Drop for Cont {
-        fn drop(&mut self) {
-            let _ = Command::new("kill")
-                .args(["-CONT", "--", &format!("-{}", self.0)])
-                .status();
-        }
-    }
     let cont = Cont(pgid);
     let got = m.lock_timeout(GENEROUS).await;
     let mut g = got.unwrap_or_else(|e| {
@@ -227,14 +231,6 @@ pub async fn cli_lost_lock_stops_the_whole_process_group(_kind: Kind, url: &str)
     // Pause dlock alone (the command and its children go on), far past its session, so
     // that it finds its lock lost when it resumes.
     signal_group(dlock_pid, "STOP");
-    struct Cont(u32);
-    impl Drop for Cont {
-        fn drop(&mut self) {
-            let _ = Command::new("kill")
-                .args(["-CONT", "--", &format!("-{}", self.0)])
-                .status();
-        }
-    }
     let cont = Cont(dlock_pid);
     tokio::time::sleep(3 * session).await;
     drop(cont);
@@ -664,14 +660,6 @@ pub async fn cli_paused_leader_exits_70(kind: Kind, url: &str) {
 
     signal_group(pgid, "STOP");
     let paused_at = tokio::time::Instant::now();
-    struct Cont(u32);
-    impl Drop for Cont {
-        fn drop(&mut self) {
-            let _ = Command::new("kill")
-                .args(["-CONT", "--", &format!("-{}", self.0)])
-                .status();
-        }
-    }
     let cont = Cont(pgid);
     let next = election
         .campaign_timeout("next", GENEROUS)
