@@ -17,8 +17,9 @@
 //! name with an in-memory holder flag and unlocked counter; W3 N workers, one name each;
 //! W4 N workers on a semaphore of `--leases` permits; W5 N workers on a read/write lock,
 //! 90 % reads (`peak_readers` = most readers inside at once). `--scale` adds S1 (server
-//! operations per release with 10..1000 waiters queued) and S2 (memory per held lock,
-//! measured in a process of its own). `--failovers N` adds W6, leader failover: three
+//! operations per release with 10..1000 waiters queued), S2 (memory per held lock,
+//! measured in a process of its own) and, on Redis, S3 (the server's `INFO commandstats`
+//! cost of an uncontended acquire + release, dlock's beside rslock's protocol). `--failovers N` adds W6, leader failover: three
 //! candidate processes in one election, the leader SIGKILLed N times, the time to the next
 //! leader's announcement (p50/p99), for every backend and every `--w6-peer` command
 //! (`etcdctl elect`, Curator's `LeaderLatch`; see [`failover`]).
@@ -71,10 +72,10 @@ struct Args {
     /// Prefix of every lock name and key, so runs do not meet.
     #[arg(long, default_value = "lockbench")]
     prefix: String,
-    /// Only these workloads, comma separated (W0 = the ceilings, W1..W5, S1, S2).
+    /// Only these workloads, comma separated (W0 = the ceilings, W1..W6, S1, S2, S3).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
-    /// Also run the scale checks S1 and S2.
+    /// Also run the scale checks S1, S2 and S3.
     #[arg(long)]
     scale: bool,
     /// S1: queue lengths to measure.
@@ -105,6 +106,9 @@ struct Args {
     /// Internal (W6): the candidate's number, in its value.
     #[arg(long = "w6-id", hide = true, default_value_t = 0)]
     w6_id: u32,
+    /// S3: uncontended acquire + release pairs whose server cost is measured (Redis).
+    #[arg(long = "s3-pairs", default_value_t = 2000)]
+    s3_pairs: usize,
     /// S2 in this process. Without it, S2 re-runs this binary with only S2 for the one
     /// backend: memory the earlier workloads freed is reused by the held locks, which
     /// hid their growth (a measured 0 B per lock).
@@ -265,6 +269,9 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
                 duration,
             )
             .await;
+        }
+        if args.wants("S3") {
+            run_s3(&mut sink, &args, redis, &prefix).await;
         }
         targets.push(Target {
             peer: "dlock-redis",
@@ -600,6 +607,40 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
     }
     if args.wants("S2") {
         run_s2(sink, args, t, &base).await;
+    }
+}
+
+/// S3: the server cost of one uncontended acquire + release, dlock's against the
+/// protocol rslock and redis-py use (`SET NX PX` + `EVALSHA` compare-and-delete, the
+/// `ceiling-redis` loop), on the same server in the same run.
+async fn run_s3(sink: &mut Sink, args: &Args, redis: &str, prefix: &str) {
+    const W: &str = "S3-server-cost";
+    let n = args.s3_pairs.max(1);
+    let emit = |sink: &mut Sink, peer: &str, c: scale::ServerCost| {
+        sink.emit(format!(
+            "peer={peer} workload={W} pairs={n} server_usec_per_op={:.2} server_calls_per_op={:.2}",
+            c.usec_per_op, c.calls_per_op
+        ));
+    };
+    match ceiling::RedisRaw::connect(redis, &format!("{prefix}:s3-raw")).await {
+        Ok(mut raw) => match scale::server_cost(redis, &["set", "evalsha"], n, &mut raw).await {
+            Ok(c) => emit(sink, "ceiling-redis", c),
+            Err(e) => sink.fail("ceiling-redis", W, &e),
+        },
+        Err(e) => sink.fail("ceiling-redis", W, &e),
+    }
+    let url = format!("redis://{redis}");
+    let name = format!("{prefix}/dlock-redis/s3");
+    let recipe = Recipe::Mutex { shared: None };
+    match DlockWorker::new(&url, Duration::from_secs(10), &name, recipe).await {
+        Ok(mut w) => {
+            match scale::server_cost(redis, &["eval", "evalsha"], n, &mut w).await {
+                Ok(c) => emit(sink, "dlock-redis", c),
+                Err(e) => sink.fail("dlock-redis", W, &e),
+            }
+            Box::new(w).close().await;
+        }
+        Err(e) => sink.fail("dlock-redis", W, &e),
     }
 }
 

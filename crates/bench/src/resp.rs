@@ -136,6 +136,27 @@ pub fn commandstats_calls(info: &str) -> u64 {
         .sum()
 }
 
+/// `INFO commandstats` as command (`set`, `evalsha`, `client|id`...) → (calls, usec),
+/// without the `info` calls the bench itself makes.
+pub fn commandstats_table(info: &str) -> std::collections::HashMap<String, (u64, u64)> {
+    let field = |rest: &str, key: &str| -> Option<u64> {
+        rest.split(',')
+            .find_map(|kv| kv.strip_prefix(key))
+            .and_then(|v| v.parse().ok())
+    };
+    info.lines()
+        .filter_map(|l| l.trim_end().strip_prefix("cmdstat_"))
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(cmd, _)| *cmd != "info")
+        .filter_map(|(cmd, rest)| {
+            Some((
+                cmd.to_owned(),
+                (field(rest, "calls=")?, field(rest, "usec=")?),
+            ))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,5 +166,9 @@ mod tests {
         let info = "# Commandstats\r\ncmdstat_set:calls=10,usec=5,usec_per_call=0.5\r\n\
                     cmdstat_evalsha:calls=7,usec=1\r\ncmdstat_info:calls=3,usec=1\r\n";
         assert_eq!(commandstats_calls(info), 17);
+        let t = commandstats_table(info);
+        assert_eq!(t.get("set"), Some(&(10, 5)));
+        assert_eq!(t.get("evalsha"), Some(&(7, 1)));
+        assert!(!t.contains_key("info"));
     }
 }

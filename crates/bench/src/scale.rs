@@ -196,3 +196,57 @@ pub async fn held_locks(client: &Client, base: &str, n: usize) -> Result<(u64, u
     }
     Ok((before, held_rss, secs))
 }
+
+/// What a run of S3 cost the server, per acquire + release.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerCost {
+    /// `INFO commandstats` usec of the commands the client sent, per op. A script's
+    /// usec includes the commands it ran, so those are not added again.
+    pub usec_per_op: f64,
+    /// Every command's `calls`, those inside scripts included, per op.
+    pub calls_per_op: f64,
+}
+
+/// `INFO commandstats` as command → (calls, usec), without the `info` calls.
+async fn commandstats(addr: &str) -> Result<std::collections::HashMap<String, (u64, u64)>, String> {
+    let mut c = Conn::connect(addr).await?;
+    let text = match c.cmd(&[b"INFO", b"commandstats"]).await? {
+        Reply::Bulk(Some(b)) => String::from_utf8_lossy(&b).into_owned(),
+        other => return Err(format!("INFO answered {other:?}")),
+    };
+    Ok(crate::resp::commandstats_table(&text))
+}
+
+/// S3 (Redis): `n` uncontended acquire + release pairs of one name by one worker, in a
+/// row, and what they cost the server: the growth of `INFO commandstats` over the run.
+/// `top_level` names the commands the worker itself sends (their usec is counted;
+/// commands run inside a script are in the script's usec already). Other clients of the
+/// server during the run are counted too: run it on a server of its own.
+///
+/// # Errors
+/// Backend or `INFO` errors.
+pub async fn server_cost(
+    addr: &str,
+    top_level: &[&str],
+    n: usize,
+    worker: &mut dyn crate::harness::Worker,
+) -> Result<ServerCost, String> {
+    // One pair first, so that script loads and subscriptions are not counted.
+    worker.iter().await?;
+    let before = commandstats(addr).await?;
+    for _ in 0..n {
+        worker.iter().await?;
+    }
+    let after = commandstats(addr).await?;
+    let grown = |cmd: &str| {
+        let (c0, u0) = before.get(cmd).copied().unwrap_or_default();
+        let (c1, u1) = after.get(cmd).copied().unwrap_or_default();
+        (c1.saturating_sub(c0), u1.saturating_sub(u0))
+    };
+    let calls: u64 = after.keys().map(|k| grown(k).0).sum();
+    let usec: u64 = top_level.iter().map(|k| grown(k).1).sum();
+    Ok(ServerCost {
+        usec_per_op: usec as f64 / n as f64,
+        calls_per_op: calls as f64 / n as f64,
+    })
+}

@@ -355,7 +355,15 @@ impl Backend for RedisBackend {
                 let results = s
                     .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
                     .await;
-                let ttls = s.quorum(results)?;
+                let mut ttls = s.quorum(results)?;
+                if s.mode == Mode::Single && ttls.iter().all(Option::is_none) {
+                    // No entry key: the entry may be the lock's solo key.
+                    ttls = vec![
+                        s.nodes[0]
+                            .solo_pttl_after_subscribe(&keys.queue, &entry.name)
+                            .await?,
+                    ];
+                }
                 let Some(longest) = ttls.iter().flatten().max().copied() else {
                     s.count_recheck(by_timer);
                     // No removal message: the key expired, or the server lost it
@@ -423,15 +431,18 @@ impl Backend for RedisBackend {
             let s = &self.shared;
             // Stop renewing before deleting: no renewal may follow a release. A live
             // entry's keys were built by its enqueue; reuse them.
-            let keys = match s.settle(
+            let (keys, solo) = match s.settle_live(
                 &QueueKeys::queue_key(&self.shared.prefix, q),
                 &entry.name,
                 Fate::Released,
             ) {
-                Some(keys) => keys,
-                None => Arc::new(QueueKeys::new(&self.shared.prefix, q)),
+                Some(live) => live,
+                None => (Arc::new(QueueKeys::new(&self.shared.prefix, q)), false),
             };
             s.check_open()?;
+            if solo && s.release_solo(&keys, &entry.name).await? {
+                return Ok(());
+            }
             s.remove_names(&keys, std::slice::from_ref(&entry.name))
                 .await
         }

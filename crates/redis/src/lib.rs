@@ -56,6 +56,17 @@
 //! | `dlock:{L}:e[:<sub>]:<entry name>` | string, `PX` = lease | `<token> <creation ms (server clock)> <data>` |
 //! | `dlock:{L}:token` | string, `PX` = lease | the lock's last fencing token |
 //!
+//! While a lock has one entry and nobody waits (the uncontended case), the fast path
+//! keeps it as a string at the queue's own key instead: `dlock:{L}:q[:<sub>]` =
+//! `<entry name> <token> <data>`, `PX` = lease (sequence = token; creation ms = token
+//! µs / 1000). `SET NX` on that key is the exclusion (it fails whenever the lock has an
+//! entry of either layout), and the enqueue of a second entry first moves the string
+//! into the layout above (the same name, token, data and TTL). Every script checks the
+//! key's type before it reads or changes the queue. Clients of one lock must all run a
+//! dlock that knows this layout: an older one gets `WRONGTYPE` errors (never a grant)
+//! from a lock held this way. Redlock and election candidates always use the queue
+//! layout.
+//!
 //! On one master an entry's sequence is its token (tokens only grow, and the enqueue
 //! script keeps it above every queued sequence), so no sequence counter is kept.
 //!

@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{Enqueued, Entry, EntryKind, Error, Position, QueuePath, Result, Ticket};
+use dlock_core::{
+    Enqueued, Entry, EntryKind, Error, FencingToken, Position, QueuePath, Result, Ticket,
+};
 use fred::prelude::Value;
 use tokio::time::Instant;
 use tracing::debug;
@@ -184,6 +186,24 @@ impl Shared {
         q
     }
 
+    /// Releases an entry the fast path created; `false` when a second entry has moved
+    /// it into the queue layout since, and [`Shared::remove_names`] must remove it.
+    pub(crate) async fn release_solo(&self, keys: &QueueKeys, name: &str) -> Result<bool> {
+        let reply = self.nodes[0]
+            .eval(
+                "removing an entry",
+                &self.scripts.release_solo,
+                vec![keys.queue.clone()],
+                vec![
+                    Value::from(name),
+                    Value::from(keys.gone_channel(name)),
+                    Value::from(keys.changed.as_str()),
+                ],
+            )
+            .await?;
+        Ok(reply.as_i64() != Some(-1))
+    }
+
     pub(crate) async fn remove_names(&self, keys: &QueueKeys, names: &[String]) -> Result<()> {
         let mut args = Self::q_args(keys);
         args.extend(names.iter().map(|n| Value::from(n.as_str())));
@@ -195,6 +215,67 @@ impl Shared {
 }
 
 impl RedisBackend {
+    /// The uncontended fast path ([`crate::scripts`]' `ACQUIRE_SOLO`): on one master, a
+    /// tail entry into a lock with no entry is taken as the lock's one key. `None` when
+    /// it does not apply or the lock has an entry: the caller enqueues as usual (one
+    /// round trip more for a contended acquire, none for an uncontended one).
+    ///
+    /// Not for Redlock (its sequences are agreed across masters), not beside a writer,
+    /// and not for election candidates: a leader's value is proclaimed in place, which
+    /// the queue layout's entry key carries.
+    async fn try_solo(
+        &self,
+        keys: &Arc<QueueKeys>,
+        ticket: &Ticket,
+        kind: EntryKind,
+        at: Position<'_>,
+        prefix: &str,
+        data: &[u8],
+    ) -> Result<Option<Enqueued>> {
+        let s = &self.shared;
+        if s.mode != Mode::Single || !matches!(at, Position::Tail) || kind == EntryKind::Candidate {
+            return Ok(None);
+        }
+        let node = &s.nodes[0];
+        let sent_at = Instant::now();
+        let reply = node
+            .eval(
+                "adding an entry",
+                &s.scripts.acquire_solo,
+                vec![keys.queue.clone()],
+                vec![Value::from(prefix), s.lease_ms.clone(), Value::from(data)],
+            )
+            .await?;
+        let Some(token) = reply::solo_token(reply)? else {
+            return Ok(None);
+        };
+        let mut mine = Entry::from_name(format!("{prefix}{token:010}"))
+            .ok_or_else(|| Error::backend("adding an entry", "solo entry name does not parse"))?;
+        mine.token = Some(FencingToken::new(token));
+        mine.created_ms = i64::try_from(token / 1000).ok();
+        s.register(
+            keys,
+            &mine.name,
+            Some(ticket.as_str().to_owned()),
+            sent_at,
+            true,
+        );
+        if s.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            // As in the queue path: `close` may have swept the live entries already.
+            s.settle(&keys.queue, &mine.name, crate::watchdog::Fate::Closed);
+            let _ = s.remove_names(keys, std::slice::from_ref(&mine.name)).await;
+            return Err(Error::Closed);
+        }
+        let mut listed = mine.clone();
+        listed.created_ms = None;
+        mine.data = data.to_vec();
+        debug!(entry = %mine.name, token, "entry added as the lock's only one");
+        Ok(Some(Enqueued {
+            mine,
+            queue: vec![listed],
+        }))
+    }
+
     pub(crate) async fn enqueue_inner(
         &self,
         q: &QueuePath,
@@ -208,6 +289,12 @@ impl RedisBackend {
         let keys = Arc::new(QueueKeys::new(&s.prefix, q));
         let started = Instant::now();
         let prefix = ticket.name_prefix(kind);
+        if let Some(added) = self
+            .try_solo(&keys, ticket, kind, at, &prefix, data)
+            .await?
+        {
+            return Ok(added);
+        }
         // Redlock proposals: each is above every counter a master reported and every
         // sequence seen, plus a random offset that widens with each refusal, so that
         // contenders stop proposing the same sequence and splitting the masters.
@@ -259,7 +346,13 @@ impl RedisBackend {
                 let mut mine = added[0].0.clone();
                 mine.data = data.to_vec();
                 mine.token = added.iter().filter_map(|(m, _)| m.token).max();
-                s.register(&keys, &mine.name, Some(ticket.as_str().to_owned()), sent_at);
+                s.register(
+                    &keys,
+                    &mine.name,
+                    Some(ticket.as_str().to_owned()),
+                    sent_at,
+                    false,
+                );
                 if s.closed.load(std::sync::atomic::Ordering::SeqCst) {
                     // `close` ran while this enqueue was in flight: its sweep of the live
                     // entries may have run before the line above, so take it back here

@@ -83,6 +83,16 @@ pub(crate) fn enqueue(v: Value) -> Result<Enqueue, Error> {
     }
 }
 
+/// Parses `ACQUIRE_SOLO`'s reply: the token, or `None` (nil) when the lock has an entry.
+pub(crate) fn solo_token(v: Value) -> Result<Option<u64>, Error> {
+    match v {
+        Value::Null => Ok(None),
+        v => number(&v)
+            .map(Some)
+            .ok_or_else(|| malformed("solo acquire reply is not a token")),
+    }
+}
+
 /// Parses the renew script's `{0|1, ...}`.
 pub(crate) fn renewed(v: Value, n: usize) -> Result<Vec<bool>, Error> {
     let items = match v {

@@ -31,6 +31,9 @@ pub(crate) struct Live {
     /// Shared: a renewal round groups entries by queue without copying the key names.
     pub(crate) keys: Arc<QueueKeys>,
     pub(crate) ticket: Option<String>,
+    /// Created by the uncontended fast path as the lock's one key: released with
+    /// `RELEASE_SOLO` (which says when a second entry moved it into the queue layout).
+    pub(crate) solo: bool,
     /// When the last renewal that reached a majority was *sent*: the server's expiry is
     /// later than this plus the lease, so a deadline computed from it is conservative.
     renewed_at: Instant,
@@ -44,6 +47,7 @@ impl Shared {
         name: &str,
         ticket: Option<String>,
         sent_at: Instant,
+        solo: bool,
     ) {
         let (tx, _) = watch::channel(None);
         self.live.lock().insert(
@@ -51,6 +55,7 @@ impl Shared {
             Live {
                 keys: keys.clone(),
                 ticket,
+                solo,
                 renewed_at: sent_at,
                 fate: tx,
             },
@@ -59,6 +64,17 @@ impl Shared {
 
     /// Stops renewing an entry and tells its `lost()` futures why.
     pub(crate) fn settle(&self, queue_key: &str, name: &str, fate: Fate) -> Option<Arc<QueueKeys>> {
+        self.settle_live(queue_key, name, fate)
+            .map(|(keys, _)| keys)
+    }
+
+    /// As [`Shared::settle`], and says whether the entry was created solo.
+    pub(crate) fn settle_live(
+        &self,
+        queue_key: &str,
+        name: &str,
+        fate: Fate,
+    ) -> Option<(Arc<QueueKeys>, bool)> {
         let live = self
             .live
             .lock()
@@ -68,7 +84,7 @@ impl Shared {
             warn!(queue = %queue_key, entry = %name, %reason, "lock entry lost");
         }
         let _ = live.fate.send(Some(fate));
-        Some(live.keys)
+        Some((live.keys, live.solo))
     }
 
     /// Declares an entry lost and removes whatever is left of it, in the background, so

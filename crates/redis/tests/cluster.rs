@@ -153,7 +153,8 @@ async fn locks_spread_over_masters_and_wake_ups_are_sharded() {
         let first = lock(&a, &q).await;
         assert_eq!(decide(&first.queue, &first.mine.name), Decision::Acquired);
         // The keys are on that master (a plain GET of another master's key is MOVED).
-        let key = format!("dlock:{{{}}}:e:{}", q.lock.as_str(), first.mine.name);
+        // An uncontended hold is the lock's one key (the queue's).
+        let key = format!("dlock:{{{}}}:q", q.lock.as_str());
         assert_eq!(
             redis_query(&addr(&state, m), &["EXISTS", &key], Duration::from_secs(2)).as_deref(),
             Some("1"),

@@ -189,8 +189,9 @@ async fn primary_kill_fails_over_and_clients_follow() {
     };
     // Both entries on the replica, then "un-replicate" the second one there. (`WAIT` from
     // a fresh connection would not do: it waits only for that connection's own writes.)
-    let gone_key = format!("dlock:{{{}}}:e:{}", lost_q.lock.as_str(), gone.name);
-    let kept_key = format!("dlock:{{{}}}:e:{}", kept_q.lock.as_str(), kept.name);
+    // Each is its lock's only entry: the lock's one key (the queue's) is the entry.
+    let gone_key = format!("dlock:{{{}}}:q", lost_q.lock.as_str());
+    let kept_key = format!("dlock:{{{}}}:q", kept_q.lock.as_str());
     let replicated = Instant::now() + WAIT;
     while q(&replica_addr, &["EXISTS", &kept_key, &gone_key]) != "2" {
         assert!(
@@ -373,7 +374,8 @@ async fn manual_failover_moves_clients_off_the_live_old_primary() {
             Err(e) => panic!("enqueue after the failover: {e}"),
         }
     };
-    let key = format!("dlock:{{{}}}:e:{}", q2.lock.as_str(), after.name);
+    // `after` is its lock's only entry: the lock's one key (the queue's).
+    let key = format!("dlock:{{{}}}:q", q2.lock.as_str());
     assert_eq!(
         redis_query(&new_addr, &["EXISTS", &key], t).as_deref(),
         Some("1"),

@@ -109,7 +109,8 @@ async fn watchdog_keeps_an_entry_alive_past_its_lease() {
         .mine;
     let lost = b.lost(&q, &e);
     tokio::time::sleep(Duration::from_millis(3500)).await;
-    let key = format!("dlock:{{{}}}:e:{}", q.lock, e.name);
+    // The lock's only entry is its one key (the queue's): see `solo_entry_*` below.
+    let key = format!("dlock:{{{}}}:q", q.lock);
     assert!(
         key_exists(&insp, &key).await,
         "entry alive after 3.5 leases"
@@ -473,6 +474,10 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
         .expect("enqueue")
         .mine;
     let lost = b.lost(&q, &e);
+    let insp = inspector(&server.addr()).await;
+    // The lock's only entry: its one key (the queue's).
+    let key = format!("dlock:{{{}}}:q", q.lock);
+    assert!(key_exists(&insp, &key).await, "the entry is there at first");
     server.signal("STOP");
     let reason = tokio::time::timeout(Duration::from_secs(30), lost)
         .await
@@ -484,8 +489,6 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
         "{reason:?}"
     );
     // The entry is not renewed after it was given up: it expires on the server.
-    let insp = inspector(&server.addr()).await;
-    let key = format!("dlock:{{{}}}:e:{}", q.lock, e.name);
     assert!(
         eventually(Duration::from_secs(10), || async {
             !key_exists(&insp, &key).await
@@ -975,4 +978,165 @@ async fn finished_waits_leave_no_subscription_behind() {
     );
     a.close().await.expect("close");
     b.close().await.expect("close");
+}
+
+/// The uncontended fast path keeps a lock's only entry as one string at the queue's key;
+/// a second entry moves it into the queue layout first. Checks both layouts on the
+/// server, and that nothing a holder, a waiter or an observer relies on changes across
+/// the move: the holder's name, sequence and token; FIFO; `contains`; `wait_gone` of a
+/// solo entry by a client that never queued (it must wait, then wake by message); the
+/// holder's release after the move (`RELEASE_SOLO` says "queued" and `REMOVE` runs);
+/// and no key left once both are gone.
+#[tokio::test]
+async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "solo_entry_moves_into_the_queue") else {
+        return;
+    };
+    let a = connect(&addr, LONG).await;
+    let b = connect(&addr, LONG).await;
+    let observer = connect(&addr, LONG).await;
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("solo");
+    let qkey = format!("dlock:{{{}}}:q", q.lock);
+    let kind = |k: String| {
+        let insp = insp.clone();
+        async move {
+            let t: String = fred::prelude::KeysInterface::r#type(&insp, k)
+                .await
+                .expect("TYPE");
+            t
+        }
+    };
+    let enqueue = |c: Arc<RedisBackend>, data: &'static [u8]| {
+        let q = q.clone();
+        async move {
+            c.enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                data,
+            )
+            .await
+            .expect("enqueue")
+        }
+    };
+
+    // 1. Alone: one string key, `<name> <token> <data>`, and no entry key.
+    let first = enqueue(a.clone(), b"first data").await;
+    assert_eq!(decide(&first.queue, &first.mine.name), Decision::Acquired);
+    assert_eq!(kind(qkey.clone()).await, "string");
+    let token = first.mine.token.expect("a token").get();
+    assert_eq!(first.mine.seq, token, "the sequence is the token");
+    let v: String = fred::prelude::KeysInterface::get(&insp, &qkey)
+        .await
+        .expect("GET");
+    assert_eq!(v, format!("{} {token} first data", first.mine.name));
+    let entry_key = format!("dlock:{{{}}}:e:{}", q.lock, first.mine.name);
+    assert!(!key_exists(&insp, &entry_key).await, "no entry key yet");
+    let listed = a.participants(&q).await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].name, first.mine.name);
+    assert_eq!(listed[0].token, first.mine.token);
+    assert_eq!(listed[0].data, b"first data");
+    assert!(a.contains(&q, &first.mine).await.expect("contains"));
+
+    // 2. A client that never queued watches the solo entry: it must not return while
+    //    the entry is there.
+    let watched = {
+        let (o, q, e) = (observer.clone(), q.clone(), first.mine.clone());
+        tokio::spawn(async move { o.wait_gone(&q, &e).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !watched.is_finished(),
+        "wait_gone returned while the solo entry lives"
+    );
+
+    // 3. A second entry: the first moves into the queue layout, unchanged, ahead of it.
+    let second = enqueue(b.clone(), b"").await;
+    let Decision::Wait(ahead) = decide(&second.queue, &second.mine.name) else {
+        panic!("the second waits: {:?}", second.queue);
+    };
+    assert_eq!(ahead.name, first.mine.name);
+    assert_eq!(ahead.seq, first.mine.seq);
+    assert!(
+        second.mine.token > first.mine.token,
+        "tokens grow across the move"
+    );
+    assert_eq!(kind(qkey.clone()).await, "zset");
+    let v: String = fred::prelude::KeysInterface::get(&insp, &entry_key)
+        .await
+        .expect("GET entry");
+    assert!(
+        v.starts_with(&format!("{token} ")) && v.ends_with(" first data"),
+        "the moved entry keeps its token and data: {v}"
+    );
+    let listed = b.participants(&q).await.expect("list");
+    let names: Vec<&str> = listed.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, [first.mine.name.as_str(), second.mine.name.as_str()]);
+    assert_eq!(listed[0].token, first.mine.token);
+    assert!(a
+        .contains(&q, &first.mine)
+        .await
+        .expect("contains after the move"));
+    assert!(!watched.is_finished(), "wait_gone returned across the move");
+
+    // 4. The holder releases after the move: the waiter and the observer wake.
+    let waiter = {
+        let (b, q, e) = (b.clone(), q.clone(), first.mine.clone());
+        tokio::spawn(async move { b.wait_gone(&q, &e).await })
+    };
+    a.remove(&q, &first.mine).await.expect("release");
+    tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter wakes")
+        .expect("task")
+        .expect("wait_gone");
+    tokio::time::timeout(Duration::from_secs(5), watched)
+        .await
+        .expect("the observer wakes")
+        .expect("task")
+        .expect("wait_gone");
+    let now = b.queue(&q).await.expect("list");
+    assert_eq!(decide(&now, &second.mine.name), Decision::Acquired);
+    b.remove(&q, &second.mine).await.expect("release");
+
+    // 5. A solo entry released as such wakes a client that watched it, by message.
+    let third = enqueue(a.clone(), b"").await;
+    assert_eq!(kind(qkey.clone()).await, "string");
+    assert!(third.mine.token > second.mine.token);
+    let before = observer.stats();
+    let watched = {
+        let (o, q, e) = (observer.clone(), q.clone(), third.mine.clone());
+        tokio::spawn(async move { o.wait_gone(&q, &e).await })
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            observer.stats().subscribes > before.subscribes
+        })
+        .await
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!watched.is_finished());
+    a.remove(&q, &third.mine).await.expect("release");
+    tokio::time::timeout(Duration::from_secs(5), watched)
+        .await
+        .expect("the observer wakes")
+        .expect("task")
+        .expect("wait_gone");
+    assert!(
+        observer.stats().messages > before.messages,
+        "woken by the message"
+    );
+    let left = scan_keys(
+        &insp,
+        &format!("dlock:{{{}}}*", glob_escape(q.lock.as_str())),
+    )
+    .await;
+    assert!(left.is_empty(), "keys left behind: {left:?}");
+    for c in [a, b, observer] {
+        c.close().await.expect("close");
+    }
 }
