@@ -135,6 +135,7 @@ all_backends! {
     mem election_leader_names_the_value_and_term => crate::election::leader_names_the_value_and_term,
     mem election_observe_sees_every_change_in_order => crate::election::observe_sees_every_change_in_order,
     mem election_lost_fires_before_the_next_leads => crate::election::lost_leadership_fires_before_the_next_leads,
+    mem election_deposed_leader_cannot_proclaim => crate::election::deposed_leader_cannot_proclaim,
     // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
     // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
     // an in-memory server lives inside this test process and has none.
