@@ -13,7 +13,7 @@ const GENEROUS: Duration = Duration::from_secs(30);
 
 /// Waits until `name` has `n` entries: a campaign that must be queued before the next
 /// one starts is, without guessing how long its enqueue takes.
-async fn queued(c: &dlock::Client, name: &str, n: usize) {
+pub(crate) async fn queued(c: &dlock::Client, name: &str, n: usize) {
     assert!(
         eventually(GENEROUS, || async { leftovers(c, name).await == n }).await,
         "expected {n} candidates of {name}, found {}",

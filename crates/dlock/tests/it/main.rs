@@ -242,6 +242,9 @@ mod dlock_blocks_etcdctl_lock {
 mod etcdctl_elect_interop {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::etcd_election::etcdctl_elect_interop);
 }
+mod etcd_lost_enqueue_reply_leaves_one_raw_candidate {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::etcd_election::lost_enqueue_reply_leaves_one_raw_candidate);
+}
 mod etcd_leader_kill_keeps_the_lock {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);
 }
@@ -271,6 +274,7 @@ exclusive! {
     zk_holder_cut_off => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_holder_cut_off,
     etcd_resumed_leader_and_a_lease_kept_alive_elsewhere => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_resumed_leader_and_a_lease_kept_alive_elsewhere,
     etcd_late_enqueue_leaves_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_enqueue_leaves_no_orphan,
+    etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan,
     redis_waiter_whose_entry_was_wiped_never_grants_itself => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_was_wiped_never_grants_itself,
 }
 
