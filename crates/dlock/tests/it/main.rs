@@ -275,6 +275,7 @@ exclusive! {
     etcd_resumed_leader_and_a_lease_kept_alive_elsewhere => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_resumed_leader_and_a_lease_kept_alive_elsewhere,
     etcd_late_enqueue_leaves_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_enqueue_leaves_no_orphan,
     etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan,
+    etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned,
     redis_waiter_whose_entry_was_wiped_never_grants_itself => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_was_wiped_never_grants_itself,
 }
 

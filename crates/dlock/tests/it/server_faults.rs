@@ -586,3 +586,127 @@ pub async fn etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan(_url: &s
         "candidates nobody campaigns for were left under the live session: {left:?}"
     );
 }
+
+/// Two late copies of a candidate's enqueue, one after the other: the enqueue finds a
+/// raw-valued copy under its key `NAME/<lease hex>` (Go's election layout names no
+/// ticket), deletes it by its create revision and puts its own again, but a second late
+/// copy lands in between. Here the copies are put by a plain etcd client connected to the
+/// leader, on the candidate's lease: the first before the campaign, the second as soon as
+/// a watch sees the first deleted (so it usually wins the race against the campaign's
+/// own put, which goes through a follower). Whichever copy is found, the campaign must
+/// lead, with one entry of its lease and its value, and nothing may be left after it
+/// resigns: a copy left where nobody claims it would stand ahead of every candidate for
+/// as long as the session lives. Repeated on fresh elections so that the second copy
+/// wins the race at least once (the rounds where it did are counted and required).
+pub async fn etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned(_url: &str) {
+    use dlock::backends::{etcd_client, EtcdBackend};
+    use etcd_client::{Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, WatchOptions};
+    let Some((state, leader)) = three_nodes(Server::Etcd) else {
+        return;
+    };
+    let (leader_addr, follower_addr) = leader_and_follower(&state, Server::Etcd, leader);
+    let backend = EtcdBackend::connect(
+        std::slice::from_ref(&follower_addr),
+        dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(30)),
+    )
+    .await
+    .expect("connect to a follower");
+    let lease = backend.lease_id();
+    let client = dlock::Client::from_backend(backend);
+    let mut raw = etcd_client::Client::connect([leader_addr.as_str()], None)
+        .await
+        .expect("etcd client on the leader");
+    let base = unique("recreated-candidate");
+    let (mut raced, mut stuck) = (0u32, Vec::new());
+    for round in 0..12 {
+        let name = format!("{base}-{round}");
+        let key = format!("{name}/{lease:x}");
+        let put = || Some(PutOptions::new().with_lease(lease));
+        raw.put(key.as_str(), "late-copy-1", put())
+            .await
+            .expect("the first late copy");
+        let mut events = raw
+            .watch(key.as_str(), Some(WatchOptions::new()))
+            .await
+            .expect("watch");
+        // The watch is created before the campaign starts: its first answer says so.
+        let created = events.message().await.expect("watch answer");
+        assert!(created.is_some_and(|m| m.created()), "the watch is created");
+        let mut kv = raw.kv_client();
+        let again = key.clone();
+        let second = tokio::spawn(async move {
+            while let Ok(Some(m)) = events.message().await {
+                if m.events()
+                    .iter()
+                    .any(|e| e.event_type() == EventType::Delete)
+                {
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(
+                            again.as_str(),
+                            CompareOp::Equal,
+                            0,
+                        )])
+                        .and_then([TxnOp::put(
+                            again.as_str(),
+                            "late-copy-2",
+                            Some(PutOptions::new().with_lease(lease)),
+                        )]);
+                    return kv.txn(txn).await.map(|r| r.succeeded()).unwrap_or(false);
+                }
+            }
+            false
+        });
+        let value = format!("proposal-{round}");
+        let got = client
+            .election(&name)
+            .expect("name")
+            .campaign_timeout(&value, Duration::from_secs(8))
+            .await;
+        let landed = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or(false);
+        raced += u32::from(landed);
+        match got {
+            Ok(l) => {
+                let p = client.participants(&name).await.expect("participants");
+                let shape: Vec<(String, Vec<u8>)> = p
+                    .iter()
+                    .map(|p| (p.entry.name.clone(), p.entry.data.clone()))
+                    .collect();
+                if p.len() != 1 || p[0].entry.data != value.as_bytes() {
+                    stuck.push(format!("round {round}: leading with {shape:?}"));
+                }
+                l.resign().await.expect("resign");
+            }
+            Err(e) => stuck.push(format!(
+                "round {round} (second copy landed: {landed}): campaign: {e}; queue {:?}",
+                client.participants(&name).await.map(|p| p
+                    .iter()
+                    .map(|p| (p.entry.name.clone(), p.entry.data.clone()))
+                    .collect::<Vec<_>>())
+            )),
+        }
+        let clear = eventually(Duration::from_secs(10), || async {
+            leftovers(&client, &name).await == 0
+        })
+        .await;
+        if !clear {
+            stuck.push(format!(
+                "round {round}: left after resigning: {:?}",
+                client.participants(&name).await
+            ));
+        }
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "the second late copy landed in {raced} of 12 rounds"
+    );
+    client.close().await.ok();
+    assert!(stuck.is_empty(), "{stuck:#?}");
+    assert!(
+        raced > 0,
+        "the second late copy never won the race: the case was not exercised"
+    );
+}
