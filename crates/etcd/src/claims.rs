@@ -215,8 +215,16 @@ impl EtcdBackend {
         };
         let mut avoid_primary = false;
         let mut cleaned = false;
+        // The mutex key this ticket gave up with a copy still on it (see below).
+        let mut given_up: Option<Pending> = None;
         loop {
             let (key, primary, previous) = self.claim(&prefix, ticket, kind, lease, avoid_primary);
+            if let Some(p) = given_up.take() {
+                // Now that no contender of this client claims it, the sweep takes back
+                // the copy on it (and any that lands later); a contender that claims it
+                // meanwhile finds the copy with its own enqueue and deletes it.
+                self.sweep_later(&p, ticket.as_str());
+            }
             // A retry of this ticket keeps what an earlier attempt left uncertain.
             let uncertain: Arc<AtomicBool> = previous
                 .as_ref()
@@ -332,12 +340,28 @@ impl EtcdBackend {
                 // here too: it is deleted by its create revision and put again, which
                 // leaves exactly one entry either way (queued anew, behind whoever
                 // came meanwhile) and never a stray one.
+                //
+                // A second copy can land between that delete and the put (two late
+                // attempts, or a late copy of an earlier ticket's enqueue): then the
+                // entry goes under a ticketed key, and the copy left on the mutex key,
+                // which nothing claims any more, is swept, not left ahead of every
+                // candidate for the session's life
+                // (`etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned`).
                 if primary && !cleaned {
                     cleaned = true;
                     tracing::warn!(key = %key, token = mine.token.map(|t| t.get()).unwrap_or(0), "removing an orphaned entry under this lease's mutex key");
                     if self.remove_exact(&key, mine.token).await.is_ok() {
                         continue;
                     }
+                }
+                if primary {
+                    given_up = self
+                        .local
+                        .lock()
+                        .tickets
+                        .get(ticket.as_str())
+                        .filter(|p| p.key == key)
+                        .cloned();
                 }
                 avoid_primary = true;
                 continue;

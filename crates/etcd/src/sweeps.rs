@@ -15,6 +15,10 @@
 //! copy of it that appears: a value naming the same ticket, or, for the raw values that
 //! name none, a key no contender of this client claims. A late copy cannot land once the
 //! lease is gone, so the session's end ends the sweep.
+//!
+//! An enqueue that gives up its mutex key because a copy kept coming back to it (it
+//! deleted one and found another) sweeps that key the same way, once it no longer claims
+//! it (`claims.rs`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Weak;

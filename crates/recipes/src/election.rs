@@ -226,7 +226,8 @@ impl<B: DynBackend + ?Sized> Election<B> {
     /// yields a leader older than one it yielded, nor the same leader twice in a row,
     /// but a leader that led only briefly may be skipped. On Redis a candidate joining an
     /// empty election is seen at the backend's next re-check (removals are published,
-    /// additions are not).
+    /// additions are not); a proclaimed value is published to the leader's entry's
+    /// data channel (one master, Sentinel, Cluster), and Redlock has no proclaim.
     ///
     /// After an error (yielded as an item) the stream ends; call `observe` again to
     /// resume. Dropping the stream stops its watches.
@@ -431,11 +432,13 @@ impl<B: DynBackend + ?Sized> Leadership<B> {
     ///
     /// # Errors
     /// [`Error::Unsupported`] at once, with nothing written, on a backend without
-    /// [`Capability::Proclaim`] (ZooKeeper, etcd and the in-memory backend have it;
-    /// Redis not yet); [`Error::LockLost`] if the leadership is lost (on etcd nothing is
-    /// written then, as Go's `Proclaim` guards its put with the key's create revision;
-    /// on ZooKeeper the value may have been written to the gone entry, which nobody
-    /// reads); a backend error.
+    /// [`Capability::Proclaim`] (ZooKeeper, etcd, one Redis master alone, through
+    /// Sentinel or in a Redis Cluster, and the in-memory backend have it; Redlock does
+    /// not); [`Error::LockLost`] if the leadership is lost (on etcd nothing is written
+    /// then, as Go's `Proclaim` guards its put with the key's create revision; on Redis
+    /// nothing either, as one script writes only while the entry exists with its token
+    /// and leads its queue; on ZooKeeper the value may have been written to the gone
+    /// entry, which nobody reads); a backend error.
     ///
     /// On ZooKeeper, a Curator `LeaderLatch` queued right behind this leader misses the
     /// leader's resignation after a proclaim: its watch on the node ahead acts only on

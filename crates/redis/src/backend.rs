@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Enqueued, Entry, EntryKind, Error, Gone, ListedQueue, NameRules, Position, QueuePath,
-    Result, Ticket,
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, ListedQueue, NameRules, Position,
+    QueuePath, Result, Ticket,
 };
 use fred::prelude::Value;
 use futures::future::{join_all, BoxFuture};
@@ -253,6 +253,26 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// One entry's token and data, or `None` if its key is gone (one master).
+    async fn read_entry(
+        &self,
+        keys: &QueueKeys,
+        name: &str,
+    ) -> Result<Option<crate::reply::EntryValue>> {
+        let args = vec![Value::from(keys.entry_prefix.as_str()), Value::from(name)];
+        let results = self
+            .eval_all("reading an entry", &self.scripts.read, keys, args)
+            .await;
+        let reply = self
+            .quorum(results)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::backend("reading an entry", "no master answered the read"))?;
+        crate::reply::entry_value(reply)
+    }
+}
+
 impl Backend for RedisBackend {
     fn kind(&self) -> &'static str {
         self.shared.kind()
@@ -264,6 +284,13 @@ impl Backend for RedisBackend {
 
     fn session_timeout(&self) -> Duration {
         self.shared.lease
+    }
+
+    /// [`Capability::Proclaim`] on one master (alone, a Sentinel group's primary, a
+    /// Redis Cluster slot's master): there one script both checks that the entry still
+    /// leads and writes its value. Not on Redlock: see [`RedisBackend::proclaim`].
+    fn supports(&self, capability: Capability) -> bool {
+        capability == Capability::Proclaim && self.shared.mode == Mode::Single
     }
 
     fn enqueue(
@@ -507,6 +534,132 @@ impl Backend for RedisBackend {
                 Err(_) => Error::NotHeld(format!("entry {name} was released by this client")),
             }
         })
+    }
+
+    /// One script on the entry's master writes `data` as the entry's value only if the
+    /// entry is still the one created (its key exists, queued, with the token its
+    /// enqueue wrote) and it leads its queue (no live entry ahead of it), keeping its
+    /// lease; it publishes the change on the entry's data channel, which wakes
+    /// [`Backend::wait_data_changed`]. Otherwise it writes nothing and this returns
+    /// [`Error::LockLost`]. A retry after a lost reply writes the same value under the
+    /// same guard.
+    ///
+    /// Stricter than the trait asks: an entry that is queued but does not lead is
+    /// refused too, so a deposed leader's proclaim writes nothing even while its entry
+    /// is still queued.
+    ///
+    /// Redlock refuses with [`Error::Unsupported`] before writing anything. The
+    /// masters would run the guarded write independently, and a write that reaches
+    /// only some of them (a master down or slow, a reply lost) leaves them holding
+    /// different values for one entry with nothing to order them: a reader's majority
+    /// could show the old value, the new one, or a mix from one read to the next, and
+    /// the leader could not tell a failed proclaim from one a later read shows. Making
+    /// it sound needs a version per value and reads that take only what a majority
+    /// agrees on, which the listing does not do.
+    fn proclaim(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        data: &[u8],
+    ) -> impl Future<Output = Result<()>> + Send {
+        let span = tracing::debug_span!("proclaim", lock = %q, entry = %entry.name);
+        async move {
+            let s = &self.shared;
+            if s.mode != Mode::Single {
+                return Err(Error::Unsupported {
+                    backend: s.kind(),
+                    capability: Capability::Proclaim,
+                });
+            }
+            s.check_open()?;
+            let keys = QueueKeys::new(&s.prefix, q);
+            let mut args = Shared::q_args(&keys);
+            args.extend([
+                Value::from(entry.name.as_str()),
+                Value::from(entry.token.map(|t| t.get().to_string()).unwrap_or_default()),
+                Value::from(data),
+                Value::from(keys.data_prefix.as_str()),
+            ]);
+            let results = s
+                .eval_all("proclaiming a value", &s.scripts.proclaim, &keys, args)
+                .await;
+            let reply = s.quorum(results)?.into_iter().next().ok_or_else(|| {
+                Error::backend("proclaiming a value", "no master answered the proclaim")
+            })?;
+            match crate::reply::proclaim(reply)? {
+                crate::reply::Proclaim::Done => Ok(()),
+                crate::reply::Proclaim::Gone => Err(Error::LockLost(format!(
+                    "{q}: entry {} is gone; nothing was written",
+                    entry.name
+                ))),
+                crate::reply::Proclaim::Behind { first } => Err(Error::LockLost(format!(
+                    "{q}: entry {} no longer leads ({first} is ahead of it); nothing was written",
+                    entry.name
+                ))),
+            }
+        }
+        .instrument(span)
+    }
+
+    /// Listens on the entry's data channel (a proclaim publishes there) and its gone
+    /// channel, then reads the entry, and reads it again on each message, reconnect or
+    /// re-check timer: the value once it differs from `seen`, `None` once the entry is
+    /// gone (or another entry has its name). One master only, as
+    /// [`RedisBackend::proclaim`]; Redlock refuses with [`Error::Unsupported`].
+    fn wait_data_changed(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        seen: &[u8],
+    ) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
+        let span = tracing::debug_span!("wait_data_changed", lock = %q, entry = %entry.name);
+        async move {
+            let s = &self.shared;
+            if s.mode != Mode::Single {
+                return Err(Error::Unsupported {
+                    backend: s.kind(),
+                    capability: Capability::Revocation,
+                });
+            }
+            s.check_open()?;
+            let keys = QueueKeys::new(&s.prefix, q);
+            // Subscribed (confirmed) before the first read, which runs on the command
+            // connection: a change before the read is in it, one after it is published
+            // to a live subscription.
+            let changed = s.listen(&keys.data_channel(&entry.name), true).await;
+            let gone = s.listen(&keys.gone_channel(&entry.name), true).await;
+            let mut by_timer = false;
+            loop {
+                let on_change = changed.notify.notified();
+                let on_gone = gone.notify.notified();
+                tokio::pin!(on_change, on_gone);
+                on_change.as_mut().enable();
+                on_gone.as_mut().enable();
+                s.check_open()?;
+                let now = s.read_entry(&keys, &entry.name).await?;
+                let verdict = match now {
+                    None => Some(None),
+                    Some((token, _)) if entry.token.is_some_and(|t| Some(t.get()) != token) => {
+                        Some(None)
+                    }
+                    Some((_, data)) if data != seen => Some(Some(data)),
+                    Some(_) => None,
+                };
+                if let Some(v) = verdict {
+                    s.count_recheck(by_timer);
+                    return Ok(v);
+                }
+                by_timer = tokio::select! {
+                    _ = &mut on_change => false,
+                    _ = &mut on_gone => false,
+                    _ = tokio::time::sleep(s.recheck) => true,
+                };
+                if by_timer {
+                    s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        .instrument(span)
     }
 
     /// On a Redis Cluster, the master of the lock's slot in the command client's slot

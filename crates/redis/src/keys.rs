@@ -18,6 +18,9 @@ pub(crate) struct QueueKeys {
     pub gone_prefix: String,
     /// The channel every removal from the queue is published on: `dlock:{L}:chg[:sub]`.
     pub changed: String,
+    /// Prefix of per-entry value channels, published on when a proclaim replaces the
+    /// entry's value: `dlock:{L}:data[:sub]:` + entry name.
+    pub data_prefix: String,
 }
 
 impl QueueKeys {
@@ -39,6 +42,7 @@ impl QueueKeys {
             entry_prefix: key(prefix, lock, "e", sub, ":"),
             gone_prefix: key(prefix, lock, "gone", sub, ":"),
             changed: key(prefix, lock, "chg", sub, ""),
+            data_prefix: key(prefix, lock, "data", sub, ":"),
         }
     }
 
@@ -59,6 +63,10 @@ impl QueueKeys {
 
     pub fn gone_channel(&self, name: &str) -> String {
         format!("{}{name}", self.gone_prefix)
+    }
+
+    pub fn data_channel(&self, name: &str) -> String {
+        format!("{}{name}", self.data_prefix)
     }
 }
 
@@ -143,7 +151,13 @@ mod tests {
             assert_eq!(parse_queue_key(prefix, &k.queue), Some(("orders/42", sub)));
             assert_eq!(QueueKeys::of(prefix, "orders/42", sub), k);
             // None of the lock's other keys is a queue key.
-            for other in [&k.seq, &k.token, &k.entry("lock-0000000001"), &k.changed] {
+            for other in [
+                &k.seq,
+                &k.token,
+                &k.entry("lock-0000000001"),
+                &k.changed,
+                &k.data_channel("lock-0000000001"),
+            ] {
                 assert_eq!(parse_queue_key(prefix, other), None, "{other}");
             }
         }
@@ -167,6 +181,8 @@ mod tests {
         assert_eq!(r.queue, "dlock:{orders/42}:q");
         assert_eq!(QueueKeys::queue_key("", &QueuePath::root(lock)), r.queue);
         assert_eq!(r.gone_channel("x"), "dlock:{orders/42}:gone:x");
+        assert_eq!(r.data_channel("x"), "dlock:{orders/42}:data:x");
+        assert_eq!(k.data_channel("x"), "dlock:{orders/42}:data:leases:x");
         assert_eq!(
             (&k.seq, &k.entry_prefix, &k.gone_prefix, &k.changed),
             (
@@ -185,7 +201,14 @@ mod tests {
                 &"dlock:{orders/42}:chg".to_owned()
             )
         );
-        for key in [&r.queue, &r.seq, &r.token, &k.queue, &k.seq] {
+        for key in [
+            &r.queue,
+            &r.seq,
+            &r.token,
+            &k.queue,
+            &k.seq,
+            &r.data_channel("x"),
+        ] {
             assert_eq!(
                 fred::util::redis_keyslot(key.as_bytes()),
                 fred::util::redis_keyslot(b"{orders/42}")

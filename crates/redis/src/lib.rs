@@ -75,9 +75,10 @@
 //! unchanged and a dropped enqueue is found again by its ticket. Channels:
 //! `dlock:{L}:gone[:<sub>]:<entry name>` carries one message when that entry is removed
 //! (only the waiter watching it wakes), `dlock:{L}:chg[:<sub>]` one per removal (for the
-//! one semaphore contender that waits for a lease to go).
+//! one semaphore contender that waits for a lease to go), `dlock:{L}:data[:<sub>]:<entry
+//! name>` one per proclaim of that entry's value (for an election's observers).
 //!
-//! Every state change is one Lua script (enqueue, list, remove, abandon, renew), sent with
+//! Every state change is one Lua script (enqueue, list, remove, abandon, renew, proclaim), sent with
 //! `EVALSHA` and loaded on `NOSCRIPT`. The scripts build entry keys from prefixes instead
 //! of declaring each key: they share the hash tag, so they are on the script's slot. The
 //! queue's key lives at least as long as its longest-lived entry (`PEXPIRE ... GT`, so

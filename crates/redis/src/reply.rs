@@ -105,3 +105,43 @@ pub(crate) fn renewed(v: Value, n: usize) -> Result<Vec<bool>, Error> {
     }
     Ok(items.iter().map(|v| v.as_i64() == Some(1)).collect())
 }
+
+/// The reply of the proclaim script.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Proclaim {
+    /// Written.
+    Done,
+    /// The entry is gone (or another entry has its name): nothing written.
+    Gone,
+    /// The entry is queued behind `first`: it does not lead, nothing written.
+    Behind { first: String },
+}
+
+pub(crate) fn proclaim(v: Value) -> Result<Proclaim, Error> {
+    let Value::Array(items) = v else {
+        return Err(malformed("proclaim reply is not an array"));
+    };
+    match items.first().and_then(text).as_deref() {
+        Some("OK") => Ok(Proclaim::Done),
+        Some("GONE") => Ok(Proclaim::Gone),
+        Some("BEHIND") => Ok(Proclaim::Behind {
+            first: items.get(1).and_then(text).unwrap_or_default(),
+        }),
+        _ => Err(malformed("unknown proclaim status")),
+    }
+}
+
+/// One entry's token (if it parses) and data, as the read script reports them.
+pub(crate) type EntryValue = (Option<u64>, Vec<u8>);
+
+/// Parses the read script's `{token, data}` (nil: the entry is gone).
+pub(crate) fn entry_value(v: Value) -> Result<Option<EntryValue>, Error> {
+    match v {
+        Value::Null => Ok(None),
+        Value::Array(items) if items.len() == 2 => Ok(Some((
+            number(&items[0]),
+            items[1].as_bytes().map(<[u8]>::to_vec).unwrap_or_default(),
+        ))),
+        _ => Err(malformed("entry read is neither nil nor {token, data}")),
+    }
+}

@@ -384,6 +384,53 @@ if any then redis.call('PEXPIRE', KEYS[1], lease, 'GT') end
 return out
 "#;
 
+/// Replaces the value of one entry, only if it is still the entry the caller created and
+/// it still leads its queue: an election leader's proclaim. ARGV: entry-key prefix,
+/// gone-channel prefix, queue channel, name, token (empty: not compared), data,
+/// data-channel prefix.
+///
+/// The entry is this one if its key exists, it is queued, and its token is the one its
+/// enqueue wrote (names are never reused, so the token is a second guard only). It leads
+/// if no live member is scored ahead of it (the live listing up to its own score, which
+/// drops expired members on the way, as any listing does). Otherwise nothing is written
+/// and the reply says why: `{'GONE'}` or `{'BEHIND', first}`.
+///
+/// The value is rewritten with `KEEPTTL`, so the lease the watchdog renews is untouched,
+/// and its token and creation time are kept. The new value is published on the entry's
+/// data channel so that a `wait_data_changed` wakes at once. Returns `{'OK'}`.
+const PROCLAIM: &str = r#"
+local ep, gp, qc, name, tok = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local data, dp = ARGV[6], ARGV[7]
+local v = redis.call('GET', ep .. name)
+-- An entry key exists only in the queue layout (a solo entry has none), so `KEYS[1]`
+-- is a sorted set here, or gone.
+if not v then return {'GONE'} end
+local score = redis.call('ZSCORE', KEYS[1], name)
+if not score then return {'GONE'} end
+local t, c = ent(v)
+if tok ~= '' and t ~= tok then return {'GONE'} end
+local out, top, existed, dropped = live(ep, gp, qc, false, score)
+if out[1] ~= name then return {'BEHIND', out[1] or ''} end
+redis.call('SET', ep .. name, t .. ' ' .. c .. ' ' .. data, 'KEEPTTL')
+redis.call('PUBLISH', dp .. name, 'proclaimed')
+return {'OK'}
+"#;
+
+/// Reads one entry's token and data. ARGV: entry-key prefix, name. Returns
+/// `{token, data}`, or nil if the entry is gone. A solo entry (the lock's one key) is
+/// read from the queue's key.
+const READ: &str = r#"
+local sname, stok, sdata = solo()
+if sname then
+  if sname == ARGV[2] then return {stok, sdata} end
+  return false
+end
+local v = redis.call('GET', ARGV[1] .. ARGV[2])
+if not v then return false end
+local t, c, d = ent(v)
+return {t, d}
+"#;
+
 /// The scripts, hashed once per backend.
 #[derive(Debug, Clone)]
 pub(crate) struct Scripts {
@@ -396,6 +443,8 @@ pub(crate) struct Scripts {
     pub acquire_solo: Script,
     /// One master only: the release of a solo entry ([`RELEASE_SOLO`]).
     pub release_solo: Script,
+    pub proclaim: Script,
+    pub read: Script,
 }
 
 impl Scripts {
@@ -425,6 +474,8 @@ impl Scripts {
             } else {
                 RELEASE_SOLO.to_owned()
             }),
+            proclaim: with("", PROCLAIM),
+            read: with("", READ),
         }
     }
 }
@@ -443,6 +494,7 @@ mod tests {
             (&plain.list, &sharded.list),
             (&plain.abandon, &sharded.abandon),
             (&plain.release_solo, &sharded.release_solo),
+            (&plain.proclaim, &sharded.proclaim),
         ] {
             let (p, s) = (p.lua().expect("source"), s.lua().expect("source"));
             assert!(p.contains("redis.call('PUBLISH'") && !p.contains("SPUBLISH"));

@@ -1041,6 +1041,17 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     assert_eq!(listed[0].token, first.mine.token);
     assert_eq!(listed[0].data, b"first data");
     assert!(a.contains(&q, &first.mine).await.expect("contains"));
+    // A watch of the solo entry's data (a guard's `revoke_requested`) reads it from the
+    // queue's key: it waits, where a read of the missing entry key would say "gone".
+    let data_watch = tokio::time::timeout(
+        Duration::from_millis(300),
+        a.wait_data_changed(&q, &first.mine, b"first data"),
+    )
+    .await;
+    assert!(
+        data_watch.is_err(),
+        "the data watch returned: {data_watch:?}"
+    );
 
     // 2. A client that never queued watches the solo entry: it must not return while
     //    the entry is there.
@@ -1139,4 +1150,126 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     for c in [a, b, observer] {
         c.close().await.expect("close");
     }
+}
+
+/// A leader's proclaim (`Backend::proclaim`) rewrites its entry's value in place and keeps
+/// its lease (the key's TTL, its token); a `wait_data_changed` on it is woken by the
+/// script's message, not by its re-check timer. An entry queued behind the head and a
+/// removed entry are refused with `LockLost`, and nothing is written: the waiting
+/// entry's value stays, and no key comes back for the removed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proclaim_keeps_the_lease_and_wakes_its_watcher_by_message() {
+    init_tracing();
+    let Some(addr) = endpoint(
+        "DLOCK_TEST_REDIS",
+        "proclaim_keeps_the_lease_and_wakes_its_watcher_by_message",
+    ) else {
+        return;
+    };
+    let b = connect(&addr, Duration::from_secs(10)).await;
+    let watcher = connect(&addr, Duration::from_secs(10)).await;
+    let keys = inspector(&addr).await;
+    let q = fresh_queue("proclaim");
+    let add = |data: &'static [u8]| {
+        let (b, q) = (b.clone(), q.clone());
+        async move {
+            b.enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Candidate,
+                Position::Tail,
+                data,
+            )
+            .await
+            .expect("enqueue")
+            .mine
+        }
+    };
+    let leader = add(b"v1").await;
+    let behind = add(b"w1").await;
+    let key = |name: &str| format!("dlock:{{{}}}:e:{name}", q.lock.as_str());
+
+    let before = watcher.stats();
+    let waiting = {
+        let (w, q, e) = (watcher.clone(), q.clone(), leader.clone());
+        tokio::spawn(async move { w.wait_data_changed(&q, &e, b"v1").await })
+    };
+    assert!(
+        eventually(LONG, || async {
+            watcher.stats().subscribes >= before.subscribes + 2
+        })
+        .await,
+        "the watcher subscribes to the entry's data and gone channels"
+    );
+    b.proclaim(&q, &leader, b"v2 with spaces")
+        .await
+        .expect("proclaim");
+    let got = tokio::time::timeout(LONG, waiting)
+        .await
+        .expect("the watcher wakes")
+        .expect("task")
+        .expect("wait_data_changed");
+    assert_eq!(got.as_deref(), Some(&b"v2 with spaces"[..]));
+    let after = watcher.stats();
+    assert!(after.messages > before.messages, "woken by a message");
+    assert_eq!(
+        after.missed_wakeups, before.missed_wakeups,
+        "not found by the re-check timer"
+    );
+    let ttl: i64 =
+        fred::prelude::ClientLike::custom(&keys, fred::cmd!("PTTL"), vec![key(&leader.name)])
+            .await
+            .expect("pttl");
+    assert!(ttl > 0, "the entry keeps its lease (PTTL {ttl})");
+    let listed = watcher.participants(&q).await.expect("participants");
+    assert_eq!(listed.len(), 2);
+    assert_eq!(
+        (
+            listed[0].name.as_str(),
+            listed[0].token,
+            listed[0].data.as_slice()
+        ),
+        (leader.name.as_str(), leader.token, &b"v2 with spaces"[..]),
+        "same entry, same token, new value"
+    );
+
+    // Queued behind the leader: refused, nothing written.
+    let e = b
+        .proclaim(&q, &behind, b"jump")
+        .await
+        .expect_err("an entry that does not lead");
+    assert!(matches!(e, Error::LockLost(_)), "{e:?}");
+    let listed = watcher.participants(&q).await.expect("participants");
+    assert_eq!(listed[1].data, b"w1", "the waiting entry's value stays");
+
+    // Removed: refused, and no key comes back.
+    b.remove(&q, &leader).await.expect("remove");
+    let e = b
+        .proclaim(&q, &leader, b"late")
+        .await
+        .expect_err("a removed entry");
+    assert!(matches!(e, Error::LockLost(_)), "{e:?}");
+    assert!(
+        !key_exists(&keys, &key(&leader.name)).await,
+        "nothing written"
+    );
+    // Now `behind` leads, and a change of its value is seen; its removal ends a wait
+    // with `None`.
+    b.proclaim(&q, &behind, b"w2")
+        .await
+        .expect("the new leader proclaims");
+    let gone = {
+        let (w, q, e) = (watcher.clone(), q.clone(), behind.clone());
+        tokio::spawn(async move { w.wait_data_changed(&q, &e, b"w2").await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    b.remove(&q, &behind).await.expect("remove");
+    let got = tokio::time::timeout(LONG, gone)
+        .await
+        .expect("the watcher wakes")
+        .expect("task")
+        .expect("wait_data_changed");
+    assert_eq!(got, None, "the entry went");
+    b.close().await.expect("close");
+    watcher.close().await.expect("close");
 }

@@ -13,7 +13,7 @@ const GENEROUS: Duration = Duration::from_secs(30);
 
 /// Waits until `name` has `n` entries: a campaign that must be queued before the next
 /// one starts is, without guessing how long its enqueue takes.
-async fn queued(c: &dlock::Client, name: &str, n: usize) {
+pub(crate) async fn queued(c: &dlock::Client, name: &str, n: usize) {
     assert!(
         eventually(GENEROUS, || async { leftovers(c, name).await == n }).await,
         "expected {n} candidates of {name}, found {}",
@@ -191,6 +191,11 @@ pub async fn leader_names_the_value_and_term(_kind: Kind, url: &str) {
     b.close().await.expect("close");
 }
 
+/// Whether `kind` has `Capability::Proclaim`.
+fn proclaims_on(kind: Kind) -> bool {
+    !matches!(kind, Kind::Redlock)
+}
+
 /// The next item of an observer, in time.
 async fn next_leader(
     s: &mut futures::stream::BoxStream<'static, dlock::Result<Option<Leader>>>,
@@ -236,13 +241,11 @@ pub async fn observe_sees_every_change_in_order(kind: Kind, url: &str) {
         "the next leader's term is larger"
     );
 
-    // Proclaim is there on ZooKeeper (the node's data), etcd (Go's guarded put) and mem.
+    // Proclaim is there on ZooKeeper (the node's data), etcd (Go's guarded put), one
+    // Redis master (alone, Sentinel's primary, a Cluster slot's master: one guarded
+    // script) and mem; not on Redlock.
     let proclaims = b.backend().supports(Capability::Proclaim);
-    assert_eq!(
-        proclaims,
-        matches!(kind, Kind::Zk | Kind::Etcd | Kind::Mem),
-        "{kind:?}"
-    );
+    assert_eq!(proclaims, proclaims_on(kind), "{kind:?}");
     if proclaims {
         lb.proclaim("B2").await.expect("proclaim");
         assert_eq!(lb.value(), b"B2");
@@ -322,4 +325,154 @@ pub async fn lost_leadership_fires_before_the_next_leads(_kind: Kind, url: &str)
     );
     lb.resign().await.expect("resign");
     b.close().await.expect("close");
+}
+
+/// A leader deposed from outside (its entry removed, so the next candidate leads) cannot
+/// proclaim: the server-side guard refuses the write with `LockLost` and writes nothing
+/// (etcd: the create-revision compare; Redis: the script's entry and head checks), the
+/// new leader's value stands, and an observer goes from the old leader to the new one
+/// and then to the new leader's proclaimed value, never to the stale one. On Redis a
+/// queued entry that does not lead is refused too. Redlock refuses proclaim as
+/// unsupported, before writing anything.
+pub async fn deposed_leader_cannot_proclaim(kind: Kind, url: &str) {
+    let name = unique("elect-deposed");
+    let watcher = client(url).await;
+    let a = client(url).await;
+    let b = client(url).await;
+    let ea = a.election(&name).expect("name");
+    let q = dlock_core::QueuePath::root(ea.name().clone());
+    let mut stream = watcher.election(&name).expect("name").observe();
+    assert_eq!(next_leader(&mut stream).await, None, "nobody leads yet");
+    let la = ea.campaign("a").await.expect("campaign");
+    let seen = next_leader(&mut stream).await.expect("A leads");
+    assert_eq!(seen.value_str(), Some("a"));
+    let eb = b.election(&name).expect("name");
+    let campaign_b = tokio::spawn(async move { eb.campaign("b").await });
+    queued(&watcher, &name, 2).await;
+
+    // Deposed: A's entry removed by someone else (an operator), so B leads while A's
+    // client may not know yet.
+    watcher
+        .backend()
+        .remove(&q, la.entry())
+        .await
+        .expect("remove A's entry from outside");
+    let lb = tokio::time::timeout(GENEROUS, campaign_b)
+        .await
+        .expect("B leads in time")
+        .expect("task")
+        .expect("campaign");
+    let seen = next_leader(&mut stream).await.expect("B leads");
+    assert_eq!((seen.value_str(), seen.term), (Some("b"), lb.term()));
+
+    let unsupported = |e: &Error| {
+        matches!(
+            e,
+            Error::Unsupported {
+                capability: Capability::Proclaim,
+                ..
+            }
+        )
+    };
+    // The server's own guard, whatever A's client knows: straight to the backend.
+    let guarded = matches!(
+        kind,
+        Kind::Etcd | Kind::Redis | Kind::RedisSentinel | Kind::RedisCluster | Kind::Redlock
+    );
+    if guarded {
+        let e = a
+            .backend()
+            .proclaim(&q, la.entry(), b"stale")
+            .await
+            .expect_err("a deposed leader's proclaim is refused");
+        assert!(
+            matches!(e, Error::LockLost(_)) || (kind == Kind::Redlock && unsupported(&e)),
+            "{kind:?}: {e:?}"
+        );
+    }
+    let e = la
+        .proclaim("stale")
+        .await
+        .expect_err("a deposed leader cannot proclaim");
+    assert!(
+        matches!(e, Error::LockLost(_)) || (kind == Kind::Redlock && unsupported(&e)),
+        "{kind:?}: {e:?}"
+    );
+    assert_eq!(
+        la.value(),
+        b"a",
+        "a refused proclaim changes nothing locally"
+    );
+    let read = watcher.election(&name).expect("name").leader().await;
+    let read = read.expect("leader").expect("a leader");
+    assert_eq!((read.value_str(), read.term), (Some("b"), lb.term()));
+    let left = watcher.participants(&name).await.expect("participants");
+    assert_eq!(left.len(), 1, "only B's entry: {left:?}");
+    #[cfg(feature = "redis")]
+    if kind == Kind::Redis {
+        // Nothing written under A's gone entry either (a value set without its lease
+        // would stay forever).
+        let key = format!("dlock:{{{name}}}:e:{}", la.entry().name);
+        assert_eq!(
+            crate::redis_faults::redis_cli(url, &["EXISTS", &key]).trim(),
+            "0",
+            "{key} was written"
+        );
+    }
+
+    if proclaims_on(kind) {
+        lb.proclaim("b2").await.expect("proclaim");
+        let seen = next_leader(&mut stream).await.expect("B still leads");
+        assert_eq!((seen.value_str(), seen.term), (Some("b2"), lb.term()));
+    }
+
+    if matches!(kind, Kind::Redis | Kind::RedisSentinel | Kind::RedisCluster) {
+        // Queued but not leading: refused, and its value stays as enqueued.
+        let c = client(url).await;
+        let ec = c.election(&name).expect("name");
+        let behind = tokio::spawn(async move {
+            let got = ec.campaign("c").await;
+            (got, c)
+        });
+        queued(&watcher, &name, 2).await;
+        let listed = watcher.backend().participants(&q).await.expect("listing");
+        let waiting = listed
+            .iter()
+            .find(|e| e.name != lb.entry().name)
+            .expect("C's entry")
+            .clone();
+        let e = b
+            .backend()
+            .proclaim(&q, &waiting, b"jump")
+            .await
+            .expect_err("an entry that does not lead cannot proclaim");
+        assert!(matches!(e, Error::LockLost(_)), "{e:?}");
+        let listed = watcher.backend().participants(&q).await.expect("listing");
+        let still = listed
+            .iter()
+            .find(|e| e.name == waiting.name)
+            .expect("C's entry");
+        assert_eq!(still.data, b"c", "nothing written into C's entry");
+        lb.resign().await.expect("resign");
+        let (got, c) = tokio::time::timeout(GENEROUS, behind)
+            .await
+            .expect("C leads in time")
+            .expect("task");
+        let lc = got.expect("campaign");
+        let seen = next_leader(&mut stream).await.expect("C leads");
+        assert_eq!(seen.value_str(), Some("c"));
+        lc.resign().await.expect("resign");
+        c.close().await.expect("close");
+    } else {
+        lb.resign().await.expect("resign");
+    }
+    assert_eq!(
+        next_leader(&mut stream).await,
+        None,
+        "nobody leads at the end"
+    );
+    drop(stream);
+    for c in [watcher, a, b] {
+        c.close().await.expect("close");
+    }
 }

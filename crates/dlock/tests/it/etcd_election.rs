@@ -13,6 +13,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 
+use crate::election::queued;
 use crate::faults::{first_endpoint, ETCD_FAULTS};
 use crate::support::{client, eventually, leftovers, unique, Kind};
 
@@ -215,4 +216,126 @@ pub async fn etcdctl_elect_interop(_kind: Kind, url: &str) {
         "elect -l showed dlock's value header: {shown:?}"
     );
     let _ = observer.stop().await;
+}
+
+/// An enqueue whose put was applied but whose answer was lost, retried: the retry finds
+/// the candidate's key `NAME/<lease hex>` already there with a raw value (Go's layout
+/// names no ticket), exactly as the first attempt left it. That state is made here by
+/// putting the key as the first attempt did, on the session's own lease, with the value
+/// being campaigned with; a candidate of another session then queues behind it, as one
+/// that came while the answer was lost. The campaign must end with exactly one entry
+/// under the key, with the right value, queued anew (behind the other candidate, with a
+/// newer create revision than the first attempt's), and once both resign nothing is
+/// left: no second key, no stray copy.
+pub async fn lost_enqueue_reply_leaves_one_raw_candidate(_kind: Kind, url: &str) {
+    #[cfg(feature = "etcd")]
+    {
+        use dlock::backends::{etcd_client, EtcdBackend};
+        let hosts: Vec<String> = url
+            .strip_prefix("etcd://")
+            .expect("an etcd URL")
+            .split(',')
+            .map(str::to_owned)
+            .collect();
+        let opts = dlock::SessionOptions::default().with_session_timeout(GENEROUS);
+        let backend = EtcdBackend::connect(&hosts, opts).await.expect("connect");
+        let lease = backend.lease_id();
+        let a = dlock::Client::from_backend(backend);
+        let b = client(url).await;
+        let mut raw = etcd_client::Client::connect(&hosts, None)
+            .await
+            .expect("etcd client");
+        let name = unique("elect-lost-reply");
+        let key = format!("{name}/{lease:x}");
+        let first = raw
+            .put(
+                key.as_str(),
+                "proposal-a",
+                Some(etcd_client::PutOptions::new().with_lease(lease)),
+            )
+            .await
+            .expect("the first attempt's put");
+        let first_rev = first.header().map(|h| h.revision()).expect("a header");
+        let eb = b.election(&name).expect("name");
+        let lb = tokio::spawn(async move { eb.campaign("proposal-b").await });
+        queued(&b, &name, 2).await;
+
+        let ea = a.election(&name).expect("name");
+        let campaign_a = tokio::spawn(async move { ea.campaign("proposal-a").await });
+        // The first attempt's copy goes, so B leads; A's one entry waits behind it.
+        let lb = tokio::time::timeout(GENEROUS, lb)
+            .await
+            .expect("B leads once the first attempt's copy is gone")
+            .expect("task")
+            .expect("campaign");
+        queued(&b, &name, 2).await;
+        let listing = raw
+            .get(
+                format!("{name}/"),
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await
+            .expect("get");
+        let mine: Vec<_> = listing
+            .kvs()
+            .iter()
+            .filter(|kv| kv.lease() == lease)
+            .collect();
+        assert_eq!(
+            mine.len(),
+            1,
+            "one key of A's lease: {:?}",
+            listing
+                .kvs()
+                .iter()
+                .map(|kv| kv.key_str().unwrap_or("?").to_owned())
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(mine[0].key(), key.as_bytes(), "Go's election key");
+        assert_eq!(
+            mine[0].value(),
+            b"proposal-a",
+            "the raw value, as campaigned"
+        );
+        assert!(
+            mine[0].create_revision() > first_rev,
+            "queued anew: created at {} after the first attempt's {first_rev}",
+            mine[0].create_revision()
+        );
+        assert_eq!(listing.kvs().len(), 2, "A's entry and B's");
+        lb.resign().await.expect("resign");
+        let la = tokio::time::timeout(GENEROUS, campaign_a)
+            .await
+            .expect("A leads after B")
+            .expect("task")
+            .expect("campaign");
+        let seen = a.election(&name).expect("name").leader().await;
+        let seen = seen.expect("leader").expect("a leader");
+        assert_eq!(
+            (seen.value_str(), seen.term),
+            (Some("proposal-a"), la.term())
+        );
+        assert_eq!(
+            la.term().get(),
+            u64::try_from(mine[0].create_revision()).expect("a revision"),
+            "the term is the one entry's create revision"
+        );
+        la.resign().await.expect("resign");
+        assert!(
+            eventually(GENEROUS, || async { leftovers(&b, &name).await == 0 }).await,
+            "nothing left after both resigned"
+        );
+        let left = raw
+            .get(
+                format!("{name}/"),
+                Some(etcd_client::GetOptions::new().with_prefix()),
+            )
+            .await
+            .expect("get");
+        assert!(left.kvs().is_empty(), "no stray key: {:?}", left.kvs());
+        a.close().await.expect("close");
+        b.close().await.expect("close");
+    }
+    #[cfg(not(feature = "etcd"))]
+    let _ = url;
 }

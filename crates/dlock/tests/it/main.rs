@@ -135,6 +135,7 @@ all_backends! {
     mem election_leader_names_the_value_and_term => crate::election::leader_names_the_value_and_term,
     mem election_observe_sees_every_change_in_order => crate::election::observe_sees_every_change_in_order,
     mem election_lost_fires_before_the_next_leads => crate::election::lost_leadership_fires_before_the_next_leads,
+    mem election_deposed_leader_cannot_proclaim => crate::election::deposed_leader_cannot_proclaim,
     // The rest run the `dlock` binary as separate OS processes (`dlock exec`, `dlock
     // status`, SIGKILL/SIGSTOP of a holder), which must reach the backend through a URL:
     // an in-memory server lives inside this test process and has none.
@@ -241,6 +242,9 @@ mod dlock_blocks_etcdctl_lock {
 mod etcdctl_elect_interop {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::etcd_election::etcdctl_elect_interop);
 }
+mod etcd_lost_enqueue_reply_leaves_one_raw_candidate {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::etcd_election::lost_enqueue_reply_leaves_one_raw_candidate);
+}
 mod etcd_leader_kill_keeps_the_lock {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);
 }
@@ -270,6 +274,8 @@ exclusive! {
     zk_holder_cut_off => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_holder_cut_off,
     etcd_resumed_leader_and_a_lease_kept_alive_elsewhere => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_resumed_leader_and_a_lease_kept_alive_elsewhere,
     etcd_late_enqueue_leaves_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_enqueue_leaves_no_orphan,
+    etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan,
+    etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned,
     redis_waiter_whose_entry_was_wiped_never_grants_itself => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_was_wiped_never_grants_itself,
 }
 

@@ -9,7 +9,7 @@ use dlock::{Error, SessionOptions};
 use crate::support::{client, eventually, leftovers, unique};
 
 /// Runs `redis-cli` against the server of `url` (`redis://host:port`).
-fn redis_cli(url: &str, args: &[&str]) -> String {
+pub(crate) fn redis_cli(url: &str, args: &[&str]) -> String {
     let addr = url.strip_prefix("redis://").unwrap_or(url);
     let (host, port) = addr.rsplit_once(':').expect("redis://host:port");
     let out = Command::new("redis-cli")

@@ -474,3 +474,239 @@ pub async fn etcd_late_enqueue_leaves_no_orphan(_url: &str) {
         "entries nobody holds were left under the live session: {left:?}"
     );
 }
+
+/// `etcd_late_enqueue_leaves_no_orphan` for election candidates, whose value is raw (Go's
+/// `concurrency.Election` layout names no ticket, so neither a retried enqueue nor the
+/// sweep can recognise a copy by its value). Candidates campaign again and again through
+/// a follower while the leader is stopped: first attempts wait in the stopped leader's
+/// socket, retries go through the new leader, and when the old leader resumes it hands
+/// the first attempts on, late. Each leadership must see its candidate exactly once,
+/// under Go's key, with the value it campaigned with; after the resumed member has
+/// handed on what it had, no election has any entry left while the client lives.
+pub async fn etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan(_url: &str) {
+    let Some((state, leader)) = three_nodes(Server::Etcd) else {
+        return;
+    };
+    let (_, follower_addr) = leader_and_follower(&state, Server::Etcd, leader);
+    let url = format!("etcd://{follower_addr}");
+    let client = connect(&url, Duration::from_secs(10))
+        .await
+        .expect("connect to a follower");
+    let observer = connect(&url, Duration::from_secs(10))
+        .await
+        .expect("connect to a follower");
+    let base = unique("late-candidate");
+    let names: Vec<String> = (0..4).map(|i| format!("{base}-{i}")).collect();
+    tokio::task::block_in_place(|| state.stop(Server::Etcd, leader)).expect("SIGSTOP leader");
+    let until = Instant::now() + Duration::from_secs(5);
+    let loops = names.iter().enumerate().map(|(i, name)| {
+        let (client, observer, name) = (client.clone(), observer.clone(), name.clone());
+        tokio::spawn(async move {
+            let election = client.election(&name).expect("name");
+            let (mut turns, mut failed, mut wrong) = (0u32, Vec::new(), Vec::new());
+            let mut slowest = Duration::ZERO;
+            while Instant::now() < until {
+                let value = format!("candidate-{i}-{turns}-{}", failed.len());
+                let asked = Instant::now();
+                let got = election
+                    .campaign_timeout(&value, Duration::from_secs(4))
+                    .await;
+                slowest = slowest.max(asked.elapsed());
+                match got {
+                    Ok(l) => {
+                        // Exactly one entry, this leadership's, with its value.
+                        match observer.participants(&name).await {
+                            Ok(p) => {
+                                let shape: Vec<(String, Vec<u8>)> = p
+                                    .iter()
+                                    .map(|p| (p.entry.name.clone(), p.entry.data.clone()))
+                                    .collect();
+                                let once = p.len() == 1
+                                    && p[0].entry.name == l.entry().name
+                                    && p[0].entry.data == value.as_bytes()
+                                    && p[0].entry.token == Some(l.term());
+                                if !once {
+                                    wrong.push(format!("{value}: {shape:?}"));
+                                }
+                            }
+                            Err(e) => failed.push(format!("participants: {e}")),
+                        }
+                        if let Err(e) = l.resign().await {
+                            failed.push(format!("resign: {e}"));
+                        }
+                        turns += 1;
+                    }
+                    Err(e) => failed.push(format!("campaign: {e}")),
+                }
+            }
+            (turns, failed, wrong, slowest)
+        })
+    });
+    let results = futures::future::join_all(loops).await;
+    tokio::task::block_in_place(|| state.cont(Server::Etcd, leader)).expect("SIGCONT leader");
+    let (mut turns, mut wrong, mut slowest) = (0, Vec::new(), Duration::ZERO);
+    for r in results {
+        let (t, failed, w, slow) = r.expect("a candidate task");
+        turns += t;
+        wrong.extend(w);
+        slowest = slowest.max(slow);
+        let _ = writeln!(
+            std::io::stderr(),
+            "{t} leaderships, slowest campaign {slow:?}; failed: {failed:?}"
+        );
+    }
+    assert!(turns > 0, "no leadership while the leader was stopped");
+    // The fault happened: some campaign's first attempt went unanswered and was retried
+    // (an attempt is given a third of the 5 s request timeout, at least 500 ms, before
+    // it is retried).
+    assert!(
+        slowest >= Duration::from_millis(500),
+        "no campaign waited for an unanswered attempt (slowest {slowest:?}): the fault was not exercised"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut left = Vec::new();
+    for name in &names {
+        let clear = eventually(Duration::from_secs(10), || async {
+            leftovers(&observer, name).await == 0
+        })
+        .await;
+        if !clear {
+            left.push(observer.participants(name).await);
+        }
+    }
+    let _ = tokio::task::block_in_place(|| state.wait_leader(Server::Etcd, GENEROUS));
+    client.close().await.ok();
+    observer.close().await.ok();
+    assert!(
+        wrong.is_empty(),
+        "a leadership did not see its candidate exactly once with its value: {wrong:?}"
+    );
+    assert!(
+        left.is_empty(),
+        "candidates nobody campaigns for were left under the live session: {left:?}"
+    );
+}
+
+/// Two late copies of a candidate's enqueue, one after the other: the enqueue finds a
+/// raw-valued copy under its key `NAME/<lease hex>` (Go's election layout names no
+/// ticket), deletes it by its create revision and puts its own again, but a second late
+/// copy lands in between. Here the copies are put by a plain etcd client connected to the
+/// leader, on the candidate's lease: the first before the campaign, the second as soon as
+/// a watch sees the first deleted (so it usually wins the race against the campaign's
+/// own put, which goes through a follower). Whichever copy is found, the campaign must
+/// lead, with one entry of its lease and its value, and nothing may be left after it
+/// resigns: a copy left where nobody claims it would stand ahead of every candidate for
+/// as long as the session lives. Repeated on fresh elections so that the second copy
+/// wins the race at least once (the rounds where it did are counted and required).
+pub async fn etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned(_url: &str) {
+    use dlock::backends::{etcd_client, EtcdBackend};
+    use etcd_client::{Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, WatchOptions};
+    let Some((state, leader)) = three_nodes(Server::Etcd) else {
+        return;
+    };
+    let (leader_addr, follower_addr) = leader_and_follower(&state, Server::Etcd, leader);
+    let backend = EtcdBackend::connect(
+        std::slice::from_ref(&follower_addr),
+        dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(30)),
+    )
+    .await
+    .expect("connect to a follower");
+    let lease = backend.lease_id();
+    let client = dlock::Client::from_backend(backend);
+    let mut raw = etcd_client::Client::connect([leader_addr.as_str()], None)
+        .await
+        .expect("etcd client on the leader");
+    let base = unique("recreated-candidate");
+    let (mut raced, mut stuck) = (0u32, Vec::new());
+    for round in 0..12 {
+        let name = format!("{base}-{round}");
+        let key = format!("{name}/{lease:x}");
+        let put = || Some(PutOptions::new().with_lease(lease));
+        raw.put(key.as_str(), "late-copy-1", put())
+            .await
+            .expect("the first late copy");
+        let mut events = raw
+            .watch(key.as_str(), Some(WatchOptions::new()))
+            .await
+            .expect("watch");
+        // The watch is created before the campaign starts: its first answer says so.
+        let created = events.message().await.expect("watch answer");
+        assert!(created.is_some_and(|m| m.created()), "the watch is created");
+        let mut kv = raw.kv_client();
+        let again = key.clone();
+        let second = tokio::spawn(async move {
+            while let Ok(Some(m)) = events.message().await {
+                if m.events()
+                    .iter()
+                    .any(|e| e.event_type() == EventType::Delete)
+                {
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(
+                            again.as_str(),
+                            CompareOp::Equal,
+                            0,
+                        )])
+                        .and_then([TxnOp::put(
+                            again.as_str(),
+                            "late-copy-2",
+                            Some(PutOptions::new().with_lease(lease)),
+                        )]);
+                    return kv.txn(txn).await.map(|r| r.succeeded()).unwrap_or(false);
+                }
+            }
+            false
+        });
+        let value = format!("proposal-{round}");
+        let got = client
+            .election(&name)
+            .expect("name")
+            .campaign_timeout(&value, Duration::from_secs(8))
+            .await;
+        let landed = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or(false);
+        raced += u32::from(landed);
+        match got {
+            Ok(l) => {
+                let p = client.participants(&name).await.expect("participants");
+                let shape: Vec<(String, Vec<u8>)> = p
+                    .iter()
+                    .map(|p| (p.entry.name.clone(), p.entry.data.clone()))
+                    .collect();
+                if p.len() != 1 || p[0].entry.data != value.as_bytes() {
+                    stuck.push(format!("round {round}: leading with {shape:?}"));
+                }
+                l.resign().await.expect("resign");
+            }
+            Err(e) => stuck.push(format!(
+                "round {round} (second copy landed: {landed}): campaign: {e}; queue {:?}",
+                client.participants(&name).await.map(|p| p
+                    .iter()
+                    .map(|p| (p.entry.name.clone(), p.entry.data.clone()))
+                    .collect::<Vec<_>>())
+            )),
+        }
+        let clear = eventually(Duration::from_secs(10), || async {
+            leftovers(&client, &name).await == 0
+        })
+        .await;
+        if !clear {
+            stuck.push(format!(
+                "round {round}: left after resigning: {:?}",
+                client.participants(&name).await
+            ));
+        }
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "the second late copy landed in {raced} of 12 rounds"
+    );
+    client.close().await.ok();
+    assert!(stuck.is_empty(), "{stuck:#?}");
+    assert!(
+        raced > 0,
+        "the second late copy never won the race: the case was not exercised"
+    );
+}
