@@ -469,3 +469,373 @@ async fn master_kill_loses_only_unreplicated_holds_and_they_fire_lost() {
         .wait_redis_cluster_ok(WAIT)
         .expect("the cluster is whole again");
 }
+
+/// One grant of the lock, as the load of the slot-migration tests records it.
+#[derive(Debug, Clone)]
+struct Grant {
+    who: String,
+    entry: dlock_core::Entry,
+}
+
+/// What every contender of a load shares: the grants in the order they happened, and how
+/// many hold the lock right now (more than one is a failure).
+#[derive(Default)]
+struct Load {
+    grants: std::sync::Mutex<Vec<Grant>>,
+    holding: std::sync::atomic::AtomicUsize,
+}
+
+impl Load {
+    /// Records that `who` holds `entry`; panics if someone else holds it too.
+    fn granted(&self, who: &str, entry: &dlock_core::Entry) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let others = self.holding.fetch_add(1, SeqCst);
+        assert_eq!(others, 0, "{who} was granted {entry:?} while another held");
+        self.grants.lock().expect("grants").push(Grant {
+            who: who.to_owned(),
+            entry: entry.clone(),
+        });
+    }
+
+    fn released(&self) {
+        self.holding
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn grants(&self) -> Vec<Grant> {
+        self.grants.lock().expect("grants").clone()
+    }
+}
+
+/// An enqueue with no retry of its own: whatever the backend returns during a slot move
+/// is what an application's `lock()` would get.
+async fn enqueue_now(b: &RedisBackend, q: &QueuePath) -> dlock_core::Enqueued {
+    b.enqueue(
+        q,
+        &dlock_testkit::ticket(),
+        EntryKind::Lock,
+        Position::Tail,
+        b"",
+    )
+    .await
+    .unwrap_or_else(|e| panic!("enqueue during the slot move: {e:?}"))
+}
+
+/// Waits for its turn from `added`, holds for `hold`, releases; records the grant.
+async fn take_turn(
+    b: &RedisBackend,
+    q: &QueuePath,
+    added: dlock_core::Enqueued,
+    who: &str,
+    hold: Duration,
+    load: &Load,
+) -> dlock_core::Entry {
+    let got = wait_turn(b, q, added.mine, added.queue).await;
+    load.granted(who, &got);
+    tokio::time::sleep(hold).await;
+    load.released();
+    b.remove(q, &got)
+        .await
+        .unwrap_or_else(|e| panic!("{who}: release during the slot move: {e:?}"));
+    got
+}
+
+/// Contenders that take the lock `rounds` times each, one after the other, as long as the
+/// test runs: the load under which the slot moves.
+fn contenders(
+    clients: &[std::sync::Arc<RedisBackend>],
+    q: &QueuePath,
+    rounds: usize,
+    load: &std::sync::Arc<Load>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let (c, q, load) = (c.clone(), q.clone(), load.clone());
+            tokio::spawn(async move {
+                for r in 0..rounds {
+                    let added = enqueue_now(&c, &q).await;
+                    let who = format!("contender {i} round {r}");
+                    take_turn(&c, &q, added, &who, Duration::from_millis(20), &load).await;
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// The checks every slot-move test makes once its load is done: `n` grants, each entry
+/// granted once, fencing tokens increasing in grant order, and grants in queue order
+/// (FIFO: every grant's sequence above the one before it).
+fn check_grants(grants: &[Grant], n: usize) {
+    assert_eq!(grants.len(), n, "every contender was granted: {grants:#?}");
+    let mut names: Vec<&str> = grants.iter().map(|g| g.entry.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), n, "no entry granted twice: {grants:#?}");
+    for w in grants.windows(2) {
+        assert!(
+            w[1].entry.token > w[0].entry.token,
+            "fencing tokens increase: {} ({:?}) then {} ({:?})",
+            w[0].who,
+            w[0].entry.token,
+            w[1].who,
+            w[1].entry.token
+        );
+        assert!(
+            w[1].entry.seq > w[0].entry.seq,
+            "FIFO: {} (seq {}) granted before {} (seq {})",
+            w[0].who,
+            w[0].entry.seq,
+            w[1].who,
+            w[1].entry.seq
+        );
+    }
+}
+
+/// The client address of a master other than `not`.
+fn other_master(state: &State, not: &str) -> String {
+    dlock_testkit::redis_cluster_masters(not)
+        .expect("masters")
+        .into_iter()
+        .find(|m| m != not)
+        .unwrap_or_else(|| {
+            panic!(
+                "no master beside {not} in {}",
+                state.addrs(Server::RedisCluster)
+            )
+        })
+}
+
+/// The lock's slot moves to another master, step by step as `redis-cli --cluster
+/// reshard` moves it, while a lock is held, three waiters are queued behind it and two
+/// contenders keep taking it. First some of the slot's keys move (the source answers
+/// `TRYAGAIN` to scripts over keys it has only some of), then the rest (it answers `ASK`,
+/// and the target `TRYAGAIN`: the slot's sequence key never exists, so the target never
+/// has every key a script names), then the slot is assigned (`MOVED` for stale slot
+/// maps). dlock retries the `TRYAGAIN`s ([`Stats::slot_retries`]) and fred follows the
+/// redirections: nothing fails, the holder keeps its lock (no `lost()`), the waiters are
+/// granted in queue order, every entry once, fencing tokens keep increasing, and at most
+/// one client holds at a time. The slot then moves back the same way, under load again,
+/// so the shared cluster is left as it was found.
+///
+/// Without the `TRYAGAIN` retry in the adapter, the release, renewals and enqueues sent
+/// in the split window fail with `Unreachable` (an application's `lock()` fails).
+#[tokio::test]
+async fn slot_migration_under_load_follows_redirections_and_strands_no_waiter() {
+    init_tracing();
+    let Some(nodes) = dlock_testkit::require_redis_cluster() else {
+        return;
+    };
+    let Some(state) = dlock_testkit::require_state() else {
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    state
+        .wait_redis_cluster_ok(WAIT)
+        .expect("the cluster serves every slot");
+    // Command timeout lease/2 = 5 s: the budget of a TRYAGAIN retry, above each split
+    // window below.
+    let lease = Duration::from_secs(10);
+    let q = fresh_queue("cluster-migrate");
+    let slot = key_slot(&queue_key(&q));
+    let home = addr(
+        &state,
+        state
+            .redis_cluster_master_of(&queue_key(&q))
+            .expect("master"),
+    );
+    let away = other_master(&state, &home);
+    let load = std::sync::Arc::new(Load::default());
+
+    let holder = connect_cluster(&nodes, lease).await;
+    let held = enqueue_now(&holder, &q).await.mine;
+    load.granted("holder", &held);
+    let held_lost = holder.lost(&q, &held);
+    let mut waiters = Vec::new();
+    let mut waiter_names = Vec::new();
+    for i in 0..3 {
+        let w = connect_cluster(&nodes, lease).await;
+        let added = enqueue_now(&w, &q).await;
+        assert!(matches!(
+            decide(&added.queue, &added.mine.name),
+            Decision::Wait(_)
+        ));
+        waiter_names.push(added.mine.name.clone());
+        let (q, load) = (q.clone(), load.clone());
+        waiters.push(tokio::spawn(async move {
+            let who = format!("waiter {i}");
+            let got = take_turn(&w, &q, added, &who, Duration::from_millis(50), &load).await;
+            w.close().await.expect("close");
+            got
+        }));
+    }
+    let clients = [
+        connect_cluster(&nodes, lease).await,
+        connect_cluster(&nodes, lease).await,
+    ];
+    // Queued behind the waiters before the move starts, then again and again during it.
+    let load_tasks = contenders(&clients, &q, 4, &load);
+    let errors = |a: &str| {
+        (
+            dlock_testkit::redis_error_count(a, "TRYAGAIN"),
+            dlock_testkit::redis_error_count(a, "ASK"),
+            dlock_testkit::redis_error_count(a, "MOVED"),
+        )
+    };
+    let (home0, away0) = (errors(&home), errors(&away));
+
+    let mv = dlock_testkit::SlotMove::begin(slot, &home, &away).expect("begin the move");
+    let keys = mv.keys_left(1000).expect("keys of the slot");
+    assert!(
+        keys.len() >= 5,
+        "the holder's, the waiters' and the queue's keys: {keys:?}"
+    );
+    // Window 1: every key but the queue's sorted set on the target; the queue (and
+    // with it the order of the waiters) still on the source.
+    let first: Vec<String> = keys
+        .iter()
+        .filter(|k| **k != queue_key(&q))
+        .cloned()
+        .collect();
+    assert_eq!(first.len(), keys.len() - 1, "the queue key is in the slot");
+    mv.migrate(&first).expect("migrate all but the queue");
+    // The holder releases inside the window: its script is refused until the move ends.
+    let release = {
+        let (holder, q, held, load) = (holder.clone(), q.clone(), held.clone(), load.clone());
+        tokio::spawn(async move {
+            load.released();
+            holder
+                .remove(&q, &held)
+                .await
+                .unwrap_or_else(|e| panic!("release in the split window: {e:?}"));
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (home1, away1) = (errors(&home), errors(&away));
+    eprintln!("window 1: source (TRYAGAIN, ASK, MOVED) {home0:?} -> {home1:?}, target {away0:?} -> {away1:?}");
+    assert!(
+        home1.0 + away1.0 > home0.0 + away0.0,
+        "scripts over a split key set were refused with TRYAGAIN"
+    );
+    // Window 2: every key on the target, the slot still the source's.
+    mv.migrate_rest(2).expect("migrate the rest");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (home2, away2) = (errors(&home), errors(&away));
+    let _ = away2;
+    eprintln!("window 2: source {home1:?} -> {home2:?}, target {away1:?} -> {away2:?}");
+    assert!(
+        home2.1 > home1.1,
+        "the source answered ASK for keys it no longer had"
+    );
+    assert!(!release.is_finished(), "the release waits for the move");
+    let mut held_lost = held_lost;
+    // Released (the release under way), never lost.
+    if let Some(e) = futures::FutureExt::now_or_never(&mut held_lost) {
+        assert!(
+            matches!(e, Error::NotHeld(_)),
+            "lost() must not fire for a hold that the move keeps: {e:?}"
+        );
+    }
+    mv.assign().expect("assign the slot");
+    tokio::time::timeout(WAIT, release)
+        .await
+        .expect("the release ends after the move")
+        .expect("release task");
+    assert!(
+        eventually(WAIT, || async {
+            state.redis_cluster_master_of(&queue_key(&q)).ok() == Some(addr_id(&state, &away))
+        })
+        .await,
+        "the slot is served by {away}"
+    );
+    let mut granted = Vec::new();
+    for w in waiters {
+        granted.push(
+            tokio::time::timeout(WAIT, w)
+                .await
+                .expect("no waiter stranded")
+                .expect("waiter task"),
+        );
+    }
+    for t in load_tasks {
+        tokio::time::timeout(WAIT, t)
+            .await
+            .expect("the contenders finish")
+            .expect("contender task");
+    }
+    assert!(
+        errors(&home).2 > home0.2,
+        "clients with the old slot map were MOVED"
+    );
+    let retries: u64 =
+        clients.iter().map(|c| c.stats().slot_retries).sum::<u64>() + holder.stats().slot_retries;
+    assert!(retries > 0, "dlock retried the TRYAGAINs");
+    for c in clients.iter().chain([&holder]) {
+        assert_eq!(c.stats().lost, 0, "no hold was lost");
+    }
+    let grants = load.grants();
+    assert_eq!(
+        grants[1..4]
+            .iter()
+            .map(|g| g.entry.name.clone())
+            .collect::<Vec<_>>(),
+        waiter_names,
+        "the waiters queued before the move are granted next, in queue order"
+    );
+    assert_eq!(
+        granted.iter().map(|e| e.name.clone()).collect::<Vec<_>>(),
+        waiter_names
+    );
+    check_grants(&grants, 1 + 3 + 2 * 4);
+    assert!(
+        holder
+            .participants(&q)
+            .await
+            .expect("participants")
+            .is_empty(),
+        "nothing left in the queue"
+    );
+
+    // Back home, under load again, in one go (a `reshard` of one slot).
+    let last = grants.last().expect("grants").entry.token;
+    let load = std::sync::Arc::new(Load::default());
+    let load_tasks = contenders(&clients, &q, 4, &load);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let back = dlock_testkit::SlotMove::begin(slot, &away, &home).expect("begin the move back");
+    back.finish(10).expect("move back");
+    for t in load_tasks {
+        tokio::time::timeout(WAIT, t)
+            .await
+            .expect("the contenders finish")
+            .expect("contender task");
+    }
+    let grants = load.grants();
+    check_grants(&grants, 2 * 4);
+    assert!(
+        grants[0].entry.token > last,
+        "tokens increase across both moves"
+    );
+    state
+        .wait_redis_cluster_ok(WAIT)
+        .expect("the cluster is whole again");
+    assert_eq!(
+        state.redis_cluster_master_of(&queue_key(&q)).ok(),
+        Some(addr_id(&state, &home)),
+        "the slot is back home"
+    );
+    for c in clients {
+        c.close().await.expect("close");
+    }
+    holder.close().await.expect("close");
+}
+
+/// The id of the shared cluster's node at `a`.
+fn addr_id(state: &State, a: &str) -> u32 {
+    state
+        .servers_of(Server::RedisCluster)
+        .find(|s| s.addr == a)
+        .map(|s| s.id)
+        .unwrap_or_else(|| panic!("{a} is not a node of the shared cluster"))
+}
