@@ -839,3 +839,281 @@ fn addr_id(state: &State, a: &str) -> u32 {
         .map(|s| s.id)
         .unwrap_or_else(|| panic!("{a} is not a node of the shared cluster"))
 }
+
+/// A seventh Redis Cluster node for [`node_added_and_removed_under_load`], on two ports
+/// the system picked free just before (a client port and a cluster bus port; a fixed port
+/// may be some connection's ephemeral port), killed by its own PID on drop.
+struct ExtraNode {
+    addr: String,
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl ExtraNode {
+    fn start(offset: u16) -> ExtraNode {
+        let free_port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port()
+        };
+        for _ in 0..5 {
+            let (port, bus) = (free_port(), free_port());
+            if port == bus {
+                continue;
+            }
+            let dir = std::env::temp_dir()
+                .join(format!("dlock-cluster-extra-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("node dir");
+            let mut argv = dlock_testkit::redis_cluster_argv(7, offset, &dir);
+            let at = |argv: &[String], flag: &str| {
+                argv.iter()
+                    .position(|a| a == flag)
+                    .unwrap_or_else(|| panic!("{flag} in {argv:?}"))
+                    + 1
+            };
+            let p = at(&argv, "--port");
+            argv[p] = port.to_string();
+            let b = at(&argv, "--cluster-port");
+            argv[b] = bus.to_string();
+            let child = std::process::Command::new(&argv[0])
+                .args(&argv[1..])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("spawn redis-server");
+            let mut node = ExtraNode {
+                addr: format!("127.0.0.1:{port}"),
+                child,
+                dir,
+            };
+            let deadline = Instant::now() + WAIT;
+            loop {
+                if dlock_testkit::redis_ping(&node.addr, Duration::from_millis(500)) {
+                    return node;
+                }
+                // Exited at once: a port was taken meanwhile; try two others.
+                if node.child.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "node {} did not start",
+                    node.addr
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        panic!("no free ports for a seventh cluster node in five tries");
+    }
+}
+
+impl Drop for ExtraNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn redis_cli_cluster(args: &[&str]) -> String {
+    let out = std::process::Command::new("redis-cli")
+        .arg("--cluster")
+        .args(args)
+        .output()
+        .expect("run redis-cli");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "redis-cli --cluster {args:?}: {text}");
+    text
+}
+
+/// A master added (`redis-cli --cluster add-node`) to a cluster of this test's own, the
+/// lock's slot moved onto it and back while a lock is held, waiters are queued and
+/// contenders keep taking it, and the node removed (`redis-cli --cluster del-node`): the
+/// clients find the new node through `MOVED` and forget it after, nothing fails, every
+/// queued waiter is granted in queue order, every entry once, fencing tokens keep
+/// increasing, at most one holder at a time; the lock works after the node is gone.
+#[tokio::test]
+async fn node_added_and_removed_under_load() {
+    init_tracing();
+    if dlock_testkit::require_redis_cluster().is_none() {
+        return;
+    }
+    let _turn = SERIAL.lock().await;
+    // Its own cluster: a failure half way must not leave the shared one with a seventh
+    // node or a slot on it.
+    let base = std::env::var("DLOCK_PORT_OFFSET")
+        .ok()
+        .and_then(|v| v.parse::<u16>().ok())
+        .map_or(20_050, |o| o + 100);
+    let mut spec = dlock_testkit::ClusterSpec {
+        zk: 0,
+        etcd: 0,
+        redis: 0,
+        sentinel_replicas: 0,
+        redis_cluster: true,
+        state_path: Some(dlock_testkit::scratch_state_path("cluster-add-node")),
+        ..dlock_testkit::ClusterSpec::default()
+    };
+    let cluster = tokio::task::spawn_blocking(move || {
+        let c = dlock_testkit::Cluster::start_at_free_offset(
+            &mut spec,
+            (0..100u16).map(|k| base + k * 150),
+        );
+        (c, spec.port_offset)
+    })
+    .await
+    .expect("start task");
+    let (cluster, offset) = (cluster.0.expect("a cluster of our own"), cluster.1);
+    let state = cluster.state();
+    let nodes = state.addrs(Server::RedisCluster);
+    let lease = Duration::from_secs(10);
+    let q = fresh_queue("cluster-add-node");
+    let slot = key_slot(&queue_key(&q));
+    let home = addr(
+        state,
+        state
+            .redis_cluster_master_of(&queue_key(&q))
+            .expect("master"),
+    );
+
+    let extra = ExtraNode::start(offset);
+    let seed = addr(state, 1);
+    redis_cli_cluster(&["add-node", &extra.addr, &seed]);
+    assert!(
+        eventually(WAIT, || async {
+            state.servers_of(Server::RedisCluster).all(|s| {
+                dlock_testkit::redis_cluster_masters(&s.addr).is_ok_and(|m| m.contains(&extra.addr))
+            })
+        })
+        .await,
+        "every node knows the new master"
+    );
+    // Until it has heard who serves every slot it answers CLUSTERDOWN, the RESTOREs of a
+    // migration included.
+    assert!(
+        eventually(WAIT, || async {
+            redis_query(&extra.addr, &["CLUSTER", "INFO"], Duration::from_secs(1))
+                .is_some_and(|i| i.contains("cluster_state:ok"))
+        })
+        .await,
+        "the new master sees the cluster ok"
+    );
+
+    // A hold, two waiters and two contenders; the slot moves onto the new node.
+    let load = std::sync::Arc::new(Load::default());
+    let holder = connect_cluster(&nodes, lease).await;
+    let held = enqueue_now(&holder, &q).await.mine;
+    load.granted("holder", &held);
+    let mut waiters = Vec::new();
+    let mut waiter_names = Vec::new();
+    for i in 0..2 {
+        let w = connect_cluster(&nodes, lease).await;
+        let added = enqueue_now(&w, &q).await;
+        waiter_names.push(added.mine.name.clone());
+        let (q, load) = (q.clone(), load.clone());
+        waiters.push(tokio::spawn(async move {
+            let who = format!("waiter {i}");
+            take_turn(&w, &q, added, &who, Duration::from_millis(50), &load).await;
+            w.close().await.expect("close");
+        }));
+    }
+    let clients = [
+        connect_cluster(&nodes, lease).await,
+        connect_cluster(&nodes, lease).await,
+    ];
+    let load_tasks = contenders(&clients, &q, 4, &load);
+    let to_new = dlock_testkit::SlotMove::begin(slot, &home, &extra.addr).expect("begin");
+    let keys = to_new.keys_left(1000).expect("keys");
+    to_new
+        .migrate(&keys[..keys.len() / 2])
+        .expect("migrate half");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    to_new.finish(2).expect("finish the move");
+    assert!(
+        eventually(WAIT, || async {
+            redis_query(
+                &extra.addr,
+                &["EXISTS", &queue_key(&q)],
+                Duration::from_secs(1),
+            )
+            .as_deref()
+                == Some("1")
+        })
+        .await,
+        "the lock's queue is on the new node"
+    );
+    // The holder, still holding on the new node, releases there.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    load.released();
+    holder
+        .remove(&q, &held)
+        .await
+        .expect("release on the new node");
+    for w in waiters {
+        tokio::time::timeout(WAIT, w)
+            .await
+            .expect("no waiter stranded")
+            .expect("waiter task");
+    }
+    // Away again, under load, then the node is removed.
+    let to_old = dlock_testkit::SlotMove::begin(slot, &extra.addr, &home).expect("begin back");
+    to_old.finish(2).expect("move back");
+    for t in load_tasks {
+        tokio::time::timeout(WAIT, t)
+            .await
+            .expect("the contenders finish")
+            .expect("contender task");
+    }
+    let grants = load.grants();
+    assert_eq!(
+        grants[1..3]
+            .iter()
+            .map(|g| g.entry.name.clone())
+            .collect::<Vec<_>>(),
+        waiter_names,
+        "the waiters are granted next, in queue order"
+    );
+    check_grants(&grants, 1 + 2 + 2 * 4);
+    let extra_id = dlock_testkit::redis_cluster_node_id(&extra.addr).expect("node id");
+    redis_cli_cluster(&["del-node", &seed, &extra_id]);
+    assert!(
+        eventually(WAIT, || async {
+            state.servers_of(Server::RedisCluster).all(|s| {
+                dlock_testkit::redis_cluster_masters(&s.addr)
+                    .is_ok_and(|m| !m.contains(&extra.addr))
+            })
+        })
+        .await,
+        "every node forgot the removed master"
+    );
+    state
+        .wait_redis_cluster_ok(WAIT)
+        .expect("the cluster serves every slot");
+    // The lock still works, with a larger token, from a client that saw the node come
+    // and go.
+    let last = grants.last().expect("grants").entry.token;
+    let again = enqueue_now(&clients[0], &q).await;
+    assert_eq!(decide(&again.queue, &again.mine.name), Decision::Acquired);
+    assert!(again.mine.token > last);
+    clients[0].remove(&q, &again.mine).await.expect("release");
+    assert!(clients[0]
+        .participants(&q)
+        .await
+        .expect("participants")
+        .is_empty());
+    for c in clients {
+        assert_eq!(c.stats().lost, 0, "no hold was lost");
+        c.close().await.expect("close");
+    }
+    holder.close().await.expect("close");
+    drop(extra);
+    tokio::task::spawn_blocking(move || cluster.down())
+        .await
+        .expect("down task")
+        .expect("cluster down");
+}
