@@ -71,6 +71,9 @@ pub struct Stats {
     /// Through Sentinel: times a `+switch-master` announcement for the service made the
     /// clients reconnect to a new primary (0 otherwise).
     pub primary_switches: u64,
+    /// On a Redis Cluster: scripts retried after a `TRYAGAIN` (their slot was being
+    /// migrated, its keys split between two nodes); 0 elsewhere.
+    pub slot_retries: u64,
 }
 
 pub(crate) struct Shared {
@@ -157,6 +160,12 @@ impl RedisBackend {
                 .nodes
                 .iter()
                 .map(|n| n.switches.load(Ordering::Relaxed))
+                .sum(),
+            slot_retries: self
+                .shared
+                .nodes
+                .iter()
+                .map(|n| n.tryagains.load(Ordering::Relaxed))
                 .sum(),
         }
     }

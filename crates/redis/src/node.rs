@@ -20,6 +20,12 @@ use std::sync::Arc;
 /// server (SCAN runs on its one thread between other clients' commands).
 const SCAN_COUNT: u32 = 1000;
 
+/// The first pause before a script that got `TRYAGAIN` is sent again ([`Node::eval`]).
+const TRYAGAIN_FIRST_PAUSE: Duration = Duration::from_millis(5);
+
+/// The longest pause between two attempts of a script that got `TRYAGAIN`.
+const TRYAGAIN_MAX_PAUSE: Duration = Duration::from_millis(100);
+
 /// Client settings derived from the session options.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Tuning {
@@ -55,6 +61,8 @@ pub(crate) struct Node {
     watcher_tasks: Vec<tokio::task::AbortHandle>,
     /// How many times a `+switch-master` for our service moved the clients.
     pub switches: Arc<AtomicU64>,
+    /// How many scripts were retried after a `TRYAGAIN` ([`Node::eval`]).
+    pub tryagains: AtomicU64,
     /// How many of `watchers` have a confirmed `+switch-master` subscription.
     watching: Arc<tokio::sync::watch::Sender<usize>>,
     /// Connection errors of both clients, subscribed before they connect, so that the
@@ -416,10 +424,10 @@ impl Node {
             .build_subscriber_client()
             .map_err(|e| Error::backend(format!("configuring subscriber for {addr}"), e))?;
         let mut conn_errors = vec![sub.error_rx()];
-        let mut conn_tasks = vec![sub.connect()];
+        let mut conn_tasks = vec![keep_routing(&sub, sharded, &addr)];
         if owns_client {
             conn_errors.push(client.error_rx());
-            conn_tasks.push(client.connect());
+            conn_tasks.push(keep_routing(&client, sharded, &addr));
         }
         let conn_errors = parking_lot::Mutex::new(conn_errors);
         let cmd = fred::types::config::Options {
@@ -442,6 +450,7 @@ impl Node {
             watchers: Vec::new(),
             watcher_tasks: Vec::new(),
             switches: Arc::new(AtomicU64::new(0)),
+            tryagains: AtomicU64::new(0),
             watching: Arc::new(tokio::sync::watch::Sender::new(0)),
             conn_errors,
         })
@@ -559,6 +568,18 @@ impl Node {
     }
 
     /// Runs `script` with EVALSHA, loading it on NOSCRIPT.
+    ///
+    /// On a cluster, a script refused because its slot is being migrated is sent again
+    /// ([`Node::mid_move_retry`]), until the command timeout has passed since the first
+    /// attempt. During a move (`redis-cli --cluster reshard`) the slot's keys are split
+    /// between two nodes: the source answers `TRYAGAIN` to a command over keys it has only
+    /// some of, and `ASK` once it has none; the target answers `TRYAGAIN` to a command
+    /// sent there with `ASKING` unless it has every key. Every script of ours names three
+    /// keys, and the sequence key of a non-Redlock queue never exists, so every script on
+    /// that slot is refused until the slot is assigned, after which the source answers
+    /// `MOVED`, which fred follows. Both refusals come before anything runs, so a retry
+    /// cannot apply a script twice. Without the retry a routine topology change fails an
+    /// acquire or a release and misses renewals.
     pub async fn eval(
         &self,
         what: &str,
@@ -566,16 +587,57 @@ impl Node {
         keys: Vec<String>,
         args: Vec<Value>,
     ) -> Result<Value, Error> {
+        self.mid_move_retry(|| self.eval_once(script, keys.clone(), args.clone()))
+            .await
+            .map_err(|e| self.map_err(what, e))
+    }
+
+    /// Runs `attempt` once, and on a cluster again (after 5 ms, doubling up to 100 ms)
+    /// while it is refused unrun because its slot is being migrated
+    /// ([`refused_mid_move`]), until the command timeout has passed since the first try.
+    async fn mid_move_retry<T, F, Fut>(&self, attempt: F) -> fred::prelude::FredResult<T>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = fred::prelude::FredResult<T>>,
+    {
+        let started = tokio::time::Instant::now();
+        let budget = self.cmd.timeout.unwrap_or(Duration::from_secs(5));
+        let mut pause = TRYAGAIN_FIRST_PAUSE;
+        loop {
+            match attempt().await {
+                Err(e)
+                    if self.sharded
+                        && refused_mid_move(&e)
+                        && started.elapsed() + pause < budget =>
+                {
+                    tracing::debug!(cluster = %self.addr, error = %e, "slot being migrated; retrying");
+                    self.tryagains.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(TRYAGAIN_MAX_PAUSE);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One EVALSHA, and on NOSCRIPT one load and run of the script (on a cluster: an
+    /// `EVAL`, which caches it on the slot's master).
+    async fn eval_once(
+        &self,
+        script: &Script,
+        keys: Vec<String>,
+        args: Vec<Value>,
+    ) -> Result<Value, fred::error::Error> {
         // Not `Script::evalsha_with_reload`: it takes a bare client, without our options.
         let client = self.client.with_options(&self.cmd);
         let first = client
             .evalsha::<Value, _, _, _>(script.sha1().clone(), keys.clone(), args.clone())
             .await;
-        let answer = match first {
+        match first {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
                 // Our scripts are all built from their source, so it is always there.
                 let Some(lua) = script.lua() else {
-                    return Err(self.map_err(what, e));
+                    return Err(e);
                 };
                 if self.sharded {
                     // SCRIPT LOAD is not routed by key on a cluster (it would load the
@@ -583,24 +645,20 @@ impl Node {
                     // the slot's master and caches the script there.
                     client.eval(lua.clone(), keys, args).await
                 } else {
-                    client
-                        .script_load::<Value, _>(lua.clone())
-                        .await
-                        .map_err(|e| self.map_err(what, e))?;
+                    client.script_load::<Value, _>(lua.clone()).await?;
                     client.evalsha(script.sha1().clone(), keys, args).await
                 }
             }
             other => other,
-        };
-        answer.map_err(|e| self.map_err(what, e))
+        }
     }
 
     /// The time `key` has left in ms (-1: no TTL), or `None` if it does not exist.
+    ///
+    /// On a cluster, retried as [`Node::eval`] while the slot is being migrated.
     pub async fn pttl(&self, key: &str) -> Result<Option<i64>, Error> {
         let n: i64 = self
-            .client
-            .with_options(&self.cmd)
-            .pttl(key)
+            .mid_move_retry(|| async { self.client.with_options(&self.cmd).pttl(key).await })
             .await
             .map_err(|e| self.map_err("checking an entry", e))?;
         Ok((n != -2).then_some(n))
@@ -614,7 +672,7 @@ impl Node {
     /// is then in doubt anyway, and the waiter's re-check timer and reconnect wake-up
     /// cover it, as after a failed SUBSCRIBE.
     pub async fn pttl_after_subscribe(&self, key: &str) -> Result<Option<i64>, Error> {
-        match self.sub.pttl::<i64, _>(key).await {
+        match self.sub.with_options(&self.cmd).pttl::<i64, _>(key).await {
             Ok(n) => Ok((n != -2).then_some(n)),
             Err(e) => {
                 tracing::debug!(master = %self.addr, error = %e, "existence check on the subscriber failed; asking the command connection");
@@ -675,7 +733,8 @@ impl Node {
     /// for the server's confirmation of an `SSUBSCRIBE`, following `MOVED`.
     pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
         let sent = if self.sharded {
-            self.sub.ssubscribe(channel).await
+            // Refused unrun after a slot moved (`MOVED`, fred's map now re-read): again.
+            self.mid_move_retry(|| self.sub.ssubscribe(channel)).await
         } else {
             self.sub.subscribe(channel).await
         };
@@ -863,6 +922,63 @@ impl Node {
             })
             .collect()
     }
+}
+
+/// Starts `client`'s connection (routing) task, and on a cluster starts it again
+/// whenever it ends with an error: fred ends it, and every later command of the client
+/// waits for its timeout, when it fails to follow an `ASK` ([`refused_mid_move`]), which
+/// a slot migration causes. Commands in flight on the client then fail as after a
+/// dropped connection. A task that ends without an error (QUIT) is not restarted; the
+/// task is aborted with the node.
+fn keep_routing<C>(client: &C, sharded: bool, addr: &str) -> ConnectHandle
+where
+    C: ClientLike + Clone + Send + Sync + 'static,
+{
+    if !sharded {
+        return client.connect();
+    }
+    let (client, addr) = (client.clone(), addr.to_owned());
+    tokio::spawn(async move {
+        loop {
+            match client.connect().await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e)) if e.is_canceled() || *e.kind() == ErrorKind::Config => return Err(e),
+                Ok(Err(e)) => {
+                    tracing::debug!(cluster = %addr, error = %e, "fred ended the client's routing task; starting it again");
+                }
+                Err(join) => {
+                    return Err(fred::error::Error::new(
+                        ErrorKind::Unknown,
+                        format!("routing task of {addr}: {join}"),
+                    ))
+                }
+            }
+            // A pause, so that a task that keeps ending at once is not restarted in a
+            // busy loop.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+}
+
+/// Whether a command was refused, unrun, because its slot moved or is being moved, in
+/// one of the three ways fred 10 reports it with one attempt per command (pitfall R1):
+/// - `TRYAGAIN`: the node has only some of the keys the command names (a migration).
+/// - "Too many failed write attempts.": the node answered `MOVED`; fred re-read the slot
+///   map but, its one attempt spent, did not send the command again. With one attempt
+///   fred gives this error only there (a retry after a dropped connection needs an
+///   attempt left, and reports the connection's error).
+/// - "Max attempts reached.": the node answered `ASK` (a migration). fred sends the
+///   command it was told to take elsewhere back to the slot's owner (it sets no target
+///   node for it), so it cannot follow an `ASK` at all; with its attempts spent it
+///   fails the command with this error (given nowhere else) *and ends the client's
+///   routing task* ([`keep_routing`] starts it again). Following that `ASK` would not
+///   help a script anyway: the target refuses it with `TRYAGAIN` until the move is
+///   done, since the queue's sequence key, one of the three keys every script names,
+///   never exists outside Redlock.
+fn refused_mid_move(e: &fred::error::Error) -> bool {
+    e.details().starts_with("TRYAGAIN")
+        || (*e.kind() == ErrorKind::Unknown && e.details() == "Too many failed write attempts.")
+        || (*e.kind() == ErrorKind::Routing && e.details() == "Max attempts reached.")
 }
 
 /// What fred's `manage_subscriptions` does (re-subscribe every tracked channel after each

@@ -470,3 +470,651 @@ async fn master_kill_loses_only_unreplicated_holds_and_they_fire_lost() {
         .wait_redis_cluster_ok(WAIT)
         .expect("the cluster is whole again");
 }
+
+/// One grant of the lock, as the load of the slot-migration tests records it.
+#[derive(Debug, Clone)]
+struct Grant {
+    who: String,
+    entry: dlock_core::Entry,
+}
+
+/// What every contender of a load shares: the grants in the order they happened, and how
+/// many hold the lock right now (more than one is a failure).
+#[derive(Default)]
+struct Load {
+    grants: std::sync::Mutex<Vec<Grant>>,
+    holding: std::sync::atomic::AtomicUsize,
+}
+
+impl Load {
+    /// Records that `who` holds `entry`; panics if someone else holds it too.
+    fn granted(&self, who: &str, entry: &dlock_core::Entry) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let others = self.holding.fetch_add(1, SeqCst);
+        assert_eq!(others, 0, "{who} was granted {entry:?} while another held");
+        self.grants.lock().expect("grants").push(Grant {
+            who: who.to_owned(),
+            entry: entry.clone(),
+        });
+    }
+
+    fn released(&self) {
+        self.holding
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn grants(&self) -> Vec<Grant> {
+        self.grants.lock().expect("grants").clone()
+    }
+}
+
+/// An enqueue with no retry of its own: whatever the backend returns during a slot move
+/// is what an application's `lock()` would get.
+async fn enqueue_now(b: &RedisBackend, q: &QueuePath) -> dlock_core::Enqueued {
+    b.enqueue(
+        q,
+        &dlock_testkit::ticket(),
+        EntryKind::Lock,
+        Position::Tail,
+        b"",
+    )
+    .await
+    .unwrap_or_else(|e| panic!("enqueue during the slot move: {e:?}"))
+}
+
+/// Waits for its turn from `added`, holds for `hold`, releases; records the grant.
+async fn take_turn(
+    b: &RedisBackend,
+    q: &QueuePath,
+    added: dlock_core::Enqueued,
+    who: &str,
+    hold: Duration,
+    load: &Load,
+) -> dlock_core::Entry {
+    let got = wait_turn(b, q, added.mine, added.queue).await;
+    load.granted(who, &got);
+    tokio::time::sleep(hold).await;
+    load.released();
+    b.remove(q, &got)
+        .await
+        .unwrap_or_else(|e| panic!("{who}: release during the slot move: {e:?}"));
+    got
+}
+
+/// Contenders that take the lock `rounds` times each, one after the other, as long as the
+/// test runs: the load under which the slot moves.
+fn contenders(
+    clients: &[std::sync::Arc<RedisBackend>],
+    q: &QueuePath,
+    rounds: usize,
+    load: &std::sync::Arc<Load>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let (c, q, load) = (c.clone(), q.clone(), load.clone());
+            tokio::spawn(async move {
+                for r in 0..rounds {
+                    let added = enqueue_now(&c, &q).await;
+                    let who = format!("contender {i} round {r}");
+                    take_turn(&c, &q, added, &who, Duration::from_millis(20), &load).await;
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// The checks every slot-move test makes once its load is done: `n` grants, each entry
+/// granted once, fencing tokens increasing in grant order, and grants in queue order
+/// (FIFO: every grant's sequence above the one before it).
+fn check_grants(grants: &[Grant], n: usize) {
+    assert_eq!(grants.len(), n, "every contender was granted: {grants:#?}");
+    let mut names: Vec<&str> = grants.iter().map(|g| g.entry.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), n, "no entry granted twice: {grants:#?}");
+    for w in grants.windows(2) {
+        assert!(
+            w[1].entry.token > w[0].entry.token,
+            "fencing tokens increase: {} ({:?}) then {} ({:?})",
+            w[0].who,
+            w[0].entry.token,
+            w[1].who,
+            w[1].entry.token
+        );
+        assert!(
+            w[1].entry.seq > w[0].entry.seq,
+            "FIFO: {} (seq {}) granted before {} (seq {})",
+            w[0].who,
+            w[0].entry.seq,
+            w[1].who,
+            w[1].entry.seq
+        );
+    }
+}
+
+/// The client address of a master other than `not`.
+fn other_master(state: &State, not: &str) -> String {
+    dlock_testkit::redis_cluster_masters(not)
+        .expect("masters")
+        .into_iter()
+        .find(|m| m != not)
+        .unwrap_or_else(|| {
+            panic!(
+                "no master beside {not} in {}",
+                state.addrs(Server::RedisCluster)
+            )
+        })
+}
+
+/// The lock's slot moves to another master, step by step as `redis-cli --cluster
+/// reshard` moves it, while a lock is held, three waiters are queued behind it and two
+/// contenders keep taking it. First some of the slot's keys move (the source answers
+/// `TRYAGAIN` to scripts over keys it has only some of), then the rest (it answers `ASK`,
+/// and the target `TRYAGAIN`: the slot's sequence key never exists, so the target never
+/// has every key a script names), then the slot is assigned (`MOVED` for stale slot
+/// maps). dlock retries the `TRYAGAIN`s ([`Stats::slot_retries`]) and fred follows the
+/// redirections: nothing fails, the holder keeps its lock (no `lost()`), the waiters are
+/// granted in queue order, every entry once, fencing tokens keep increasing, and at most
+/// one client holds at a time. The slot then moves back the same way, under load again,
+/// so the shared cluster is left as it was found.
+///
+/// Without the `TRYAGAIN` retry in the adapter, the release, renewals and enqueues sent
+/// in the split window fail with `Unreachable` (an application's `lock()` fails).
+#[tokio::test]
+async fn slot_migration_under_load_follows_redirections_and_strands_no_waiter() {
+    init_tracing();
+    let Some(nodes) = dlock_testkit::require_redis_cluster() else {
+        return;
+    };
+    let Some(state) = dlock_testkit::require_state() else {
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    state
+        .wait_redis_cluster_ok(WAIT)
+        .expect("the cluster serves every slot");
+    // Command timeout lease/2 = 5 s: the budget of a TRYAGAIN retry, above each split
+    // window below.
+    let lease = Duration::from_secs(10);
+    let q = fresh_queue("cluster-migrate");
+    let slot = key_slot(&queue_key(&q));
+    let home = addr(
+        &state,
+        state
+            .redis_cluster_master_of(&queue_key(&q))
+            .expect("master"),
+    );
+    let away = other_master(&state, &home);
+    let load = std::sync::Arc::new(Load::default());
+
+    let holder = connect_cluster(&nodes, lease).await;
+    let held = enqueue_now(&holder, &q).await.mine;
+    load.granted("holder", &held);
+    let held_lost = holder.lost(&q, &held);
+    let mut waiters = Vec::new();
+    let mut waiter_names = Vec::new();
+    for i in 0..3 {
+        let w = connect_cluster(&nodes, lease).await;
+        let added = enqueue_now(&w, &q).await;
+        assert!(matches!(
+            decide(&added.queue, &added.mine.name),
+            Decision::Wait(_)
+        ));
+        waiter_names.push(added.mine.name.clone());
+        let (q, load) = (q.clone(), load.clone());
+        waiters.push(tokio::spawn(async move {
+            let who = format!("waiter {i}");
+            let got = take_turn(&w, &q, added, &who, Duration::from_millis(50), &load).await;
+            w.close().await.expect("close");
+            got
+        }));
+    }
+    let clients = [
+        connect_cluster(&nodes, lease).await,
+        connect_cluster(&nodes, lease).await,
+    ];
+    // Queued behind the waiters before the move starts, then again and again during it.
+    let load_tasks = contenders(&clients, &q, 4, &load);
+    let errors = |a: &str| {
+        (
+            dlock_testkit::redis_error_count(a, "TRYAGAIN"),
+            dlock_testkit::redis_error_count(a, "ASK"),
+            dlock_testkit::redis_error_count(a, "MOVED"),
+        )
+    };
+    let (home0, away0) = (errors(&home), errors(&away));
+
+    let mv = dlock_testkit::SlotMove::begin(slot, &home, &away).expect("begin the move");
+    let keys = mv.keys_left(1000).expect("keys of the slot");
+    assert!(
+        keys.len() >= 5,
+        "the holder's, the waiters' and the queue's keys: {keys:?}"
+    );
+    // Window 1: every key but the queue's sorted set on the target; the queue (and
+    // with it the order of the waiters) still on the source.
+    let first: Vec<String> = keys
+        .iter()
+        .filter(|k| **k != queue_key(&q))
+        .cloned()
+        .collect();
+    assert_eq!(first.len(), keys.len() - 1, "the queue key is in the slot");
+    mv.migrate(&first).expect("migrate all but the queue");
+    // The holder releases inside the window: its script is refused until the move ends.
+    let release = {
+        let (holder, q, held, load) = (holder.clone(), q.clone(), held.clone(), load.clone());
+        tokio::spawn(async move {
+            load.released();
+            holder
+                .remove(&q, &held)
+                .await
+                .unwrap_or_else(|e| panic!("release in the split window: {e:?}"));
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (home1, away1) = (errors(&home), errors(&away));
+    eprintln!("window 1: source (TRYAGAIN, ASK, MOVED) {home0:?} -> {home1:?}, target {away0:?} -> {away1:?}");
+    assert!(
+        home1.0 + away1.0 > home0.0 + away0.0,
+        "scripts over a split key set were refused with TRYAGAIN"
+    );
+    // Window 2: every key on the target, the slot still the source's.
+    mv.migrate_rest(2).expect("migrate the rest");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (home2, away2) = (errors(&home), errors(&away));
+    let _ = away2;
+    eprintln!("window 2: source {home1:?} -> {home2:?}, target {away1:?} -> {away2:?}");
+    assert!(
+        home2.1 > home1.1,
+        "the source answered ASK for keys it no longer had"
+    );
+    assert!(!release.is_finished(), "the release waits for the move");
+    let mut held_lost = held_lost;
+    // Released (the release under way), never lost.
+    if let Some(e) = futures::FutureExt::now_or_never(&mut held_lost) {
+        assert!(
+            matches!(e, Error::NotHeld(_)),
+            "lost() must not fire for a hold that the move keeps: {e:?}"
+        );
+    }
+    mv.assign().expect("assign the slot");
+    tokio::time::timeout(WAIT, release)
+        .await
+        .expect("the release ends after the move")
+        .expect("release task");
+    assert!(
+        eventually(WAIT, || async {
+            state.redis_cluster_master_of(&queue_key(&q)).ok() == Some(addr_id(&state, &away))
+        })
+        .await,
+        "the slot is served by {away}"
+    );
+    let mut granted = Vec::new();
+    for w in waiters {
+        granted.push(
+            tokio::time::timeout(WAIT, w)
+                .await
+                .expect("no waiter stranded")
+                .expect("waiter task"),
+        );
+    }
+    for t in load_tasks {
+        tokio::time::timeout(WAIT, t)
+            .await
+            .expect("the contenders finish")
+            .expect("contender task");
+    }
+    assert!(
+        errors(&home).2 > home0.2,
+        "clients with the old slot map were MOVED"
+    );
+    let retries: u64 =
+        clients.iter().map(|c| c.stats().slot_retries).sum::<u64>() + holder.stats().slot_retries;
+    assert!(retries > 0, "dlock retried the TRYAGAINs");
+    for c in clients.iter().chain([&holder]) {
+        assert_eq!(c.stats().lost, 0, "no hold was lost");
+    }
+    let grants = load.grants();
+    assert_eq!(
+        grants[1..4]
+            .iter()
+            .map(|g| g.entry.name.clone())
+            .collect::<Vec<_>>(),
+        waiter_names,
+        "the waiters queued before the move are granted next, in queue order"
+    );
+    assert_eq!(
+        granted.iter().map(|e| e.name.clone()).collect::<Vec<_>>(),
+        waiter_names
+    );
+    check_grants(&grants, 1 + 3 + 2 * 4);
+    assert!(
+        holder
+            .participants(&q)
+            .await
+            .expect("participants")
+            .is_empty(),
+        "nothing left in the queue"
+    );
+
+    // Back home, under load again, in one go (a `reshard` of one slot).
+    let last = grants.last().expect("grants").entry.token;
+    let load = std::sync::Arc::new(Load::default());
+    let load_tasks = contenders(&clients, &q, 4, &load);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let back = dlock_testkit::SlotMove::begin(slot, &away, &home).expect("begin the move back");
+    back.finish(10).expect("move back");
+    for t in load_tasks {
+        tokio::time::timeout(WAIT, t)
+            .await
+            .expect("the contenders finish")
+            .expect("contender task");
+    }
+    let grants = load.grants();
+    check_grants(&grants, 2 * 4);
+    assert!(
+        grants[0].entry.token > last,
+        "tokens increase across both moves"
+    );
+    state
+        .wait_redis_cluster_ok(WAIT)
+        .expect("the cluster is whole again");
+    assert_eq!(
+        state.redis_cluster_master_of(&queue_key(&q)).ok(),
+        Some(addr_id(&state, &home)),
+        "the slot is back home"
+    );
+    for c in clients {
+        c.close().await.expect("close");
+    }
+    holder.close().await.expect("close");
+}
+
+/// The id of the shared cluster's node at `a`.
+fn addr_id(state: &State, a: &str) -> u32 {
+    state
+        .servers_of(Server::RedisCluster)
+        .find(|s| s.addr == a)
+        .map(|s| s.id)
+        .unwrap_or_else(|| panic!("{a} is not a node of the shared cluster"))
+}
+
+/// A seventh Redis Cluster node for [`node_added_and_removed_under_load`], on two ports
+/// the system picked free just before (a client port and a cluster bus port; a fixed port
+/// may be some connection's ephemeral port), killed by its own PID on drop.
+struct ExtraNode {
+    addr: String,
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl ExtraNode {
+    fn start(offset: u16) -> ExtraNode {
+        let free_port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port()
+        };
+        for _ in 0..5 {
+            let (port, bus) = (free_port(), free_port());
+            if port == bus {
+                continue;
+            }
+            let dir = std::env::temp_dir()
+                .join(format!("dlock-cluster-extra-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("node dir");
+            let mut argv = dlock_testkit::redis_cluster_argv(7, offset, &dir);
+            let at = |argv: &[String], flag: &str| {
+                argv.iter()
+                    .position(|a| a == flag)
+                    .unwrap_or_else(|| panic!("{flag} in {argv:?}"))
+                    + 1
+            };
+            let p = at(&argv, "--port");
+            argv[p] = port.to_string();
+            let b = at(&argv, "--cluster-port");
+            argv[b] = bus.to_string();
+            let child = std::process::Command::new(&argv[0])
+                .args(&argv[1..])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("spawn redis-server");
+            let mut node = ExtraNode {
+                addr: format!("127.0.0.1:{port}"),
+                child,
+                dir,
+            };
+            let deadline = Instant::now() + WAIT;
+            loop {
+                if dlock_testkit::redis_ping(&node.addr, Duration::from_millis(500)) {
+                    return node;
+                }
+                // Exited at once: a port was taken meanwhile; try two others.
+                if node.child.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "node {} did not start",
+                    node.addr
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        panic!("no free ports for a seventh cluster node in five tries");
+    }
+}
+
+impl Drop for ExtraNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn redis_cli_cluster(args: &[&str]) -> String {
+    let out = std::process::Command::new("redis-cli")
+        .arg("--cluster")
+        .args(args)
+        .output()
+        .expect("run redis-cli");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "redis-cli --cluster {args:?}: {text}");
+    text
+}
+
+/// A master added (`redis-cli --cluster add-node`) to a cluster of this test's own, the
+/// lock's slot moved onto it and back while a lock is held, waiters are queued and
+/// contenders keep taking it, and the node removed (`redis-cli --cluster del-node`): the
+/// clients find the new node through `MOVED` and forget it after, nothing fails, every
+/// queued waiter is granted in queue order, every entry once, fencing tokens keep
+/// increasing, at most one holder at a time; the lock works after the node is gone.
+#[tokio::test]
+async fn node_added_and_removed_under_load() {
+    init_tracing();
+    if dlock_testkit::require_redis_cluster().is_none() {
+        return;
+    }
+    let _turn = SERIAL.lock().await;
+    // Its own cluster: a failure half way must not leave the shared one with a seventh
+    // node or a slot on it.
+    let base = std::env::var("DLOCK_PORT_OFFSET")
+        .ok()
+        .and_then(|v| v.parse::<u16>().ok())
+        .map_or(20_050, |o| o + 100);
+    let mut spec = dlock_testkit::ClusterSpec {
+        zk: 0,
+        etcd: 0,
+        redis: 0,
+        sentinel_replicas: 0,
+        redis_cluster: true,
+        state_path: Some(dlock_testkit::scratch_state_path("cluster-add-node")),
+        ..dlock_testkit::ClusterSpec::default()
+    };
+    let cluster = tokio::task::spawn_blocking(move || {
+        let c = dlock_testkit::Cluster::start_at_free_offset(
+            &mut spec,
+            (0..100u16).map(|k| base + k * 150),
+        );
+        (c, spec.port_offset)
+    })
+    .await
+    .expect("start task");
+    let (cluster, offset) = (cluster.0.expect("a cluster of our own"), cluster.1);
+    let state = cluster.state();
+    let nodes = state.addrs(Server::RedisCluster);
+    let lease = Duration::from_secs(10);
+    let q = fresh_queue("cluster-add-node");
+    let slot = key_slot(&queue_key(&q));
+    let home = addr(
+        state,
+        state
+            .redis_cluster_master_of(&queue_key(&q))
+            .expect("master"),
+    );
+
+    let extra = ExtraNode::start(offset);
+    let seed = addr(state, 1);
+    redis_cli_cluster(&["add-node", &extra.addr, &seed]);
+    assert!(
+        eventually(WAIT, || async {
+            state.servers_of(Server::RedisCluster).all(|s| {
+                dlock_testkit::redis_cluster_masters(&s.addr).is_ok_and(|m| m.contains(&extra.addr))
+            })
+        })
+        .await,
+        "every node knows the new master"
+    );
+    // Until it has heard who serves every slot it answers CLUSTERDOWN, the RESTOREs of a
+    // migration included.
+    assert!(
+        eventually(WAIT, || async {
+            redis_query(&extra.addr, &["CLUSTER", "INFO"], Duration::from_secs(1))
+                .is_some_and(|i| i.contains("cluster_state:ok"))
+        })
+        .await,
+        "the new master sees the cluster ok"
+    );
+
+    // A hold, two waiters and two contenders; the slot moves onto the new node.
+    let load = std::sync::Arc::new(Load::default());
+    let holder = connect_cluster(&nodes, lease).await;
+    let held = enqueue_now(&holder, &q).await.mine;
+    load.granted("holder", &held);
+    let mut waiters = Vec::new();
+    let mut waiter_names = Vec::new();
+    for i in 0..2 {
+        let w = connect_cluster(&nodes, lease).await;
+        let added = enqueue_now(&w, &q).await;
+        waiter_names.push(added.mine.name.clone());
+        let (q, load) = (q.clone(), load.clone());
+        waiters.push(tokio::spawn(async move {
+            let who = format!("waiter {i}");
+            take_turn(&w, &q, added, &who, Duration::from_millis(50), &load).await;
+            w.close().await.expect("close");
+        }));
+    }
+    let clients = [
+        connect_cluster(&nodes, lease).await,
+        connect_cluster(&nodes, lease).await,
+    ];
+    let load_tasks = contenders(&clients, &q, 4, &load);
+    let to_new = dlock_testkit::SlotMove::begin(slot, &home, &extra.addr).expect("begin");
+    let keys = to_new.keys_left(1000).expect("keys");
+    to_new
+        .migrate(&keys[..keys.len() / 2])
+        .expect("migrate half");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    to_new.finish(2).expect("finish the move");
+    assert!(
+        eventually(WAIT, || async {
+            redis_query(
+                &extra.addr,
+                &["EXISTS", &queue_key(&q)],
+                Duration::from_secs(1),
+            )
+            .as_deref()
+                == Some("1")
+        })
+        .await,
+        "the lock's queue is on the new node"
+    );
+    // The holder, still holding on the new node, releases there.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    load.released();
+    holder
+        .remove(&q, &held)
+        .await
+        .expect("release on the new node");
+    for w in waiters {
+        tokio::time::timeout(WAIT, w)
+            .await
+            .expect("no waiter stranded")
+            .expect("waiter task");
+    }
+    // Away again, under load, then the node is removed.
+    let to_old = dlock_testkit::SlotMove::begin(slot, &extra.addr, &home).expect("begin back");
+    to_old.finish(2).expect("move back");
+    for t in load_tasks {
+        tokio::time::timeout(WAIT, t)
+            .await
+            .expect("the contenders finish")
+            .expect("contender task");
+    }
+    let grants = load.grants();
+    assert_eq!(
+        grants[1..3]
+            .iter()
+            .map(|g| g.entry.name.clone())
+            .collect::<Vec<_>>(),
+        waiter_names,
+        "the waiters are granted next, in queue order"
+    );
+    check_grants(&grants, 1 + 2 + 2 * 4);
+    let extra_id = dlock_testkit::redis_cluster_node_id(&extra.addr).expect("node id");
+    redis_cli_cluster(&["del-node", &seed, &extra_id]);
+    assert!(
+        eventually(WAIT, || async {
+            state.servers_of(Server::RedisCluster).all(|s| {
+                dlock_testkit::redis_cluster_masters(&s.addr)
+                    .is_ok_and(|m| !m.contains(&extra.addr))
+            })
+        })
+        .await,
+        "every node forgot the removed master"
+    );
+    state
+        .wait_redis_cluster_ok(WAIT)
+        .expect("the cluster serves every slot");
+    // The lock still works, with a larger token, from a client that saw the node come
+    // and go.
+    let last = grants.last().expect("grants").entry.token;
+    let again = enqueue_now(&clients[0], &q).await;
+    assert_eq!(decide(&again.queue, &again.mine.name), Decision::Acquired);
+    assert!(again.mine.token > last);
+    clients[0].remove(&q, &again.mine).await.expect("release");
+    assert!(clients[0]
+        .participants(&q)
+        .await
+        .expect("participants")
+        .is_empty());
+    for c in clients {
+        assert_eq!(c.stats().lost, 0, "no hold was lost");
+        c.close().await.expect("close");
+    }
+    holder.close().await.expect("close");
+    drop(extra);
+    tokio::task::spawn_blocking(move || cluster.down())
+        .await
+        .expect("down task")
+        .expect("cluster down");
+}

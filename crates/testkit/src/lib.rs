@@ -125,6 +125,8 @@ pub use probe::{
     etcd_healthy, etcd_healthy_over, redis_ping, redis_ping_over, redis_query, redis_query_over,
     tls_handshake, zk_mode, zk_mode_over, ZkMode,
 };
-pub use redis_cluster::key_slot;
+pub use redis_cluster::{
+    key_slot, redis_cluster_masters, redis_cluster_node_id, redis_error_count, SlotMove,
+};
 pub use service::LockService;
 pub use state::{default_state_path, Backend, Server, State};

@@ -80,6 +80,192 @@ pub fn key_slot(key: &str) -> u16 {
     crc % 16384
 }
 
+/// One slot moved from one master to another the way `redis-cli --cluster reshard` moves
+/// it, one step at a time, so that a test can act between the steps: [`SlotMove::begin`]
+/// (`CLUSTER SETSLOT <slot> IMPORTING` on the target, then `MIGRATING` on the source),
+/// [`SlotMove::migrate`] (`MIGRATE ... KEYS` of chosen keys, which leaves the slot's keys
+/// split between the two nodes: the source answers `ASK` for a key it no longer has and
+/// `TRYAGAIN` for a multi-key command over keys it has only some of), and
+/// [`SlotMove::finish`] (the rest of the keys, then `SETSLOT <slot> NODE <target>` on the
+/// target, the source and every other master).
+///
+/// Dropped before [`SlotMove::assign`] (a failing test), it finishes the move, so that a
+/// shared cluster is not left with a slot half moved.
+#[derive(Debug)]
+pub struct SlotMove {
+    /// The slot being moved.
+    pub slot: u16,
+    /// `ip:port` of the master that served the slot.
+    pub from: String,
+    /// `ip:port` of the master that will.
+    pub to: String,
+    from_id: String,
+    to_id: String,
+    assigned: std::sync::atomic::AtomicBool,
+}
+
+/// One cluster node's answer to `args`, or an error naming the command and the reply.
+fn cluster_cmd(addr: &str, args: &[&str]) -> Result<String> {
+    let reply = crate::redis_query(addr, args, Duration::from_secs(10));
+    match reply {
+        Some(r) if !r.starts_with('-') => Ok(r),
+        other => Err(Error::Command {
+            command: format!("{addr}: {}", args.join(" ")),
+            detail: other.unwrap_or_else(|| "no answer".into()),
+        }),
+    }
+}
+
+/// The cluster node id of the node at `addr` (`CLUSTER MYID`).
+pub fn redis_cluster_node_id(addr: &str) -> Result<String> {
+    cluster_cmd(addr, &["CLUSTER", "MYID"]).map(|r| r.trim().to_owned())
+}
+
+/// The client addresses of the masters (not flagged failing) that the node at `addr` knows.
+pub fn redis_cluster_masters(addr: &str) -> Result<Vec<String>> {
+    let nodes = cluster_cmd(addr, &["CLUSTER", "NODES"])?;
+    Ok(parse_nodes(&nodes)
+        .into_iter()
+        .filter(|n| n.master && !n.failing)
+        .map(|n| n.addr)
+        .collect())
+}
+
+impl SlotMove {
+    /// Marks `slot` importing on `to` and migrating on `from`, in that order (as
+    /// redis-cli does: a source that answers `ASK` before the target accepts `ASKING`
+    /// would send clients to a node that refuses them).
+    pub fn begin(slot: u16, from: &str, to: &str) -> Result<SlotMove> {
+        let m = SlotMove {
+            slot,
+            from: from.to_owned(),
+            to: to.to_owned(),
+            from_id: redis_cluster_node_id(from)?,
+            to_id: redis_cluster_node_id(to)?,
+            assigned: false.into(),
+        };
+        let s = slot.to_string();
+        cluster_cmd(to, &["CLUSTER", "SETSLOT", &s, "IMPORTING", &m.from_id])?;
+        cluster_cmd(from, &["CLUSTER", "SETSLOT", &s, "MIGRATING", &m.to_id])?;
+        Ok(m)
+    }
+
+    /// Up to `n` keys of the slot still on the source (`CLUSTER GETKEYSINSLOT`).
+    pub fn keys_left(&self, n: usize) -> Result<Vec<String>> {
+        let r = cluster_cmd(
+            &self.from,
+            &[
+                "CLUSTER",
+                "GETKEYSINSLOT",
+                &self.slot.to_string(),
+                &n.to_string(),
+            ],
+        )?;
+        Ok(r.lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// Moves `keys` (of this slot) to the target in one `MIGRATE ... KEYS` (atomic per
+    /// key: a key is on one node or the other, with its TTL). A key already gone (moved
+    /// or expired) is skipped by the server.
+    pub fn migrate(&self, keys: &[String]) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let (host, port) = self.to.rsplit_once(':').ok_or_else(|| Error::Command {
+            command: "MIGRATE".into(),
+            detail: format!("bad target address {}", self.to),
+        })?;
+        let mut args = vec!["MIGRATE", host, port, "", "0", "5000", "KEYS"];
+        args.extend(keys.iter().map(String::as_str));
+        let r = cluster_cmd(&self.from, &args)?;
+        if r != "OK" && r != "NOKEY" {
+            return Err(Error::Command {
+                command: format!("{}: MIGRATE {} keys", self.from, keys.len()),
+                detail: r,
+            });
+        }
+        Ok(())
+    }
+
+    /// Migrates every key left, `batch` at a time (`redis-cli`'s `--cluster-pipeline`);
+    /// returns how many it moved. The slot stays migrating: the source now answers `ASK`
+    /// for every key of it, until [`SlotMove::assign`].
+    pub fn migrate_rest(&self, batch: usize) -> Result<usize> {
+        let mut moved = 0;
+        loop {
+            let keys = self.keys_left(batch)?;
+            if keys.is_empty() {
+                return Ok(moved);
+            }
+            moved += keys.len();
+            self.migrate(&keys)?;
+        }
+    }
+
+    /// Assigns the slot to the target: `SETSLOT NODE` on the target first, then the
+    /// source, then every other master the target knows, as redis-cli does. From here the
+    /// source answers `MOVED` for the slot.
+    pub fn assign(&self) -> Result<()> {
+        let s = self.slot.to_string();
+        let node = [
+            "CLUSTER",
+            "SETSLOT",
+            s.as_str(),
+            "NODE",
+            self.to_id.as_str(),
+        ];
+        cluster_cmd(&self.to, &node)?;
+        self.assigned
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        cluster_cmd(&self.from, &node)?;
+        for m in redis_cluster_masters(&self.to)? {
+            if m != self.to && m != self.from {
+                cluster_cmd(&m, &node)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`SlotMove::migrate_rest`], then [`SlotMove::assign`]: the rest of the move in one
+    /// go. Returns how many keys it moved.
+    pub fn finish(&self, batch: usize) -> Result<usize> {
+        let moved = self.migrate_rest(batch)?;
+        self.assign()?;
+        Ok(moved)
+    }
+}
+
+impl Drop for SlotMove {
+    fn drop(&mut self) {
+        if !self.assigned.load(std::sync::atomic::Ordering::SeqCst) {
+            if let Err(e) = self.finish(100) {
+                eprintln!(
+                    "dlock-testkit: finishing the move of slot {}: {e}",
+                    self.slot
+                );
+            }
+        }
+    }
+}
+
+/// The number of `kind` error replies (`ASK`, `MOVED`, `TRYAGAIN`, ...) the node at `addr`
+/// has sent since it started (`INFO errorstats`).
+pub fn redis_error_count(addr: &str, kind: &str) -> u64 {
+    let field = format!("errorstat_{kind}:count=");
+    crate::redis_query(addr, &["INFO", "errorstats"], Duration::from_secs(5))
+        .and_then(|i| {
+            i.lines().find_map(|l| {
+                l.strip_prefix(field.as_str())
+                    .and_then(|v| v.split(',').next())
+                    .and_then(|v| v.trim().parse().ok())
+            })
+        })
+        .unwrap_or(0)
+}
+
 impl State {
     /// Forms the Redis Cluster from its started nodes (`redis-cli --cluster create ...
     /// --cluster-replicas 1 --cluster-yes`: three masters, each with one replica), then

@@ -28,6 +28,8 @@ mod listing;
 mod own_client;
 mod recipes;
 #[cfg(feature = "redis")]
+mod redis_cluster;
+#[cfg(feature = "redis")]
 mod redis_faults;
 mod reentry;
 mod removal;
@@ -247,6 +249,15 @@ mod etcd_lost_enqueue_reply_leaves_one_raw_candidate {
 }
 mod etcd_leader_kill_keeps_the_lock {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);
+}
+
+/// A multi-lock over names on three Redis Cluster masters.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_multilock_spans_masters() {
+    if let Some(url) = crate::support::url(crate::support::Kind::RedisCluster) {
+        crate::redis_cluster::multilock_spans_masters(&url).await;
+    }
 }
 
 /// Server-side faults on a 3-node cluster: they stop servers, so they run alone.
