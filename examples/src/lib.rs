@@ -64,7 +64,10 @@ pub fn compiled_in(url: &str) -> Result<bool, dlock::Error> {
     Ok(match BackendUrl::parse(url)?.servers {
         Servers::ZooKeeper { .. } => zookeeper,
         Servers::Etcd { .. } => etcd,
-        Servers::Redis { .. } | Servers::Redlock { .. } | Servers::RedisSentinel { .. } => redis,
+        Servers::Redis { .. }
+        | Servers::Redlock { .. }
+        | Servers::RedisSentinel { .. }
+        | Servers::RedisCluster { .. } => redis,
         _ => false,
     })
 }

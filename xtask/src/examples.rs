@@ -1,4 +1,5 @@
-//! `cargo xtask examples`: every example of `examples/` once, on every backend URL.
+//! `cargo xtask examples`: every example of `examples/` once, on every backend URL (a
+//! Redis Cluster's `redis+cluster://` included).
 //!
 //! Each example asserts its own invariant and exits 0 when it holds, 1 when it is broken,
 //! 77 when this build of the examples has no feature for the URL's backend (skipped), or
@@ -40,7 +41,7 @@ pub(crate) fn run(root: &Path, args: &ExamplesArgs) -> anyhow::Result<i32> {
             etcd: 1,
             redis: 1,
             sentinel_replicas: 0,
-            redis_cluster: false,
+            redis_cluster: true,
             port_offset: args.offset.value,
             state_path: Some(
                 crate::target_dir(root)
@@ -54,7 +55,7 @@ pub(crate) fn run(root: &Path, args: &ExamplesArgs) -> anyhow::Result<i32> {
         let from = spec.port_offset;
         let cluster =
             crate::cluster::start_with_progress(&mut spec, crate::cluster::fallback_offsets(from))?;
-        let tally = run_with(root, &cluster.endpoints().urls());
+        let tally = run_with(root, &example_urls(&cluster.endpoints()));
         cluster.down().context("tearing the cluster down")?;
         tally?
     } else {
@@ -65,6 +66,14 @@ pub(crate) fn run(root: &Path, args: &ExamplesArgs) -> anyhow::Result<i32> {
     } else {
         1
     })
+}
+
+/// The URLs the examples run on: every backend's, and the Redis Cluster's when there is
+/// one ([`dlock_testkit::Endpoints::urls`] leaves it out, as it does the Sentinel group).
+pub(crate) fn example_urls(endpoints: &dlock_testkit::Endpoints) -> Vec<String> {
+    let mut urls = endpoints.urls();
+    urls.extend(endpoints.cluster_url());
+    urls
 }
 
 /// Builds the examples and the CLI, runs each example on each URL, prints a summary line.

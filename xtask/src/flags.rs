@@ -189,6 +189,10 @@ pub(crate) struct BenchArgs {
     /// Also run the scale checks (S1 waiters, S2 held locks).
     #[arg(long)]
     pub(crate) scale: bool,
+    /// Also start a six-node Redis Cluster and run `dlock-redis-cluster` on it (without
+    /// --peers).
+    #[arg(long)]
+    pub(crate) redis_cluster: bool,
     /// W6, leader failover: SIGKILL the leader this many times per backend, and the same
     /// for `etcdctl elect` and Curator's `LeaderLatch` (when etcdctl, javac and the
     /// Curator jars are installed). 0 leaves W6 out.
@@ -265,8 +269,8 @@ pub(crate) struct SimArgs {
 
 #[derive(Debug, Args)]
 pub(crate) struct ChaosArgs {
-    /// Backends to run (zk, etcd, redis, redlock; repeat or comma-separate). Default: all
-    /// this build of dlock supports.
+    /// Backends to run (zk, etcd, redis, redlock, redis-sentinel, redis-cluster; repeat or
+    /// comma-separate). Default: all this build of dlock supports.
     #[arg(long = "backend", value_delimiter = ',')]
     pub(crate) backends: Vec<String>,
     /// Scenarios to run (repeat or comma-separate). Default: all. See `--list`.

@@ -97,7 +97,8 @@ pub(crate) fn run_with(
             // The examples assert their own invariants; run them once per backend, in the
             // same cluster, once the tests are green.
             if counts.exit_code == 0 && counts.failed == 0 {
-                let ex = crate::examples::run_with(root, &endpoints.urls())?;
+                let ex =
+                    crate::examples::run_with(root, &crate::examples::example_urls(&endpoints))?;
                 counts.passed += ex.passed;
                 counts.failed += ex.failed;
                 counts.ignored += ex.skipped;

@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Every backend flag may be omitted. Peers: `dlock-zk`, `dlock-etcd`, `dlock-redis`,
-//! `dlock-redlock` (with `--redlock h:p,h:p,h:p`), `ceiling-zk`, `ceiling-etcd`,
+//! `dlock-redlock` (with `--redlock h:p,h:p,h:p`), `dlock-redis-cluster` (with
+//! `--redis-cluster h:p,...`, seed nodes of a Redis Cluster), `ceiling-zk`, `ceiling-etcd`,
 //! `ceiling-redis`. A backend this build of the facade leaves out prints
 //! `status=skipped`; a workload that fails prints `status=failed` and the exit code is 1.
 //!
@@ -60,6 +61,9 @@ struct Args {
     /// Independent Redis masters for Redlock, `h:p,h:p,h:p` (at least 3).
     #[arg(long)]
     redlock: Option<String>,
+    /// Seed nodes of a Redis Cluster, `h:p[,h:p...]` (`redis+cluster://`).
+    #[arg(long = "redis-cluster")]
+    redis_cluster: Option<String>,
     /// Seconds per workload.
     #[arg(long, default_value_t = 3.0)]
     duration: f64,
@@ -195,8 +199,15 @@ fn main() -> ExitCode {
         eprintln!("dlock-bench: --duration must be > 0 and --workers >= 1");
         return ExitCode::from(2);
     }
-    if args.zk.is_none() && args.etcd.is_none() && args.redis.is_none() && args.redlock.is_none() {
-        eprintln!("dlock-bench: give at least one of --zk, --etcd, --redis, --redlock");
+    if args.zk.is_none()
+        && args.etcd.is_none()
+        && args.redis.is_none()
+        && args.redlock.is_none()
+        && args.redis_cluster.is_none()
+    {
+        eprintln!(
+            "dlock-bench: give at least one of --zk, --etcd, --redis, --redlock, --redis-cluster"
+        );
         return ExitCode::from(2);
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -296,6 +307,17 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
             "Redlock needs --redlock with 3 or more independent masters",
         )),
         None => {}
+    }
+    // No ceiling and no server-operation count: both read one server, and a cluster's
+    // locks are spread over three masters.
+    if let Some(nodes) = &args.redis_cluster {
+        targets.push(Target {
+            peer: "dlock-redis-cluster",
+            url: format!("redis+cluster://{nodes}"),
+            session: Duration::from_secs(10),
+            counter: None,
+            flag: ("--redis-cluster", nodes.clone()),
+        });
     }
     for t in &targets {
         run_target(&mut sink, &args, &prefix, t, duration).await;

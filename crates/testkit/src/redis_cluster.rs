@@ -354,7 +354,12 @@ impl State {
     /// The id of the [`Backend::RedisCluster`] node that serves `key`'s slot as master,
     /// as the first live node that answers sees it.
     pub fn redis_cluster_master_of(&self, key: &str) -> Result<u32> {
-        let slot = key_slot(key);
+        self.redis_cluster_master_of_slot(key_slot(key))
+    }
+
+    /// The id of the [`Backend::RedisCluster`] node that serves `slot` as master, as the
+    /// first live node that answers sees it.
+    pub fn redis_cluster_master_of_slot(&self, slot: u16) -> Result<u32> {
         let lines = self.redis_cluster_nodes()?;
         let master = lines
             .iter()
@@ -388,6 +393,90 @@ impl State {
                 detail: "none listed".into(),
             })?;
         self.redis_cluster_id_of(&replica.addr)
+    }
+
+    /// The ids of the masters not flagged failing that serve at least one slot, as the
+    /// first live node that answers sees them, in id order.
+    pub fn redis_cluster_masters(&self) -> Result<Vec<u32>> {
+        let mut ids = self
+            .redis_cluster_nodes()?
+            .iter()
+            .filter(|n| n.master && !n.failing && !n.slots.is_empty())
+            .map(|n| self.redis_cluster_id_of(&n.addr))
+            .collect::<Result<Vec<u32>>>()?;
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    /// Moves `slot` to the master `to` while clients keep using it, the way
+    /// `redis-cli --cluster reshard` does (the steps of the `CLUSTER SETSLOT` reference):
+    /// `IMPORTING` on the target, `MIGRATING` on the source, then each key in its own
+    /// `MIGRATE` with `gap` between two (clients meanwhile get `ASK` for the moved keys,
+    /// `TRYAGAIN` for a command over keys on both sides), then `SETSLOT ... NODE` on the
+    /// target, the source and every other master. The slot stays migrating for `hold`
+    /// before the first key moves. Returns how many keys moved; fails if the slot's
+    /// master is `to` already.
+    pub fn redis_cluster_move_slot(
+        &self,
+        slot: u16,
+        to: u32,
+        hold: Duration,
+        gap: Duration,
+    ) -> Result<usize> {
+        let t = Duration::from_secs(5);
+        let from = self.redis_cluster_master_of_slot(slot)?;
+        if from == to {
+            return Err(Error::Command {
+                command: format!("move slot {slot} to node {to}"),
+                detail: "that node serves it already".into(),
+            });
+        }
+        let src = self.server(Backend::RedisCluster, from)?;
+        let dst = self.server(Backend::RedisCluster, to)?;
+        let ask = |s: &crate::state::Server, args: &[&str]| -> Result<String> {
+            let command = format!("node {} ({}): {}", s.id, s.addr, args.join(" "));
+            match s.redis_query(args, t) {
+                Some(r) if r.starts_with('-') => Err(Error::Command { command, detail: r }),
+                Some(r) => Ok(r),
+                None => Err(Error::Command {
+                    command,
+                    detail: "no answer".into(),
+                }),
+            }
+        };
+        let src_id = ask(src, &["CLUSTER", "MYID"])?;
+        let dst_id = ask(dst, &["CLUSTER", "MYID"])?;
+        let s = slot.to_string();
+        ask(dst, &["CLUSTER", "SETSLOT", &s, "IMPORTING", &src_id])?;
+        ask(src, &["CLUSTER", "SETSLOT", &s, "MIGRATING", &dst_id])?;
+        std::thread::sleep(hold);
+        let (host, port) = dst.addr.rsplit_once(':').ok_or_else(|| Error::Command {
+            command: format!("parse {}", dst.addr),
+            detail: "not host:port".into(),
+        })?;
+        let mut moved = 0;
+        loop {
+            let keys = ask(src, &["CLUSTER", "GETKEYSINSLOT", &s, "100"])?;
+            let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+            if keys.is_empty() {
+                break;
+            }
+            for k in keys {
+                // `NOKEY`: it expired meanwhile.
+                ask(src, &["MIGRATE", host, port, "", "0", "5000", "KEYS", k])?;
+                moved += 1;
+                std::thread::sleep(gap);
+            }
+        }
+        ask(dst, &["CLUSTER", "SETSLOT", &s, "NODE", &dst_id])?;
+        ask(src, &["CLUSTER", "SETSLOT", &s, "NODE", &dst_id])?;
+        for other in self.redis_cluster_masters()? {
+            if other != from && other != to {
+                let o = self.server(Backend::RedisCluster, other)?;
+                ask(o, &["CLUSTER", "SETSLOT", &s, "NODE", &dst_id])?;
+            }
+        }
+        Ok(moved)
     }
 
     /// `CLUSTER NODES` of the first live node that answers, parsed.

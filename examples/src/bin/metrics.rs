@@ -118,6 +118,7 @@ async fn scenario(url: String, args: Args) -> Result<Report, dlock::Error> {
         dlock::Servers::ZooKeeper { .. } => "zk",
         dlock::Servers::Etcd { .. } => "etcd",
         dlock::Servers::Redlock { .. } => "redlock",
+        dlock::Servers::RedisCluster { .. } => "redis-cluster",
         _ => "redis",
     };
     let at = |outcome: &str| {

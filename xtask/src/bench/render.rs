@@ -113,6 +113,7 @@ const BACKENDS: &[BackendRow] = &[
         &[("ceiling-redis", "W0-redis-setnx-evalsha")],
     ),
     ("Redlock", "dlock-redlock", &["rslock"], &[]),
+    ("Redis Cluster", "dlock-redis-cluster", &[], &[]),
 ];
 
 const WORKLOADS: &[&str] = &["W1", "W2", "W3", "W4", "W5"];
@@ -283,6 +284,7 @@ const FAILOVER_ROWS: &[(&str, &str)] = &[
     ("etcd", "etcdctl-elect"),
     ("Redis", "dlock-redis"),
     ("Redlock", "dlock-redlock"),
+    ("Redis Cluster", "dlock-redis-cluster"),
 ];
 
 /// The W6 table: SIGKILL of the leader to the next leader's announcement; empty when W6

@@ -79,7 +79,8 @@ fn run_collect(
     Ok((lines, status.success()))
 }
 
-/// Our own servers: ZooKeeper 1, etcd 1, Redis 5 (Redlock), dlock-bench and redis-benchmark.
+/// Our own servers: ZooKeeper 1, etcd 1, Redis 5 (Redlock), with `--redis-cluster` a
+/// six-node Redis Cluster; dlock-bench and redis-benchmark.
 pub(super) fn run_own(
     root: &Path,
     args: &BenchArgs,
@@ -90,6 +91,7 @@ pub(super) fn run_own(
         zk: 1,
         etcd: 1,
         redis: 5,
+        redis_cluster: args.redis_cluster,
         ..ClusterSpec::default()
     };
     let base = args.port_offset;
@@ -130,6 +132,7 @@ pub(super) fn run_own(
             ("--etcd", &e.etcd),
             ("--redis", &e.redis),
             ("--redlock", &e.redlock),
+            ("--redis-cluster", &e.redis_cluster),
         ] {
             if let Some(v) = v {
                 cmd.args([flag, v]);

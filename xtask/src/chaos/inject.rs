@@ -1,6 +1,7 @@
 //! Fault injection: what a round does to the holders (SIGKILL, SIGSTOP, a proxy cut) and
 //! to the servers (leader kill, pause and nftables cut, Redis restart, clock jump, replica
-//! promotion, Sentinel failover), and the waits that tell the fault took.
+//! promotion, Sentinel failover, Redis Cluster failover, master kill and slot reshard),
+//! and the waits that tell the fault took.
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -213,6 +214,15 @@ pub(super) fn inject_server(
         signal_from_us: Some(t),
         paused: false,
         measure_margin: recipe != Recipe::Semaphore,
+    };
+    // A fault that loses nothing (a manual failover, a slot moved): the holder keeps its
+    // hold, so no lost signal is expected, and its own later sections are no recovery.
+    let kept = |t: u64| Fault {
+        at_us: t,
+        victim: Some(victim),
+        signal_from_us: None,
+        paused: false,
+        measure_margin: false,
     };
     match scenario {
         Scenario::LeaderKill => {
@@ -435,8 +445,103 @@ pub(super) fn inject_server(
             recovered?;
             Ok(under_victim(t))
         }
+        Scenario::ClusterFailover => {
+            let slot = lock_slot(anchor)?;
+            let master = cluster.redis_cluster_master_of_slot(slot)?;
+            let replica = cluster.redis_cluster_replica_of(master)?;
+            let r_addr = cluster.server(Backend::RedisCluster, replica)?.addr.clone();
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            // Without FORCE: the master stops its clients until the replica has caught
+            // up, so nothing acknowledged is lost and the holder keeps its hold.
+            redis_cli(&r_addr, &["CLUSTER", "FAILOVER"])?;
+            wait_for(&format!("node {replica} serving slot {slot}"), WAIT, || {
+                Ok(cluster.redis_cluster_master_of_slot(slot).ok() == Some(replica))
+            })?;
+            eprintln!(
+                "  CLUSTER FAILOVER on node {replica} (replica of node {master}, slot {slot}) under worker {victim}: master after {} ms",
+                (now_us() - t) / 1000
+            );
+            wait_all_recovered(groups, victim, t, "another holder after the failover")?;
+            cluster.wait_redis_cluster_ok(WAIT)?;
+            Ok(kept(t))
+        }
+        Scenario::MasterKill => {
+            let slot = lock_slot(anchor)?;
+            let master = cluster.redis_cluster_master_of_slot(slot)?;
+            let replica = cluster.redis_cluster_replica_of(master)?;
+            let m_addr = cluster.server(Backend::RedisCluster, master)?.addr.clone();
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            cluster.kill(Backend::RedisCluster, master)?;
+            wait_for(
+                &format!("node {replica} promoted for slot {slot}"),
+                WAIT,
+                || Ok(cluster.redis_cluster_master_of_slot(slot).ok() == Some(replica)),
+            )?;
+            eprintln!(
+                "  killed master node {master} (slot {slot}) under worker {victim}; its replica node {replica} promoted after {} ms",
+                (now_us() - t) / 1000
+            );
+            let recovered =
+                wait_all_recovered(groups, victim, t, "another holder after the promotion");
+            // Back from its nodes.conf, as a replica of the promoted node: the cluster
+            // whole again before the next fault.
+            cluster.restart(Backend::RedisCluster, master)?;
+            wait_for(&format!("node {master} back as a replica"), WAIT, || {
+                Ok(redis_cli(&m_addr, &["ROLE"]).is_ok_and(|r| r.lines().next() == Some("slave")))
+            })?;
+            cluster.wait_redis_cluster_ok(WAIT)?;
+            recovered?;
+            Ok(under_victim(t))
+        }
+        Scenario::SlotReshard => {
+            let slot = lock_slot(anchor)?;
+            let from = cluster.redis_cluster_master_of_slot(slot)?;
+            let others: Vec<u32> = cluster
+                .redis_cluster_masters()?
+                .into_iter()
+                .filter(|m| *m != from)
+                .collect();
+            if others.is_empty() {
+                bail!("no other master to move slot {slot} to");
+            }
+            let to = others[rng.gen_range(0..others.len())];
+            // How long the slot stays migrating before its first key moves: new entries
+            // meanwhile get TRYAGAIN (their keys would straddle the two nodes).
+            let hold = Duration::from_millis(rng.gen_range(300..1500));
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            let moved =
+                cluster.redis_cluster_move_slot(slot, to, hold, Duration::from_millis(20))?;
+            if moved == 0 {
+                bail!(
+                    "slot {slot} held no key of {}: not the lock's slot",
+                    anchor.name
+                );
+            }
+            eprintln!(
+                "  moved slot {slot} ({moved} keys) from node {from} to node {to} under worker {victim} in {} ms (migrating {hold:.1?} before the first key)",
+                (now_us() - t) / 1000
+            );
+            wait_all_recovered(groups, victim, t, "another holder after the reshard")?;
+            cluster.wait_redis_cluster_ok(WAIT)?;
+            Ok(kept(t))
+        }
         other => bail!("{} is not a server fault", other.label()),
     }
+}
+
+/// The Redis Cluster slot of `g`'s lock (of its first part, for a multi-lock): every key
+/// of a lock carries the hash tag `{<name>}`, the queue key is `dlock:{<name>}:q`.
+fn lock_slot(g: &Group) -> anyhow::Result<u16> {
+    let name = g
+        .recipe
+        .names(&g.name)
+        .into_iter()
+        .next()
+        .context("a lock name")?;
+    Ok(dlock_testkit::key_slot(&format!("dlock:{{{name}}}:q")))
 }
 
 /// Shortens the TTL of every key by `ARGV[1]` ms (deleting those it would take past zero),

@@ -21,10 +21,13 @@ pub(crate) enum Scenario {
     ClockJump,
     ReplicaPromotion,
     SentinelFailover,
+    ClusterFailover,
+    MasterKill,
+    SlotReshard,
 }
 
 impl Scenario {
-    pub(super) const ALL: [Scenario; 11] = [
+    pub(super) const ALL: [Scenario; 14] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::ClientCut,
@@ -36,6 +39,9 @@ impl Scenario {
         Scenario::ClockJump,
         Scenario::ReplicaPromotion,
         Scenario::SentinelFailover,
+        Scenario::ClusterFailover,
+        Scenario::MasterKill,
+        Scenario::SlotReshard,
     ];
 
     pub(crate) fn label(self) -> &'static str {
@@ -51,6 +57,9 @@ impl Scenario {
             Scenario::ClockJump => "clock-jump",
             Scenario::ReplicaPromotion => "replica-promotion",
             Scenario::SentinelFailover => "sentinel-failover",
+            Scenario::ClusterFailover => "cluster-failover",
+            Scenario::MasterKill => "master-kill",
+            Scenario::SlotReshard => "slot-reshard",
         }
     }
 
@@ -87,6 +96,15 @@ impl Scenario {
             Scenario::SentinelFailover => {
                 "SIGKILL the Sentinel group's primary while a holder is inside; Sentinels promote the replica, clients follow"
             }
+            Scenario::ClusterFailover => {
+                "CLUSTER FAILOVER on the replica of the lock's master while a holder is inside (a manual failover: the replica catches up first)"
+            }
+            Scenario::MasterKill => {
+                "SIGKILL the Redis Cluster master of the lock's slot while a holder is inside; its replica is promoted, the old master rejoins as a replica"
+            }
+            Scenario::SlotReshard => {
+                "move the lock's slot to another Redis Cluster master while a holder is inside and others wait (IMPORTING/MIGRATING, one MIGRATE per key)"
+            }
         }
     }
 
@@ -109,9 +127,14 @@ impl Scenario {
             // on `redis`, and a proxy in front of the Sentinels would not cut the data
             // connection.
             Scenario::SentinelFailover => kind == Kind::RedisSentinel,
-            Scenario::HolderKill | Scenario::HolderPause | Scenario::ClientCut => {
-                kind != Kind::RedisSentinel
+            Scenario::ClusterFailover | Scenario::MasterKill | Scenario::SlotReshard => {
+                kind == Kind::RedisCluster
             }
+            Scenario::HolderKill | Scenario::HolderPause => kind != Kind::RedisSentinel,
+            // Per-holder proxies cannot cut a Redis Cluster client: it connects to the
+            // addresses the nodes announce in the slot map, not to its seeds, and a node
+            // announces one address (`cluster-announce-ip/port`) for every client.
+            Scenario::ClientCut => !matches!(kind, Kind::RedisSentinel | Kind::RedisCluster),
         }
     }
 
@@ -124,9 +147,10 @@ impl Scenario {
     }
 
     /// Whether `kind` promises mutual exclusion under this fault. One Redis server
-    /// (`redis://`, and `redis+sentinel://`, whose replication is asynchronous) does not
-    /// when it forgets its keys: a restart without persistence, a replica promoted before
-    /// it saw the lock. Redlock keeps its majority when one master of five restarts. An
+    /// (`redis://`, and `redis+sentinel://` and `redis+cluster://`, whose replication is
+    /// asynchronous) does not when it forgets its keys: a restart without persistence, a
+    /// replica promoted before it saw the lock (a Redis Cluster master killed). A manual
+    /// `CLUSTER FAILOVER` and a slot migration lose nothing, so they promise it. Redlock keeps its majority when one master of five restarts. An
     /// etcd server with etcd#15247 (before 3.4.31 / 3.5.13) does not when its leader
     /// pauses past a lease: the resumed old leader revokes leases their clients kept
     /// alive elsewhere, so a holder's entry goes before its lost signal can fire.
@@ -135,7 +159,8 @@ impl Scenario {
             (Scenario::ServerRestart, Kind::Redis)
             | (Scenario::ClockJump, Kind::Redis)
             | (Scenario::ReplicaPromotion, Kind::Redis)
-            | (Scenario::SentinelFailover, Kind::RedisSentinel) => false,
+            | (Scenario::SentinelFailover, Kind::RedisSentinel)
+            | (Scenario::MasterKill, Kind::RedisCluster) => false,
             (Scenario::LeaderPause, Kind::Etcd) => !etcd_revokes_live_leases(),
             _ => true,
         }
@@ -149,7 +174,10 @@ impl Scenario {
             | Scenario::ServerRestart
             | Scenario::ClockJump
             | Scenario::ReplicaPromotion
-            | Scenario::SentinelFailover => 2 * SESSION.as_millis() as u64,
+            | Scenario::SentinelFailover
+            | Scenario::ClusterFailover
+            | Scenario::MasterKill
+            | Scenario::SlotReshard => 2 * SESSION.as_millis() as u64,
             _ => SLOW_WORK_MS,
         }
     }
@@ -311,4 +339,63 @@ fn etcd_revokes_live_leases() -> bool {
     *AFFECTED.get_or_init(|| {
         dlock_etcd::revokes_live_leases_on_leader_resume(&dlock_testkit::etcd_version())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_cluster_gets_its_own_faults_and_no_client_cut() {
+        let on: Vec<Scenario> = Scenario::ALL
+            .into_iter()
+            .filter(|s| s.applies_to(Kind::RedisCluster))
+            .collect();
+        assert_eq!(
+            on,
+            [
+                Scenario::HolderKill,
+                Scenario::HolderPause,
+                Scenario::ClusterFailover,
+                Scenario::MasterKill,
+                Scenario::SlotReshard,
+            ]
+        );
+        for s in [
+            Scenario::ClusterFailover,
+            Scenario::MasterKill,
+            Scenario::SlotReshard,
+        ] {
+            assert!(
+                Kind::ALL
+                    .into_iter()
+                    .all(|k| s.applies_to(k) == (k == Kind::RedisCluster)),
+                "{} on Redis Cluster only",
+                s.label()
+            );
+            assert_eq!(Scenario::parse(s.label()).ok(), Some(s));
+        }
+        // A killed master's replica may have missed the hold (asynchronous replication),
+        // as with Sentinel; a manual failover and a slot move lose nothing.
+        assert!(!Scenario::MasterKill.guaranteed_on(Kind::RedisCluster));
+        assert!(!Scenario::SentinelFailover.guaranteed_on(Kind::RedisSentinel));
+        assert!(Scenario::ClusterFailover.guaranteed_on(Kind::RedisCluster));
+        assert!(Scenario::SlotReshard.guaranteed_on(Kind::RedisCluster));
+        assert!(Scenario::HolderPause.guaranteed_on(Kind::RedisCluster));
+    }
+
+    #[test]
+    fn a_short_run_of_every_backend_has_a_cluster_round() {
+        let kinds = Kind::ALL.to_vec();
+        for seed in 0..20 {
+            let rounds = plan(&kinds, &Scenario::ALL, seed, Some(kinds.len() as u32));
+            assert_eq!(rounds.len(), kinds.len());
+            let cluster: Vec<&Round> = rounds
+                .iter()
+                .filter(|r| r.kind == Kind::RedisCluster)
+                .collect();
+            assert_eq!(cluster.len(), 1, "seed {seed}: {rounds:?}");
+            assert!(cluster[0].scenario.applies_to(Kind::RedisCluster));
+        }
+    }
 }
