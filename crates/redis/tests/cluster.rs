@@ -16,6 +16,24 @@ use dlock_testkit::{key_slot, redis_query, Backend as Server, State};
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The shared cluster's seeds and state, and this test's turn on it (the tests that fail
+/// nodes over or move slots must not overlap), once it serves every slot; `None` (the
+/// test returns) outside `cargo xtask integration`.
+async fn shared_cluster() -> Option<(
+    String,
+    dlock_testkit::State,
+    tokio::sync::MutexGuard<'static, ()>,
+)> {
+    init_tracing();
+    let nodes = dlock_testkit::require_redis_cluster()?;
+    let state = dlock_testkit::require_state()?;
+    let turn = SERIAL.lock().await;
+    state
+        .wait_redis_cluster_ok(WAIT)
+        .expect("the cluster serves every slot");
+    Some((nodes, state, turn))
+}
+
 const WAIT: Duration = Duration::from_secs(60);
 
 fn seeds(nodes: &str) -> Vec<String> {
@@ -123,17 +141,9 @@ async fn replicated(state: &State, master: u32, replica: u32) {
 
 #[tokio::test]
 async fn locks_spread_over_masters_and_wake_ups_are_sharded() {
-    init_tracing();
-    let Some(nodes) = dlock_testkit::require_redis_cluster() else {
+    let Some((nodes, state, _turn)) = shared_cluster().await else {
         return;
     };
-    let Some(state) = dlock_testkit::require_state() else {
-        return;
-    };
-    let _turn = SERIAL.lock().await;
-    state
-        .wait_redis_cluster_ok(WAIT)
-        .expect("the cluster serves every slot");
     let lease = Duration::from_secs(15);
     let a = connect_cluster(&nodes, lease).await;
     let b = connect_cluster(&nodes, lease).await;
@@ -261,17 +271,9 @@ async fn bad_cluster_arguments_are_typed_errors() {
 /// waiter queued before the failover is handed the lock when the holder releases.
 #[tokio::test]
 async fn manual_failover_keeps_replicated_holds_and_wakes_waiters() {
-    init_tracing();
-    let Some(nodes) = dlock_testkit::require_redis_cluster() else {
+    let Some((nodes, state, _turn)) = shared_cluster().await else {
         return;
     };
-    let Some(state) = dlock_testkit::require_state() else {
-        return;
-    };
-    let _turn = SERIAL.lock().await;
-    state
-        .wait_redis_cluster_ok(WAIT)
-        .expect("the cluster serves every slot");
     let lease = Duration::from_secs(6);
     let probe = fresh_queue("cluster-manual-failover");
     let master = state
@@ -359,17 +361,9 @@ async fn manual_failover_keeps_replicated_holds_and_wakes_waiters() {
 /// its lock, and the old master rejoins as a replica.
 #[tokio::test]
 async fn master_kill_loses_only_unreplicated_holds_and_they_fire_lost() {
-    init_tracing();
-    let Some(nodes) = dlock_testkit::require_redis_cluster() else {
+    let Some((nodes, mut state, _turn)) = shared_cluster().await else {
         return;
     };
-    let Some(mut state) = dlock_testkit::require_state() else {
-        return;
-    };
-    let _turn = SERIAL.lock().await;
-    state
-        .wait_redis_cluster_ok(WAIT)
-        .expect("the cluster serves every slot");
     // A lease well above a failover (2 s node timeout, then the election), so a surviving
     // entry is renewed on the new master before it could expire.
     let lease = Duration::from_secs(15);
@@ -625,17 +619,9 @@ fn other_master(state: &State, not: &str) -> String {
 /// in the split window fail with `Unreachable` (an application's `lock()` fails).
 #[tokio::test]
 async fn slot_migration_under_load_follows_redirections_and_strands_no_waiter() {
-    init_tracing();
-    let Some(nodes) = dlock_testkit::require_redis_cluster() else {
+    let Some((nodes, state, _turn)) = shared_cluster().await else {
         return;
     };
-    let Some(state) = dlock_testkit::require_state() else {
-        return;
-    };
-    let _turn = SERIAL.lock().await;
-    state
-        .wait_redis_cluster_ok(WAIT)
-        .expect("the cluster serves every slot");
     // Command timeout lease/2 = 5 s: the budget of a TRYAGAIN retry, above each split
     // window below.
     let lease = Duration::from_secs(10);
