@@ -99,6 +99,11 @@ pub(crate) struct Shared {
     pub(crate) sub_ops: tokio::sync::Mutex<()>,
     /// Highest sequence seen per queue (Redlock proposals).
     pub(crate) seq_hint: Mutex<HashMap<String, u64>>,
+    /// Queue keys this client last found with another entry, and when: an enqueue on
+    /// one of them skips the uncontended fast path for [`CONTENDED_FOR`] (the attempt
+    /// would fail and cost a round trip and a script run). Advice only: either path is
+    /// correct on any queue.
+    pub(crate) contended: Mutex<HashMap<String, std::time::Instant>>,
     /// Wakes the watchdog for an immediate round (after a reconnect).
     pub(crate) wake: Arc<Notify>,
     pub(crate) closed: AtomicBool,

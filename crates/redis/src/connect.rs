@@ -322,6 +322,7 @@ impl RedisBackend {
             idle_chans: Mutex::new(Vec::new()),
             sub_ops: tokio::sync::Mutex::new(()),
             seq_hint: Mutex::new(HashMap::new()),
+            contended: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),

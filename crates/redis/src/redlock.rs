@@ -186,6 +186,28 @@ impl Shared {
         q
     }
 
+    /// Whether this client found `queue` with another entry within [`CONTENDED_FOR`].
+    fn seen_contended(&self, queue: &str) -> bool {
+        self.contended
+            .lock()
+            .get(queue)
+            .is_some_and(|at| at.elapsed() < CONTENDED_FOR)
+    }
+
+    /// Records whether `queue` had another entry. The map stays small: past 1,024 keys
+    /// the stale ones go.
+    fn note_contended(&self, queue: &str, contended: bool) {
+        let mut map = self.contended.lock();
+        if !contended {
+            map.remove(queue);
+            return;
+        }
+        if map.len() >= 1024 {
+            map.retain(|_, at| at.elapsed() < CONTENDED_FOR);
+        }
+        map.insert(queue.to_owned(), std::time::Instant::now());
+    }
+
     /// Releases an entry the fast path created; `false` when a second entry has moved
     /// it into the queue layout since, and [`Shared::remove_names`] must remove it.
     pub(crate) async fn release_solo(&self, keys: &QueueKeys, name: &str) -> Result<bool> {
@@ -214,6 +236,10 @@ impl Shared {
     }
 }
 
+/// How long an enqueue skips the uncontended fast path on a queue this client last found
+/// with another entry: while a lock stays contended, each attempt would fail.
+const CONTENDED_FOR: Duration = Duration::from_secs(1);
+
 impl RedisBackend {
     /// The uncontended fast path ([`crate::scripts`]' `ACQUIRE_SOLO`): on one master, a
     /// tail entry into a lock with no entry is taken as the lock's one key. `None` when
@@ -236,6 +262,9 @@ impl RedisBackend {
         if s.mode != Mode::Single || !matches!(at, Position::Tail) || kind == EntryKind::Candidate {
             return Ok(None);
         }
+        if s.seen_contended(&keys.queue) {
+            return Ok(None);
+        }
         let node = &s.nodes[0];
         let sent_at = Instant::now();
         let reply = node
@@ -247,6 +276,7 @@ impl RedisBackend {
             )
             .await?;
         let Some(token) = reply::solo_token(reply)? else {
+            s.note_contended(&keys.queue, true);
             return Ok(None);
         };
         let mut mine = Entry::from_name(format!("{prefix}{token:010}"))
@@ -365,6 +395,9 @@ impl RedisBackend {
                 }
                 let views = added.into_iter().map(|(_, q)| q).collect();
                 let queue = s.merge(&keys, views);
+                if s.mode == Mode::Single {
+                    s.note_contended(&keys.queue, queue.len() > 1);
+                }
                 debug!(entry = %mine.name, seq = mine.seq, token = ?mine.token, waiting = queue.len(), "entry added");
                 return Ok(Enqueued { mine, queue });
             }
