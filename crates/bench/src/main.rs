@@ -176,6 +176,18 @@ fn first_host(list: &str) -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // Off unless asked: a trace is for finding where a workload's time goes (every line
+    // carries a microsecond timestamp and the worker's span), never for a measured run.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("DLOCK_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_span_events(
+                tracing_subscriber::fmt::format::FmtSpan::NEW
+                    | tracing_subscriber::fmt::format::FmtSpan::CLOSE,
+            )
+            .with_writer(std::io::stderr)
+            .init();
+    }
     if !(args.w6_session > 0.0 && args.w6_session.is_finite()) {
         eprintln!("dlock-bench: --w6-session must be > 0");
         return ExitCode::from(2);
