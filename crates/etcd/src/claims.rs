@@ -176,6 +176,12 @@ impl EtcdBackend {
         self.local.lock().tickets.values().any(|p| p.key == key)
     }
 
+    /// Adds `ticket`'s entry to `q` (see the crate docs for the key it takes). With
+    /// `hand_on`, the same transaction also deletes that entry (a queue and an entry
+    /// this client holds), guarded by its create revision: the new entry exists only if
+    /// that one still did, and both happen in one synced write ([`Backend::enqueue_removing`]).
+    ///
+    /// [`Backend::enqueue_removing`]: dlock_core::Backend::enqueue_removing
     pub(crate) async fn enqueue_impl(
         &self,
         q: &QueuePath,
@@ -183,6 +189,7 @@ impl EtcdBackend {
         kind: EntryKind,
         at: Position<'_>,
         data: &[u8],
+        hand_on: Option<(&QueuePath, &Entry)>,
     ) -> Result<Enqueued> {
         let writer = match at {
             Position::Tail => None,
@@ -213,7 +220,29 @@ impl EtcdBackend {
                 Some((format!("{prefix}{}", w.name), rev))
             }
         };
-        let mut avoid_primary = false;
+        let hand_on = match hand_on {
+            None => None,
+            Some((gone_q, gone)) => {
+                let Some(rev) = gone.token.and_then(|t| i64::try_from(t.get()).ok()) else {
+                    return Err(Error::LockLost(format!(
+                        "the entry {} to hand on has no token",
+                        gone.name
+                    )));
+                };
+                let key = format!(
+                    "{}{}",
+                    layout::queue_prefix(&self.namespace, gone_q),
+                    gone.name
+                );
+                // Retired like a release's key (`take_claim`): no contender of this client
+                // claims it again while the delete is in flight.
+                let claim = self.take_claim(&key, gone.ticket.as_deref(), layout::lease_of(gone));
+                Some((key, rev, gone.ticket.as_deref(), claim))
+            }
+        };
+        // An entry that hands another on never takes the mutex key: a failed compare then
+        // means only "mine exists already" (an earlier attempt) or "the other is gone".
+        let mut avoid_primary = hand_on.is_some();
         let mut cleaned = false;
         // The mutex key this ticket gave up with a copy still on it (see below).
         let mut given_up: Option<Pending> = None;
@@ -259,12 +288,19 @@ impl EtcdBackend {
                 ));
                 when.push(Compare::lease(wkey.clone(), CompareOp::Equal, lease));
             }
+            let mut then = vec![TxnOp::put(key.clone(), value.clone(), Some(put))];
+            if let Some((gkey, rev, ..)) = &hand_on {
+                when.push(Compare::create_revision(
+                    gkey.clone(),
+                    CompareOp::Equal,
+                    *rev,
+                ));
+                then.push(TxnOp::delete(gkey.clone(), None));
+            }
+            then.push(TxnOp::get(prefix.clone(), Some(queue_read())));
             let txn = Txn::new()
                 .when(when)
-                .and_then([
-                    TxnOp::put(key.clone(), value.clone(), Some(put)),
-                    TxnOp::get(prefix.clone(), Some(queue_read())),
-                ])
+                .and_then(then)
                 .or_else([TxnOp::get(prefix.clone(), Some(queue_read()))]);
             // The transaction runs in its own task: a dropped enqueue cannot cancel it
             // halfway, and `abandon` waits for its answer before deleting the key. (Polling
@@ -323,6 +359,27 @@ impl EtcdBackend {
             }
             let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
             let name = &key[prefix.len()..];
+            if let Some((gkey, rev, gone_ticket, claim)) = &hand_on {
+                // Mine is there: this attempt or an earlier one with the same ticket (whose
+                // answer was lost) put it, and deleted the other in the same transaction.
+                // Mine is not: the compare on the other failed, it was gone; nothing written.
+                if !queue.iter().any(|e| e.name == name) {
+                    return Err(Error::LockLost(format!(
+                        "{gkey}: the entry created at revision {rev} to hand on is gone; nothing was written"
+                    )));
+                }
+                if *claim == Some(true) {
+                    let mut local = self.local.lock();
+                    if local.primary.get(gkey).is_some_and(String::is_empty) {
+                        local.primary.remove(gkey);
+                    }
+                }
+                if let Some(p) = self.forget(*gone_ticket, gkey) {
+                    if p.is_uncertain() {
+                        self.sweep_later(&p, gone_ticket.unwrap_or_default());
+                    }
+                }
+            }
             let Some(mut mine) = queue.iter().find(|e| e.name == name).cloned() else {
                 return Err(Error::backend(
                     format!("enqueue on {q}"),

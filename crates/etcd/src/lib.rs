@@ -12,8 +12,9 @@
 //! implementation:
 //! - `layout`: the key layout (below), pure and unit-tested;
 //! - `session`: the lease and its keep-alive task, and the lost signal;
-//! - `claims`: the key each ticket's entry takes, the enqueue transaction, and the
-//!   deletes that free a claimed key;
+//! - `claims`: the key each ticket's entry takes, the enqueue transaction (which also
+//!   deletes the entry handed on, for `enqueue_removing`: a semaphore's lease and its
+//!   internal mutex's handoff in one synced write), and the deletes that free a claimed key;
 //! - `reads`: queue reads and the revision floor no read goes back before;
 //! - `waits`: `wait_gone` and `wait_changed` on watches, and their retries;
 //! - `watches`: the one watch stream every watch of a client shares;

@@ -275,6 +275,7 @@ macro_rules! backend_contract {
             sub_queues_are_independent,
             bad_input_gets_typed_errors,
             list_queues_finds_the_queues_with_entries,
+            enqueue_removing_adds_one_and_removes_the_other,
         );
         $crate::__contract_if_claimed!(revocation in [$($cap),*] {
             $crate::__contract_capability_tests!(__contract_connect;

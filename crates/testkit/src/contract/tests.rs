@@ -736,3 +736,81 @@ pub async fn list_queues_finds_the_queues_with_entries(connect: Connect) {
     within("close", a.close()).await.expect("close");
     within("close", b.close()).await.expect("close");
 }
+
+/// `enqueue_removing` adds the new entry (with a token above the removed one's) and
+/// removes the held one, whose waiter wakes. Where the backend claims it as one atomic
+/// step ([`dlock_core::Hints::atomic_enqueue_removing`]), an entry to remove that is
+/// already gone fails it with [`Error::LockLost`] and adds nothing: the new entry exists
+/// only if the removed one still did (what the semaphore's permit count rests on).
+pub async fn enqueue_removing_adds_one_and_removes_the_other(connect: Connect) {
+    let a = session(&connect).await;
+    let b = session(&connect).await;
+    let name = fresh_name(&*a, "enqueue-removing");
+    let locks = QueuePath::sub(name.clone(), "locks");
+    let leases = QueuePath::sub(name, "leases");
+    let held = add(&*a, &locks, EntryKind::Lock, "a takes the mutex").await;
+    let next = add(&*b, &locks, EntryKind::Lock, "b queues").await;
+    let waiter = {
+        let (b, locks, ahead) = (b.clone(), locks.clone(), held.mine.clone());
+        tokio::spawn(async move { b.wait_gone(&locks, &ahead).await })
+    };
+    tokio::time::sleep(QUIET).await;
+    assert!(!waiter.is_finished(), "b woke while a holds");
+    let ticket = crate::ticket();
+    let lease = within(
+        "a takes a lease and hands the mutex on",
+        a.enqueue_removing(&leases, &ticket, EntryKind::Lease, b"p", &locks, &held.mine),
+    )
+    .await
+    .expect("enqueue_removing");
+    assert_eq!(lease.kind, EntryKind::Lease);
+    assert_eq!(lease.ticket.as_deref(), Some(ticket.as_str()));
+    assert!(
+        lease.token > held.mine.token,
+        "the lease's token above the mutex entry's"
+    );
+    within("b wakes", waiter)
+        .await
+        .expect("join")
+        .expect("wait_gone");
+    let now = within("locks", a.queue(&locks)).await.expect("locks");
+    assert_eq!(names(&now), vec![next.mine.name.as_str()]);
+    let ls = within("leases", a.queue(&leases)).await.expect("leases");
+    assert_eq!(names(&ls), vec![lease.name.as_str()]);
+    // A listing may leave tokens out (a ZooKeeper child list has none); one it has agrees.
+    assert!(ls[0].token.is_none() || ls[0].token == lease.token, "{ls:?}");
+
+    // The mutex entry is gone now: handing it on again must not take a second lease.
+    let again = crate::ticket();
+    let r = within(
+        "hand on a gone entry",
+        a.enqueue_removing(&leases, &again, EntryKind::Lease, b"p", &locks, &held.mine),
+    )
+    .await;
+    if a.hints().atomic_enqueue_removing {
+        assert!(
+            matches!(r, Err(Error::LockLost(_))),
+            "an atomic backend must refuse to hand on a gone entry, got {r:?}"
+        );
+        let ls = within("leases", a.queue(&leases)).await.expect("leases");
+        assert_eq!(names(&ls), vec![lease.name.as_str()], "nothing added");
+    } else if let Err(e) = &r {
+        // The default enqueues first; a refusal is typed and the caller abandons.
+        assert!(e.is_lost(), "a typed refusal, got {e}");
+    }
+    within("abandon", a.abandon(&leases, &again))
+        .await
+        .expect("abandon");
+    within("return the lease", a.remove(&leases, &lease))
+        .await
+        .expect("return the lease");
+    assert!(within("leases", a.queue(&leases))
+        .await
+        .expect("leases")
+        .is_empty());
+    within("b releases", b.remove(&locks, &next.mine))
+        .await
+        .expect("b releases");
+    within("close", a.close()).await.expect("close");
+    within("close", b.close()).await.expect("close");
+}
