@@ -75,14 +75,16 @@ pub(crate) fn run_with(
         etcd: 1,
         redis: 5,
         sentinel_replicas: 1,
-        redis_cluster: false,
+        // One secured Redis Cluster (TLS on client ports, bus and replication; ACL users
+        // on every node), shared by every `secure_*` test: about 3 s of start-up.
+        redis_cluster: true,
         port_offset: 0,
         state_path: Some(secure_state),
         base_dir: None,
         secure: true,
     };
     crate::header(
-        "integration: the secured servers (ZooKeeper, etcd, 5 Redis masters, a Sentinel group; TLS, users, ACLs)",
+        "integration: the secured servers (ZooKeeper, etcd, 5 Redis masters, a Sentinel group, a Redis Cluster; TLS, users, ACLs)",
     );
     let secure = crate::cluster::start_with_progress(
         &mut secure_spec,
