@@ -78,7 +78,10 @@ pub(crate) fn run_with(
         // One secured Redis Cluster (TLS on client ports, bus and replication; ACL users
         // on every node), shared by every `secure_*` test: about 3 s of start-up.
         redis_cluster: true,
-        port_offset: 0,
+        // 50 above the plain cluster's offset (every port of the two layouts differs),
+        // so the run stays within the ports of the caller's `--port-offset`; further up
+        // in steps of 100 when one is taken.
+        port_offset: spec.port_offset.saturating_add(50),
         state_path: Some(secure_state),
         base_dir: None,
         secure: true,
@@ -88,7 +91,7 @@ pub(crate) fn run_with(
     );
     let secure = crate::cluster::start_with_progress(
         &mut secure_spec,
-        (0..200u16).map(|k| 25_050 + k * 150),
+        crate::cluster::fallback_offsets(spec.port_offset.saturating_add(50)),
     )?;
     let secure_env = secure.secure_env();
     for (name, value) in &secure_env {
