@@ -22,7 +22,7 @@ pub(crate) fn run_args(root: &Path, args: ClusterArgs) -> anyhow::Result<i32> {
                 etcd: 1,
                 redis: 5,
                 sentinel: true,
-                redis_cluster: false,
+                redis_cluster: true,
                 secure: args.secure,
                 offset: args.offset,
                 state: StateArg {

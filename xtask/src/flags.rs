@@ -70,9 +70,9 @@ pub(crate) struct ClusterArgs {
     #[command(subcommand)]
     pub(crate) cmd: Option<ClusterCmd>,
     /// Start one secured server of each backend (TLS with a throwaway CA, users, access
-    /// control: ZooKeeper, etcd, five Redis masters, a Sentinel group), leave them running
-    /// and print their URLs: `cluster up --secure --redis 5 --sentinel` with the state
-    /// file `target/dlock-cluster/secure.json`.
+    /// control: ZooKeeper, etcd, five Redis masters, a Sentinel group, a Redis Cluster),
+    /// leave them running and print their URLs: `cluster up --secure --redis 5 --sentinel
+    /// --redis-cluster` with the state file `target/dlock-cluster/secure.json`.
     #[arg(long)]
     pub(crate) secure: bool,
     #[command(flatten)]
@@ -105,11 +105,13 @@ pub(crate) struct UpArgs {
     #[arg(long)]
     pub(crate) sentinel: bool,
     /// Also a Redis Cluster: six nodes, three masters with one replica each
-    /// (`redis+cluster://...`, `DLOCK_TEST_REDIS_CLUSTER`). Not with `--secure` yet.
-    #[arg(long = "redis-cluster", conflicts_with = "secure")]
+    /// (`redis+cluster://...`, `DLOCK_TEST_REDIS_CLUSTER`; with `--secure`,
+    /// `rediss+cluster://...`, `DLOCK_TEST_SECURE_REDIS_CLUSTER`).
+    #[arg(long = "redis-cluster")]
     pub(crate) redis_cluster: bool,
     /// Secured servers: TLS (a CA made for this cluster), users and access control; prints
-    /// `zks://`, `etcds://`, `rediss://`, `redlocks://` (and `rediss+sentinel://`) URLs.
+    /// `zks://`, `etcds://`, `rediss://`, `redlocks://` (and `rediss+sentinel://`,
+    /// `rediss+cluster://`) URLs.
     #[arg(long)]
     pub(crate) secure: bool,
     #[command(flatten)]
@@ -416,6 +418,10 @@ mod tests {
             })
         ));
         assert!(Cli::try_parse_from(["xtask", "cluster", "up", "--secure", "--sentinel"]).is_ok());
+        // A secured Redis Cluster: TLS on every node, ACL users on each.
+        assert!(
+            Cli::try_parse_from(["xtask", "cluster", "up", "--secure", "--redis-cluster"]).is_ok()
+        );
         assert!(Cli::try_parse_from(["xtask", "cluster", "--secure", "up"]).is_err());
     }
 }

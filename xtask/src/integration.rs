@@ -75,18 +75,23 @@ pub(crate) fn run_with(
         etcd: 1,
         redis: 5,
         sentinel_replicas: 1,
-        redis_cluster: false,
-        port_offset: 0,
+        // One secured Redis Cluster (TLS on client ports, bus and replication; ACL users
+        // on every node), shared by every `secure_*` test: about 3 s of start-up.
+        redis_cluster: true,
+        // 50 above the plain cluster's offset (every port of the two layouts differs),
+        // so the run stays within the ports of the caller's `--port-offset`; further up
+        // in steps of 100 when one is taken.
+        port_offset: spec.port_offset.saturating_add(50),
         state_path: Some(secure_state),
         base_dir: None,
         secure: true,
     };
     crate::header(
-        "integration: the secured servers (ZooKeeper, etcd, 5 Redis masters, a Sentinel group; TLS, users, ACLs)",
+        "integration: the secured servers (ZooKeeper, etcd, 5 Redis masters, a Sentinel group, a Redis Cluster; TLS, users, ACLs)",
     );
     let secure = crate::cluster::start_with_progress(
         &mut secure_spec,
-        (0..200u16).map(|k| 25_050 + k * 150),
+        crate::cluster::fallback_offsets(spec.port_offset.saturating_add(50)),
     )?;
     let secure_env = secure.secure_env();
     for (name, value) in &secure_env {

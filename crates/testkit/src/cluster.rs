@@ -47,7 +47,9 @@ pub struct ClusterSpec {
     pub sentinel_replicas: u32,
     /// Also a Redis Cluster of [`crate::CLUSTER_NODES`] nodes ([`Backend::RedisCluster`]):
     /// three masters with one replica each, formed and serving every slot before
-    /// [`Cluster::start`] returns. Not in a secured cluster.
+    /// [`Cluster::start`] returns. In a secured cluster it speaks only TLS, on its client
+    /// ports, its bus and its replication links, with the same ACL users on every node
+    /// ([`crate::secure_redis_cluster_argv`]).
     pub redis_cluster: bool,
     /// Added to every port of the default layout (see [`crate::client_port`]).
     pub port_offset: u16,
@@ -85,11 +87,6 @@ impl ClusterSpec {
                 "at most 5 ZooKeeper, 5 etcd, 10 Redis nodes and 2 Sentinel-group replicas (asked {}/{}/{}/{})",
                 self.zk, self.etcd, self.redis, self.sentinel_replicas
             )));
-        }
-        if self.redis_cluster && self.secure {
-            return Err(Error::InvalidSpec(
-                "a secured Redis Cluster is not started by the testkit yet".into(),
-            ));
         }
         if self.port_offset > MAX_PORT_OFFSET {
             return Err(Error::InvalidSpec(format!(
@@ -349,8 +346,11 @@ impl Cluster {
         if spec.redis_cluster {
             for id in 1..=crate::config::CLUSTER_NODES {
                 let dir = self.node_dir(Backend::RedisCluster, id)?;
-                let argv = crate::config::redis_cluster_argv(id, off, &dir);
-                self.spawn(Backend::RedisCluster, id, dir, argv, None)?;
+                let argv = match pki {
+                    None => crate::config::redis_cluster_argv(id, off, &dir),
+                    Some(pki) => crate::config::secure_redis_cluster_argv(id, off, &dir, pki),
+                };
+                self.spawn(Backend::RedisCluster, id, dir, argv, tls.clone())?;
             }
         }
         Ok(())

@@ -9,8 +9,8 @@ use std::path::Path;
 
 use crate::ports::{client_port, etcd_peer_port, zk_peer_ports};
 use crate::secure::{
-    redis_user_args, Pki, APP_PASSWORD, APP_USER, NOBODY_PASSWORD, NOBODY_USER,
-    REDIS_ADMIN_PASSWORD, REDIS_ADMIN_USER, SENTINEL_CLIENT_ACL,
+    redis_cluster_user_args, redis_user_args, Pki, APP_PASSWORD, APP_USER, NOBODY_PASSWORD,
+    NOBODY_USER, REDIS_ADMIN_PASSWORD, REDIS_ADMIN_USER, SENTINEL_CLIENT_ACL,
 };
 use crate::Backend;
 
@@ -353,6 +353,33 @@ pub fn redis_cluster_argv(id: u32, offset: u16, dir: &Path) -> Vec<String> {
     argv
 }
 
+/// [`redis_cluster_argv`] for a secured cluster: no plain port (`--port 0`), TLS on the
+/// client port as [`secure_redis_argv`], TLS on the cluster bus too (`--tls-cluster yes`:
+/// the nodes then announce their TLS ports in `CLUSTER SLOTS`) and for replication
+/// (`--tls-replication yes`, logged in as [`REDIS_ADMIN_USER`]: any node may become a
+/// replica), and the ACL users of [`crate::secure`] on every node (ACLs are per node, not
+/// propagated), the application's with [`REDIS_CLUSTER_CLIENT_ACL`] added.
+pub fn secure_redis_cluster_argv(id: u32, offset: u16, dir: &Path, pki: &Pki) -> Vec<String> {
+    let mut argv = redis_cluster_argv(id, offset, dir);
+    argv[2] = "0".into();
+    argv.extend(redis_tls_args(
+        client_port(Backend::RedisCluster, id, offset),
+        pki,
+    ));
+    argv.extend([
+        "--tls-cluster".into(),
+        "yes".into(),
+        "--tls-replication".into(),
+        "yes".into(),
+        "--masteruser".into(),
+        REDIS_ADMIN_USER.into(),
+        "--masterauth".into(),
+        REDIS_ADMIN_PASSWORD.into(),
+    ]);
+    argv.extend(redis_cluster_user_args());
+    argv
+}
+
 /// How many Sentinels watch the Sentinel group (quorum [`SENTINEL_QUORUM`]).
 pub const SENTINELS: u32 = 3;
 
@@ -519,6 +546,28 @@ mod tests {
         assert!(redis
             .join(" ")
             .contains("--tls-auth-clients optional --user default reset on >"));
+
+        // A cluster node: TLS on its client port, its bus and its replication, the
+        // replication login, and `CLUSTER SLOTS`/`INFO` for the client users only.
+        let node = secure_redis_cluster_argv(2, 0, Path::new("/d"), &pki);
+        assert_eq!(&node[1..3], ["--port", "0"]);
+        let joined = node.join(" ");
+        assert!(joined.contains("--tls-port 6397 "), "{joined}");
+        assert!(joined.contains("--cluster-enabled yes --cluster-port 6403 "));
+        assert!(joined.contains(
+            "--tls-cluster yes --tls-replication yes --masteruser default --masterauth admin-secret-1 "
+        ));
+        let users: Vec<&str> = joined.split("--user ").skip(1).collect();
+        assert_eq!(users.len(), 3, "{joined}");
+        assert!(!users[0].contains("+cluster|slots"), "{}", users[0]);
+        for client in &users[1..] {
+            assert!(
+                client
+                    .trim_end()
+                    .ends_with("+wait +cluster|slots +cluster|info"),
+                "{client}"
+            );
+        }
     }
 
     #[test]

@@ -82,9 +82,9 @@ mod state;
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
 pub use config::{
     etcd_argv, redis_argv, redis_cluster_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv,
-    secure_redis_ha_argv, secure_sentinel_conf, secure_zk_argv, secure_zoo_cfg, sentinel_argv,
-    sentinel_conf, zk_argv, zoo_cfg, CLUSTER_NODES, CLUSTER_NODE_TIMEOUT_MS, NETTY_CODEC_JAR,
-    SENTINELS, SENTINEL_QUORUM, SENTINEL_SERVICE, ZK_JAR,
+    secure_redis_cluster_argv, secure_redis_ha_argv, secure_sentinel_conf, secure_zk_argv,
+    secure_zoo_cfg, sentinel_argv, sentinel_conf, zk_argv, zoo_cfg, CLUSTER_NODES,
+    CLUSTER_NODE_TIMEOUT_MS, NETTY_CODEC_JAR, SENTINELS, SENTINEL_QUORUM, SENTINEL_SERVICE, ZK_JAR,
 };
 pub use env::{
     reap_scratch_clusters, require_etcd, require_redis, require_redis_cluster,

@@ -276,13 +276,31 @@ pub fn redis_error_count(addr: &str, kind: &str) -> u64 {
 impl State {
     /// Forms the Redis Cluster from its started nodes (`redis-cli --cluster create ...
     /// --cluster-replicas 1 --cluster-yes`: three masters, each with one replica), then
-    /// waits until it serves every slot ([`State::wait_redis_cluster_ok`]).
+    /// waits until it serves every slot ([`State::wait_redis_cluster_ok`]). The nodes of
+    /// a secured cluster are reached over TLS with the PKI's client certificate, as the
+    /// administrator.
     pub(crate) fn create_redis_cluster(&self, timeout: Duration) -> Result<()> {
         let addrs: Vec<String> = self
             .servers_of(Backend::RedisCluster)
             .map(|s| s.addr.clone())
             .collect();
+        let tls = self
+            .servers_of(Backend::RedisCluster)
+            .find_map(|s| s.tls.clone());
         let mut cmd = Command::new("redis-cli");
+        if let Some(dir) = tls {
+            let pki = crate::secure::Pki::in_dir(dir);
+            cmd.arg("--tls")
+                .arg("--cacert")
+                .arg(&pki.ca)
+                .arg("--cert")
+                .arg(&pki.cert)
+                .arg("--key")
+                .arg(&pki.key)
+                .args(["--user", crate::secure::REDIS_ADMIN_USER])
+                .args(["--pass", crate::secure::REDIS_ADMIN_PASSWORD])
+                .arg("--no-auth-warning");
+        }
         cmd.arg("--cluster").arg("create").args(&addrs).args([
             "--cluster-replicas",
             "1",

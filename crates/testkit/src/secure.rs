@@ -86,17 +86,41 @@ pub const REDIS_NOBODY_ACL: &str = "resetkeys resetchannels -@all +@read +@write
 /// the data nodes' credentials, so the same users exist there.)
 pub const SENTINEL_CLIENT_ACL: &str = "resetchannels &+switch-master -@all +@connection +sentinel|get-master-addr-by-name +sentinel|master +sentinel|replicas +sentinel|sentinels +subscribe +unsubscribe +role +info";
 
+/// The ACL rules a client of a Redis Cluster needs beside [`REDIS_APP_ACL`] (or
+/// [`REDIS_NOBODY_ACL`]): `CLUSTER SLOTS`, the slot map fred routes by (read at connect
+/// and after every redirection), and `CLUSTER INFO`, which fred sends on every new
+/// connection to check `cluster_state:ok` (refused, connecting fails with `NOPERM`). `ASKING`, sent before a command that follows an `ASK` redirection, is in
+/// `@connection` already. Given to both users on a cluster, so that the user without
+/// permissions connects and is refused at the lock, as on the other servers.
+pub const REDIS_CLUSTER_CLIENT_ACL: &str = "+cluster|slots +cluster|info";
+
 /// The ACL rules of [`REDIS_ADMIN_USER`].
 const REDIS_ADMIN_ACL: &str = "~* &* +@all";
 
 /// The `--user` arguments of a secured Redis: one rule per argv element (a whole rule
 /// list in one element makes Redis exit with "Spaces not allowed in ACL usernames").
 pub fn redis_user_args() -> Vec<String> {
+    user_args(None)
+}
+
+/// [`redis_user_args`] for a node of a Redis Cluster: [`APP_USER`] and [`NOBODY_USER`]
+/// also get [`REDIS_CLUSTER_CLIENT_ACL`].
+pub fn redis_cluster_user_args() -> Vec<String> {
+    user_args(Some(REDIS_CLUSTER_CLIENT_ACL))
+}
+
+/// The `--user` arguments, with `extra` rules appended for the two client users.
+fn user_args(extra: Option<&str>) -> Vec<String> {
     let mut argv = Vec::new();
-    for (user, password, rules) in [
-        (REDIS_ADMIN_USER, REDIS_ADMIN_PASSWORD, REDIS_ADMIN_ACL),
-        (APP_USER, APP_PASSWORD, REDIS_APP_ACL),
-        (NOBODY_USER, NOBODY_PASSWORD, REDIS_NOBODY_ACL),
+    for (user, password, rules, client) in [
+        (
+            REDIS_ADMIN_USER,
+            REDIS_ADMIN_PASSWORD,
+            REDIS_ADMIN_ACL,
+            false,
+        ),
+        (APP_USER, APP_PASSWORD, REDIS_APP_ACL, true),
+        (NOBODY_USER, NOBODY_PASSWORD, REDIS_NOBODY_ACL, true),
     ] {
         argv.push("--user".to_owned());
         argv.push(user.to_owned());
@@ -105,6 +129,9 @@ pub fn redis_user_args() -> Vec<String> {
         argv.push("on".to_owned());
         argv.push(format!(">{password}"));
         argv.extend(rules.split(' ').map(str::to_owned));
+        if let (true, Some(extra)) = (client, extra) {
+            argv.extend(extra.split(' ').map(str::to_owned));
+        }
     }
     argv
 }

@@ -170,6 +170,7 @@ macro_rules! secure_tests {
                 secure_tests!(@one redis, crate::support::Kind::Redis, "redis", $path);
                 secure_tests!(@one redlock, crate::support::Kind::Redlock, "redis", $path);
                 secure_tests!(@one redis_sentinel, crate::support::Kind::RedisSentinel, "redis", $path);
+                secure_tests!(@one redis_cluster, crate::support::Kind::RedisCluster, "redis", $path);
             }
         )*
     };
