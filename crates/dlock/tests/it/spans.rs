@@ -51,6 +51,11 @@ async fn acquire_and_release_spans_carry_lock_token_and_wait() {
     let seen = Seen::default();
     let subscriber = tracing_subscriber::registry().with(seen.clone());
     let _default = tracing::subscriber::set_default(subscriber);
+    // Other tests of this binary hit the same callsites on other threads with no
+    // subscriber; one registered while this scoped subscriber was being installed can
+    // keep a cached "never" (one run in a full suite missed its `dlock.release` span).
+    // Re-deciding every callsite's interest now includes this subscriber.
+    tracing::callsite::rebuild_interest_cache();
 
     let server = MemServer::new();
     let backend = server

@@ -778,7 +778,10 @@ pub async fn enqueue_removing_adds_one_and_removes_the_other(connect: Connect) {
     let ls = within("leases", a.queue(&leases)).await.expect("leases");
     assert_eq!(names(&ls), vec![lease.name.as_str()]);
     // A listing may leave tokens out (a ZooKeeper child list has none); one it has agrees.
-    assert!(ls[0].token.is_none() || ls[0].token == lease.token, "{ls:?}");
+    assert!(
+        ls[0].token.is_none() || ls[0].token == lease.token,
+        "{ls:?}"
+    );
 
     // The mutex entry is gone now: handing it on again must not take a second lease.
     let again = crate::ticket();
