@@ -1283,3 +1283,104 @@ async fn proclaim_keeps_the_lease_and_wakes_its_watcher_by_message() {
     b.close().await.expect("close");
     watcher.close().await.expect("close");
 }
+
+/// The lock's every key (`dlock:{L}:*`) with its string value, as the inspector sees it.
+async fn lock_keys(insp: &fred::prelude::Client, lock: &str) -> Vec<(String, Option<String>)> {
+    let mut keys = scan_keys(insp, &format!("dlock:{{{}}}:*", glob_escape(lock))).await;
+    keys.sort();
+    let mut out = Vec::new();
+    for k in keys {
+        let v: Option<String> = fred::prelude::KeysInterface::get(insp, &k)
+            .await
+            .unwrap_or(None);
+        out.push((k, v));
+    }
+    out
+}
+
+/// A lock key holding a string that is not a solo entry (`<name> <token> <data>`: here
+/// no space, a token that is not a number, an empty string): acquiring, releasing (by
+/// the session whose solo entry it overwrote, and by another) and reading the status are
+/// typed backend errors, and the key is left as it was, with nothing written beside it.
+#[tokio::test]
+async fn a_malformed_solo_value_is_a_typed_error_and_left_alone() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "a_malformed_solo_value") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let other = connect(&addr, LONG).await;
+    let insp = inspector(&addr).await;
+    for garbage in ["nospaces", "_c_x-lock-1 notanumber data", ""] {
+        let q = fresh_queue("malformed-solo");
+        let key = format!("dlock:{{{}}}:q", q.lock);
+        // A solo entry of `b`'s, then the garbage over it.
+        let mine = b
+            .enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                b"",
+            )
+            .await
+            .expect("enqueue")
+            .mine;
+        let _: () = fred::prelude::KeysInterface::set(&insp, &key, garbage, None, None, false)
+            .await
+            .expect("plant");
+        let planted = vec![(key.clone(), Some(garbage.to_owned()))];
+        assert_eq!(lock_keys(&insp, &q.lock.to_string()).await, planted);
+
+        let status = b.queue(&q).await;
+        assert!(
+            matches!(status, Err(Error::Backend { .. })),
+            "{garbage:?}: status {status:?}"
+        );
+        for (who, backend) in [("b", &b), ("other", &other)] {
+            let acquired = backend
+                .enqueue(
+                    &q,
+                    &dlock_testkit::ticket(),
+                    EntryKind::Lock,
+                    Position::Tail,
+                    b"",
+                )
+                .await;
+            assert!(
+                matches!(acquired, Err(Error::Backend { .. })),
+                "{garbage:?}: acquire by {who} {acquired:?}"
+            );
+            assert_eq!(
+                lock_keys(&insp, &q.lock.to_string()).await,
+                planted,
+                "after acquire"
+            );
+        }
+        let released = other.remove(&q, &mine).await;
+        assert!(
+            matches!(released, Err(Error::Backend { .. })),
+            "{garbage:?}: release by another session {released:?}"
+        );
+        assert_eq!(
+            lock_keys(&insp, &q.lock.to_string()).await,
+            planted,
+            "after release"
+        );
+        let released = b.remove(&q, &mine).await;
+        assert!(
+            matches!(released, Err(Error::Backend { .. })),
+            "{garbage:?}: release by its holder {released:?}"
+        );
+        assert_eq!(
+            lock_keys(&insp, &q.lock.to_string()).await,
+            planted,
+            "after release"
+        );
+        let _: i64 = fred::prelude::KeysInterface::del(&insp, &key)
+            .await
+            .expect("clean up");
+    }
+    b.close().await.expect("close");
+    other.close().await.expect("close");
+}
