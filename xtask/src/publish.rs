@@ -13,23 +13,55 @@ use serde_json::Value;
 /// first); `cargo xtask publish-check` runs them alone. Returns the first failing step's
 /// exit code, or 0.
 pub(crate) fn run(root: &Path, steps: &[Step]) -> anyhow::Result<i32> {
+    // Read once, by the first step that needs it (msrv and package both do).
+    let mut metadata: Option<Value> = None;
     for step in [Step::Msrv, Step::Deny, Step::Package] {
         if !steps.is_empty() && !steps.contains(&step) {
             continue;
         }
         let code = match step {
-            Step::Msrv => {
-                crate::header("rust-version check: cargo metadata --format-version 1 --locked");
-                msrv(root)?
+            Step::Msrv | Step::Package => {
+                let metadata = match &mut metadata {
+                    Some(m) => m,
+                    None => match read_metadata(root)? {
+                        Ok(m) => metadata.insert(m),
+                        Err(code) => return Ok(code),
+                    },
+                };
+                if step == Step::Msrv {
+                    msrv(metadata)?
+                } else {
+                    package(root, metadata)?
+                }
             }
             Step::Deny => deny(root)?,
-            Step::Package => package(root)?,
         };
         if code != 0 {
             return Ok(code);
         }
     }
     Ok(0)
+}
+
+/// `cargo metadata --format-version 1 --locked` under a header: the workspace members
+/// and the resolved graph of `Cargo.lock` for every target platform. `Ok(Err(code))` is
+/// cargo's exit code when it failed (its stderr printed).
+fn read_metadata(root: &Path) -> anyhow::Result<Result<Value, i32>> {
+    let title = "cargo metadata --format-version 1 --locked";
+    crate::header(title);
+    let output = crate::cargo()
+        .current_dir(root)
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .output()
+        .with_context(|| format!("running {title}"))?;
+    if !output.status.success() {
+        eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+        eprintln!("xtask ci: `{title}` failed ({})", output.status);
+        return Ok(Err(output.status.code().unwrap_or(1)));
+    }
+    let metadata =
+        serde_json::from_slice(&output.stdout).context("parsing cargo metadata's output")?;
+    Ok(Ok(metadata))
 }
 
 /// One check of [`run`].
@@ -92,23 +124,21 @@ fn deny(root: &Path) -> anyhow::Result<i32> {
 /// README and license files, path dependencies that carry a version), and each packed crate
 /// builds on its own from the packed sources (the verify step, through a local registry of
 /// the other packed members).
-fn package(root: &Path) -> anyhow::Result<i32> {
-    let output = crate::cargo()
-        .current_dir(root)
-        .args(["metadata", "--format-version", "1", "--locked", "--no-deps"])
-        .output()
-        .context("running cargo metadata")?;
-    if !output.status.success() {
-        eprintln!("{}", String::from_utf8_lossy(&output.stderr));
-        eprintln!("xtask ci: cargo metadata failed ({})", output.status);
-        return Ok(output.status.code().unwrap_or(1));
-    }
-    let metadata: Value =
-        serde_json::from_slice(&output.stdout).context("parsing cargo metadata's output")?;
+fn package(root: &Path, metadata: &Value) -> anyhow::Result<i32> {
+    // `packages` lists the dependencies too: only the workspace's own members are packed.
+    let members: BTreeSet<&str> = metadata["workspace_members"]
+        .as_array()
+        .context("cargo metadata: no `workspace_members`")?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
     let mut args = vec!["package".to_owned(), "--locked".to_owned()];
     let mut packed = Vec::new();
     for package in metadata["packages"].as_array().into_iter().flatten() {
-        if is_publishable(package) {
+        let member = package["id"]
+            .as_str()
+            .is_some_and(|id| members.contains(id));
+        if member && is_publishable(package) {
             let name = package["name"]
                 .as_str()
                 .context("a package without a name")?;
@@ -225,30 +255,18 @@ struct Declared {
 /// `cargo xtask ci`'s MSRV check, without a second toolchain: every package reachable
 /// through normal and build dependencies from a publishable workspace crate (one without
 /// `publish = false`) must declare a `rust-version` no newer than that crate's. Reads the
-/// resolved graph of `Cargo.lock` from `cargo metadata`, for every target platform (so a
+/// resolved graph of `Cargo.lock` from [`read_metadata`], for every target platform (so a
 /// dependency used only on Windows or macOS counts too). Dev-dependencies do not count:
 /// they build only the crate's own tests. What this cannot see, the crates' own code using
 /// a newer std API, clippy's `incompatible_msrv` lint catches (it reads the same
 /// `rust-version`). Returns the process exit code: 0 when every dependency fits.
-fn msrv(root: &Path) -> anyhow::Result<i32> {
-    let output = crate::cargo()
-        .current_dir(root)
-        .args(["metadata", "--format-version", "1", "--locked"])
-        .output()
-        .context("running cargo metadata")?;
-    if !output.status.success() {
-        eprintln!("{}", String::from_utf8_lossy(&output.stderr));
-        eprintln!("xtask ci: cargo metadata failed ({})", output.status);
-        return Ok(output.status.code().unwrap_or(1));
-    }
-    let metadata: Value =
-        serde_json::from_slice(&output.stdout).context("parsing cargo metadata's output")?;
+fn msrv(metadata: &Value) -> anyhow::Result<i32> {
     let MsrvReport {
         roots,
         offenders,
         highest,
         reached,
-    } = msrv_offenders(&metadata)?;
+    } = msrv_offenders(metadata)?;
     for (root, declared) in &roots {
         eprintln!("msrv: {root} declares rust-version {declared}");
     }

@@ -73,7 +73,42 @@ enum Command {
     Leader(LeaderArgs),
 }
 
+/// How long a command waits for what it takes (a lock, every lock, the leadership):
+/// `--timeout` and `--try`, parsed the same on `exec`, `multi` and `elect`. The help below
+/// is `exec`'s; `multi` and `elect` reword it for what they take (`mut_arg`), so each
+/// command's help says what `0` and `--try` mean there.
 #[derive(Debug, Args)]
+struct Wait {
+    /// Give up after this long (exit 75), e.g. 500ms, 2s, 1m. Default: wait forever.
+    /// `0` asks once: a free lock is taken, a held one exits 75 at once.
+    #[arg(long, value_parser = parse_duration)]
+    timeout: Option<Duration>,
+    /// Take the lock only if it is free now, else exit 75 at once (`--timeout 0`).
+    #[arg(long = "try", conflicts_with = "timeout")]
+    try_only: bool,
+}
+
+impl Wait {
+    /// How long to wait: `None` forever; `--try` is a zero timeout, which asks once.
+    fn limit(&self) -> Option<Duration> {
+        if self.try_only {
+            Some(Duration::ZERO)
+        } else {
+            self.timeout
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+#[command(
+    mut_arg("timeout", |a| a.help(
+        "Give up after this long (exit 75), e.g. 500ms, 2s, 1m. Default: wait forever. \
+         `0` asks once: lead now if nobody else does, else exit 75 at once"
+    )),
+    mut_arg("try_only", |a| a.help(
+        "Lead only if nobody leads now, else exit 75 at once (`--timeout 0`)"
+    )),
+)]
 struct ElectArgs {
     /// The election name, e.g. jobs/scheduler.
     name: String,
@@ -81,13 +116,8 @@ struct ElectArgs {
     /// (`dlock leader NAME`).
     #[arg(long)]
     value: String,
-    /// Give up after this long (exit 75), e.g. 500ms, 2s, 1m. Default: wait forever.
-    /// `0` asks once: lead now if nobody else does, else exit 75 at once.
-    #[arg(long, value_parser = parse_duration)]
-    timeout: Option<Duration>,
-    /// Lead only if nobody leads now, else exit 75 at once (`--timeout 0`).
-    #[arg(long = "try", conflicts_with = "timeout")]
-    try_only: bool,
+    #[command(flatten)]
+    wait: Wait,
     /// The command and its arguments.
     #[arg(last = true, required = true, num_args = 1..)]
     cmd: Vec<String>,
@@ -117,13 +147,8 @@ struct RevokeArgs {
 struct ExecArgs {
     /// The lock name, e.g. orders/42.
     name: String,
-    /// Give up after this long (exit 75), e.g. 500ms, 2s, 1m. Default: wait forever.
-    /// `0` asks once: a free lock is taken, a held one exits 75 at once.
-    #[arg(long, value_parser = parse_duration)]
-    timeout: Option<Duration>,
-    /// Take the lock only if it is free now, else exit 75 at once (`--timeout 0`).
-    #[arg(long = "try", conflicts_with = "timeout")]
-    try_only: bool,
+    #[command(flatten)]
+    wait: Wait,
     /// Take the read side of a read/write lock.
     #[arg(long, conflicts_with_all = ["write", "permits", "non_reentrant"])]
     read: bool,
@@ -145,28 +170,21 @@ struct ExecArgs {
     cmd: Vec<String>,
 }
 
-impl ExecArgs {
-    /// How long to wait: `--try` is a zero timeout, which asks once.
-    fn wait(&self) -> Option<Duration> {
-        if self.try_only {
-            Some(Duration::ZERO)
-        } else {
-            self.timeout
-        }
-    }
-}
-
 #[derive(Debug, Args)]
+#[command(
+    mut_arg("timeout", |a| a.help(
+        "Give up after this long (exit 75). Default: wait forever. `0` asks once"
+    )),
+    mut_arg("try_only", |a| a.help(
+        "Take the locks only if each is free now, else exit 75 at once (`--timeout 0`)"
+    )),
+)]
 struct MultiArgs {
     /// The lock names (mutexes).
     #[arg(required = true, num_args = 1..)]
     names: Vec<String>,
-    /// Give up after this long (exit 75). Default: wait forever. `0` asks once.
-    #[arg(long, value_parser = parse_duration)]
-    timeout: Option<Duration>,
-    /// Take the locks only if each is free now, else exit 75 at once (`--timeout 0`).
-    #[arg(long = "try", conflicts_with = "timeout")]
-    try_only: bool,
+    #[command(flatten)]
+    wait: Wait,
     /// The command and its arguments.
     #[arg(last = true, required = true, num_args = 1..)]
     cmd: Vec<String>,
@@ -291,7 +309,7 @@ async fn exec(client: &Client, a: ExecArgs, kill_after: Duration) -> Result<u8, 
     if a.revocable {
         return exec_revocable(client, a, name, kill_after).await;
     }
-    let timeout = a.wait();
+    let timeout = a.wait.limit();
     let mut guard: LockGuard = if a.read {
         let rw = client.rwlock(name.as_str())?;
         match timeout {
@@ -344,7 +362,7 @@ async fn exec_revocable(
     kill_after: Duration,
 ) -> Result<u8, Error> {
     let m = client.mutex(name.as_str())?;
-    let mut guard = match a.wait() {
+    let mut guard = match a.wait.limit() {
         Some(t) => m.lock_revocable_timeout(t).await?,
         None => m.lock_revocable().await?,
     };
@@ -393,11 +411,7 @@ async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8
     for n in &a.names {
         m = m.mutex(n)?;
     }
-    let wait = if a.try_only {
-        Some(Duration::ZERO)
-    } else {
-        a.timeout
-    };
+    let wait = a.wait.limit();
     let mut guard: MultiGuard<dyn dlock::DynBackend> = match wait {
         Some(t) => m.acquire_timeout(t).await?,
         None => m.acquire().await?,
@@ -483,11 +497,7 @@ fn lost_while_running(e: Error) -> Error {
 async fn elect(client: &Client, a: ElectArgs, kill_after: Duration) -> Result<u8, Error> {
     let name = client.lock_name(&a.name)?;
     let election = client.election(name.as_str())?;
-    let wait = if a.try_only {
-        Some(Duration::ZERO)
-    } else {
-        a.timeout
-    };
+    let wait = a.wait.limit();
     let leadership = match wait {
         Some(t) => election.campaign_timeout(&a.value, t).await?,
         None => election.campaign(&a.value).await?,

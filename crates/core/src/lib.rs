@@ -58,6 +58,8 @@ pub mod entry;
 pub mod error;
 pub mod name;
 pub mod security;
+#[cfg(feature = "rustls")]
+pub mod tls_client;
 pub mod token;
 
 pub use backend::{

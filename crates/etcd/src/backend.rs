@@ -21,7 +21,7 @@ use tokio::time::timeout;
 use tracing::Instrument;
 
 use crate::claims::Local;
-use crate::errors::{map, retrying};
+use crate::errors::{diagnose_unreachable, map, retrying};
 use crate::layout;
 use crate::reads::{header_rev, holds_entry};
 use crate::session::Session;
@@ -160,7 +160,8 @@ impl EtcdBackend {
     /// [`Error::InvalidUrl`] for an empty list or an endpoint the client cannot parse;
     /// [`Error::Unreachable`] if no endpoint answered within `opts.connect_timeout`;
     /// [`Error::Unauthenticated`] for credentials etcd refuses, [`Error::Tls`] for TLS
-    /// files that cannot be read or a server certificate that fails verification.
+    /// files that cannot be read, a server certificate that fails verification, or a
+    /// handshake the server refused (no client certificate where it requires one).
     pub async fn connect(endpoints: &[String], opts: SessionOptions) -> Result<Arc<EtcdBackend>> {
         let joined = endpoints.join(",");
         if endpoints.is_empty() || endpoints.iter().any(|e| e.trim().is_empty()) {
@@ -201,16 +202,18 @@ impl EtcdBackend {
             Ok::<_, Error>((client, session))
         }
         .instrument(span);
-        let (client, session) = match timeout(connect_timeout, attempt).await {
-            Ok(Err(Error::Unreachable(why))) => {
-                return Err(Error::Unreachable(format!("etcd at {joined}: {why}")))
-            }
-            Ok(r) => r?,
-            Err(_) => {
-                return Err(Error::Unreachable(format!(
-                    "no etcd endpoint of {joined} answered within {connect_timeout:?}"
-                )))
-            }
+        let why = match timeout(connect_timeout, attempt).await {
+            Ok(Ok(connected)) => Ok(connected),
+            Ok(Err(Error::Unreachable(why))) => Err(format!("etcd at {joined}: {why}")),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => Err(format!(
+                "no etcd endpoint of {joined} answered within {connect_timeout:?}"
+            )),
+        };
+        // Over TLS, "unreachable" may be a handshake the server refused.
+        let (client, session) = match why {
+            Ok(connected) => connected,
+            Err(why) => return Err(diagnose_unreachable(endpoints, &opts, why).await),
         };
         Ok(Self::assemble(
             &client,

@@ -6,10 +6,12 @@
 //! ([`Error::Backend`]).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::Error;
+use dlock_core::{Error, SessionOptions, TlsOptions};
 use etcd_client::Error as EtcdError;
+use rustls::pki_types::ServerName;
 use tokio::time::{sleep, Instant};
 
 /// Maps an etcd-client error from the operation described by `context`.
@@ -80,6 +82,81 @@ fn access_error(context: &str, e: &EtcdError) -> Option<Error> {
         return Some(Error::Tls(format!("{context}: {chain}")));
     }
     None
+}
+
+/// The error for a TLS connect that got nowhere: [`Error::Tls`] when a handshake of our
+/// own with the first endpoint is refused on a certificate, else [`Error::Unreachable`]
+/// with `why`.
+///
+/// etcd-client hides why: a server that requires a client certificate
+/// (`--client-cert-auth`) and got none ends the connection with a TLS alert that only
+/// the client's background connection task sees, and the request fails as "transport
+/// error" or "operation was canceled", like a server that is down. That is a setting to
+/// fix (exit 78), not a server to wait for (exit 69), as on ZooKeeper
+/// (`diagnose_unreachable` there) and Redis (fred reports the handshake's error).
+pub(crate) async fn diagnose_unreachable(
+    endpoints: &[String],
+    opts: &SessionOptions,
+    why: String,
+) -> Error {
+    if let (Some(tls), Some(first)) = (opts.tls.clone(), endpoints.first()) {
+        let host = first
+            .trim()
+            .trim_start_matches("https://")
+            .trim_start_matches("http://")
+            .to_owned();
+        let wait = opts.connect_timeout.min(Duration::from_secs(2));
+        let diagnosis = tokio::task::spawn_blocking(move || handshake_refusal(&host, &tls, wait));
+        if let Ok(Some(e)) = diagnosis.await {
+            return e;
+        }
+    }
+    Error::Unreachable(why)
+}
+
+/// Why a TLS exchange with `host` (`host:port`) fails on a certificate, if it does: one
+/// handshake with the connect's own settings (blocking, at most `timeout` per step), then
+/// HTTP/2's preface, since a TLS 1.3 server refuses a missing client certificate only
+/// after the client's side of the handshake, in an alert on the first read. `None` for
+/// anything else (refused connection, timeout, an answer): the caller's `Unreachable`
+/// stands.
+fn handshake_refusal(host: &str, tls: &TlsOptions, timeout: Duration) -> Option<Error> {
+    use std::io::{Read, Write};
+    use std::net::ToSocketAddrs;
+
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = dlock_core::tls_client::client_config(
+        tls,
+        provider,
+        |p| std::fs::read(p),
+        || rustls_native_certs::load_native_certs().certs,
+    )
+    .ok()?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let (name, _port) = host.rsplit_once(':')?;
+    let name = ServerName::try_from(name.trim_matches(['[', ']']).to_owned()).ok()?;
+    let addr = host.to_socket_addrs().ok()?.next()?;
+    let mut sock = std::net::TcpStream::connect_timeout(&addr, timeout).ok()?;
+    sock.set_read_timeout(Some(timeout)).ok()?;
+    sock.set_write_timeout(Some(timeout)).ok()?;
+    let mut conn = rustls::ClientConnection::new(Arc::new(config), name).ok()?;
+    let mut stream = rustls::Stream::new(&mut conn, &mut sock);
+    let failed = match stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") {
+        Err(e) => e,
+        Ok(()) => stream.read(&mut [0u8; 64]).err()?,
+    };
+    let text = failed.to_string();
+    let tls_words = [
+        "certificate",
+        "Certificate",
+        "alert",
+        "handshake",
+        "Handshake",
+    ];
+    tls_words
+        .iter()
+        .any(|w| text.contains(w))
+        .then(|| Error::Tls(format!("etcd at {host}: {text}")))
 }
 
 /// True for an error that says no server took the request: etcd-client spreads requests

@@ -48,6 +48,8 @@ use fred::types::scripts::Script;
 /// waiter watching one wakes at once instead of at its re-check timer. `tidy` deletes the
 /// counters once the queue is empty so that an idle lock leaves no key behind. `solo`
 /// reads the lock's lone entry when `KEYS[1]` holds one (a string, see [`SOLO`]), and
+/// fails the script, before it writes anything, when that string is not
+/// `<name> <token digits> <data>` (the caller gets a typed backend error), and
 /// `unsolo` moves it into the queue layout (entry key, sorted-set member, the same TTL)
 /// before a second entry joins it: every script that reads or changes the queue checks
 /// `KEYS[1]`'s type first, because the sorted-set commands fail on a string.
@@ -61,9 +63,11 @@ end
 local function solo()
   if redis.call('TYPE', KEYS[1]).ok ~= 'string' then return nil end
   local v = redis.call('GET', KEYS[1])
+  if not string.find(v, '^[^ ]+ %d+ ') then
+    return error('dlock: malformed solo entry at ' .. KEYS[1])
+  end
   local i = string.find(v, ' ', 1, true)
-  local j = i and string.find(v, ' ', i + 1, true)
-  if not j then return error('dlock: malformed solo entry at ' .. KEYS[1]) end
+  local j = string.find(v, ' ', i + 1, true)
   return string.sub(v, 1, i - 1), string.sub(v, i + 1, j - 1), string.sub(v, j + 1)
 end
 local function unsolo(ep, lease)
@@ -147,11 +151,16 @@ return false
 /// gone-channel and the queue channel hear of it as from [`REMOVE`]. ARGV: name,
 /// gone-channel, queue channel. Returns 1 (removed), 0 (not there: `KEYS[1]` is missing
 /// or another entry's solo string) or -1: the lock is in the queue layout now (a second
-/// entry joined), so the client sends [`REMOVE`].
+/// entry joined), so the client sends [`REMOVE`]. A string that is not a solo entry
+/// fails the script (as `solo` does) and is left alone.
 const RELEASE_SOLO: &str = r#"
 local v = redis.pcall('GET', KEYS[1])
 if type(v) == 'table' then return -1 end
-if not v or string.sub(v, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
+if not v then return 0 end
+if not string.find(v, '^[^ ]+ %d+ ') then
+  return error('dlock: malformed solo entry at ' .. KEYS[1])
+end
+if string.sub(v, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', ARGV[2], 'removed head')
 redis.call('PUBLISH', ARGV[3], ARGV[1])
@@ -164,6 +173,9 @@ return 1
 const SOLO_REMOVE: &str = r#"
 if #ARGV == 4 and redis.call('TYPE', KEYS[1]).ok == 'string' then
   local v = redis.call('GET', KEYS[1])
+  if not string.find(v, '^[^ ]+ %d+ ') then
+    return error('dlock: malformed solo entry at ' .. KEYS[1])
+  end
   if string.sub(v, 1, #ARGV[4] + 1) ~= ARGV[4] .. ' ' then return 0 end
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[2] .. ARGV[4], 'removed head')

@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, QueuePath};
+use dlock_core::{decide, Backend, Decision, Error, QueuePath};
 use dlock_redis::RedisBackend;
 use dlock_testkit::{key_slot, redis_query, Backend as Server, State};
 
@@ -50,16 +50,7 @@ async fn lock(b: &RedisBackend, q: &QueuePath) -> dlock_core::Enqueued {
     let deadline = Instant::now() + WAIT;
     loop {
         // A slot without a master (a failover under way) is unreachable for a moment.
-        match b
-            .enqueue(
-                q,
-                &dlock_testkit::ticket(),
-                EntryKind::Lock,
-                Position::Tail,
-                b"",
-            )
-            .await
-        {
+        match enqueue_lock(b, q).await {
             Ok(e) => return e,
             Err(Error::Unreachable(e)) if Instant::now() < deadline => {
                 eprintln!("enqueue: {e}; retrying");
@@ -505,15 +496,9 @@ impl Load {
 /// An enqueue with no retry of its own: whatever the backend returns during a slot move
 /// is what an application's `lock()` would get.
 async fn enqueue_now(b: &RedisBackend, q: &QueuePath) -> dlock_core::Enqueued {
-    b.enqueue(
-        q,
-        &dlock_testkit::ticket(),
-        EntryKind::Lock,
-        Position::Tail,
-        b"",
-    )
-    .await
-    .unwrap_or_else(|e| panic!("enqueue during the slot move: {e:?}"))
+    enqueue_lock(b, q)
+        .await
+        .unwrap_or_else(|e| panic!("enqueue during the slot move: {e:?}"))
 }
 
 /// Waits for its turn from `added`, holds for `hold`, releases; records the grant.

@@ -67,14 +67,9 @@ async fn redlock_fifo_and_clean_up_on_every_master() {
         let key = format!("dlock:{{{}}}:e:{}", q.lock, ea.mine.name);
         assert!(key_exists(&insp, &key).await, "a's entry on {addr}");
     }
-    let (b2, q2, blocker) = (b.clone(), q.clone(), ea.mine.clone());
-    let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &blocker).await });
+    let waiter = spawn_wait_gone(&b, &q, &ea.mine);
     a.remove(&q, &ea.mine).await.expect("a releases");
-    tokio::time::timeout(Duration::from_secs(20), waiter)
-        .await
-        .expect("b wakes")
-        .expect("join")
-        .expect("wait_gone");
+    woken(waiter, Duration::from_secs(20), "b wakes").await;
     let now = b.queue(&q).await.expect("queue");
     assert_eq!(decide(&now, &eb.mine.name), Decision::Acquired);
     b.close().await.expect("close");
@@ -104,16 +99,7 @@ async fn redlock_concurrent_enqueues_agree_on_one_order() {
     }
     let results = futures::future::join_all(clients.iter().map(|c| {
         let q = q.clone();
-        async move {
-            c.enqueue(
-                &q,
-                &dlock_testkit::ticket(),
-                EntryKind::Lock,
-                Position::Tail,
-                b"",
-            )
-            .await
-        }
+        async move { enqueue_lock(c, &q).await }
     }))
     .await;
     let mine: Vec<_> = results
@@ -168,14 +154,7 @@ async fn redlock_eight_contending_enqueuers_agree_every_round() {
         let (c, q) = (c.clone(), q.clone());
         tasks.push(tokio::spawn(async move {
             for i in 0..ROUNDS {
-                let added = c
-                    .enqueue(
-                        &q,
-                        &dlock_testkit::ticket(),
-                        EntryKind::Lock,
-                        Position::Tail,
-                        b"",
-                    )
+                let added = enqueue_lock(&c, &q)
                     .await
                     .map_err(|e| format!("enqueue {i}: {e}"))?;
                 c.remove(&q, &added.mine)
@@ -194,16 +173,7 @@ async fn redlock_eight_contending_enqueuers_agree_every_round() {
     for round in 0..ROUNDS {
         let results = futures::future::join_all(clients.iter().map(|c| {
             let q = q.clone();
-            async move {
-                c.enqueue(
-                    &q,
-                    &dlock_testkit::ticket(),
-                    EntryKind::Lock,
-                    Position::Tail,
-                    b"",
-                )
-                .await
-            }
+            async move { enqueue_lock(c, &q).await }
         }))
         .await;
         let mine: Vec<_> = results
@@ -268,31 +238,15 @@ async fn redlock_works_with_two_masters_down_and_fails_typed_with_three() {
     let a = connect_redlock(&addrs, Duration::from_secs(3)).await;
     let b = connect_redlock(&addrs, Duration::from_secs(3)).await;
     let q = fresh_queue("redlock-faults");
-    let ea = a
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
+    let ea = enqueue_lock(&a, &q)
         .await
         .expect("a enqueues with all masters up");
     servers[0].kill();
     servers[1].kill();
-    let eb = tokio::time::timeout(
-        Duration::from_secs(30),
-        b.enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        ),
-    )
-    .await
-    .expect("no hang")
-    .expect("b enqueues with 3 of 5 masters");
+    let eb = tokio::time::timeout(Duration::from_secs(30), enqueue_lock(&b, &q))
+        .await
+        .expect("no hang")
+        .expect("b enqueues with 3 of 5 masters");
     assert!(
         matches!(decide(&eb.queue, &eb.mine.name), Decision::Wait(e) if e.name == ea.mine.name)
     );
@@ -312,19 +266,10 @@ async fn redlock_works_with_two_masters_down_and_fails_typed_with_three() {
     let lost = b.lost(&q, &eb.mine);
 
     servers[2].kill();
-    let err = tokio::time::timeout(
-        Duration::from_secs(60),
-        a.enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        ),
-    )
-    .await
-    .expect("enqueue with 2 of 5 masters returns instead of hanging")
-    .expect_err("no majority");
+    let err = tokio::time::timeout(Duration::from_secs(60), enqueue_lock(&a, &q))
+        .await
+        .expect("enqueue with 2 of 5 masters returns instead of hanging")
+        .expect_err("no majority");
     eprintln!("redlock with 3 of 5 down: enqueue said: {err}");
     assert!(matches!(err, Error::Unreachable(_)), "{err:?}");
     let err = tokio::time::timeout(Duration::from_secs(60), a.queue(&q))
@@ -367,14 +312,7 @@ async fn redlock_connects_with_a_master_down_and_uses_it_once_it_is_back() {
     // Once the late master is connected, new entries land on it too.
     assert!(
         eventually(Duration::from_secs(20), || async {
-            let e = b
-                .enqueue(
-                    &q,
-                    &dlock_testkit::ticket(),
-                    EntryKind::Lock,
-                    Position::Tail,
-                    b"",
-                )
+            let e = enqueue_lock(&b, &q)
                 .await
                 .expect("enqueue with a majority")
                 .mine;
@@ -408,14 +346,7 @@ async fn redlock_contains_an_entry_whatever_token_a_read_shows() {
     let mut found_case = None;
     for round in 0..10 {
         let q = fresh_queue("redlock-token-view");
-        let e = a
-            .enqueue(
-                &q,
-                &dlock_testkit::ticket(),
-                EntryKind::Lock,
-                Position::Tail,
-                b"",
-            )
+        let e = enqueue_lock(&a, &q)
             .await
             .expect("enqueue with every master up");
         let token = e.mine.token.expect("a token").get();

@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, QueuePath};
+use dlock_core::{decide, Backend, Decision, Error, QueuePath};
 use dlock_redis::RedisBackend;
 use dlock_testkit::{redis_query, Backend as Server};
 
@@ -37,15 +37,7 @@ async fn connect_sentinel(group: &str, lease: Duration) -> std::sync::Arc<RedisB
 }
 
 async fn lock(b: &RedisBackend, q: &QueuePath) -> dlock_core::Enqueued {
-    b.enqueue(
-        q,
-        &dlock_testkit::ticket(),
-        EntryKind::Lock,
-        Position::Tail,
-        b"",
-    )
-    .await
-    .expect("enqueue")
+    enqueue_lock(b, q).await.expect("enqueue")
 }
 
 /// Enqueues and waits (through `wait_gone`) until the entry holds the lock.
@@ -359,16 +351,7 @@ async fn manual_failover_moves_clients_off_the_live_old_primary() {
     // `a` now writes to the new primary: a fresh entry of its lands there.
     let q2 = fresh_queue("manual-failover-after");
     let after = loop {
-        match a
-            .enqueue(
-                &q2,
-                &dlock_testkit::ticket(),
-                EntryKind::Lock,
-                Position::Tail,
-                b"",
-            )
-            .await
-        {
+        match enqueue_lock(&a, &q2).await {
             Ok(e) => break e.mine,
             Err(Error::Unreachable(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
             Err(e) => panic!("enqueue after the failover: {e}"),

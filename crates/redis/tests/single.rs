@@ -30,16 +30,7 @@ async fn a_removal_wakes_only_its_watcher() {
     let q = fresh_queue("herd");
     let mut entries = Vec::new();
     for _ in 0..21 {
-        let e = b
-            .enqueue(
-                &q,
-                &dlock_testkit::ticket(),
-                EntryKind::Lock,
-                Position::Tail,
-                b"",
-            )
-            .await
-            .expect("enqueue");
+        let e = enqueue_lock(&b, &q).await.expect("enqueue");
         entries.push(e.mine);
     }
     let woken = Arc::new(AtomicUsize::new(0));
@@ -96,17 +87,7 @@ async fn watchdog_keeps_an_entry_alive_past_its_lease() {
     let b = connect(&addr, Duration::from_secs(1)).await;
     let insp = inspector(&addr).await;
     let q = fresh_queue("watchdog");
-    let e = b
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let e = enqueue_lock(&b, &q).await.expect("enqueue").mine;
     let lost = b.lost(&q, &e);
     tokio::time::sleep(Duration::from_millis(3500)).await;
     // The lock's only entry is its one key (the queue's): see `solo_entry_*` below.
@@ -304,17 +285,7 @@ async fn bad_input_gets_typed_errors() {
         .await
         .expect("connect");
     let q = fresh_queue("closed");
-    let e = b
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let e = enqueue_lock(&b, &q).await.expect("enqueue").mine;
     let lost = b.lost(&q, &e);
     b.close().await.expect("close");
     b.close().await.expect("close is idempotent");
@@ -337,17 +308,7 @@ async fn a_restart_without_persistence_fires_lost() {
     let mut server = TestServer::start();
     let b = connect(&server.addr(), Duration::from_secs(3)).await;
     let q = fresh_queue("restart");
-    let e = b
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let e = enqueue_lock(&b, &q).await.expect("enqueue").mine;
     let lost = b.lost(&q, &e);
     server.kill();
     server.restart();
@@ -357,16 +318,7 @@ async fn a_restart_without_persistence_fires_lost() {
     eprintln!("restart: lost() said: {reason}");
     assert!(matches!(reason, Error::LockLost(_)), "{reason:?}");
     // The backend works again on the restarted server.
-    let again = b
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue after restart");
+    let again = enqueue_lock(&b, &q).await.expect("enqueue after restart");
     assert_eq!(decide(&again.queue, &again.mine.name), Decision::Acquired);
     assert!(
         again.mine.token > e.token,
@@ -384,17 +336,7 @@ async fn dropping_the_backend_stops_renewal_and_removes_its_entries() {
     let insp = inspector(&addr).await;
     let q = fresh_queue("drop");
     let b = connect(&addr, Duration::from_secs(1)).await;
-    let e = b
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let e = enqueue_lock(&b, &q).await.expect("enqueue").mine;
     let lost = b.lost(&q, &e);
     drop(b);
     assert!(matches!(lost.await, Error::Closed));
@@ -419,28 +361,9 @@ async fn a_silent_client_s_entry_expires_and_wakes_its_watcher() {
     };
     let q = fresh_queue("silent");
     let dead = connect(&addr, Duration::from_secs(1)).await;
-    let e = dead
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let e = enqueue_lock(&dead, &q).await.expect("enqueue").mine;
     let waiter = connect(&addr, LONG).await;
-    let w = waiter
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue");
+    let w = enqueue_lock(&waiter, &q).await.expect("enqueue");
     assert!(matches!(decide(&w.queue, &w.mine.name), Decision::Wait(x) if x.name == e.name));
     // The watchdog dies without removing anything, as in a crash.
     dead.simulate_crash();
@@ -462,17 +385,7 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
     let server = TestServer::start();
     let b = connect(&server.addr(), Duration::from_secs(1)).await;
     let q = fresh_queue("stall");
-    let e = b
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let e = enqueue_lock(&b, &q).await.expect("enqueue").mine;
     let lost = b.lost(&q, &e);
     let insp = inspector(&server.addr()).await;
     // The lock's only entry: its one key (the queue's).
@@ -913,30 +826,15 @@ async fn finished_waits_leave_no_subscription_behind() {
         }
     };
     for _ in 0..30 {
-        let e = a
-            .enqueue(
-                &q,
-                &dlock_testkit::ticket(),
-                EntryKind::Lock,
-                Position::Tail,
-                b"",
-            )
-            .await
-            .expect("enqueue")
-            .mine;
+        let e = enqueue_lock(&a, &q).await.expect("enqueue").mine;
         let before = b.stats().subscribes;
-        let (b2, q2, e2) = (b.clone(), q.clone(), e.clone());
-        let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &e2).await });
+        let waiter = spawn_wait_gone(&b, &q, &e);
         assert!(
             eventually(LONG, || async { b.stats().subscribes > before }).await,
             "the waiter subscribed"
         );
         a.remove(&q, &e).await.expect("remove");
-        tokio::time::timeout(LONG, waiter)
-            .await
-            .expect("the wait ends")
-            .expect("join")
-            .expect("wait_gone");
+        woken(waiter, LONG, "the wait ends").await;
         // The waiter has no entry of its own and the watched entry was its queue's
         // only one: its removal must still be published, or the wait ends by the timer.
         assert_eq!(
@@ -946,19 +844,8 @@ async fn finished_waits_leave_no_subscription_behind() {
         );
     }
     // One wait still under way keeps its channel.
-    let held = a
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
-    let (b2, q2, h2) = (b.clone(), q.clone(), held.clone());
-    let waiter = tokio::spawn(async move { b2.wait_gone(&q2, &h2).await });
+    let held = enqueue_lock(&a, &q).await.expect("enqueue").mine;
+    let waiter = spawn_wait_gone(&b, &q, &held);
     assert!(
         eventually(LONG, || async { channels().await.len() == 1 }).await,
         "only the live wait's channel stays subscribed: {:?}",
@@ -966,11 +853,7 @@ async fn finished_waits_leave_no_subscription_behind() {
     );
     assert!(!waiter.is_finished());
     a.remove(&q, &held).await.expect("remove");
-    tokio::time::timeout(LONG, waiter)
-        .await
-        .expect("the wait ends")
-        .expect("join")
-        .expect("wait_gone");
+    woken(waiter, LONG, "the wait ends").await;
     assert!(
         eventually(LONG, || async { channels().await.is_empty() }).await,
         "no channel left subscribed: {:?}",
@@ -1055,10 +938,7 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
 
     // 2. A client that never queued watches the solo entry: it must not return while
     //    the entry is there.
-    let watched = {
-        let (o, q, e) = (observer.clone(), q.clone(), first.mine.clone());
-        tokio::spawn(async move { o.wait_gone(&q, &e).await })
-    };
+    let watched = spawn_wait_gone(&observer, &q, &first.mine);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !watched.is_finished(),
@@ -1095,21 +975,10 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     assert!(!watched.is_finished(), "wait_gone returned across the move");
 
     // 4. The holder releases after the move: the waiter and the observer wake.
-    let waiter = {
-        let (b, q, e) = (b.clone(), q.clone(), first.mine.clone());
-        tokio::spawn(async move { b.wait_gone(&q, &e).await })
-    };
+    let waiter = spawn_wait_gone(&b, &q, &first.mine);
     a.remove(&q, &first.mine).await.expect("release");
-    tokio::time::timeout(Duration::from_secs(5), waiter)
-        .await
-        .expect("the waiter wakes")
-        .expect("task")
-        .expect("wait_gone");
-    tokio::time::timeout(Duration::from_secs(5), watched)
-        .await
-        .expect("the observer wakes")
-        .expect("task")
-        .expect("wait_gone");
+    woken(waiter, Duration::from_secs(5), "the waiter wakes").await;
+    woken(watched, Duration::from_secs(5), "the observer wakes").await;
     let now = b.queue(&q).await.expect("list");
     assert_eq!(decide(&now, &second.mine.name), Decision::Acquired);
     b.remove(&q, &second.mine).await.expect("release");
@@ -1129,10 +998,7 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     assert_eq!(kind(qkey.clone()).await, "string");
     assert!(third.mine.token > solo_again.mine.token);
     let before = observer.stats();
-    let watched = {
-        let (o, q, e) = (observer.clone(), q.clone(), third.mine.clone());
-        tokio::spawn(async move { o.wait_gone(&q, &e).await })
-    };
+    let watched = spawn_wait_gone(&observer, &q, &third.mine);
     assert!(
         eventually(Duration::from_secs(5), || async {
             observer.stats().subscribes > before.subscribes
@@ -1142,11 +1008,7 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!watched.is_finished());
     a.remove(&q, &third.mine).await.expect("release");
-    tokio::time::timeout(Duration::from_secs(5), watched)
-        .await
-        .expect("the observer wakes")
-        .expect("task")
-        .expect("wait_gone");
+    woken(watched, Duration::from_secs(5), "the observer wakes").await;
     assert!(
         observer.stats().messages > before.messages,
         "woken by the message"
@@ -1282,4 +1144,80 @@ async fn proclaim_keeps_the_lease_and_wakes_its_watcher_by_message() {
     assert_eq!(got, None, "the entry went");
     b.close().await.expect("close");
     watcher.close().await.expect("close");
+}
+
+/// The lock's every key (`dlock:{L}:*`) with its string value, as the inspector sees it.
+async fn lock_keys(insp: &fred::prelude::Client, lock: &str) -> Vec<(String, Option<String>)> {
+    let mut keys = scan_keys(insp, &format!("dlock:{{{}}}:*", glob_escape(lock))).await;
+    keys.sort();
+    let mut out = Vec::new();
+    for k in keys {
+        let v: Option<String> = fred::prelude::KeysInterface::get(insp, &k)
+            .await
+            .unwrap_or(None);
+        out.push((k, v));
+    }
+    out
+}
+
+/// A lock key holding a string that is not a solo entry (`<name> <token> <data>`: here
+/// no space, a token that is not a number, an empty string): acquiring, releasing (by
+/// the session whose solo entry it overwrote, and by another) and reading the status are
+/// typed backend errors, and the key is left as it was, with nothing written beside it.
+#[tokio::test]
+async fn a_malformed_solo_value_is_a_typed_error_and_left_alone() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "a_malformed_solo_value") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let other = connect(&addr, LONG).await;
+    let insp = inspector(&addr).await;
+    for garbage in ["nospaces", "_c_x-lock-1 notanumber data", ""] {
+        let q = fresh_queue("malformed-solo");
+        let key = format!("dlock:{{{}}}:q", q.lock);
+        // A solo entry of `b`'s, then the garbage over it.
+        let mine = enqueue_lock(&b, &q).await.expect("enqueue").mine;
+        let _: () = fred::prelude::KeysInterface::set(&insp, &key, garbage, None, None, false)
+            .await
+            .expect("plant");
+        let planted = vec![(key.clone(), Some(garbage.to_owned()))];
+        assert_eq!(lock_keys(&insp, &q.lock.to_string()).await, planted);
+
+        let status = b.queue(&q).await;
+        assert!(
+            matches!(status, Err(Error::Backend { .. })),
+            "{garbage:?}: status {status:?}"
+        );
+        for (who, backend) in [("b", &b), ("other", &other)] {
+            let acquired = enqueue_lock(backend, &q).await;
+            assert!(
+                matches!(acquired, Err(Error::Backend { .. })),
+                "{garbage:?}: acquire by {who} {acquired:?}"
+            );
+            assert_eq!(
+                lock_keys(&insp, &q.lock.to_string()).await,
+                planted,
+                "after acquire"
+            );
+        }
+        // Another session's release first: the holder's marks the entry released.
+        for (who, backend) in [("another session", &other), ("its holder", &b)] {
+            let released = backend.remove(&q, &mine).await;
+            assert!(
+                matches!(released, Err(Error::Backend { .. })),
+                "{garbage:?}: release by {who} {released:?}"
+            );
+            assert_eq!(
+                lock_keys(&insp, &q.lock.to_string()).await,
+                planted,
+                "after release"
+            );
+        }
+        let _: i64 = fred::prelude::KeysInterface::del(&insp, &key)
+            .await
+            .expect("clean up");
+    }
+    b.close().await.expect("close");
+    other.close().await.expect("close");
 }

@@ -141,34 +141,22 @@ pub(crate) fn access_error(context: &str, err: &zk::Error) -> Option<Error> {
 
 /// The rustls config zookeeper-client builds from the same settings, for this adapter's
 /// own short TLS exchanges (four-letter words, the handshake diagnosis). `None` when a
-/// file cannot be read: the client's connect reports that.
+/// file cannot be read or parsed: the client's connect reports that.
 pub(crate) fn client_config(tls: &dlock_core::TlsOptions) -> Option<Arc<rustls::ClientConfig>> {
     use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use rustls::pki_types::CertificateDer;
 
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let ca_pem = match &tls.ca {
-        Some(p) => std::fs::read(p).ok()?,
-        None => system_roots().ok()?.into_bytes(),
+    // The same bundle zookeeper-client is given (`configure`), not rustls-native-certs.
+    let system_roots = || {
+        let pem = system_roots().unwrap_or_default();
+        CertificateDer::pem_slice_iter(pem.as_bytes())
+            .filter_map(|c| c.ok())
+            .collect()
     };
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add_parsable_certificates(CertificateDer::pem_slice_iter(&ca_pem).filter_map(|c| c.ok()));
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .ok()?
-        .with_root_certificates(roots);
-    let config = match (&tls.cert, &tls.key) {
-        (Some(cert), Some(key)) => {
-            let chain = CertificateDer::pem_file_iter(cert)
-                .ok()?
-                .collect::<Result<Vec<_>, _>>()
-                .ok()?;
-            let key = PrivateKeyDer::from_pem_file(key).ok()?;
-            builder.with_client_auth_cert(chain, key).ok()?
-        }
-        _ => builder.with_no_client_auth(),
-    };
-    Some(Arc::new(config))
+    dlock_core::tls_client::client_config(tls, provider, |p| std::fs::read(p), system_roots)
+        .ok()
+        .map(Arc::new)
 }
 
 /// Sends a four-letter word to `host` (`host:port`) and reads the answer until the

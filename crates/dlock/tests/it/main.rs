@@ -210,6 +210,14 @@ async fn secure_zk_outsider_cannot_delete_a_holders_node() {
 
 #[cfg(feature = "etcd")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secure_etcd_missing_client_certificate_is_a_tls_error() {
+    if let Some(url) = crate::support::secure_url(crate::support::Kind::Etcd) {
+        crate::secure::etcd_missing_client_certificate_is_a_tls_error(&url).await;
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secure_etcd_no_permission_leaves_no_lease() {
     if let Some(url) = crate::support::secure_url(crate::support::Kind::Etcd) {
         crate::secure::etcd_no_permission_leaves_no_lease(&url).await;

@@ -8,7 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{LockName, QueuePath, SessionOptions};
+use dlock_core::{
+    Backend, Enqueued, Entry, EntryKind, Error, LockName, Position, QueuePath, SessionOptions,
+};
 use dlock_redis::RedisBackend;
 use fred::prelude::{Builder, ClientLike, Config, KeysInterface};
 
@@ -53,6 +55,42 @@ pub async fn connect(addr: &str, lease: Duration) -> Arc<RedisBackend> {
     RedisBackend::connect(addr, opts(lease))
         .await
         .expect("connect to redis")
+}
+
+/// The enqueue most tests make: a lock entry at the tail of `q`, a new ticket, no data.
+pub async fn enqueue_lock(b: &RedisBackend, q: &QueuePath) -> Result<Enqueued, Error> {
+    b.enqueue(
+        q,
+        &dlock_testkit::ticket(),
+        EntryKind::Lock,
+        Position::Tail,
+        b"",
+    )
+    .await
+}
+
+/// `b.wait_gone(q, entry)` in a task of its own, for a test that acts while it waits.
+pub fn spawn_wait_gone(
+    b: &Arc<RedisBackend>,
+    q: &QueuePath,
+    entry: &Entry,
+) -> tokio::task::JoinHandle<Result<(), Error>> {
+    let (b, q, entry) = (b.clone(), q.clone(), entry.clone());
+    tokio::spawn(async move { b.wait_gone(&q, &entry).await })
+}
+
+/// Waits at most `limit` for a [`spawn_wait_gone`] task to end; panics with `what` if it
+/// does not, or if the wait failed.
+pub async fn woken(
+    waiter: tokio::task::JoinHandle<Result<(), Error>>,
+    limit: Duration,
+    what: &str,
+) {
+    tokio::time::timeout(limit, waiter)
+        .await
+        .expect(what)
+        .expect("join")
+        .expect("wait_gone");
 }
 
 /// A plain fred client for looking at keys behind the backend's back.
