@@ -358,7 +358,7 @@ pub fn redis_cluster_argv(id: u32, offset: u16, dir: &Path) -> Vec<String> {
 /// the nodes then announce their TLS ports in `CLUSTER SLOTS`) and for replication
 /// (`--tls-replication yes`, logged in as [`REDIS_ADMIN_USER`]: any node may become a
 /// replica), and the ACL users of [`crate::secure`] on every node (ACLs are per node, not
-/// propagated), the application's with [`REDIS_CLUSTER_CLIENT_ACL`] added.
+/// propagated), the application's with [`crate::secure::REDIS_CLUSTER_CLIENT_ACL`] added.
 pub fn secure_redis_cluster_argv(id: u32, offset: u16, dir: &Path, pki: &Pki) -> Vec<String> {
     let mut argv = redis_cluster_argv(id, offset, dir);
     argv[2] = "0".into();
