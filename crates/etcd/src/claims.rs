@@ -141,10 +141,7 @@ impl EtcdBackend {
             Ok(Ok(resp)) => {
                 self.observe(header_rev(resp.header()));
                 if primary {
-                    let mut local = self.local.lock();
-                    if local.primary.get(key).is_some_and(String::is_empty) {
-                        local.primary.remove(key);
-                    }
+                    self.free_retired(key);
                 }
                 return true;
             }
@@ -153,6 +150,15 @@ impl EtcdBackend {
         };
         tracing::debug!(key, error = %why, "plain delete got no answer; the key stays retired");
         false
+    }
+
+    /// Frees a primary key [`Self::take_claim`] retired, once the delete of its entry was
+    /// answered: a later contender of this client may take it again.
+    fn free_retired(&self, key: &str) {
+        let mut local = self.local.lock();
+        if local.primary.get(key).is_some_and(String::is_empty) {
+            local.primary.remove(key);
+        }
     }
 
     /// Forgets what `ticket` claimed for `key`, and returns it. A primary key retired by
@@ -369,10 +375,7 @@ impl EtcdBackend {
                     )));
                 }
                 if *claim == Some(true) {
-                    let mut local = self.local.lock();
-                    if local.primary.get(gkey).is_some_and(String::is_empty) {
-                        local.primary.remove(gkey);
-                    }
+                    self.free_retired(gkey);
                 }
                 if let Some(p) = self.forget(*gone_ticket, gkey) {
                     if p.is_uncertain() {

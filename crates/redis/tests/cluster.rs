@@ -85,22 +85,6 @@ async fn wait_turn(
     }
 }
 
-/// The queue key of `q`, whose slot is the lock's.
-fn queue_key(q: &QueuePath) -> String {
-    format!("dlock:{{{}}}:q", q.lock.as_str())
-}
-
-/// A fresh queue whose slot the master `master` serves.
-fn queue_on(state: &State, master: u32, test: &str) -> QueuePath {
-    for _ in 0..10_000 {
-        let q = fresh_queue(test);
-        if state.redis_cluster_master_of(&queue_key(&q)).ok() == Some(master) {
-            return q;
-        }
-    }
-    panic!("no lock name found on master {master}");
-}
-
 fn addr(state: &State, id: u32) -> String {
     state
         .server(Server::RedisCluster, id)

@@ -12,27 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use dlock_core::{Backend, Credentials, EntryKind, Error, Position, QueuePath, TlsOptions};
+use dlock_core::{Backend, Credentials, Error, TlsOptions};
 use dlock_redis::RedisBackend;
 use dlock_testkit::secure::{Pki, APP_PASSWORD, APP_USER, NOBODY_USER};
-use dlock_testkit::{key_slot, Backend as Server, Cluster, ClusterSpec, State};
+use dlock_testkit::{key_slot, Backend as Server, Cluster, ClusterSpec};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn queue_key(q: &QueuePath) -> String {
-    format!("dlock:{{{}}}:q", q.lock.as_str())
-}
-
-/// A fresh queue whose slot the master `master` serves.
-fn queue_on(state: &State, master: u32, test: &str) -> QueuePath {
-    for _ in 0..10_000 {
-        let q = fresh_queue(test);
-        if state.redis_cluster_master_of(&queue_key(&q)).ok() == Some(master) {
-            return q;
-        }
-    }
-    panic!("no queue name hashes to a slot of node {master}");
-}
 
 /// A secured cluster (TLS only, ACL users) with only the Redis Cluster, at a free offset.
 async fn secured_cluster(label: &'static str) -> Cluster {
@@ -70,17 +55,6 @@ fn app_opts(pki: &Pki) -> dlock_core::SessionOptions {
                 .with_client_cert(&pki.cert, &pki.key),
         )
         .with_credentials(Credentials::new(APP_USER, APP_PASSWORD))
-}
-
-async fn enqueue(b: &RedisBackend, q: &QueuePath) -> Result<dlock_core::Enqueued, Error> {
-    b.enqueue(
-        q,
-        &dlock_testkit::ticket(),
-        EntryKind::Lock,
-        Position::Tail,
-        b"",
-    )
-    .await
 }
 
 /// Every node, replica or master, has the ACL users. Seeded with one master only, the
@@ -147,7 +121,7 @@ async fn one_seed_reaches_every_master_at_its_tls_port() {
         .expect("connect with one seed");
     for &m in &masters {
         let q = queue_on(state, m, "cluster-tls-discovery");
-        let e = enqueue(&b, &q)
+        let e = enqueue_lock(&b, &q)
             .await
             .expect("enqueue on a discovered master");
         let server = state.server(Server::RedisCluster, m).expect("master");
@@ -327,7 +301,7 @@ async fn a_discovered_node_with_an_untrusted_certificate_is_refused() {
         {
             Err(e) => ("connect", e),
             Ok(b) => {
-                let r = enqueue(&b, &q).await;
+                let r = enqueue_lock(&b, &q).await;
                 let _ = b.close().await;
                 match r {
                     Ok(e) => panic!("a lock granted through an impostor: {e:?}"),

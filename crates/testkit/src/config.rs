@@ -161,10 +161,28 @@ pub fn secure_etcd_argv(
 /// [`crate::secure`], one rule per argument.
 pub fn secure_redis_argv(id: u32, offset: u16, dir: &Path, pki: &Pki) -> Vec<String> {
     let mut argv = redis_argv(id, offset, dir);
-    argv[2] = "0".into();
-    argv.extend(redis_tls_args(client_port(Backend::Redis, id, offset), pki));
+    tls_only(&mut argv, client_port(Backend::Redis, id, offset), pki);
     argv.extend(redis_user_args());
     argv
+}
+
+/// Turns a plain Redis argv (`--port P` its second and third arguments) into one that
+/// speaks only TLS, on `port`.
+fn tls_only(argv: &mut Vec<String>, port: u16, pki: &Pki) {
+    argv[2] = "0".into();
+    argv.extend(redis_tls_args(port, pki));
+}
+
+/// Replication over TLS, logged in as [`REDIS_ADMIN_USER`] (any node may be a replica).
+fn tls_replication_args() -> [String; 6] {
+    [
+        "--tls-replication".into(),
+        "yes".into(),
+        "--masteruser".into(),
+        REDIS_ADMIN_USER.into(),
+        "--masterauth".into(),
+        REDIS_ADMIN_PASSWORD.into(),
+    ]
 }
 
 /// `--tls-port` and the certificate flags of a secured Redis (or Sentinel).
@@ -195,19 +213,8 @@ pub fn secure_redis_ha_argv(
     pki: &Pki,
 ) -> Vec<String> {
     let mut argv = redis_ha_argv(id, primary_port, offset, dir);
-    argv[2] = "0".into();
-    argv.extend(redis_tls_args(
-        client_port(Backend::RedisHa, id, offset),
-        pki,
-    ));
-    argv.extend([
-        "--tls-replication".into(),
-        "yes".into(),
-        "--masteruser".into(),
-        REDIS_ADMIN_USER.into(),
-        "--masterauth".into(),
-        REDIS_ADMIN_PASSWORD.into(),
-    ]);
+    tls_only(&mut argv, client_port(Backend::RedisHa, id, offset), pki);
+    argv.extend(tls_replication_args());
     argv.extend(redis_user_args());
     argv
 }
@@ -361,21 +368,13 @@ pub fn redis_cluster_argv(id: u32, offset: u16, dir: &Path) -> Vec<String> {
 /// propagated), the application's with [`crate::secure::REDIS_CLUSTER_CLIENT_ACL`] added.
 pub fn secure_redis_cluster_argv(id: u32, offset: u16, dir: &Path, pki: &Pki) -> Vec<String> {
     let mut argv = redis_cluster_argv(id, offset, dir);
-    argv[2] = "0".into();
-    argv.extend(redis_tls_args(
+    tls_only(
+        &mut argv,
         client_port(Backend::RedisCluster, id, offset),
         pki,
-    ));
-    argv.extend([
-        "--tls-cluster".into(),
-        "yes".into(),
-        "--tls-replication".into(),
-        "yes".into(),
-        "--masteruser".into(),
-        REDIS_ADMIN_USER.into(),
-        "--masterauth".into(),
-        REDIS_ADMIN_PASSWORD.into(),
-    ]);
+    );
+    argv.extend(["--tls-cluster".into(), "yes".into()]);
+    argv.extend(tls_replication_args());
     argv.extend(redis_cluster_user_args());
     argv
 }

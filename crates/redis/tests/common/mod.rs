@@ -263,3 +263,19 @@ impl Drop for TestServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// The queue key of `q`, whose slot is the lock's.
+pub fn queue_key(q: &QueuePath) -> String {
+    format!("dlock:{{{}}}:q", q.lock.as_str())
+}
+
+/// A fresh queue whose slot the master `master` serves.
+pub fn queue_on(state: &dlock_testkit::State, master: u32, test: &str) -> QueuePath {
+    for _ in 0..10_000 {
+        let q = fresh_queue(test);
+        if state.redis_cluster_master_of(&queue_key(&q)).ok() == Some(master) {
+            return q;
+        }
+    }
+    panic!("no lock name found on master {master}");
+}
