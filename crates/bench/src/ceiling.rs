@@ -7,6 +7,11 @@
 //! - etcd: Put + DeleteRange on one connection; latency = the put.
 //! - Redis: `SET k tok NX PX 10000` + `EVALSHA` of the compare-and-delete script on one
 //!   connection; latency = the SET.
+//! - Redis through fred (`W0f`, only when `--only` names it): the same two commands sent
+//!   by the client crate dlock's Redis adapter is built on, configured as the adapter
+//!   configures it (one attempt, a command timeout). Beside rslock's W1 (the same two
+//!   commands through redis-rs) it is the floor of what any lock on this client crate
+//!   can reach: what it costs over the raw wire is the client's, not dlock's.
 
 use std::time::{Duration, Instant};
 
@@ -23,6 +28,8 @@ pub const ZK_WORKLOAD: &str = "W0s-zk-createseq-getchildren-delete";
 pub const ETCD_WORKLOAD: &str = "W0-etcd-put-delete";
 /// The peers' workload label of the Redis ceiling.
 pub const REDIS_WORKLOAD: &str = "W0-redis-setnx-evalsha";
+/// The label of the same commands sent through fred.
+pub const REDIS_FRED_WORKLOAD: &str = "W0f-redis-fred-setnx-evalsha";
 
 /// The compare-and-delete every Redis lock releases with (redis-py's, rslock's).
 const RELEASE_LUA: &str =
@@ -187,5 +194,96 @@ impl Worker for RedisRaw {
 
     fn close(self: Box<Self>) -> BoxFuture<'static, ()> {
         async {}.boxed()
+    }
+}
+
+/// Redis through fred: one client, the release script loaded once, every command sent
+/// with the options dlock's adapter sends its own with (one attempt, a 5 s timeout).
+pub struct RedisFred {
+    c: fred::prelude::Client,
+    opts: fred::types::config::Options,
+    key: String,
+    sha: String,
+}
+
+impl RedisFred {
+    /// Connects and loads the release script.
+    ///
+    /// # Errors
+    /// Connect or `SCRIPT LOAD` errors, as text.
+    pub async fn connect(addr: &str, key: &str) -> Result<RedisFred, String> {
+        use fred::prelude::{ClientLike as _, LuaInterface as _};
+        let config = fred::prelude::Config::from_url(&format!("redis://{addr}"))
+            .map_err(|e| format!("fred config {addr}: {e}"))?;
+        let timeout = Duration::from_secs(5);
+        let c = fred::prelude::Builder::from_config(config)
+            .with_performance_config(|p| p.default_command_timeout = timeout)
+            .with_connection_config(|c| {
+                c.connection_timeout = timeout;
+                c.internal_command_timeout = timeout;
+                c.max_command_attempts = 1;
+            })
+            .build()
+            .map_err(|e| format!("fred client {addr}: {e}"))?;
+        c.init()
+            .await
+            .map_err(|e| format!("fred connect {addr}: {e}"))?;
+        let sha: String = c
+            .script_load(RELEASE_LUA)
+            .await
+            .map_err(|e| format!("fred SCRIPT LOAD: {e}"))?;
+        let opts = fred::types::config::Options {
+            max_attempts: Some(1),
+            timeout: Some(timeout),
+            ..Default::default()
+        };
+        Ok(RedisFred {
+            c,
+            opts,
+            key: key.to_owned(),
+            sha,
+        })
+    }
+}
+
+impl Worker for RedisFred {
+    fn iter(&mut self) -> BoxFuture<'_, Result<Duration, String>> {
+        use fred::prelude::{ClientLike as _, KeysInterface as _, LuaInterface as _};
+        use fred::types::{Expiration, SetOptions};
+        async move {
+            let c = self.c.with_options(&self.opts);
+            let t = Instant::now();
+            let r: Option<String> = c
+                .set(
+                    self.key.as_str(),
+                    "tok",
+                    Some(Expiration::PX(10_000)),
+                    Some(SetOptions::NX),
+                    false,
+                )
+                .await
+                .map_err(|e| format!("SET NX PX: {e}"))?;
+            let d = t.elapsed();
+            if r.as_deref() != Some("OK") {
+                return Err(format!("SET NX PX did not take the free key: {r:?}"));
+            }
+            let n: i64 = c
+                .evalsha(self.sha.as_str(), self.key.as_str(), "tok")
+                .await
+                .map_err(|e| format!("release script: {e}"))?;
+            if n != 1 {
+                return Err(format!("release script answered {n}"));
+            }
+            Ok(d)
+        }
+        .boxed()
+    }
+
+    fn close(self: Box<Self>) -> BoxFuture<'static, ()> {
+        async move {
+            use fred::prelude::ClientLike as _;
+            let _ = self.c.quit().await;
+        }
+        .boxed()
     }
 }

@@ -76,7 +76,8 @@ struct Args {
     /// Prefix of every lock name and key, so runs do not meet.
     #[arg(long, default_value = "lockbench")]
     prefix: String,
-    /// Only these workloads, comma separated (W0 = the ceilings, W1..W6, S1, S2, S3).
+    /// Only these workloads, comma separated (W0 = the ceilings, W0f = the Redis ceiling
+    /// through fred, only when named here, W1..W6, S1, S2, S3).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
     /// Also run the scale checks S1, S2 and S3.
@@ -124,6 +125,10 @@ impl Args {
     fn wants(&self, w: &str) -> bool {
         if w == "W6" && self.failovers == 0 {
             return false;
+        }
+        if w == "W0f" {
+            // Opt-in: not one of the peers' workloads, so the default output keeps its lines.
+            return self.only.as_ref().is_some_and(|o| o.iter().any(|x| x == w));
         }
         match &self.only {
             Some(only) => only.iter().any(|o| o == w),
@@ -288,6 +293,18 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
                 &mut sink,
                 "ceiling-redis",
                 ceiling::REDIS_WORKLOAD,
+                w,
+                duration,
+            )
+            .await;
+        }
+        if args.wants("W0f") {
+            let w =
+                ceiling::RedisFred::connect(redis, &format!("{prefix}:ceiling-redis-fred")).await;
+            run_ceiling(
+                &mut sink,
+                "ceiling-redis-fred",
+                ceiling::REDIS_FRED_WORKLOAD,
                 w,
                 duration,
             )
