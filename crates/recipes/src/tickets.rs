@@ -16,9 +16,17 @@ use dlock_core::Ticket;
 pub struct TicketSource(Arc<dyn Fn() -> [u8; 16] + Send + Sync>);
 
 impl TicketSource {
-    /// The operating system's random generator, as Curator draws its uuids.
+    /// A cryptographically secure generator seeded (and reseeded) from the operating
+    /// system's, as Curator draws its uuids from `SecureRandom`: `rand`'s thread-local
+    /// generator, which spares the `getrandom` system call a uuid v4 of its own makes on
+    /// every acquire.
     pub fn os() -> Self {
-        TicketSource(Arc::new(|| *uuid::Uuid::new_v4().as_bytes()))
+        TicketSource(Arc::new(|| {
+            use rand::RngCore as _;
+            let mut b = [0u8; 16];
+            rand::thread_rng().fill_bytes(&mut b);
+            b
+        }))
     }
 
     /// `draw` supplies the bytes of each ticket.

@@ -587,7 +587,7 @@ impl Node {
         keys: Vec<String>,
         args: Vec<Value>,
     ) -> Result<Value, Error> {
-        self.mid_move_retry(|| self.eval_once(script, keys.clone(), args.clone()))
+        self.mid_move_retry(|| self.eval_once(script, &keys, &args))
             .await
             .map_err(|e| self.map_err(what, e))
     }
@@ -625,13 +625,13 @@ impl Node {
     async fn eval_once(
         &self,
         script: &Script,
-        keys: Vec<String>,
-        args: Vec<Value>,
+        keys: &[String],
+        args: &[Value],
     ) -> Result<Value, fred::error::Error> {
         // Not `Script::evalsha_with_reload`: it takes a bare client, without our options.
         let client = self.client.with_options(&self.cmd);
         let first = client
-            .evalsha::<Value, _, _, _>(script.sha1().clone(), keys.clone(), args.clone())
+            .evalsha::<Value, _, _, _>(script.sha1().clone(), keys.to_vec(), args.to_vec())
             .await;
         match first {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
@@ -643,10 +643,12 @@ impl Node {
                     // SCRIPT LOAD is not routed by key on a cluster (it would load the
                     // script on some node, perhaps not the slot's master): EVAL goes to
                     // the slot's master and caches the script there.
-                    client.eval(lua.clone(), keys, args).await
+                    client.eval(lua.clone(), keys.to_vec(), args.to_vec()).await
                 } else {
                     client.script_load::<Value, _>(lua.clone()).await?;
-                    client.evalsha(script.sha1().clone(), keys, args).await
+                    client
+                        .evalsha(script.sha1().clone(), keys.to_vec(), args.to_vec())
+                        .await
                 }
             }
             other => other,
