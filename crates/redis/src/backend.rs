@@ -20,7 +20,7 @@ use tracing::{info, warn, Instrument};
 
 use crate::keys::{self, QueueKeys};
 use crate::node::Node;
-use crate::pubsub::Chan;
+use crate::pubsub::{Chan, Listener};
 use crate::scripts::Scripts;
 use crate::watchdog::{Fate, Live};
 
@@ -443,11 +443,22 @@ impl Backend for RedisBackend {
             let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
             // Confirmed: the listing below runs on the command connection.
             let listener = s.listen(&keys.changed, true).await;
+            // A lock's only entry may be a solo one, whose release is published on its
+            // gone-channel alone (`RELEASE_SOLO`: the queue channel's publish was a
+            // sixth of that script's server time), so a listing of one entry is
+            // waited on there too. Subscribed, then listed again, as the queue channel.
+            let mut lone: Option<(String, Listener)> = None;
             let mut by_timer = false;
             loop {
                 let notified = listener.notify.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
+                let lone_notify = lone.as_ref().map(|(_, l)| l.notify.clone());
+                let lone_notified = lone_notify.as_deref().map(Notify::notified);
+                tokio::pin!(lone_notified);
+                if let Some(n) = lone_notified.as_mut().as_pin_mut() {
+                    n.enable();
+                }
                 s.check_open()?;
                 let now = s.list(&keys, false, None).await?;
                 let same =
@@ -456,7 +467,16 @@ impl Backend for RedisBackend {
                     s.count_recheck(by_timer);
                     return Ok(());
                 }
-                by_timer = s.wait_notified(notified).await;
+                if let [only] = now.as_slice() {
+                    if lone.as_ref().is_none_or(|(name, _)| *name != only.name) {
+                        let l = s.listen(&keys.gone_channel(&only.name), true).await;
+                        lone = Some((only.name.clone(), l));
+                        continue;
+                    }
+                }
+                by_timer = s
+                    .wait_notified_either(notified, lone_notified.as_pin_mut())
+                    .await;
                 if by_timer {
                     s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                 }

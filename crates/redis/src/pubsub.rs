@@ -52,16 +52,28 @@ impl Shared {
         }
     }
 
-    /// Waits for a message on the waiter's channel or the re-check timer; true if the
-    /// timer ended the wait.
-    pub(crate) async fn wait_notified(
+    /// Waits for a message on either of the waiter's channels (the second may be absent)
+    /// or the re-check timer; true if the timer ended the wait.
+    pub(crate) async fn wait_notified_either(
         &self,
         notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+        also: Option<std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>>,
     ) -> bool {
-        self.wait_notified_for(notified, self.recheck).await
+        let also = async {
+            match also {
+                Some(n) => n.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = notified => false,
+            _ = also => false,
+            _ = tokio::time::sleep(self.recheck) => true,
+        }
     }
 
-    /// As [`Shared::wait_notified`], with the timer given.
+    /// Waits for a message on the waiter's channel or the timer given; true if the timer
+    /// ended the wait.
     pub(crate) async fn wait_notified_for(
         &self,
         notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,

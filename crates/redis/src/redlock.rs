@@ -216,11 +216,7 @@ impl Shared {
                 "removing an entry",
                 &self.scripts.release_solo,
                 vec![keys.queue.clone()],
-                vec![
-                    Value::from(name),
-                    Value::from(keys.gone_channel(name)),
-                    Value::from(keys.changed.as_str()),
-                ],
+                vec![Value::from(name), Value::from(keys.gone_channel(name))],
             )
             .await?;
         Ok(reply.as_i64() != Some(-1))

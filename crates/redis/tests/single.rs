@@ -1221,3 +1221,63 @@ async fn a_malformed_solo_value_is_a_typed_error_and_left_alone() {
     b.close().await.expect("close");
     other.close().await.expect("close");
 }
+
+/// A solo entry's release is published on its gone-channel only (`RELEASE_SOLO`), so a
+/// `wait_changed` given a listing of that one entry listens there too: the release wakes
+/// it by the message, not by the re-check timer. (With the queue channel's publish taken
+/// out of the script and `wait_changed` listening on that channel alone, this waiter was
+/// woken by its timer.)
+#[tokio::test]
+async fn wait_changed_on_a_lone_solo_entry_is_woken_by_its_release() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "wait_changed_on_a_lone_solo_entry") else {
+        return;
+    };
+    let holder = connect(&addr, LONG).await;
+    let watcher = connect(&addr, LONG).await;
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("lone-solo-changed");
+    let mine = enqueue_lock(&holder, &q).await.expect("enqueue").mine;
+    let kind: String =
+        fred::prelude::ClientLike::custom(&insp, fred::cmd!("TYPE"), vec![queue_key(&q)])
+            .await
+            .expect("type");
+    assert_eq!(kind, "string", "the entry took the uncontended fast path");
+    let seen = watcher.queue(&q).await.expect("queue");
+    assert_eq!(seen.len(), 1, "{seen:?}");
+
+    let before = watcher.stats();
+    let waiting = {
+        let (w, q, seen) = (watcher.clone(), q.clone(), seen.clone());
+        tokio::spawn(async move { w.wait_changed(&q, &seen).await })
+    };
+    assert!(
+        eventually(LONG, || async {
+            watcher.stats().subscribes > before.subscribes
+        })
+        .await,
+        "the watcher subscribes"
+    );
+    // Time to arm the entry's gone channel too. (Were the release to come first, the
+    // listing after that subscription would find it, still not by the timer.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "wait_changed returned with no change"
+    );
+    holder.remove(&q, &mine).await.expect("release");
+    tokio::time::timeout(LONG, waiting)
+        .await
+        .expect("the watcher wakes")
+        .expect("task")
+        .expect("wait_changed");
+    let after = watcher.stats();
+    assert!(after.messages > before.messages, "woken by a message");
+    assert_eq!(
+        (after.missed_wakeups, after.timer_rechecks),
+        (before.missed_wakeups, before.timer_rechecks),
+        "not found by the re-check timer"
+    );
+    holder.close().await.expect("close");
+    watcher.close().await.expect("close");
+}
