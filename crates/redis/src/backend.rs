@@ -20,7 +20,7 @@ use tracing::{info, warn, Instrument};
 
 use crate::keys::{self, QueueKeys};
 use crate::node::Node;
-use crate::pubsub::{Chan, Listener};
+use crate::pubsub::Chan;
 use crate::scripts::Scripts;
 use crate::watchdog::{Fate, Live};
 
@@ -440,21 +440,29 @@ impl Backend for RedisBackend {
             let s = &self.shared;
             s.check_open()?;
             let keys = QueueKeys::new(&self.shared.prefix, q);
-            let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
-            // Confirmed: the listing below runs on the command connection.
-            let listener = s.listen(&keys.changed, true).await;
             // A lock's only entry may be a solo one, whose release is published on its
-            // gone-channel alone (`RELEASE_SOLO`: the queue channel's publish was a
-            // sixth of that script's server time), so a listing of one entry is
-            // waited on there too. Subscribed, then listed again, as the queue channel.
-            let mut lone: Option<(String, Listener)> = None;
+            // gone-channel alone (`RELEASE_SOLO`: the queue channel's publish was about
+            // 5 % of the server's work per uncontended lock). Only a listing equal to
+            // `seen` is waited on, so when the caller saw one entry, that entry's
+            // gone-channel is listened on too.
+            let lone_channel = match seen {
+                [only] => Some(keys.gone_channel(&only.name)),
+                _ => None,
+            };
+            let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
+            // Both confirmed: the listing below runs on the command connection.
+            let (listener, lone) = tokio::join!(s.listen(&keys.changed, true), async {
+                match &lone_channel {
+                    Some(c) => Some(s.listen(c, true).await),
+                    None => None,
+                }
+            });
             let mut by_timer = false;
             loop {
                 let notified = listener.notify.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                let lone_notify = lone.as_ref().map(|(_, l)| l.notify.clone());
-                let lone_notified = lone_notify.as_deref().map(Notify::notified);
+                let lone_notified = lone.as_ref().map(|l| l.notify.notified());
                 tokio::pin!(lone_notified);
                 if let Some(n) = lone_notified.as_mut().as_pin_mut() {
                     n.enable();
@@ -466,13 +474,6 @@ impl Backend for RedisBackend {
                 if !same {
                     s.count_recheck(by_timer);
                     return Ok(());
-                }
-                if let [only] = now.as_slice() {
-                    if lone.as_ref().is_none_or(|(name, _)| *name != only.name) {
-                        let l = s.listen(&keys.gone_channel(&only.name), true).await;
-                        lone = Some((only.name.clone(), l));
-                        continue;
-                    }
                 }
                 by_timer = s
                     .wait_notified_either(notified, lone_notified.as_pin_mut())

@@ -159,7 +159,7 @@ return false
 /// redis-server 7.0.15 (instructions per uncontended acquire + release, 91.2k before,
 /// 81.8k after):
 /// - Nothing is published on the queue channel (-4.6k): a solo entry is its queue's
-///   only one, and `wait_changed`, given a listing of one entry, listens on that
+///   only one, and `wait_changed`, when its caller saw one entry, listens on that
 ///   entry's gone-channel too (`RedisBackend::wait_changed`).
 /// - The holder's own value (`<name> <digits> `) is recognised by its prefix first; the
 ///   full pattern of a solo value is matched only for someone else's (-2.9k).

@@ -1223,7 +1223,7 @@ async fn a_malformed_solo_value_is_a_typed_error_and_left_alone() {
 }
 
 /// A solo entry's release is published on its gone-channel only (`RELEASE_SOLO`), so a
-/// `wait_changed` given a listing of that one entry listens there too: the release wakes
+/// `wait_changed` that saw that one entry listens there too: the release wakes
 /// it by the message, not by the re-check timer. (With the queue channel's publish taken
 /// out of the script and `wait_changed` listening on that channel alone, this waiter was
 /// woken by its timer.)
@@ -1259,7 +1259,7 @@ async fn wait_changed_on_a_lone_solo_entry_is_woken_by_its_release() {
         "the watcher subscribes"
     );
     // Time to arm the entry's gone channel too. (Were the release to come first, the
-    // listing after that subscription would find it, still not by the timer.)
+    // waiter's listing would find it, still not by the timer.)
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         !waiting.is_finished(),
