@@ -11,6 +11,7 @@
 
 use std::cmp::Ordering;
 use std::fmt;
+use std::sync::Arc;
 
 use crate::token::FencingToken;
 
@@ -86,7 +87,7 @@ impl fmt::Display for EntryKind {
 /// name (Curator's protected prefix), so a create whose reply was lost, or whose future
 /// was dropped, can still be found and removed.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Ticket(String);
+pub struct Ticket(Arc<str>);
 
 impl Ticket {
     /// The ticket whose id is the version-4 uuid (as Curator uses) made of `random`, with
@@ -94,11 +95,12 @@ impl Ticket {
     /// the operating system, a simulation from its seed): the core reads no randomness,
     /// so the same bytes always make the same ticket.
     pub fn from_random_bytes(random: [u8; 16]) -> Self {
-        Ticket(
+        Ticket(Arc::from(
             uuid::Builder::from_random_bytes(random)
                 .into_uuid()
-                .to_string(),
-        )
+                .hyphenated()
+                .encode_lower(&mut uuid::Uuid::encode_buffer()) as &str,
+        ))
     }
 
     /// The id text, a hyphenated uuid.

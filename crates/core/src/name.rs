@@ -7,6 +7,7 @@
 //! anything behind on a server.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::error::{Error, NameError};
 
@@ -64,7 +65,7 @@ impl Default for NameRules {
 
 /// A lock name that passed validation. Always without leading or trailing `/`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LockName(String);
+pub struct LockName(Arc<str>);
 
 impl LockName {
     /// Validates `name` against `rules`. A leading or trailing `/` is dropped, so `/a/b`
@@ -114,7 +115,7 @@ impl LockName {
         if let Some(c) = trimmed.chars().find(|c| rules.forbidden.contains(c)) {
             return Err(NameError::BadChar(c));
         }
-        Ok(LockName(trimmed.to_owned()))
+        Ok(LockName(Arc::from(trimmed)))
     }
 
     /// The name without leading or trailing slash, e.g. `orders/42`.

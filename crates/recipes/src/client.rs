@@ -389,13 +389,7 @@ impl<B: DynBackend + ?Sized> Client<B> {
             let entry = queue::acquire(&self.backend, &q, ticket, kind, at, data, wait)
                 .instrument(span.clone())
                 .await?;
-            match Held::new(self.backend.clone(), q.clone(), entry.clone(), Some(key)) {
-                Ok(h) => Ok(h),
-                Err(e) => {
-                    let _ = self.backend.remove(&q, &entry).await;
-                    Err(e)
-                }
-            }
+            Held::grant(self.backend.clone(), q, entry, Some(key)).await
         }
         .await;
         crate::metrics::acquire(self.backend.kind(), kind.label(), asked.elapsed(), &result);

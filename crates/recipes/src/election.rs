@@ -181,13 +181,7 @@ impl<B: DynBackend + ?Sized> Election<B> {
             .instrument(span.clone())
             .await?;
             // No reentry key: an election is never re-entered.
-            match Held::new(backend.clone(), q.clone(), entry.clone(), None) {
-                Ok(h) => Ok(h),
-                Err(e) => {
-                    let _ = backend.remove(&q, &entry).await;
-                    Err(e)
-                }
-            }
+            Held::grant(backend.clone(), q.clone(), entry, None).await
         }
         .await;
         crate::metrics::acquire(backend.kind(), "election", asked.elapsed(), &result);

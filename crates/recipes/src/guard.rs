@@ -12,6 +12,9 @@ use tracing::Instrument;
 use crate::queue::spawn_remove;
 use crate::reentry::{HoldKey, Recipe, Scope};
 
+/// A hold's lost signal, shared by its guards: the reason, once lost.
+type LostSignal = Shared<BoxFuture<'static, String>>;
+
 /// One entry that holds a lock, shared by every guard of that hold (the first one and
 /// its re-entries).
 pub(crate) struct Held<B: DynBackend + ?Sized> {
@@ -19,7 +22,7 @@ pub(crate) struct Held<B: DynBackend + ?Sized> {
     pub(crate) q: QueuePath,
     pub(crate) entry: Entry,
     pub(crate) token: FencingToken,
-    lost: Shared<BoxFuture<'static, String>>,
+    lost: LostSignal,
     /// Which client's which recipe this is; `None` for a semaphore permit, which no
     /// scope re-enters.
     pub(crate) key: Option<HoldKey>,
@@ -31,12 +34,34 @@ pub(crate) struct Held<B: DynBackend + ?Sized> {
 }
 
 impl<B: DynBackend + ?Sized> Held<B> {
-    pub(crate) fn new(
+    /// The hold of `entry`, just granted in `q`; or, when it cannot be handed out (no
+    /// fencing token, or the session already lost), the entry removed and the reason.
+    pub(crate) async fn grant(
         backend: Arc<B>,
         q: QueuePath,
         entry: Entry,
         key: Option<HoldKey>,
     ) -> Result<Arc<Self>> {
+        match Self::check(&backend, &q, &entry) {
+            Ok((token, lost)) => Ok(Arc::new(Held {
+                backend,
+                q,
+                entry,
+                token,
+                lost,
+                key,
+                guards: AtomicUsize::new(1),
+                granted_at: std::time::Instant::now(),
+            })),
+            Err(e) => {
+                let _ = backend.remove(&q, &entry).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The granted entry's token and lost signal, or why it cannot be handed out.
+    fn check(backend: &Arc<B>, q: &QueuePath, entry: &Entry) -> Result<(FencingToken, LostSignal)> {
         let token = entry.token.ok_or_else(|| {
             Error::backend(
                 format!("acquire {q}"),
@@ -44,7 +69,7 @@ impl<B: DynBackend + ?Sized> Held<B> {
             )
         })?;
         let lost = backend
-            .lost(&q, &entry)
+            .lost(q, entry)
             .map(|e| match e {
                 Error::LockLost(msg) => msg,
                 other => other.to_string(),
@@ -61,16 +86,7 @@ impl<B: DynBackend + ?Sized> Held<B> {
                 entry.name
             )));
         }
-        Ok(Arc::new(Held {
-            backend,
-            q,
-            entry,
-            token,
-            lost,
-            key,
-            guards: AtomicUsize::new(1),
-            granted_at: std::time::Instant::now(),
-        }))
+        Ok((token, lost))
     }
 
     /// The lost signal's reason, if it has fired.

@@ -219,7 +219,9 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
         let enq = backend.enqueue(q, &ticket, kind, at, data).await?;
         let mine = enq.mine;
         let mut view = Snapshot::new(enq.queue, &mine.name);
-        let mut lost = backend.lost(q, &mine);
+        // Armed at the first wait: a grant at once needs no lost signal here (the hold
+        // takes its own, and checks it before it is handed out).
+        let mut lost: Option<BoxFuture<'static, Error>> = None;
         let watch_ahead = backend.hints().watch_ahead;
         // The watch on the entry this waiter waits on, kept across a re-listing that
         // names the same entry again, so it is armed once.
@@ -253,10 +255,11 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
                 Some(e) => watch_gone(backend.clone(), q.clone(), e),
                 None => Box::pin(futures::future::pending()),
             };
+            let lost = lost.get_or_insert_with(|| backend.lost(q, &mine));
             tokio::select! {
                 // A session lost at the moment the blocker went is lost: never granted.
                 biased;
-                e = &mut lost => return Err(e),
+                e = lost => return Err(e),
                 r = &mut gone => {
                     // Told the blocker went as the head, the view needs no listing
                     // however stale it is (see `Snapshot::without_head`).

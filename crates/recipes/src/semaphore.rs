@@ -411,13 +411,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         match result {
             Ok(entry) => {
                 cleanup.disarm();
-                match Held::new(backend.clone(), leases.clone(), entry.clone(), key) {
-                    Ok(h) => Ok(h),
-                    Err(e) => {
-                        let _ = backend.remove(&leases, &entry).await;
-                        Err(e)
-                    }
-                }
+                Held::grant(backend.clone(), leases.clone(), entry, key).await
             }
             Err(e) => {
                 cleanup.abandon_now().await;
