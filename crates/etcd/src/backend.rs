@@ -12,8 +12,7 @@ use dlock_core::{
     Position, QueuePath, Result, SessionOptions, Ticket,
 };
 use etcd_client::{
-    Certificate, Client, ConnectOptions, GetOptions, GetResponse, Identity, KvClient, LeaseClient,
-    TlsOptions,
+    Certificate, Client, ConnectOptions, GetOptions, GetResponse, Identity, LeaseClient, TlsOptions,
 };
 use futures::future::BoxFuture;
 use tokio::sync::Semaphore;
@@ -22,6 +21,7 @@ use tracing::Instrument;
 
 use crate::claims::Local;
 use crate::errors::{diagnose_unreachable, map, retrying};
+use crate::kv_pool::KvPool;
 use crate::layout;
 use crate::reads::{header_rev, holds_entry};
 use crate::session::Session;
@@ -45,7 +45,7 @@ pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(60);
 /// the lease, which frees every lock of this client at once; dropping the last `Arc`
 /// without `close` revokes it in the background.
 pub struct EtcdBackend {
-    pub(crate) kv: KvClient,
+    pub(crate) kv: Arc<KvPool>,
     /// In front of every key (`?namespace=`; empty for none).
     pub(crate) namespace: String,
     /// Every watch of this client, multiplexed over one stream.
@@ -284,7 +284,7 @@ impl EtcdBackend {
         let mut sessions = HashMap::new();
         sessions.insert(session.id(), session.clone());
         Arc::new_cyclic(|me| EtcdBackend {
-            kv: client.kv_client(),
+            kv: KvPool::new(client.kv_client()),
             namespace: opts.namespace.clone().unwrap_or_default(),
             watches: Watches::new(client.watch_client(), request_timeout),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
@@ -486,9 +486,13 @@ impl Backend for EtcdBackend {
     async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
         let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
         let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
-            let mut kv = self.kv.clone();
+            let mut kv = self.kv.get();
             let key = key.as_str();
-            async move { kv.get(key, Some(GetOptions::new().with_keys_only())).await }
+            async move {
+                let r = kv.get(key, Some(GetOptions::new().with_keys_only())).await;
+                kv.done();
+                r
+            }
         })
         .await
         .map_err(|e| map(&format!("looking up {key}"), e))?;
@@ -575,8 +579,12 @@ impl Backend for EtcdBackend {
             };
             if !self.delete_claimed(&p.key, retired).await {
                 request(&self.in_flight, self.request_timeout, || {
-                    let (mut kv, key) = (self.kv.clone(), p.key.clone());
-                    async move { kv.delete(key, None).await }
+                    let (mut kv, key) = (self.kv.get(), p.key.clone());
+                    async move {
+                        let r = kv.delete(key, None).await;
+                        kv.done();
+                        r
+                    }
                 })
                 .await
                 .map_err(|e| map(&format!("abandoning {}", p.key), e))?;

@@ -74,7 +74,7 @@ impl EtcdBackend {
                 local.primary.remove(&old.key);
             }
         }
-        let primary_key = format!("{prefix}{}", layout::entry_name(lease, ticket, kind, true));
+        let primary_key = layout::entry_key(prefix, lease, ticket, kind, true);
         let primary = matches!(kind, EntryKind::Lock | EntryKind::Candidate)
             && !avoid_primary
             && !local.primary.contains_key(&primary_key);
@@ -84,7 +84,7 @@ impl EtcdBackend {
                 .insert(primary_key.clone(), ticket.as_str().to_owned());
             primary_key
         } else {
-            format!("{prefix}{}", layout::entry_name(lease, ticket, kind, false))
+            layout::entry_key(prefix, lease, ticket, kind, false)
         };
         (key, primary, None)
     }
@@ -135,7 +135,10 @@ impl EtcdBackend {
     pub(crate) async fn delete_claimed(&self, key: &str, primary: bool) -> bool {
         let attempt = async {
             let _slot = self.in_flight.acquire().await.ok();
-            self.kv.clone().delete(key, None).await
+            let mut kv = self.kv.get();
+            let r = kv.delete(key, None).await;
+            kv.done();
+            r
         };
         let why = match timeout(self.request_timeout, attempt).await {
             Ok(Ok(resp)) => {
@@ -284,30 +287,14 @@ impl EtcdBackend {
             // etcd's Go Mutex in one round trip: create my key if it does not exist, and
             // read the queue. The else branch (my key exists: a retry whose first answer
             // was lost) reads the same queue, so retrying is idempotent.
-            let put = etcd_client::PutOptions::new().with_lease(lease);
-            let mut when = vec![Compare::create_revision(key.clone(), CompareOp::Equal, 0)];
-            if let Some((wkey, rev)) = &writer_check {
-                when.push(Compare::create_revision(
-                    wkey.clone(),
-                    CompareOp::Equal,
-                    *rev,
-                ));
-                when.push(Compare::lease(wkey.clone(), CompareOp::Equal, lease));
-            }
-            let mut then = vec![TxnOp::put(key.clone(), value.clone(), Some(put))];
-            if let Some((gkey, rev, ..)) = &hand_on {
-                when.push(Compare::create_revision(
-                    gkey.clone(),
-                    CompareOp::Equal,
-                    *rev,
-                ));
-                then.push(TxnOp::delete(gkey.clone(), None));
-            }
-            then.push(TxnOp::get(prefix.clone(), Some(queue_read())));
-            let txn = Txn::new()
-                .when(when)
-                .and_then(then)
-                .or_else([TxnOp::get(prefix.clone(), Some(queue_read()))]);
+            let parts = TxnParts {
+                key: key.clone(),
+                value: value.clone(),
+                prefix: prefix.clone(),
+                lease,
+                writer_check: writer_check.clone(),
+                hand_on: hand_on.as_ref().map(|(gkey, rev, ..)| (gkey.clone(), *rev)),
+            };
             // The transaction runs in its own task: a dropped enqueue cannot cancel it
             // halfway, and `abandon` waits for its answer before deleting the key. (Polling
             // it in place and handing it to a task only when dropped was measured: no
@@ -320,8 +307,13 @@ impl EtcdBackend {
                 let mut sent = 0u32;
                 let r = request(&limit, budget, || {
                     sent += 1;
-                    let (mut kv, txn) = (kv.clone(), txn.clone());
-                    async move { kv.txn(txn).await }
+                    // Built for each attempt: etcd-client takes the transaction by value.
+                    let (mut kv, txn) = (kv.get(), parts.txn());
+                    async move {
+                        let r = kv.txn(txn).await;
+                        kv.done();
+                        r
+                    }
                 })
                 .await;
                 // An attempt that was not answered may have been applied, or may still
@@ -459,8 +451,12 @@ impl EtcdBackend {
             None => Txn::new().and_then([TxnOp::delete(key, None)]),
         };
         let resp = request(&self.in_flight, self.request_timeout, || {
-            let (mut kv, txn) = (self.kv.clone(), txn.clone());
-            async move { kv.txn(txn).await }
+            let (mut kv, txn) = (self.kv.get(), txn.clone());
+            async move {
+                let r = kv.txn(txn).await;
+                kv.done();
+                r
+            }
         })
         .await
         .map_err(|e| map(&format!("releasing {key}"), e))?;
@@ -508,8 +504,12 @@ impl EtcdBackend {
             )]);
         // A retried put is harmless: the same value under the same guard.
         let resp = request(&self.in_flight, self.request_timeout, || {
-            let (mut kv, txn) = (self.kv.clone(), txn.clone());
-            async move { kv.txn(txn).await }
+            let (mut kv, txn) = (self.kv.get(), txn.clone());
+            async move {
+                let r = kv.txn(txn).await;
+                kv.done();
+                r
+            }
         })
         .await
         .map_err(|e| map(&format!("proclaiming on {key}"), e))?;
@@ -521,5 +521,56 @@ impl EtcdBackend {
                 "{key}: the entry created at revision {rev} is gone; nothing was written"
             )))
         }
+    }
+}
+
+/// What an enqueue's transaction is built from, owned by the task that sends it.
+struct TxnParts {
+    key: String,
+    value: Vec<u8>,
+    prefix: String,
+    lease: i64,
+    /// A downgrade's write entry: its key and create revision, which must still be
+    /// this lease's.
+    writer_check: Option<(String, i64)>,
+    /// An entry to delete in the same transaction: its key and create revision.
+    hand_on: Option<(String, i64)>,
+}
+
+impl TxnParts {
+    /// Creates the key unless it exists, and reads the queue either way.
+    fn txn(&self) -> Txn {
+        let put = etcd_client::PutOptions::new().with_lease(self.lease);
+        let mut when = vec![Compare::create_revision(
+            self.key.as_str(),
+            CompareOp::Equal,
+            0,
+        )];
+        if let Some((wkey, rev)) = &self.writer_check {
+            when.push(Compare::create_revision(
+                wkey.as_str(),
+                CompareOp::Equal,
+                *rev,
+            ));
+            when.push(Compare::lease(wkey.as_str(), CompareOp::Equal, self.lease));
+        }
+        let mut then = vec![TxnOp::put(
+            self.key.as_str(),
+            self.value.as_slice(),
+            Some(put),
+        )];
+        if let Some((gkey, rev)) = &self.hand_on {
+            when.push(Compare::create_revision(
+                gkey.as_str(),
+                CompareOp::Equal,
+                *rev,
+            ));
+            then.push(TxnOp::delete(gkey.as_str(), None));
+        }
+        then.push(TxnOp::get(self.prefix.as_str(), Some(queue_read())));
+        Txn::new()
+            .when(when)
+            .and_then(then)
+            .or_else([TxnOp::get(self.prefix.as_str(), Some(queue_read()))])
     }
 }

@@ -40,23 +40,57 @@ const MAGIC: &[u8] = b"dlock1 ";
 /// The key prefix of queue `q` under `namespace` (empty for none):
 /// `<namespace>NAME/` or `<namespace>NAME/sub/`.
 pub(crate) fn queue_prefix(namespace: &str, q: &QueuePath) -> String {
-    format!("{namespace}{}/", q.relative())
+    // Appended, not formatted: this runs for every request that names a queue.
+    let lock = q.lock.as_str();
+    let sub_len = q.sub.map_or(0, str::len);
+    let mut s = String::with_capacity(namespace.len() + lock.len() + sub_len + 2);
+    s.push_str(namespace);
+    s.push_str(lock);
+    if let Some(sub) = q.sub {
+        s.push('/');
+        s.push_str(sub);
+    }
+    s.push('/');
+    s
 }
 
-/// The entry name (the key below the queue prefix) a ticket uses.
+/// [`entry_key`] without a prefix: the entry's name.
+#[cfg(test)]
+pub(crate) fn entry_name(lease: i64, ticket: &Ticket, kind: EntryKind, primary: bool) -> String {
+    entry_key("", lease, ticket, kind, primary)
+}
+
+/// The key a ticket's entry takes: `prefix` (its queue's) and the entry's name,
+/// `<lease hex>-<ticket>` and a kind marker (`-r`, `-w`, `-l`; none for a lock or a
+/// candidate), built in one string, since this runs for every enqueue.
 ///
 /// `primary` asks for etcd's own mutex (or election) key, `<lease hex>`; it is only
 /// meaningful for [`EntryKind::Lock`] and [`EntryKind::Candidate`], since the other kinds
 /// always carry their ticket.
-pub(crate) fn entry_name(lease: i64, ticket: &Ticket, kind: EntryKind, primary: bool) -> String {
+pub(crate) fn entry_key(
+    prefix: &str,
+    lease: i64,
+    ticket: &Ticket,
+    kind: EntryKind,
+    primary: bool,
+) -> String {
+    use std::fmt::Write as _;
     let t = ticket.as_str();
-    match kind {
-        EntryKind::Lock | EntryKind::Candidate if primary => format!("{lease:x}"),
-        EntryKind::Lock | EntryKind::Candidate => format!("{lease:x}-{t}"),
-        EntryKind::Read => format!("{lease:x}-{t}-r"),
-        EntryKind::Write => format!("{lease:x}-{t}-w"),
-        EntryKind::Lease => format!("{lease:x}-{t}-l"),
-    }
+    let mut s = String::with_capacity(prefix.len() + 16 + 1 + t.len() + 2);
+    s.push_str(prefix);
+    // Writing to a `String` cannot fail.
+    let _ = write!(s, "{lease:x}");
+    let tail = match kind {
+        EntryKind::Lock | EntryKind::Candidate if primary => return s,
+        EntryKind::Lock | EntryKind::Candidate => "",
+        EntryKind::Read => "-r",
+        EntryKind::Write => "-w",
+        EntryKind::Lease => "-l",
+    };
+    s.push('-');
+    s.push_str(t);
+    s.push_str(tail);
+    s
 }
 
 /// What an entry name says about its entry.
@@ -353,6 +387,25 @@ mod tests {
             (p.kind, p.lease, p.ticket),
             (EntryKind::Lock, Some(lease), None)
         );
+        // The layout other clients and older versions read, exactly.
+        for (kind, tail) in [
+            (EntryKind::Lock, ""),
+            (EntryKind::Candidate, ""),
+            (EntryKind::Read, "-r"),
+            (EntryKind::Write, "-w"),
+            (EntryKind::Lease, "-l"),
+        ] {
+            let expected = format!("694d7a1b2c3d4e5f-{}{tail}", t.as_str());
+            assert_eq!(entry_name(lease, &t, kind, false), expected);
+            assert_eq!(
+                entry_key("app/m/", lease, &t, kind, false),
+                format!("app/m/{expected}")
+            );
+        }
+        assert_eq!(
+            entry_key("app/m/", lease, &t, EntryKind::Lock, true),
+            "app/m/694d7a1b2c3d4e5f"
+        );
     }
 
     #[test]
@@ -431,6 +484,18 @@ mod tests {
         for plain in [&b""[..], b"dlock1 x", b"dlock1 nope 3\nd", b"hello"] {
             let d = decode_value(plain);
             assert_eq!((d.ticket, d.data), (None, plain), "{plain:?}");
+        }
+    }
+
+    #[test]
+    fn queue_prefix_is_the_namespace_and_the_relative_path() {
+        let name = LockName::new("orders/42", crate::NAME_RULES).expect("valid");
+        for (ns, q) in [
+            ("", QueuePath::root(name.clone())),
+            ("app/", QueuePath::root(name.clone())),
+            ("app/", QueuePath::sub(name, "leases")),
+        ] {
+            assert_eq!(queue_prefix(ns, &q), format!("{ns}{}/", q.relative()));
         }
     }
 

@@ -160,6 +160,7 @@ pub const NAME_RULES: dlock_core::NameRules = dlock_core::NameRules::common();
 mod backend;
 mod claims;
 mod errors;
+mod kv_pool;
 mod layout;
 mod reads;
 mod server_version;

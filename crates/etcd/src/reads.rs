@@ -66,8 +66,12 @@ impl EtcdBackend {
         let floor = floor.max(self.seen_rev.load(Ordering::Acquire));
         let read = |opts: GetOptions| {
             request(&self.in_flight, self.request_timeout, move || {
-                let (mut kv, opts) = (self.kv.clone(), opts.clone());
-                async move { kv.get(key, Some(opts)).await }
+                let (mut kv, opts) = (self.kv.get(), opts.clone());
+                async move {
+                    let r = kv.get(key, Some(opts)).await;
+                    kv.done();
+                    r
+                }
             })
         };
         let r = read(opts.clone().with_serializable()).await?;
@@ -86,8 +90,12 @@ impl EtcdBackend {
     /// served by a lagging member.
     pub(crate) async fn read_queue_linearizable(&self, prefix: &str) -> Result<Vec<Entry>> {
         let resp: GetResponse = request(&self.in_flight, self.request_timeout, move || {
-            let mut kv = self.kv.clone();
-            async move { kv.get(prefix, Some(queue_read())).await }
+            let mut kv = self.kv.get();
+            async move {
+                let r = kv.get(prefix, Some(queue_read())).await;
+                kv.done();
+                r
+            }
         })
         .await
         .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
@@ -110,8 +118,12 @@ impl EtcdBackend {
                 .with_limit(LIST_PAGE)
                 .with_revision(rev);
             let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
-                let (mut kv, key, opts) = (self.kv.clone(), from.clone(), opts.clone());
-                async move { kv.get(key, Some(opts)).await }
+                let (mut kv, key, opts) = (self.kv.get(), from.clone(), opts.clone());
+                async move {
+                    let r = kv.get(key, Some(opts)).await;
+                    kv.done();
+                    r
+                }
             })
             .await
             .map_err(|e| map(&format!("listing the locks under {start:?}"), e))?;
