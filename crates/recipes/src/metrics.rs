@@ -18,50 +18,6 @@
 use std::time::Duration;
 
 use dlock_core::Error;
-use metrics::{Counter, Histogram, Key, Label, Level, Metadata};
-use parking_lot::Mutex;
-
-/// What the facade's macros would give: this module's target, at `INFO`.
-static META: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
-
-/// Label sets handed out so far. Every label value is a `&'static str` from a short fixed
-/// list (backends, kinds, outcomes, error labels), so there are a few dozen sets at most;
-/// each is leaked once and reused. The facade's macros build a `Vec` of labels on every
-/// call, recorder or not: about 2k instructions per acquire + release, measured.
-static SETS: Mutex<Vec<&'static [Label]>> = Mutex::new(Vec::new());
-
-/// The interned label set `pairs`.
-fn labels(pairs: &[(&'static str, &'static str)]) -> &'static [Label] {
-    let mut sets = SETS.lock();
-    let same = |set: &[Label]| {
-        set.len() == pairs.len()
-            && set
-                .iter()
-                .zip(pairs)
-                .all(|(l, (k, v))| l.key() == *k && l.value() == *v)
-    };
-    if let Some(set) = sets.iter().find(|set| same(set)) {
-        return set;
-    }
-    let set: &'static [Label] = Box::leak(
-        pairs
-            .iter()
-            .map(|&(k, v)| Label::from_static_parts(k, v))
-            .collect(),
-    );
-    sets.push(set);
-    set
-}
-
-fn counter(name: &'static str, pairs: &[(&'static str, &'static str)]) -> Counter {
-    let key = Key::from_static_parts(name, labels(pairs));
-    metrics::with_recorder(|r| r.register_counter(&key, &META))
-}
-
-fn histogram(name: &'static str, pairs: &[(&'static str, &'static str)]) -> Histogram {
-    let key = Key::from_static_parts(name, labels(pairs));
-    metrics::with_recorder(|r| r.register_histogram(&key, &META))
-}
 
 /// Records one acquire that ended after `waited` with `result`.
 pub(crate) fn acquire<T>(
@@ -78,12 +34,12 @@ pub(crate) fn acquire<T>(
         Err(_) => "error",
     };
     let labels = [("backend", backend), ("kind", kind), ("outcome", outcome)];
-    counter("dlock_acquires_total", &labels).increment(1);
-    histogram("dlock_acquire_wait_seconds", &labels).record(waited.as_secs_f64());
+    metrics::counter!("dlock_acquires_total", &labels).increment(1);
+    metrics::histogram!("dlock_acquire_wait_seconds", &labels).record(waited.as_secs_f64());
     if let Err(e) = result {
         if !matches!(e, Error::Timeout(_) | Error::WouldBlock) {
             let labels = [("backend", backend), ("kind", kind), ("error", e.label())];
-            counter("dlock_errors_total", &labels).increment(1);
+            metrics::counter!("dlock_errors_total", &labels).increment(1);
         }
     }
 }
@@ -91,8 +47,8 @@ pub(crate) fn acquire<T>(
 /// Records the end of a hold that lasted `held` (its last guard released or dropped).
 pub(crate) fn hold_ended(backend: &'static str, kind: &'static str, held: Duration, lost: bool) {
     let labels = [("backend", backend), ("kind", kind)];
-    histogram("dlock_hold_seconds", &labels).record(held.as_secs_f64());
+    metrics::histogram!("dlock_hold_seconds", &labels).record(held.as_secs_f64());
     if lost {
-        counter("dlock_holds_lost_total", &labels).increment(1);
+        metrics::counter!("dlock_holds_lost_total", &labels).increment(1);
     }
 }
