@@ -486,13 +486,9 @@ impl Backend for EtcdBackend {
     async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
         let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
         let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
-            let mut kv = self.kv.get();
             let key = key.as_str();
-            async move {
-                let r = kv.get(key, Some(GetOptions::new().with_keys_only())).await;
-                kv.done();
-                r
-            }
+            self.kv
+                .with(async move |kv| kv.get(key, Some(GetOptions::new().with_keys_only())).await)
         })
         .await
         .map_err(|e| map(&format!("looking up {key}"), e))?;
@@ -579,12 +575,8 @@ impl Backend for EtcdBackend {
             };
             if !self.delete_claimed(&p.key, retired).await {
                 request(&self.in_flight, self.request_timeout, || {
-                    let (mut kv, key) = (self.kv.get(), p.key.clone());
-                    async move {
-                        let r = kv.delete(key, None).await;
-                        kv.done();
-                        r
-                    }
+                    let key = p.key.clone();
+                    self.kv.with(async move |kv| kv.delete(key, None).await)
                 })
                 .await
                 .map_err(|e| map(&format!("abandoning {}", p.key), e))?;

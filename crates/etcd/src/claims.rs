@@ -135,10 +135,7 @@ impl EtcdBackend {
     pub(crate) async fn delete_claimed(&self, key: &str, primary: bool) -> bool {
         let attempt = async {
             let _slot = self.in_flight.acquire().await.ok();
-            let mut kv = self.kv.get();
-            let r = kv.delete(key, None).await;
-            kv.done();
-            r
+            self.kv.with(async |kv| kv.delete(key, None).await).await
         };
         let why = match timeout(self.request_timeout, attempt).await {
             Ok(Ok(resp)) => {
@@ -308,12 +305,8 @@ impl EtcdBackend {
                 let r = request(&limit, budget, || {
                     sent += 1;
                     // Built for each attempt: etcd-client takes the transaction by value.
-                    let (mut kv, txn) = (kv.get(), parts.txn());
-                    async move {
-                        let r = kv.txn(txn).await;
-                        kv.done();
-                        r
-                    }
+                    let txn = parts.txn();
+                    kv.with(async move |kv| kv.txn(txn).await)
                 })
                 .await;
                 // An attempt that was not answered may have been applied, or may still
@@ -451,12 +444,8 @@ impl EtcdBackend {
             None => Txn::new().and_then([TxnOp::delete(key, None)]),
         };
         let resp = request(&self.in_flight, self.request_timeout, || {
-            let (mut kv, txn) = (self.kv.get(), txn.clone());
-            async move {
-                let r = kv.txn(txn).await;
-                kv.done();
-                r
-            }
+            let txn = txn.clone();
+            self.kv.with(async move |kv| kv.txn(txn).await)
         })
         .await
         .map_err(|e| map(&format!("releasing {key}"), e))?;
@@ -504,12 +493,8 @@ impl EtcdBackend {
             )]);
         // A retried put is harmless: the same value under the same guard.
         let resp = request(&self.in_flight, self.request_timeout, || {
-            let (mut kv, txn) = (self.kv.get(), txn.clone());
-            async move {
-                let r = kv.txn(txn).await;
-                kv.done();
-                r
-            }
+            let txn = txn.clone();
+            self.kv.with(async move |kv| kv.txn(txn).await)
         })
         .await
         .map_err(|e| map(&format!("proclaiming on {key}"), e))?;

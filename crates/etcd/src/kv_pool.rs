@@ -5,7 +5,6 @@
 //! drop per request was about 2.8k instructions per lock in W3, a get and put back here
 //! 1.0k (callgrind): a client that finished its request goes back for the next one.
 
-use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
 use etcd_client::KvClient;
@@ -29,59 +28,18 @@ impl KvPool {
         })
     }
 
-    /// A client for one request. Call [`PooledKv::done`] once its request has an
-    /// answer: only then does it go back for reuse (a request dropped halfway may have
-    /// left the client mid-call, and such a client is simply dropped).
-    pub(crate) fn get(self: &Arc<Self>) -> PooledKv {
-        let kv = self.idle.lock().pop().unwrap_or_else(|| self.proto.clone());
-        PooledKv {
-            kv: Some(kv),
-            pool: self.clone(),
-            finished: false,
+    /// Runs one request on a client of the pool and returns its answer. Every request
+    /// of the adapter goes through here. The client goes back for reuse only once `call`
+    /// has answered: a future dropped before that (a timeout, a cancelled caller) may
+    /// have left its client mid-call, and drops it with itself.
+    pub(crate) async fn with<T>(&self, call: impl AsyncFnOnce(&mut KvClient) -> T) -> T {
+        let taken = self.idle.lock().pop();
+        let mut kv = taken.unwrap_or_else(|| self.proto.clone());
+        let answer = call(&mut kv).await;
+        let mut idle = self.idle.lock();
+        if idle.len() < KEEP {
+            idle.push(kv);
         }
-    }
-}
-
-/// A client taken from a [`KvPool`]; back to it on drop once [`PooledKv::done`].
-pub(crate) struct PooledKv {
-    kv: Option<KvClient>,
-    pool: Arc<KvPool>,
-    finished: bool,
-}
-
-impl PooledKv {
-    /// Marks the client's request answered, so the client can serve another.
-    pub(crate) fn done(&mut self) {
-        self.finished = true;
-    }
-}
-
-impl Deref for PooledKv {
-    type Target = KvClient;
-
-    fn deref(&self) -> &KvClient {
-        // Only `Drop` takes it out.
-        self.kv
-            .as_ref()
-            .expect("a pooled client is present until dropped")
-    }
-}
-
-impl DerefMut for PooledKv {
-    fn deref_mut(&mut self) -> &mut KvClient {
-        self.kv
-            .as_mut()
-            .expect("a pooled client is present until dropped")
-    }
-}
-
-impl Drop for PooledKv {
-    fn drop(&mut self) {
-        if let (true, Some(kv)) = (self.finished, self.kv.take()) {
-            let mut idle = self.pool.idle.lock();
-            if idle.len() < KEEP {
-                idle.push(kv);
-            }
-        }
+        answer
     }
 }

@@ -66,12 +66,8 @@ impl EtcdBackend {
         let floor = floor.max(self.seen_rev.load(Ordering::Acquire));
         let read = |opts: GetOptions| {
             request(&self.in_flight, self.request_timeout, move || {
-                let (mut kv, opts) = (self.kv.get(), opts.clone());
-                async move {
-                    let r = kv.get(key, Some(opts)).await;
-                    kv.done();
-                    r
-                }
+                let opts = opts.clone();
+                self.kv.with(async move |kv| kv.get(key, Some(opts)).await)
             })
         };
         let r = read(opts.clone().with_serializable()).await?;
@@ -90,12 +86,8 @@ impl EtcdBackend {
     /// served by a lagging member.
     pub(crate) async fn read_queue_linearizable(&self, prefix: &str) -> Result<Vec<Entry>> {
         let resp: GetResponse = request(&self.in_flight, self.request_timeout, move || {
-            let mut kv = self.kv.get();
-            async move {
-                let r = kv.get(prefix, Some(queue_read())).await;
-                kv.done();
-                r
-            }
+            self.kv
+                .with(async move |kv| kv.get(prefix, Some(queue_read())).await)
         })
         .await
         .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
@@ -118,12 +110,8 @@ impl EtcdBackend {
                 .with_limit(LIST_PAGE)
                 .with_revision(rev);
             let resp: GetResponse = request(&self.in_flight, self.request_timeout, || {
-                let (mut kv, key, opts) = (self.kv.get(), from.clone(), opts.clone());
-                async move {
-                    let r = kv.get(key, Some(opts)).await;
-                    kv.done();
-                    r
-                }
+                let (key, opts) = (from.clone(), opts.clone());
+                self.kv.with(async move |kv| kv.get(key, Some(opts)).await)
             })
             .await
             .map_err(|e| map(&format!("listing the locks under {start:?}"), e))?;
