@@ -630,9 +630,15 @@ impl Node {
     ) -> Result<Value, fred::error::Error> {
         // Not `Script::evalsha_with_reload`: it takes a bare client, without our options.
         let client = self.client.with_options(&self.cmd);
-        let first = client
-            .evalsha::<Value, _, _, _>(script.sha1().clone(), keys.to_vec(), args.to_vec())
-            .await;
+        // fred's command futures are about 7 KB: boxed here, where they are made, every
+        // future that awaits this one stays small, instead of each level of the call
+        // (and the backend seam's box) copying those kilobytes once more.
+        let first = Box::pin(client.evalsha::<Value, _, _, _>(
+            script.sha1().clone(),
+            keys.to_vec(),
+            args.to_vec(),
+        ))
+        .await;
         match first {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
                 // Our scripts are all built from their source, so it is always there.
@@ -643,11 +649,10 @@ impl Node {
                     // SCRIPT LOAD is not routed by key on a cluster (it would load the
                     // script on some node, perhaps not the slot's master): EVAL goes to
                     // the slot's master and caches the script there.
-                    client.eval(lua.clone(), keys.to_vec(), args.to_vec()).await
+                    Box::pin(client.eval(lua.clone(), keys.to_vec(), args.to_vec())).await
                 } else {
-                    client.script_load::<Value, _>(lua.clone()).await?;
-                    client
-                        .evalsha(script.sha1().clone(), keys.to_vec(), args.to_vec())
+                    Box::pin(client.script_load::<Value, _>(lua.clone())).await?;
+                    Box::pin(client.evalsha(script.sha1().clone(), keys.to_vec(), args.to_vec()))
                         .await
                 }
             }
@@ -660,7 +665,9 @@ impl Node {
     /// On a cluster, retried as [`Node::eval`] while the slot is being migrated.
     pub async fn pttl(&self, key: &str) -> Result<Option<i64>, Error> {
         let n: i64 = self
-            .mid_move_retry(|| async { self.client.with_options(&self.cmd).pttl(key).await })
+            .mid_move_retry(|| {
+                Box::pin(async { self.client.with_options(&self.cmd).pttl(key).await })
+            })
             .await
             .map_err(|e| self.map_err("checking an entry", e))?;
         Ok((n != -2).then_some(n))
@@ -674,7 +681,7 @@ impl Node {
     /// is then in doubt anyway, and the waiter's re-check timer and reconnect wake-up
     /// cover it, as after a failed SUBSCRIBE.
     pub async fn pttl_after_subscribe(&self, key: &str) -> Result<Option<i64>, Error> {
-        match self.sub.with_options(&self.cmd).pttl::<i64, _>(key).await {
+        match Box::pin(self.sub.with_options(&self.cmd).pttl::<i64, _>(key)).await {
             Ok(n) => Ok((n != -2).then_some(n)),
             Err(e) => {
                 tracing::debug!(master = %self.addr, error = %e, "existence check on the subscriber failed; asking the command connection");
@@ -736,9 +743,11 @@ impl Node {
     pub async fn subscribe(&self, channel: &str) -> Result<(), Error> {
         let sent = if self.sharded {
             // Refused unrun after a slot moved (`MOVED`, fred's map now re-read): again.
-            self.mid_move_retry(|| self.sub.ssubscribe(channel)).await
+            self.mid_move_retry(|| Box::pin(self.sub.ssubscribe(channel)))
+                .await
         } else {
-            self.sub.subscribe(channel).await
+            // Boxed as in `eval_once`: fred's futures are kilobytes.
+            Box::pin(self.sub.subscribe(channel)).await
         };
         sent.map_err(|e| self.map_err("subscribing", e))
     }
@@ -752,8 +761,7 @@ impl Node {
     /// stalls). A PING on the subscriber connection is answered only after everything
     /// sent before it on that connection, the SUBSCRIBEs included.
     pub async fn confirm_subscriptions(&self) -> Result<(), Error> {
-        self.sub
-            .ping::<Value>(None)
+        Box::pin(self.sub.ping::<Value>(None))
             .await
             .map(|_| ())
             .map_err(|e| self.map_err("confirming a subscription", e))
