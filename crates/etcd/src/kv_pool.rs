@@ -35,7 +35,9 @@ impl KvPool {
     pub(crate) async fn with<T>(&self, call: impl AsyncFnOnce(&mut KvClient) -> T) -> T {
         let taken = self.idle.lock().pop();
         let mut kv = taken.unwrap_or_else(|| self.proto.clone());
-        let answer = call(&mut kv).await;
+        // etcd-client's request futures are kilobytes (tonic's): boxed where they are
+        // made, the futures that await this one stay small instead of each copying them.
+        let answer = Box::pin(call(&mut kv)).await;
         let mut idle = self.idle.lock();
         if idle.len() < KEEP {
             idle.push(kv);
