@@ -45,3 +45,62 @@ impl KvPool {
         answer
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A pool on a client that never connects: etcd-client connects lazily, and these
+    /// calls never touch the network.
+    async fn pool() -> Arc<KvPool> {
+        let client = etcd_client::Client::connect(["http://127.0.0.1:1"], None)
+            .await
+            .expect("a lazy client");
+        KvPool::new(client.kv_client())
+    }
+
+    fn idle(pool: &KvPool) -> usize {
+        pool.idle.lock().len()
+    }
+
+    #[tokio::test]
+    async fn an_answered_call_returns_its_client() {
+        let pool = pool().await;
+        assert_eq!(pool.with(async |_| 7).await, 7);
+        assert_eq!(idle(&pool), 1);
+        // The next call reuses it: none is made, none is left over.
+        assert_eq!(pool.with(async |_| 8).await, 8);
+        assert_eq!(idle(&pool), 1);
+    }
+
+    #[tokio::test]
+    async fn a_call_dropped_before_its_answer_drops_its_client() {
+        let pool = pool().await;
+        pool.with(async |_| ()).await;
+        assert_eq!(idle(&pool), 1);
+        // Takes the idle client, then is dropped mid-call by the timeout.
+        let cut = tokio::time::timeout(
+            Duration::from_millis(10),
+            pool.with(async |_| std::future::pending::<()>().await),
+        )
+        .await;
+        assert!(cut.is_err(), "the call never answers");
+        assert_eq!(idle(&pool), 0, "a client dropped mid-call is not reused");
+    }
+
+    #[tokio::test]
+    async fn at_most_keep_clients_stay_idle() {
+        let pool = pool().await;
+        // KEEP + 3 calls in flight at once, each on a client of its own.
+        let gate = tokio::sync::Barrier::new(KEEP + 3);
+        let calls = (0..KEEP + 3).map(|_| {
+            pool.with(async |_| {
+                gate.wait().await;
+            })
+        });
+        futures::future::join_all(calls).await;
+        assert_eq!(idle(&pool), KEEP);
+    }
+}
