@@ -412,7 +412,7 @@ fn secure_sentinel_group_serves_the_app_user_and_fails_over() {
     // `+switch-master` the Sentinels reconnect to it, and a link that has not answered
     // within down-after-milliseconds (1 s) marks it down. With the old primary back as an
     // empty master, that spurious failover promotes the empty node and loses the write
-    // (seen here, 3 runs in 8, before this wait).
+    // (seen here in 6 of 21 runs before this wait).
     wait_sentinels_see_primary_up(&cluster, limit);
     cluster
         .restart(Backend::RedisHa, 1)
