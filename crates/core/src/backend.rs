@@ -390,6 +390,11 @@ pub trait Backend: Send + Sync + 'static {
     /// expire the session, computed from when the request that last proved the session
     /// alive was *sent* (the server renewed it after that).
     ///
+    /// Once the client knows the entry is lost (or closed, or released), every lost
+    /// future made from then on completes at its first poll, and the client never
+    /// forgets a loss: the recipes learn synchronously whether a hold is lost by polling
+    /// a fresh one once (`is_lost`, re-entry, `verify`).
+    ///
     /// Unlike the other methods it returns a boxed `'static` future: the signal outlives
     /// the call that asked for it (a guard keeps it while it holds).
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;

@@ -12,8 +12,18 @@ use tracing::Instrument;
 use crate::queue::spawn_remove;
 use crate::reentry::{HoldKey, Recipe, Scope};
 
-/// A hold's lost signal, shared by its guards: the reason, once lost.
+/// A hold's lost signal, shared by its guards: the reason, once lost. Awaited through
+/// [`LockGuard::lost`]; polled to peek only at the grant, before any other clone of it
+/// exists (see [`Held::lost_reason`]).
 type LostSignal = Shared<BoxFuture<'static, String>>;
+
+/// The reason a lost future gave, as the guard reports it.
+fn reason(e: Error) -> String {
+    match e {
+        Error::LockLost(msg) => msg,
+        other => other.to_string(),
+    }
+}
 
 /// One entry that holds a lock, shared by every guard of that hold (the first one and
 /// its re-entries).
@@ -68,14 +78,7 @@ impl<B: DynBackend + ?Sized> Held<B> {
                 format!("the {} backend gave no fencing token", backend.kind()),
             )
         })?;
-        let lost = backend
-            .lost(q, entry)
-            .map(|e| match e {
-                Error::LockLost(msg) => msg,
-                other => other.to_string(),
-            })
-            .boxed()
-            .shared();
+        let lost = backend.lost(q, entry).map(reason).boxed().shared();
         // A grant can reach the client after its session ended: a reply held up by a
         // partition arrives once the server has already expired the session and its
         // entry, and let the next contender in. A hold whose lost signal has fired by now
@@ -89,9 +92,23 @@ impl<B: DynBackend + ?Sized> Held<B> {
         Ok((token, lost))
     }
 
-    /// The lost signal's reason, if it has fired.
+    /// The lost signal's reason, if the backend knows the hold is lost.
+    ///
+    /// Once the shared signal has completed it answers; before that, a fresh lost future
+    /// of the backend is polled once (a loss the client knows completes it at its first
+    /// poll, by [`dlock_core::Backend::lost`]'s contract). Polling the shared signal
+    /// instead would not do: a `Shared` answers `Pending`, without looking, to every
+    /// clone but the one being polled, so a peek made while another task is inside that
+    /// poll (a thread preempted there for as long as the scheduler likes) would miss a
+    /// known loss, and a lost hold would be reported held or re-entered.
     pub(crate) fn lost_reason(&self) -> Option<String> {
-        self.lost.clone().now_or_never()
+        if let Some(why) = self.lost.peek() {
+            return Some(why.clone());
+        }
+        self.backend
+            .lost(&self.q, &self.entry)
+            .now_or_never()
+            .map(reason)
     }
 
     /// Counts one more guard of this hold (a re-entry).
@@ -282,7 +299,7 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
 
     /// True if the lost signal has fired.
     pub fn is_lost(&self) -> bool {
-        self.held.lost.clone().now_or_never().is_some()
+        self.held.lost_reason().is_some()
     }
 
     /// Asks the server whether this hold's entry is still there, and fails if it is not.
@@ -301,11 +318,11 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
     ///   unconfirmed, not known lost).
     pub async fn verify(&self) -> Result<()> {
         let held = &self.held;
-        if let Some(reason) = held.lost.clone().now_or_never() {
+        if let Some(reason) = held.lost_reason() {
             return Err(Error::LockLost(reason));
         }
         let present = held.backend.contains(&held.q, &held.entry).await?;
-        if let Some(reason) = held.lost.clone().now_or_never() {
+        if let Some(reason) = held.lost_reason() {
             return Err(Error::LockLost(reason));
         }
         if present {

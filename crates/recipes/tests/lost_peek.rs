@@ -1,0 +1,220 @@
+//! A hold's synchronous checks (`is_lost`, re-entry, `verify`'s first look) see a loss
+//! the backend already knows, even while another task is in the middle of polling the
+//! hold's lost signal.
+//!
+//! A guard's `lost()` futures share one signal. If a peek went through that shared
+//! future, a peek made while another task's poll of it is under way could not look
+//! (a `futures::future::Shared` answers `Pending` to everyone but the task polling
+//! it): `is_lost()` would say false, and a lost hold would be re-entered. On an
+//! oversubscribed machine a thread can be preempted in that poll for milliseconds,
+//! long enough for the next holder to be granted. The backend here stalls the first
+//! poll of a lost future on another thread, to hold that window open.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use dlock_core::{
+    Backend, Capability, DynBackend, Enqueued, Entry, EntryKind, Error, Gone, Hints, ListedQueue,
+    NameRules, Position, QueuePath, Result, SessionOptions, Ticket,
+};
+use dlock_recipes::Client;
+use dlock_testkit::mem::{MemBackend, MemServer};
+use futures::future::BoxFuture;
+
+/// Holds the next poll of a lost future, wherever it runs, until told to go on.
+struct Stall {
+    armed: AtomicBool,
+    entered: Mutex<mpsc::Sender<()>>,
+    go: Mutex<mpsc::Receiver<()>>,
+}
+
+/// The in-memory backend, with lost futures whose first poll after [`Stall::armed`]
+/// is set blocks its thread (as a preempted thread would stop) until the test lets it go.
+struct Stalling {
+    inner: Arc<MemBackend>,
+    stall: Arc<Stall>,
+}
+
+struct StalledLost {
+    inner: BoxFuture<'static, Error>,
+    stall: Arc<Stall>,
+}
+
+impl Future for StalledLost {
+    type Output = Error;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Error> {
+        if self.stall.armed.swap(false, Ordering::SeqCst) {
+            let entered = self.stall.entered.lock().expect("entered").clone();
+            entered.send(()).expect("the test waits for the stall");
+            self.stall
+                .go
+                .lock()
+                .expect("go")
+                .recv()
+                .expect("the test lets the stall go");
+        }
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl Backend for Stalling {
+    fn kind(&self) -> &'static str {
+        DynBackend::kind(&*self.inner)
+    }
+    fn name_rules(&self) -> NameRules {
+        DynBackend::name_rules(&*self.inner)
+    }
+    fn session_timeout(&self) -> Duration {
+        DynBackend::session_timeout(&*self.inner)
+    }
+    fn hints(&self) -> Hints {
+        DynBackend::hints(&*self.inner)
+    }
+    fn supports(&self, capability: Capability) -> bool {
+        DynBackend::supports(&*self.inner, capability)
+    }
+    async fn enqueue(
+        &self,
+        q: &QueuePath,
+        ticket: &Ticket,
+        kind: EntryKind,
+        at: Position<'_>,
+        data: &[u8],
+    ) -> Result<Enqueued> {
+        DynBackend::enqueue(&*self.inner, q, ticket, kind, at, data).await
+    }
+    async fn queue(&self, q: &QueuePath) -> Result<Vec<Entry>> {
+        DynBackend::queue(&*self.inner, q).await
+    }
+    async fn queue_ahead(&self, q: &QueuePath, mine: &Entry) -> Result<Vec<Entry>> {
+        DynBackend::queue_ahead(&*self.inner, q, mine).await
+    }
+    async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        DynBackend::contains(&*self.inner, q, entry).await
+    }
+    async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        DynBackend::wait_gone(&*self.inner, q, entry).await
+    }
+    async fn wait_gone_detail(&self, q: &QueuePath, entry: &Entry) -> Result<Gone> {
+        DynBackend::wait_gone_detail(&*self.inner, q, entry).await
+    }
+    async fn wait_changed(&self, q: &QueuePath, seen: &[Entry]) -> Result<()> {
+        DynBackend::wait_changed(&*self.inner, q, seen).await
+    }
+    async fn remove(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
+        DynBackend::remove(&*self.inner, q, entry).await
+    }
+    async fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
+        DynBackend::abandon(&*self.inner, q, ticket).await
+    }
+    fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
+        Box::pin(StalledLost {
+            inner: DynBackend::lost(&*self.inner, q, entry),
+            stall: self.stall.clone(),
+        })
+    }
+    async fn list_queues(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
+        DynBackend::list_queues(&*self.inner, prefix).await
+    }
+    async fn health(&self) -> Result<()> {
+        DynBackend::health(&*self.inner).await
+    }
+    async fn close(&self) -> Result<()> {
+        DynBackend::close(&*self.inner).await
+    }
+}
+
+/// A lost hold's guard, whose backend already knows of the loss but whose shared lost
+/// signal nobody has polled since; and the stall to arm.
+async fn lost_hold() -> (
+    dlock_recipes::LockGuard<Stalling>,
+    Arc<Stall>,
+    mpsc::Receiver<()>,
+    mpsc::Sender<()>,
+) {
+    let server = MemServer::new();
+    let inner = server
+        .connect(SessionOptions::default().with_session_timeout(Duration::from_secs(4)))
+        .await
+        .expect("mem session");
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel();
+    let stall = Arc::new(Stall {
+        armed: AtomicBool::new(false),
+        entered: Mutex::new(entered_tx),
+        go: Mutex::new(go_rx),
+    });
+    let backend = Arc::new(Stalling {
+        inner: inner.clone(),
+        stall: stall.clone(),
+    });
+    let client = Client::new(backend.clone());
+    let guard = client
+        .mutex("peek/one")
+        .expect("name")
+        .lock()
+        .await
+        .expect("lock");
+    assert!(!guard.is_lost(), "just granted");
+
+    // The server expires the session; wait (on a lost future of the backend's own,
+    // not the guard's) until the client knows.
+    assert!(server.expire_session(inner.session()));
+    let q = QueuePath::root(guard.name().clone());
+    let known = DynBackend::lost(&*inner, &q, guard.entry());
+    let e = tokio::time::timeout(Duration::from_secs(20), known)
+        .await
+        .expect("the client learns of the expiry");
+    assert!(e.is_lost(), "{e:?}");
+    (guard, stall, entered_rx, go_tx)
+}
+
+/// Polls the guard's lost signal on another thread, stalled inside that poll, and
+/// returns once the stall has begun. Joining the thread lets it finish.
+fn poll_elsewhere(
+    guard: &dlock_recipes::LockGuard<Stalling>,
+    stall: &Stall,
+    entered: &mpsc::Receiver<()>,
+) -> std::thread::JoinHandle<Error> {
+    stall.armed.store(true, Ordering::SeqCst);
+    let signal = guard.lost();
+    let other = std::thread::spawn(move || futures::executor::block_on(signal));
+    entered
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the other thread polls the lost signal");
+    other
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn is_lost_sees_a_known_loss_while_another_task_polls_the_signal() {
+    let (guard, stall, entered, go) = lost_hold().await;
+    let other = poll_elsewhere(&guard, &stall, &entered);
+    let seen = guard.is_lost();
+    go.send(()).expect("the stalled poll waits");
+    let e = other.join().expect("the other thread");
+    assert!(e.is_lost(), "{e:?}");
+    assert!(
+        seen,
+        "is_lost() said false for a hold whose loss the backend knew"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_hold_is_not_reentered_while_another_task_polls_the_signal() {
+    let (guard, stall, entered, go) = lost_hold().await;
+    let other = poll_elsewhere(&guard, &stall, &entered);
+    let again = guard.reenter();
+    go.send(()).expect("the stalled poll waits");
+    other.join().expect("the other thread");
+    assert!(
+        matches!(again, Err(Error::LockLost(_))),
+        "a lost hold was re-entered: {:?}",
+        again.as_ref().map(|g| g.token())
+    );
+}
