@@ -29,6 +29,33 @@ const UNSYNCED_CHECK: Duration = Duration::from_millis(5);
 /// one, and without the re-reads W2 lost a quarter of its rate to 100 ms stalls.
 const UNSYNCED_WINDOW: Duration = Duration::from_millis(55);
 
+/// Whether a watch event is news to a waiter whose read answered at revision `read_rev`:
+/// it happened after that read (its key's mod revision, which a delete event carries
+/// too, is above it). An event at or below it is already in the read.
+///
+/// A watch from "now" starts at the revision of the member that serves it, and that
+/// member can be behind the one that answered the read: a follower cut off from its
+/// peers serves watches from its stale state, and once it catches up it sends every
+/// event since, including ones the read had already shown (seen in `cargo xtask chaos`,
+/// follower-cut on etcd: a waiter took the put of the lease it was waiting behind for a
+/// change, and a semaphore-mutex let a second holder in). An event without a key-value
+/// is not news either: etcd always sends one, and a waiter that ignores a change only
+/// waits for the next one or its re-read.
+fn after_read(kv: Option<&etcd_client::KeyValue>, read_rev: i64) -> bool {
+    kv.is_some_and(|kv| kv.mod_revision() > read_rev)
+}
+
+/// Logs an event [`after_read`] left out (at debug: the fault runs count them).
+fn stale(key: &str, kv: Option<&etcd_client::KeyValue>, read_rev: i64) {
+    tracing::debug!(
+        target: "dlock_etcd::stale_event",
+        key,
+        event_rev = kv.map(etcd_client::KeyValue::mod_revision),
+        read_rev,
+        "a watch event already in the read (its member lagged behind the read's); ignored"
+    );
+}
+
 impl EtcdBackend {
     /// Arms a watch from "now" on `key` (a prefix if `prefix`) on the client's shared
     /// watch stream and waits for its `created` answer; returns the watch and the
@@ -99,6 +126,7 @@ impl EtcdBackend {
         if !exists(&read) {
             return Ok(());
         }
+        let read_rev = header_rev(read.header());
         // The server starts a watch from "now" as synced, unless a write lands between the
         // moment it reads its revision and the moment it registers the watcher; such a
         // watcher is caught up by the 100 ms loop, and a delete in that gap would reach
@@ -107,7 +135,7 @@ impl EtcdBackend {
         // reads every 5 ms for the first 55 ms bound that stall without waiting on the loop.
         let now = Instant::now();
         let mut next_check = now + UNSYNCED_CHECK;
-        let last_check = if self.proves_synced(header_rev(read.header()), watch_rev) {
+        let last_check = if self.proves_synced(read_rev, watch_rev) {
             now
         } else {
             now + UNSYNCED_WINDOW
@@ -156,11 +184,17 @@ impl EtcdBackend {
                             m.cancel_reason()
                         )));
                     }
-                    if m.events()
-                        .iter()
-                        .any(|e| e.event_type() == EventType::Delete)
-                    {
-                        return Ok(());
+                    // Only a delete after the read that showed the entry: a lagging
+                    // member's watch can still report the delete of an older entry that
+                    // had the same key (`after_read`).
+                    for e in m.events() {
+                        if e.event_type() != EventType::Delete {
+                            continue;
+                        }
+                        if after_read(e.kv(), read_rev) {
+                            return Ok(());
+                        }
+                        stale(key, e.kv(), read_rev);
                     }
                 }
                 None => return Err(Error::Unreachable(format!("watch on {key}: stream closed"))),
@@ -184,6 +218,7 @@ impl EtcdBackend {
         if !same(&queue) {
             return Ok(());
         }
+        let read_rev = header_rev(resp.header());
         loop {
             match watch.message().await {
                 Some(m) => {
@@ -195,18 +230,24 @@ impl EtcdBackend {
                             m.cancel_reason()
                         )));
                     }
-                    // Only keys directly in the queue count; a sub-queue's traffic does not.
-                    let relevant = m.events().iter().any(|e| {
-                        e.kv().is_some_and(|kv| {
+                    // Only keys directly in the queue count; a sub-queue's traffic does
+                    // not. Nor does a change the read already showed (`after_read`): the
+                    // semaphore takes a wake here for a lease gone.
+                    for e in m.events() {
+                        let in_queue = e.kv().is_some_and(|kv| {
                             kv.key()
                                 .strip_prefix(prefix.as_bytes())
                                 .and_then(|n| std::str::from_utf8(n).ok())
                                 .and_then(layout::parse_name)
                                 .is_some()
-                        })
-                    });
-                    if relevant {
-                        return Ok(());
+                        });
+                        if !in_queue {
+                            continue;
+                        }
+                        if after_read(e.kv(), read_rev) {
+                            return Ok(());
+                        }
+                        stale(prefix, e.kv(), read_rev);
                     }
                 }
                 None => {
@@ -245,6 +286,7 @@ impl EtcdBackend {
         if data != seen {
             return Ok(Some(data.to_vec()));
         }
+        let read_rev = header_rev(read.header());
         loop {
             match watch.message().await {
                 Some(m) => {
@@ -257,6 +299,10 @@ impl EtcdBackend {
                         )));
                     }
                     for e in m.events() {
+                        if !after_read(e.kv(), read_rev) {
+                            stale(key, e.kv(), read_rev);
+                            continue;
+                        }
                         if e.event_type() == EventType::Delete {
                             return Ok(None);
                         }
