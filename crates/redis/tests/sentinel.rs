@@ -268,7 +268,11 @@ async fn primary_kill_fails_over_and_clients_follow() {
     a.close().await.expect("close");
     b.close().await.expect("close");
 
-    // Leave the group whole for whoever runs next: the old primary back, as a replica.
+    // Leave the group whole for whoever runs next: the old primary back, as a replica,
+    // once every Sentinel sees the promoted node up (`wait_sentinels_see_primary_up`).
+    state
+        .wait_sentinels_see_primary_up(WAIT)
+        .expect("every Sentinel sees the new primary up");
     state
         .restart(Server::RedisHa, primary)
         .expect("restart the old primary");

@@ -121,6 +121,54 @@ impl State {
         )
     }
 
+    /// Waits until every live Sentinel sees the primary up: `SENTINEL MASTER` reports
+    /// flags exactly `master` and a ping answered within the last 500 ms.
+    ///
+    /// Call it after [`State::wait_failover`] and before restarting the old primary.
+    /// Right after `+switch-master` the Sentinels' links to the new primary are fresh,
+    /// and one that misses `down-after-milliseconds` (1 s) on a loaded machine marks it
+    /// down: with the old primary back as an empty master, that spurious failover
+    /// promotes the empty node and loses the group's data (seen in the secured Sentinel
+    /// self-test in 6 of 21 runs before this wait).
+    pub fn wait_sentinels_see_primary_up(&self, timeout: Duration) -> Result<()> {
+        let t = Duration::from_secs(1);
+        let up = |reply: &str| {
+            let fields: Vec<&str> = reply.lines().collect();
+            let field = |name: &str| {
+                fields
+                    .chunks(2)
+                    .find(|kv| kv.first() == Some(&name))
+                    .and_then(|kv| kv.get(1).copied())
+            };
+            field("flags") == Some("master")
+                && field("last-ok-ping-reply")
+                    .and_then(|ms| ms.parse::<u64>().ok())
+                    .is_some_and(|ms| ms <= 500)
+        };
+        poll(
+            timeout,
+            Duration::from_millis(100),
+            || {
+                let mut sentinels = self.live(Backend::Sentinel).peekable();
+                let any = sentinels.peek().is_some();
+                let all_up = sentinels.all(|s| {
+                    s.redis_query(&["SENTINEL", "MASTER", SENTINEL_SERVICE], t)
+                        .is_some_and(|r| up(&r))
+                });
+                Ok((any && all_up).then_some(()))
+            },
+            || {
+                Error::Command {
+                command: "wait for every Sentinel to see the primary up".into(),
+                detail: format!(
+                    "some Sentinel did not report the primary up (flags master, a ping answered within 500 ms) within {} s",
+                    timeout.as_secs()
+                ),
+            }
+            },
+        )
+    }
+
     /// Waits until the Sentinel group is whole: the Sentinels agree on a primary, every
     /// other running [`Backend::RedisHa`] node is its replica with the link up, and every
     /// live Sentinel lists each of those replicas as healthy (flags exactly `slave`), so a

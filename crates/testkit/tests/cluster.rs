@@ -214,6 +214,11 @@ fn sentinel_group_fails_over_when_the_primary_is_killed() {
         "the promoted replica kept the replicated write"
     );
 
+    // Only once every Sentinel sees the promoted node up: a spurious failover to the
+    // old primary, back empty, would lose the write (`wait_sentinels_see_primary_up`).
+    cluster
+        .wait_sentinels_see_primary_up(limit)
+        .expect("every Sentinel sees the new primary up");
     cluster
         .restart(Backend::RedisHa, 1)
         .expect("restart the old primary");

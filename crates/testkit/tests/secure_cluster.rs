@@ -14,7 +14,7 @@ use dlock_testkit::secure::{
 use dlock_testkit::{
     ensure_installed, etcd_healthy, redis_ping, scratch_state_path, tls_handshake, zk_mode,
     Backend, Cluster, ClusterSpec, LockService, State, ZkMode, ENV_SECURE_ETCD, ENV_SECURE_REDIS,
-    ENV_SECURE_REDLOCK, ENV_SECURE_STATE, ENV_SECURE_ZK, SENTINELS, SENTINEL_SERVICE,
+    ENV_SECURE_REDLOCK, ENV_SECURE_STATE, ENV_SECURE_ZK,
 };
 
 /// Runs a client and returns its exit success and stdout + stderr: `redis-cli` exits 0
@@ -54,40 +54,6 @@ fn etcdctl(endpoint: &str, pki_tls: &[String], user: &str, cmd: &[&str]) -> (boo
     args.extend(pki_tls.iter().cloned());
     args.extend(cmd.iter().map(|s| s.to_string()));
     run("etcdctl", &args)
-}
-
-/// Waits until every live Sentinel sees the primary up: flags exactly `master` and a
-/// ping answered within the last 500 ms.
-fn wait_sentinels_see_primary_up(cluster: &Cluster, limit: Duration) {
-    let t = Duration::from_secs(1);
-    let started = std::time::Instant::now();
-    loop {
-        let views: Vec<Option<String>> = (1..=SENTINELS)
-            .filter_map(|id| cluster.server(Backend::Sentinel, id).ok())
-            .map(|s| s.redis_query(&["SENTINEL", "MASTER", SENTINEL_SERVICE], t))
-            .collect();
-        let up = |reply: &str| {
-            let fields: Vec<&str> = reply.lines().collect();
-            let field = |name: &str| {
-                fields
-                    .chunks(2)
-                    .find(|kv| kv.first() == Some(&name))
-                    .and_then(|kv| kv.get(1).copied())
-            };
-            field("flags") == Some("master")
-                && field("last-ok-ping-reply")
-                    .and_then(|ms| ms.parse::<u64>().ok())
-                    .is_some_and(|ms| ms <= 500)
-        };
-        if !views.is_empty() && views.iter().all(|v| v.as_deref().is_some_and(up)) {
-            return;
-        }
-        assert!(
-            started.elapsed() < limit,
-            "the Sentinels do not all see the primary up: {views:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn path_str(p: &Path) -> String {
@@ -413,7 +379,9 @@ fn secure_sentinel_group_serves_the_app_user_and_fails_over() {
     // within down-after-milliseconds (1 s) marks it down. With the old primary back as an
     // empty master, that spurious failover promotes the empty node and loses the write
     // (seen here in 6 of 21 runs before this wait).
-    wait_sentinels_see_primary_up(&cluster, limit);
+    cluster
+        .wait_sentinels_see_primary_up(limit)
+        .expect("every Sentinel sees the new primary up");
     cluster
         .restart(Backend::RedisHa, 1)
         .expect("restart old primary");

@@ -439,7 +439,10 @@ pub(super) fn inject_server(
             let recovered =
                 wait_all_recovered(groups, victim, t, "another holder after the failover");
             // Back only after the promotion (an empty master brought back earlier would
-            // be kept as the primary), and whole again before the next fault.
+            // be kept as the primary) and once every Sentinel sees the promoted node up
+            // (else a spurious second failover can promote the empty node), and whole
+            // again before the next fault.
+            cluster.wait_sentinels_see_primary_up(WAIT)?;
             cluster.restart(Backend::RedisHa, primary)?;
             cluster.wait_sentinel_group(WAIT)?;
             recovered?;
