@@ -382,7 +382,7 @@ impl<B: DynBackend + ?Sized> Leadership<B> {
         self.guard.lost()
     }
 
-    /// True if the lost signal has fired.
+    /// True once the client knows this leadership is lost (see [`LockGuard::is_lost`]).
     pub fn is_lost(&self) -> bool {
         self.guard.is_lost()
     }

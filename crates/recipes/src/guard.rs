@@ -297,7 +297,9 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
         self.held.lost.clone().map(Error::LockLost)
     }
 
-    /// True if the lost signal has fired.
+    /// True once the client knows this hold is lost: [`LockGuard::lost`] has completed,
+    /// or would complete at its next poll. It asks the backend's own state, so the
+    /// answer holds even while another task is polling `lost()`. Local: no round trip.
     pub fn is_lost(&self) -> bool {
         self.held.lost_reason().is_some()
     }
