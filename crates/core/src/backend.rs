@@ -341,7 +341,9 @@ pub trait Backend: Send + Sync + 'static {
         }
     }
 
-    /// Completes once `entry` is no longer in `q` (at once if it is already gone).
+    /// Completes once `entry` is no longer in `q` (at once if it is already gone). Only
+    /// that very entry's removal counts, never that of an older entry under the same
+    /// name (a key reused by the same client), however late its event arrives.
     fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send;
 
     /// As [`Backend::wait_gone`], and says what the backend knows of how `entry` went
@@ -368,6 +370,10 @@ pub trait Backend: Send + Sync + 'static {
     /// caller knows which changes can happen (while it holds the semaphore's internal
     /// mutex, leases can only go). Only a removal must wake it promptly: a backend may
     /// leave an addition to its periodic re-check (Redis publishes removals only).
+    ///
+    /// A change already in `seen` never counts: the semaphore takes a wake for a lease
+    /// gone, so an event the caller's read had shown (an etcd member that lagged behind
+    /// that read sends such events once it catches up) must not complete it.
     fn wait_changed(
         &self,
         q: &QueuePath,
