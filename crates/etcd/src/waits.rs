@@ -34,13 +34,14 @@ const UNSYNCED_WINDOW: Duration = Duration::from_millis(55);
 /// too, is above it). An event at or below it is already in the read.
 ///
 /// A watch from "now" starts at the revision of the member that serves it, and that
-/// member can be behind the one that answered the read: a follower cut off from its
-/// peers serves watches from its stale state, and once it catches up it sends every
-/// event since, including ones the read had already shown (seen in `cargo xtask chaos`,
-/// follower-cut on etcd: a waiter took the put of the lease it was waiting behind for a
-/// change, and a semaphore-mutex let a second holder in). An event without a key-value
-/// is not news either: etcd always sends one, and a waiter that ignores a change only
-/// waits for the next one or its re-read.
+/// member can be behind the one that answered the read (floored past it): a follower
+/// resumed after a stall, or rejoining after a cut, answers a watch create at its old
+/// revision before it has caught up, then sends every event since, including ones the
+/// read had already shown. Seen in `cargo xtask chaos`, follower-cut on etcd: a waiter
+/// took the replayed put of the lease it was waiting behind for a change, and a
+/// semaphore-mutex let a second holder in; `tests/lagging_member.rs` reproduces it with a
+/// stopped follower. An event without a key-value is not news either: etcd always sends
+/// one, and a waiter that ignores a change only waits for the next one or its re-read.
 fn after_read(kv: Option<&etcd_client::KeyValue>, read_rev: i64) -> bool {
     kv.is_some_and(|kv| kv.mod_revision() > read_rev)
 }
