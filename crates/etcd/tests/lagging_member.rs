@@ -68,6 +68,14 @@ fn queue(test: &str) -> QueuePath {
     QueuePath::root(LockName::new(&n, dlock_etcd::NAME_RULES).expect("valid test name"))
 }
 
+/// Adds an entry of `kind` to `q` under a fresh ticket.
+async fn add(b: &EtcdBackend, q: &QueuePath, kind: EntryKind) -> Entry {
+    b.enqueue(q, &dlock_testkit::ticket(), kind, Position::Tail, b"")
+        .await
+        .expect("enqueue")
+        .mine
+}
+
 async fn connect(eps: &[String]) -> Arc<EtcdBackend> {
     EtcdBackend::connect(eps, SessionOptions::default().with_session_timeout(SESSION))
         .await
@@ -83,17 +91,7 @@ async fn watching_on(follower: &str, leader: &str, scratch: &QueuePath) -> Arc<E
         let b = connect(&[follower.to_owned(), leader.to_owned()]).await;
         // A wait on an entry already gone opens the client's stream, arms one watch and
         // returns (the stream stays open for the client's later watches).
-        let gone = writer
-            .enqueue(
-                scratch,
-                &dlock_testkit::ticket(),
-                EntryKind::Lease,
-                Position::Tail,
-                b"",
-            )
-            .await
-            .expect("enqueue")
-            .mine;
+        let gone = add(&writer, scratch, EntryKind::Lease).await;
         writer.remove(scratch, &gone).await.expect("remove");
         timeout(SOON, b.wait_gone(scratch, &gone))
             .await
@@ -136,48 +134,18 @@ async fn a_lagging_members_watch_never_wakes_a_waiter_with_what_it_read() {
 
     // Before the stop, so the follower has it: an entry under A's mutex key for its name.
     let reused = queue("reused-key");
-    let old = a
-        .enqueue(
-            &reused,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let old = add(&a, &reused, EntryKind::Lock).await;
 
     let armed = watchers(&f);
     let stopped = Stopped::new(&state, follower);
     // While the follower is stopped: the old entry goes and a new one takes its key (A's
     // next contender on the name), and a lease is added to another queue.
     a.remove(&reused, &old).await.expect("remove the old entry");
-    let new = a
-        .enqueue(
-            &reused,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let new = add(&a, &reused, EntryKind::Lock).await;
     assert_eq!(new.name, old.name, "the new entry reuses the old one's key");
     assert_ne!(new.token, old.token);
     let leases = queue("leases");
-    let lease = a
-        .enqueue(
-            &leases,
-            &dlock_testkit::ticket(),
-            EntryKind::Lease,
-            Position::Tail,
-            b"",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
+    let lease = add(&a, &leases, EntryKind::Lease).await;
     // B learns of both from the leader (a linearizable read, retried past the stopped
     // follower), so its reads are floored past the follower's revision.
     assert!(from_the_leader(&b, &reused, &new).await);
