@@ -332,6 +332,13 @@ impl<B: DynBackend + ?Sized> MultiGuard<B> {
         futures::future::select_all(all).map(|(e, _, _)| e)
     }
 
+    /// True once any part's lost signal has fired, as [`LockGuard::is_lost`] answers for
+    /// each: no round trip. Look before starting work under the locks; [`Self::lost`]
+    /// is what to watch while it runs.
+    pub fn is_lost(&self) -> bool {
+        self.guards.iter().any(LockGuard::is_lost)
+    }
+
     /// Asks the server whether every part is still held: [`LockGuard::verify`] for each.
     ///
     /// # Errors

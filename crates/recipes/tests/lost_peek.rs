@@ -218,3 +218,35 @@ async fn a_lost_hold_is_not_reentered_while_another_task_polls_the_signal() {
         again.as_ref().map(|g| g.token())
     );
 }
+
+/// A multi-lock's guard answers `is_lost()` for its parts: true once the backend knows
+/// any of them is lost, so a worker can look before it starts under the locks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_guard_is_lost_once_a_part_is() {
+    let server = MemServer::new();
+    let backend = server
+        .connect(SessionOptions::default().with_session_timeout(Duration::from_secs(4)))
+        .await
+        .expect("mem session");
+    let client = Client::new(backend.clone());
+    let multi = client
+        .multi()
+        .mutex("peek/multi/a")
+        .and_then(|m| m.mutex("peek/multi/b"))
+        .expect("names");
+    let guard = multi.acquire().await.expect("acquire");
+    assert!(!guard.is_lost(), "just granted");
+
+    assert!(server.expire_session(backend.session()));
+    let part = &guard.guards()[1];
+    let q = QueuePath::root(part.name().clone());
+    let known = DynBackend::lost(&*backend, &q, part.entry());
+    let e = tokio::time::timeout(Duration::from_secs(20), known)
+        .await
+        .expect("the client learns of the expiry");
+    assert!(e.is_lost(), "{e:?}");
+    assert!(
+        guard.is_lost(),
+        "a multi guard whose parts are lost says held"
+    );
+}
