@@ -190,7 +190,8 @@ impl KeepAlive {
                 let _ = timeout(self.ttl, self.lease.revoke(self.id)).await;
             }
             End::Lost(why) => {
-                tracing::warn!(reason = %why, "etcd session lost");
+                // Marked before it is logged: a grant checked while the line is written
+                // (a slow stderr takes a while) must already see the session lost.
                 self.state.send_if_modified(|s| {
                     if *s == State::Alive {
                         *s = State::Lost(why.clone());
@@ -199,6 +200,7 @@ impl KeepAlive {
                         false
                     }
                 });
+                tracing::warn!(reason = %why, "etcd session lost");
                 // The lease may still be alive on the server if only this client was cut
                 // off; revoking it frees the locks for others as soon as possible.
                 let _ = timeout(self.interval(), self.lease.revoke(self.id)).await;

@@ -79,11 +79,17 @@ impl Shared {
             .live
             .lock()
             .remove(&(queue_key.to_owned(), name.to_owned()))?;
-        if let Fate::Lost(reason) = &fate {
+        let lost = match &fate {
+            Fate::Lost(reason) => Some(reason.clone()),
+            _ => None,
+        };
+        // Told before it is logged: a grant checked while the line is written must
+        // already see the entry lost.
+        let _ = live.fate.send(Some(fate));
+        if let Some(reason) = lost {
             self.counters.lost.fetch_add(1, Ordering::Relaxed);
             warn!(queue = %queue_key, entry = %name, %reason, "lock entry lost");
         }
-        let _ = live.fate.send(Some(fate));
         Some((live.keys, live.solo))
     }
 
