@@ -38,6 +38,13 @@ pub(crate) async fn run(
     let Some((prog, args)) = run.cmd.split_first() else {
         return Outcome::SpawnFailed(crate::EX_USAGE, "no command given".into());
     };
+    tokio::pin!(lost);
+    // A lock lost between its grant and here is not run under: the command would start
+    // only to be stopped, after it may already have done something.
+    if let Some(e) = futures::FutureExt::now_or_never(lost.as_mut()) {
+        eprintln!("dlock: {e}; the command was not started");
+        return Outcome::Lost(e);
+    }
     let mut command = tokio::process::Command::new(prog);
     // A group of its own (pgid = its pid), so that signals reach every process it starts.
     command.args(args).kill_on_drop(true).process_group(0);
@@ -59,7 +66,6 @@ pub(crate) async fn run(
     let mut sigterm =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
-    tokio::pin!(lost);
     let mut stop = stop;
     loop {
         tokio::select! {
@@ -160,5 +166,30 @@ fn status_code(s: std::process::ExitStatus) -> u8 {
         (Some(c), _) => u8::try_from(c).unwrap_or(1),
         (None, Some(sig)) => u8::try_from(128 + sig).unwrap_or(1),
         (None, None) => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_lock_lost_before_the_command_starts_runs_nothing() {
+        // A program that does not exist: had dlock tried to start it, the outcome would
+        // be a spawn failure (127), whatever the timing.
+        let cmd = vec!["/nonexistent/dlock-test-command".to_owned()];
+        let r = Run {
+            cmd: &cmd,
+            env: &[],
+            kill_after: Duration::from_secs(1),
+        };
+        let lost = std::future::ready(Error::LockLost("the session expired".into()));
+        match run(&r, lost, None).await {
+            Outcome::Lost(e) => assert!(e.is_lost(), "{e:?}"),
+            Outcome::Exited(code) => panic!("the command ran and exited {code}"),
+            Outcome::SpawnFailed(code, why) => {
+                panic!("the command was started on a lost lock: {code} {why}")
+            }
+        }
     }
 }
