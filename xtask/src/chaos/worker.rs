@@ -15,6 +15,7 @@
 use std::io::{BufRead as _, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -30,15 +31,25 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Runs one critical section holding `token` in `mode`. Only an exclusive section writes
 /// to the fenced store: holders that may overlap cannot be judged by one highest token.
 pub(crate) fn section(p: &SectionParams, token: u64, mode: Mode) -> anyhow::Result<WriteOutcome> {
-    let pid = std::process::id();
+    begin(p, token, mode)?;
+    work(p, token, mode)
+}
+
+/// Logs the start of a section.
+fn begin(p: &SectionParams, token: u64, mode: Mode) -> anyhow::Result<()> {
     let begin = Record::Begin {
         worker: p.worker,
-        pid,
+        pid: std::process::id(),
         token,
         at_us: now_us(),
         mode,
     };
-    history::append(&p.history, &begin.line())?;
+    history::append(&p.history, &begin.line())
+}
+
+/// A begun section's work, write and end line.
+fn work(p: &SectionParams, token: u64, mode: Mode) -> anyhow::Result<WriteOutcome> {
+    let pid = std::process::id();
     // The work: a deadline-based sleep, so time spent stopped counts and a resumed
     // section goes straight on to its write.
     std::thread::sleep(Duration::from_millis(p.work_ms));
@@ -384,7 +395,7 @@ async fn one_turn(
                 .map(|(_, t)| t.get())
                 .unwrap_or(0);
             let lost = g.lost();
-            let r = run_section(p, token, Mode::Exclusive, lost, || false).await;
+            let r = run_section(p, token, Mode::Exclusive, lost, || g.is_lost()).await;
             let released = g.release().await;
             r?;
             released.map_err(|_| Turn::Broken)
@@ -420,20 +431,55 @@ async fn held(p: &SectionParams, mut guard: dlock::LockGuard, mode: Mode) -> Res
 
 /// Runs the section on a blocking thread while a task logs the lost signal the moment it
 /// fires. `Err(Broken)` when the hold was lost: the worker starts over on a new session.
+///
+/// A hold already known lost is not begun on, as an application looks before it starts
+/// (the no-look rule is for the gap between the work and the write): a hold can be lost
+/// before its section, while the worker releases the write it downgraded from or in the
+/// instant between the grant and the start. The check and the `B` line are made under
+/// the lock the watcher logs its `L` line under, so a history never shows a section
+/// begun after its own hold's lost signal: the checker ends a hold at the first `L`
+/// after its `B`, and cannot tell an `L` just before it from an earlier hold's.
 async fn run_section(
     p: &SectionParams,
     token: u64,
     mode: Mode,
     signal: impl std::future::Future<Output = dlock::Error> + Send + 'static,
-    is_lost: impl FnOnce() -> bool,
+    is_lost: impl Fn() -> bool,
 ) -> Result<(), Turn> {
+    // True once this hold's `L` line is written.
+    let logged = Arc::new(Mutex::new(false));
     let params = p.clone();
-    let watcher = tokio::spawn(async move {
-        let e = signal.await;
-        lost(&params, &format!("lost signal: {e}"));
+    let watcher = tokio::spawn({
+        let logged = logged.clone();
+        async move {
+            let e = signal.await;
+            let mut logged = logged.lock().unwrap_or_else(PoisonError::into_inner);
+            if !*logged {
+                *logged = true;
+                lost(&params, &format!("lost signal: {e}"));
+            }
+        }
     });
+    {
+        let mut logged = logged.lock().unwrap_or_else(PoisonError::into_inner);
+        let lost_already = *logged || is_lost();
+        if lost_already && !*logged {
+            *logged = true;
+            lost(p, "lost before the section began");
+        }
+        let begun = !lost_already
+            && begin(p, token, mode)
+                .map_err(|e| {
+                    eprintln!("chaos worker {}: section: {e:#}", p.worker);
+                })
+                .is_ok();
+        if !begun {
+            watcher.abort();
+            return Err(Turn::Broken);
+        }
+    }
     let params = p.clone();
-    let outcome = tokio::task::spawn_blocking(move || section(&params, token, mode)).await;
+    let outcome = tokio::task::spawn_blocking(move || work(&params, token, mode)).await;
     let was_lost = watcher.is_finished() || is_lost();
     watcher.abort();
     match outcome {
@@ -445,5 +491,79 @@ async fn run_section(
         Err(Turn::Broken)
     } else {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh history file in a directory of its own.
+    fn params(test: &str) -> SectionParams {
+        let dir = std::env::temp_dir().join(format!("dlock-worker-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        SectionParams {
+            worker: 7,
+            // Never dialled: a shared section does not write to the store.
+            store: "127.0.0.1:9".into(),
+            history: dir.join("history.log"),
+            work_ms: 0,
+        }
+    }
+
+    fn gone() -> impl std::future::Future<Output = dlock::Error> + Send + 'static {
+        std::future::ready(dlock::Error::LockLost("the session expired".into()))
+    }
+
+    #[tokio::test]
+    async fn a_hold_known_lost_is_not_begun_on() {
+        let p = params("known-lost");
+        let r = run_section(&p, 5, Mode::Shared, gone(), || true).await;
+        assert!(matches!(r, Err(Turn::Broken)));
+        let records = history::read(&p.history).expect("history");
+        assert!(
+            !records.iter().any(|r| matches!(r, Record::Begin { .. })),
+            "a section began on a hold already lost: {records:?}"
+        );
+        let lost: Vec<_> = records
+            .iter()
+            .filter(|r| matches!(r, Record::Lost { .. }))
+            .collect();
+        assert_eq!(lost.len(), 1, "{records:?}");
+    }
+
+    /// Whatever order the watcher's first poll (which finds the loss) and the check
+    /// before the section fall in, no `B` follows the hold's own `L`: the checker ends a
+    /// hold at the first `L` after its `B`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_section_never_begins_after_its_holds_lost_line() {
+        for round in 0..200 {
+            let p = params(&format!("race-{round}"));
+            let found = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let signal = {
+                let found = found.clone();
+                async move {
+                    found.store(true, std::sync::atomic::Ordering::SeqCst);
+                    dlock::Error::LockLost("the session expired".into())
+                }
+            };
+            let is_lost = || found.load(std::sync::atomic::Ordering::SeqCst);
+            let r = run_section(&p, 5, Mode::Shared, signal, is_lost).await;
+            let records = history::read(&p.history).expect("history");
+            let lost_at = records
+                .iter()
+                .position(|r| matches!(r, Record::Lost { .. }));
+            let begun_at = records
+                .iter()
+                .position(|r| matches!(r, Record::Begin { .. }));
+            if let (Some(b), Some(l)) = (begun_at, lost_at) {
+                assert!(b < l, "a section began after its hold's L: {records:?}");
+            }
+            if lost_at.is_some() {
+                assert!(matches!(r, Err(Turn::Broken)), "{records:?}");
+            }
+            let _ = std::fs::remove_dir_all(p.history.parent().expect("dir"));
+        }
     }
 }
