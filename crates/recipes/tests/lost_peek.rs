@@ -18,12 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use dlock_core::{
-    Backend, Capability, DynBackend, Enqueued, Entry, EntryKind, Error, Gone, Hints, ListedQueue,
-    NameRules, Position, QueuePath, Result, SessionOptions, Ticket,
-};
+use dlock_core::{DynBackend, Error, QueuePath, SessionOptions};
 use dlock_recipes::Client;
-use dlock_testkit::mem::{MemBackend, MemServer};
+use dlock_testkit::mem::MemServer;
+use dlock_testkit::tap::{Tap, Tapped};
 use futures::future::BoxFuture;
 
 /// Holds the next poll of a lost future, wherever it runs, until told to go on.
@@ -33,11 +31,17 @@ struct Stall {
     go: Mutex<mpsc::Receiver<()>>,
 }
 
-/// The in-memory backend, with lost futures whose first poll after [`Stall::armed`]
-/// is set blocks its thread (as a preempted thread would stop) until the test lets it go.
-struct Stalling {
-    inner: Arc<MemBackend>,
-    stall: Arc<Stall>,
+/// Hands out lost futures whose first poll after [`Stall::armed`] is set blocks its
+/// thread (as a preempted thread would stop) until the test lets it go.
+struct Stalling(Arc<Stall>);
+
+impl Tap for Stalling {
+    fn lost(&self, signal: BoxFuture<'static, Error>) -> BoxFuture<'static, Error> {
+        Box::pin(StalledLost {
+            inner: signal,
+            stall: self.0.clone(),
+        })
+    }
 }
 
 struct StalledLost {
@@ -63,77 +67,10 @@ impl Future for StalledLost {
     }
 }
 
-impl Backend for Stalling {
-    fn kind(&self) -> &'static str {
-        DynBackend::kind(&*self.inner)
-    }
-    fn name_rules(&self) -> NameRules {
-        DynBackend::name_rules(&*self.inner)
-    }
-    fn session_timeout(&self) -> Duration {
-        DynBackend::session_timeout(&*self.inner)
-    }
-    fn hints(&self) -> Hints {
-        DynBackend::hints(&*self.inner)
-    }
-    fn supports(&self, capability: Capability) -> bool {
-        DynBackend::supports(&*self.inner, capability)
-    }
-    async fn enqueue(
-        &self,
-        q: &QueuePath,
-        ticket: &Ticket,
-        kind: EntryKind,
-        at: Position<'_>,
-        data: &[u8],
-    ) -> Result<Enqueued> {
-        DynBackend::enqueue(&*self.inner, q, ticket, kind, at, data).await
-    }
-    async fn queue(&self, q: &QueuePath) -> Result<Vec<Entry>> {
-        DynBackend::queue(&*self.inner, q).await
-    }
-    async fn queue_ahead(&self, q: &QueuePath, mine: &Entry) -> Result<Vec<Entry>> {
-        DynBackend::queue_ahead(&*self.inner, q, mine).await
-    }
-    async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
-        DynBackend::contains(&*self.inner, q, entry).await
-    }
-    async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
-        DynBackend::wait_gone(&*self.inner, q, entry).await
-    }
-    async fn wait_gone_detail(&self, q: &QueuePath, entry: &Entry) -> Result<Gone> {
-        DynBackend::wait_gone_detail(&*self.inner, q, entry).await
-    }
-    async fn wait_changed(&self, q: &QueuePath, seen: &[Entry]) -> Result<()> {
-        DynBackend::wait_changed(&*self.inner, q, seen).await
-    }
-    async fn remove(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
-        DynBackend::remove(&*self.inner, q, entry).await
-    }
-    async fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
-        DynBackend::abandon(&*self.inner, q, ticket).await
-    }
-    fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
-        Box::pin(StalledLost {
-            inner: DynBackend::lost(&*self.inner, q, entry),
-            stall: self.stall.clone(),
-        })
-    }
-    async fn list_queues(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
-        DynBackend::list_queues(&*self.inner, prefix).await
-    }
-    async fn health(&self) -> Result<()> {
-        DynBackend::health(&*self.inner).await
-    }
-    async fn close(&self) -> Result<()> {
-        DynBackend::close(&*self.inner).await
-    }
-}
-
 /// A lost hold's guard, whose backend already knows of the loss but whose shared lost
 /// signal nobody has polled since; and the stall to arm.
 async fn lost_hold() -> (
-    dlock_recipes::LockGuard<Stalling>,
+    dlock_recipes::LockGuard<Tapped<Stalling>>,
     Arc<Stall>,
     mpsc::Receiver<()>,
     mpsc::Sender<()>,
@@ -150,10 +87,7 @@ async fn lost_hold() -> (
         entered: Mutex::new(entered_tx),
         go: Mutex::new(go_rx),
     });
-    let backend = Arc::new(Stalling {
-        inner: inner.clone(),
-        stall: stall.clone(),
-    });
+    let backend = Tapped::new(inner.clone(), Stalling(stall.clone()));
     let client = Client::new(backend.clone());
     let guard = client
         .mutex("peek/one")
@@ -178,7 +112,7 @@ async fn lost_hold() -> (
 /// Polls the guard's lost signal on another thread, stalled inside that poll, and
 /// returns once the stall has begun. Joining the thread lets it finish.
 fn poll_elsewhere(
-    guard: &dlock_recipes::LockGuard<Stalling>,
+    guard: &dlock_recipes::LockGuard<Tapped<Stalling>>,
     stall: &Stall,
     entered: &mpsc::Receiver<()>,
 ) -> std::thread::JoinHandle<Error> {

@@ -50,6 +50,8 @@
 //!
 //! - Testing recipes with no server at all, or under seeded faults on a virtual clock:
 //!   [`mem::MemServer`] and its [`mem::MemBackend`] sessions.
+//! - Counting a backend's calls, failing chosen ones or holding up a lost signal, on a
+//!   real backend or the in-memory one: [`tap::Tapped`] with your [`tap::Tap`].
 //!
 //! # Feature flags
 //! None. The crate is `publish = false`: it serves dlock's tests and `cargo xtask`.
@@ -78,6 +80,7 @@ mod redis_cluster;
 pub mod secure;
 mod service;
 mod state;
+pub mod tap;
 
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
 pub use config::{

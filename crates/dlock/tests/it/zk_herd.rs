@@ -2,24 +2,21 @@
 //! ZooKeeper session, so the test knows exactly how many times each waiter was woken
 //! (`wait_gone` completed) and re-read the queue (`queue` called). Counts, not timing.
 
-use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::{Backend, DynBackend, Error, LockGuard, Result};
-use dlock_core::entry::{Entry, EntryKind, Ticket};
-use dlock_core::{Capability, Enqueued, Gone, ListedQueue, NameRules, Position, QueuePath};
-use futures::future::BoxFuture;
+use dlock::{DynBackend, LockGuard, Result};
+use dlock_testkit::tap::{Call, Tap, Tapped};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::support::{client, eventually, leftovers, unique};
 
 const GENEROUS: Duration = Duration::from_secs(60);
 
-/// A [`Backend`] that delegates to a real one and counts what one waiter does.
+/// Counts what one waiter does through its backend.
+#[derive(Default)]
 pub struct Counting {
-    inner: Arc<dyn DynBackend>,
     /// `queue()` and `queue_ahead()` calls: re-checks after a wake-up.
     pub queue_calls: AtomicUsize,
     /// `wait_gone()` and `wait_gone_detail()` calls: watches armed.
@@ -31,16 +28,6 @@ pub struct Counting {
 }
 
 impl Counting {
-    pub fn new(inner: Arc<dyn DynBackend>) -> Arc<Self> {
-        Arc::new(Counting {
-            inner,
-            queue_calls: AtomicUsize::new(0),
-            waits_begun: AtomicUsize::new(0),
-            waits_done: AtomicUsize::new(0),
-            changed_calls: AtomicUsize::new(0),
-        })
-    }
-
     fn snapshot(&self) -> (usize, usize, usize, usize) {
         (
             self.queue_calls.load(Ordering::SeqCst),
@@ -51,131 +38,28 @@ impl Counting {
     }
 }
 
-impl Backend for Counting {
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
-    }
-    fn name_rules(&self) -> NameRules {
-        self.inner.name_rules()
-    }
-    fn session_timeout(&self) -> Duration {
-        self.inner.session_timeout()
-    }
-    fn hints(&self) -> dlock_core::Hints {
-        self.inner.hints()
-    }
-    fn supports(&self, capability: Capability) -> bool {
-        self.inner.supports(capability)
-    }
-    async fn enqueue(
-        &self,
-        q: &QueuePath,
-        ticket: &Ticket,
-        kind: EntryKind,
-        at: Position<'_>,
-        data: &[u8],
-    ) -> Result<Enqueued> {
-        self.inner.enqueue(q, ticket, kind, at, data).await
-    }
-    async fn enqueue_removing(
-        &self,
-        q: &QueuePath,
-        ticket: &Ticket,
-        kind: EntryKind,
-        data: &[u8],
-        gone_q: &QueuePath,
-        gone: &Entry,
-    ) -> Result<Entry> {
-        self.inner
-            .enqueue_removing(q, ticket, kind, data, gone_q, gone)
-            .await
-    }
-    fn queue(&self, q: &QueuePath) -> impl Future<Output = Result<Vec<Entry>>> + Send {
-        self.queue_calls.fetch_add(1, Ordering::SeqCst);
-        async move { self.inner.queue(q).await }
-    }
-    /// A re-read too: counted with `queue()`.
-    fn queue_ahead(
-        &self,
-        q: &QueuePath,
-        mine: &Entry,
-    ) -> impl Future<Output = Result<Vec<Entry>>> + Send {
-        self.queue_calls.fetch_add(1, Ordering::SeqCst);
-        async move { self.inner.queue_ahead(q, mine).await }
-    }
-    async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
-        self.inner.contains(q, entry).await
-    }
-    fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
-        self.waits_begun.fetch_add(1, Ordering::SeqCst);
-        async move {
-            let r = self.inner.wait_gone(q, entry).await;
-            self.waits_done.fetch_add(1, Ordering::SeqCst);
-            r
-        }
-    }
-    /// A watch too: counted with `wait_gone()`.
-    fn wait_gone_detail(
-        &self,
-        q: &QueuePath,
-        entry: &Entry,
-    ) -> impl Future<Output = Result<Gone>> + Send {
-        self.waits_begun.fetch_add(1, Ordering::SeqCst);
-        async move {
-            let r = self.inner.wait_gone_detail(q, entry).await;
-            self.waits_done.fetch_add(1, Ordering::SeqCst);
-            r
-        }
-    }
-    fn wait_changed(
-        &self,
-        q: &QueuePath,
-        seen: &[Entry],
-    ) -> impl Future<Output = Result<()>> + Send {
-        self.changed_calls.fetch_add(1, Ordering::SeqCst);
-        async move { self.inner.wait_changed(q, seen).await }
-    }
-    async fn remove(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
-        self.inner.remove(q, entry).await
-    }
-    async fn abandon(&self, q: &QueuePath, ticket: &Ticket) -> Result<()> {
-        self.inner.abandon(q, ticket).await
-    }
-    fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
-        self.inner.lost(q, entry)
-    }
-    async fn read_value(&self, q: &QueuePath) -> Result<Option<Vec<u8>>> {
-        self.inner.read_value(q).await
-    }
-    async fn participants(&self, q: &QueuePath) -> Result<Vec<Entry>> {
-        self.inner.participants(q).await
-    }
-    async fn list_queues(&self, prefix: &str) -> Result<Vec<ListedQueue>> {
-        self.inner.list_queues(prefix).await
-    }
-    async fn set_data(&self, q: &QueuePath, entry: &Entry, data: &[u8]) -> Result<()> {
-        self.inner.set_data(q, entry, data).await
-    }
-    async fn wait_data_changed(
-        &self,
-        q: &QueuePath,
-        entry: &Entry,
-        seen: &[u8],
-    ) -> Result<Option<Vec<u8>>> {
-        self.inner.wait_data_changed(q, entry, seen).await
-    }
-    async fn health(&self) -> Result<()> {
-        self.inner.health().await
+impl Tap for Counting {
+    fn begin(&self, call: Call) -> Result<()> {
+        let counter = match call {
+            Call::Queue | Call::QueueAhead => &self.queue_calls,
+            Call::WaitGone | Call::WaitGoneDetail => &self.waits_begun,
+            Call::WaitChanged => &self.changed_calls,
+            _ => return Ok(()),
+        };
+        counter.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
-    async fn close(&self) -> Result<()> {
-        self.inner.close().await
+    fn end(&self, call: Call) {
+        if matches!(call, Call::WaitGone | Call::WaitGoneDetail) {
+            self.waits_done.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
 /// One waiter: its counters, the channel that tells it to release, and its task.
 struct Waiter {
-    counts: Arc<Counting>,
+    counts: Arc<Tapped<Counting>>,
     release: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -204,7 +88,7 @@ async fn spawn_waiter(
         .await
         .expect("participants")
         .len();
-    let counts = Counting::new(inner.clone());
+    let counts = Tapped::new(inner.clone(), Counting::default());
     let c = dlock::Client::new(counts.clone() as Arc<dyn DynBackend>);
     let (release, released) = oneshot::channel::<()>();
     let (name2, acquired) = (name.to_owned(), acquired.clone());
@@ -245,7 +129,7 @@ async fn spawn_waiter(
 
 fn total_woken(ws: &[Waiter]) -> usize {
     ws.iter()
-        .map(|w| w.counts.waits_done.load(Ordering::SeqCst))
+        .map(|w| w.counts.tap().waits_done.load(Ordering::SeqCst))
         .sum()
 }
 
@@ -288,7 +172,7 @@ pub async fn mutex_queue_of_50(url: &str) {
     }
     for (i, w) in ws.iter_mut().enumerate() {
         (&mut w.task).await.expect("waiter task");
-        let (queue, begun, done, changed) = w.counts.snapshot();
+        let (queue, begun, done, changed) = w.counts.tap().snapshot();
         // Waiter 0 had only the holder ahead: its listing answered the handoff. The
         // others listed once, when the entry two ahead went (the exact split between
         // their two watches depends on which notification came first).
@@ -342,7 +226,7 @@ pub async fn readers_behind_writer(url: &str) {
     first.sort_unstable();
     assert_eq!(first, (0..10).collect::<Vec<_>>(), "the 10 readers get in");
     for (i, w) in ws.iter().enumerate() {
-        let (queue, begun, done, _) = w.counts.snapshot();
+        let (queue, begun, done, _) = w.counts.tap().snapshot();
         if i < 10 {
             assert_eq!((begun, done, queue), (1, 1, 0), "reader {i}");
         } else {
@@ -364,12 +248,16 @@ pub async fn readers_behind_writer(url: &str) {
     }
     assert_eq!(recv(&mut acquired).await, 10, "the queued writer is next");
     assert_eq!(
-        ws[10].counts.snapshot().2,
+        ws[10].counts.tap().snapshot().2,
         1,
         "the writer woke once for ten reader releases"
     );
     for (i, w) in ws.iter().enumerate().skip(11) {
-        assert_eq!(w.counts.snapshot().2, 0, "late reader {i} woken early");
+        assert_eq!(
+            w.counts.tap().snapshot().2,
+            0,
+            "late reader {i} woken early"
+        );
     }
 
     if let Some(r) = ws[10].release.take() {
@@ -388,7 +276,7 @@ pub async fn readers_behind_writer(url: &str) {
         (&mut w.task).await.expect("task");
     }
     for (i, w) in ws.iter().enumerate() {
-        let (queue, begun, done, changed) = w.counts.snapshot();
+        let (queue, begun, done, changed) = w.counts.tap().snapshot();
         // The first readers decide from their listing (one writer ahead). The writer
         // re-reads once: a write stood ahead of it, and that write's holder could have
         // put a downgrade read ahead. The late readers' listing still named the first
