@@ -106,11 +106,6 @@ impl<T: Tap> Tapped<T> {
     pub fn tap(&self) -> &T {
         &self.tap
     }
-
-    /// The backend behind the tap.
-    pub fn inner(&self) -> &Arc<dyn DynBackend> {
-        &self.inner
-    }
 }
 
 /// `$call` to the inner backend (bound to `$b` in `$make`) through the tap:

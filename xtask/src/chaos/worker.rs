@@ -462,18 +462,17 @@ async fn run_section(
     });
     {
         let mut logged = logged.lock().unwrap_or_else(PoisonError::into_inner);
-        let lost_already = *logged || is_lost();
-        if lost_already && !*logged {
+        if !*logged && is_lost() {
             *logged = true;
             lost(p, "lost before the section began");
         }
-        let begun = !lost_already
-            && begin(p, token, mode)
-                .map_err(|e| {
-                    eprintln!("chaos worker {}: section: {e:#}", p.worker);
-                })
-                .is_ok();
-        if !begun {
+        let begun = if *logged {
+            Err(())
+        } else {
+            begin(p, token, mode)
+                .map_err(|e| eprintln!("chaos worker {}: section: {e:#}", p.worker))
+        };
+        if begun.is_err() {
             watcher.abort();
             return Err(Turn::Broken);
         }
@@ -512,25 +511,22 @@ mod tests {
         }
     }
 
-    fn gone() -> impl std::future::Future<Output = dlock::Error> + Send + 'static {
-        std::future::ready(dlock::Error::LockLost("the session expired".into()))
-    }
-
     #[tokio::test]
     async fn a_hold_known_lost_is_not_begun_on() {
         let p = params("known-lost");
-        let r = run_section(&p, 5, Mode::Shared, gone(), || true).await;
+        let gone = std::future::ready(dlock::Error::LockLost("the session expired".into()));
+        let r = run_section(&p, 5, Mode::Shared, gone, || true).await;
         assert!(matches!(r, Err(Turn::Broken)));
         let records = history::read(&p.history).expect("history");
         assert!(
             !records.iter().any(|r| matches!(r, Record::Begin { .. })),
             "a section began on a hold already lost: {records:?}"
         );
-        let lost: Vec<_> = records
+        let lost = records
             .iter()
             .filter(|r| matches!(r, Record::Lost { .. }))
-            .collect();
-        assert_eq!(lost.len(), 1, "{records:?}");
+            .count();
+        assert_eq!(lost, 1, "{records:?}");
     }
 
     /// Whatever order the watcher's first poll (which finds the loss) and the check
