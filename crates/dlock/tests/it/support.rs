@@ -150,9 +150,21 @@ pub async fn client(url: &str) -> Client {
             .unwrap_or_else(|e| panic!("connect to the in-memory server: {e}"));
         return Client::new(backend as Arc<dyn DynBackend>);
     }
-    dlock::connect_with(url, opts)
-        .await
-        .unwrap_or_else(|e| panic!("connect {url}: {e}"))
+    // A connect that times out is tried again, twice: these tests are about locks, not
+    // connect latency, and on CI's two cores the secured six-node Redis Cluster (a TLS
+    // handshake per node, dozens of tests connecting at once) once took longer than the
+    // connect timeout. Any other error fails at once.
+    let mut attempt = 1;
+    loop {
+        match dlock::connect_with(url, opts.clone()).await {
+            Ok(client) => return client,
+            Err(dlock::Error::Unreachable(why)) if attempt < 3 => {
+                eprintln!("connect {url}: attempt {attempt} timed out ({why}); trying again");
+                attempt += 1;
+            }
+            Err(e) => panic!("connect {url}: {e}"),
+        }
+    }
 }
 
 /// A lock name no other test (or earlier run) uses.
