@@ -180,8 +180,12 @@ pub enum Gone {
     Unknown,
     /// At the moment it was removed, no other entry was queued with a sequence number up
     /// to its own: it was the head of the queue, with no downgrade read beside it. A
-    /// backend reports this only when the removal itself observed it atomically (one
-    /// script, one transaction); on several masters, only when a majority did.
+    /// backend reports this only when it knows it for certain at the removal's moment:
+    /// the removal itself observed it atomically (one script, one transaction; on
+    /// several masters, a majority did), or the waiter read every entry up to that
+    /// sequence at one revision and then saw every change to the queue after it, in
+    /// order, up to and including the removal's own (etcd, on a short queue). The
+    /// contract's `gone` tests check that it is never said for anything else.
     Head,
     /// Found missing by a check, not seen being removed: the server may have lost it
     /// together with other entries (a restart that kept no data, a failover to a replica

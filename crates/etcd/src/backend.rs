@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{
-    Backend, Capability, Enqueued, Entry, EntryKind, Error, Hints, ListedQueue, NameRules,
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, Hints, ListedQueue, NameRules,
     Position, QueuePath, Result, SessionOptions, Ticket,
 };
 use etcd_client::{
@@ -502,6 +502,27 @@ impl Backend for EtcdBackend {
             let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
             self.retry_watch(&key, || self.wait_gone_once(&key, entry))
                 .await
+        }
+        .instrument(span)
+    }
+
+    /// As `wait_gone`, and on a short queue watched whole, says whether `entry` went as
+    /// the head ([`Gone::Head`]: the woken waiter then needs no listing). See
+    /// `wait_gone_tracking_once` in `waits.rs`.
+    fn wait_gone_detail(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+    ) -> impl Future<Output = Result<Gone>> + Send {
+        let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
+        async move {
+            let prefix = layout::queue_prefix(&self.namespace, q);
+            let key = format!("{prefix}{}", entry.name);
+            let gone = self
+                .retry_watch(&key, || self.wait_gone_tracking_once(&prefix, &key, entry))
+                .await?;
+            tracing::debug!(?gone, "gone");
+            Ok(gone)
         }
         .instrument(span)
     }

@@ -81,8 +81,15 @@
 //! message each), and create revisions only grow, so the entries ahead of a waiter can
 //! only leave: a waiter whose predecessor was the last one in its way holds the lock as
 //! soon as the delete is reported, with no further read
-//! ([`dlock_core::driver::Snapshot`]). A handoff costs the holder's delete
-//! and one watch event, however long the queue.
+//! ([`dlock_core::driver::Snapshot`]). A waiter whose view still named entries ahead of
+//! its predecessor needs a read to learn they left, since a delete alone does not tell a
+//! release by the head from a cancelled waiter or an expired lease; except on a short
+//! queue (at most 8 keys), whose waiters watch it whole: from one read of the queue and
+//! every change after it they know whether the predecessor went as the head
+//! ([`dlock_core::Gone::Head`]), and then hold the lock with no read either. A queue
+//! change is sent to at most those 8 watches however long the queue grows; behind them,
+//! a waiter watches its predecessor's key alone. A handoff at the front of a queue costs
+//! the holder's delete and one watch event.
 //!
 //! One client keeps at most 64 requests in flight; the rest wait for a slot before their
 //! time budget starts, so a thousand acquires queued at once on one client do not time

@@ -793,3 +793,73 @@ async fn many_waiters_on_one_client_share_one_watch_stream() {
     holder_client.close().await.expect("close");
     waiters.close().await.expect("close");
 }
+
+/// On a short queue `wait_gone_detail` says [`dlock_core::Gone::Head`] for a holder's
+/// release, so the next waiter takes the lock without listing the queue; on a queue
+/// longer than it watches whole, it knows nothing of how the entry went. (The contract's
+/// `wait_gone_detail_says_head_only_for_a_head_removal` checks the cases it must not
+/// say it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_at_the_head_of_a_short_queue_says_head() {
+    use dlock_core::Gone;
+    let eps = etcd_or_skip!("a_release_at_the_head_of_a_short_queue_says_head");
+    init_tracing();
+    let a = connect(&eps).await;
+    let b = connect(&eps).await;
+    let q = QueuePath::root(unique_name("gone-head"));
+    // Waits on `gone` from b, removes it from a once the wait had time to arm.
+    let answer = |gone: Entry| {
+        let (a, b, q) = (a.clone(), b.clone(), q.clone());
+        async move {
+            let waiter = {
+                let (b, q, gone) = (b.clone(), q.clone(), gone.clone());
+                tokio::spawn(async move { b.wait_gone_detail(&q, &gone).await })
+            };
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            a.remove(&q, &gone).await.expect("remove");
+            timeout(SOON, waiter)
+                .await
+                .expect("the wait ends")
+                .expect("join")
+                .expect("wait_gone_detail")
+        }
+    };
+    // The holder's release, with one waiter behind: the wait was armed in time at least
+    // once in five (a slow arm reads it gone, and says Unknown).
+    let mut heads = 0;
+    for _ in 0..5 {
+        let (_, holder, _) = enqueue(&a, &q, EntryKind::Lock).await;
+        let (_, next, _) = enqueue(&a, &q, EntryKind::Lock).await;
+        if answer(holder).await == Gone::Head {
+            heads += 1;
+        }
+        a.remove(&q, &next).await.expect("remove");
+    }
+    assert!(heads > 0, "a release at the head said Head");
+
+    // Nine keys: longer than a queue is watched whole. The head's release is then
+    // reported as a plain delete.
+    let mut queued = Vec::new();
+    for _ in 0..9 {
+        queued.push(enqueue(&a, &q, EntryKind::Lock).await.1);
+    }
+    assert_eq!(answer(queued[0].clone()).await, Gone::Unknown);
+    for e in &queued[1..] {
+        a.remove(&q, e).await.expect("remove");
+    }
+}
+
+/// The contract's mixed readers, writers, locks and downgrades, where a head removal
+/// grants without a listing: exclusion holds, and on etcd some grants were made that way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_handoffs_grant_without_a_listing() {
+    let eps = etcd_or_skip!("head_handoffs_grant_without_a_listing");
+    init_tracing();
+    let connect = dlock_testkit::contract::connect_fn(move |opts| {
+        let eps = eps.clone();
+        async move { EtcdBackend::connect(&eps, opts).await }
+    });
+    let heads = dlock_testkit::contract::tests::head_handoffs_keep_exclusion(connect).await;
+    eprintln!("head handoffs: {heads} grants by a head removal");
+    assert!(heads > 0, "some handoffs were granted by a head removal");
+}

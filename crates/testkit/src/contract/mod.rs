@@ -11,6 +11,7 @@
 //! typed error instead.
 
 pub mod capabilities;
+pub mod gone;
 pub mod tests;
 
 use std::future::Future;
@@ -276,6 +277,8 @@ macro_rules! backend_contract {
             bad_input_gets_typed_errors,
             list_queues_finds_the_queues_with_entries,
             enqueue_removing_adds_one_and_removes_the_other,
+            wait_gone_detail_says_head_only_for_a_head_removal,
+            head_handoffs_keep_exclusion,
         );
         $crate::__contract_if_claimed!(revocation in [$($cap),*] {
             $crate::__contract_capability_tests!(__contract_connect;

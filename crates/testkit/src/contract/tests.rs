@@ -12,6 +12,10 @@ use futures::FutureExt;
 
 use super::{add, eventually, fresh_name, fresh_queue, session, within, Connect};
 
+pub use super::gone::{
+    head_handoffs_keep_exclusion, wait_gone_detail_says_head_only_for_a_head_removal,
+};
+
 fn names(q: &[Entry]) -> Vec<&str> {
     q.iter().map(|e| e.name.as_str()).collect()
 }
