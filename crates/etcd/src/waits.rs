@@ -280,13 +280,14 @@ impl EtcdBackend {
             )
             .await
             .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
-        if !holds_entry(&read, key, entry) {
-            return Ok(Gone::Unknown);
-        }
         if read.more() || read.kvs().len() > TRACK_AT_MOST as usize {
-            // Too long to watch whole: give the watch back and watch the one key.
+            // Too long to watch whole: give the watch back and watch the one key. (The
+            // read holds only the queue's first keys: it cannot say `entry` is gone.)
             drop(watch);
             return one_key().await;
+        }
+        if !holds_entry(&read, key, entry) {
+            return Ok(Gone::Unknown);
         }
         let queue = layout::queue_from_kvs(prefix, read.kvs().iter().map(raw));
         let Some(seq) = queue.iter().find(|e| e.name == entry.name).map(|e| e.seq) else {

@@ -146,6 +146,44 @@ pub async fn wait_gone_detail_says_head_only_for_a_head_removal(connect: Connect
     within("close", b.close()).await.expect("close");
 }
 
+/// In a long queue (a dozen entries), `wait_gone_detail` on an entry far from the head
+/// stays pending while that entry stays, and returns once it goes, without
+/// [`Gone::Head`] (entries are still queued ahead of it).
+pub async fn wait_gone_detail_waits_while_the_entry_stays(connect: Connect) {
+    let a = session(&connect).await;
+    let b = session(&connect).await;
+    let q = super::fresh_queue(&*a, "gone-long");
+    let mut queued = Vec::new();
+    for i in 0..12 {
+        queued.push(
+            add(&*a, &q, EntryKind::Lock, &format!("entry {i}"))
+                .await
+                .mine,
+        );
+    }
+    let far = queued[10].clone();
+    let waiter = {
+        let (b, q, far) = (b.clone(), q.clone(), far.clone());
+        tokio::spawn(async move { b.wait_gone_detail(&q, &far).await })
+    };
+    tokio::time::sleep(ARM).await;
+    assert!(
+        !waiter.is_finished(),
+        "the wait returned while its entry was queued"
+    );
+    within("remove", a.remove(&q, &far)).await.expect("remove");
+    let said = within("the wait ends", waiter)
+        .await
+        .expect("join")
+        .expect("wait_gone_detail");
+    assert_ne!(said, Gone::Head, "ten entries were queued ahead of it");
+    for e in queued.iter().filter(|e| e.name != far.name) {
+        within("remove", a.remove(&q, e)).await.expect("remove");
+    }
+    within("close", a.close()).await.expect("close");
+    within("close", b.close()).await.expect("close");
+}
+
 /// Readers, writers and exclusive locks of several sessions take one queue in turn as
 /// the recipes do (a waiter told its blocker went as the head takes the lock without a
 /// listing, [`Snapshot::without_head`]), write holders sometimes downgrading beside

@@ -278,6 +278,7 @@ macro_rules! backend_contract {
             list_queues_finds_the_queues_with_entries,
             enqueue_removing_adds_one_and_removes_the_other,
             wait_gone_detail_says_head_only_for_a_head_removal,
+            wait_gone_detail_waits_while_the_entry_stays,
             head_handoffs_keep_exclusion,
         );
         $crate::__contract_if_claimed!(revocation in [$($cap),*] {

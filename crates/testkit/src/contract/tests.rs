@@ -14,6 +14,7 @@ use super::{add, eventually, fresh_name, fresh_queue, session, within, Connect};
 
 pub use super::gone::{
     head_handoffs_keep_exclusion, wait_gone_detail_says_head_only_for_a_head_removal,
+    wait_gone_detail_waits_while_the_entry_stays,
 };
 
 fn names(q: &[Entry]) -> Vec<&str> {
