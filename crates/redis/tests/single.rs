@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::*;
 use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, SessionOptions};
 use dlock_redis::RedisBackend;
+use dlock_testkit::contract::gone::{acquire_like_recipes, xorshift, Occupancy};
 use futures::FutureExt;
 
 const LONG: Duration = Duration::from_secs(30);
@@ -412,59 +413,6 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
     b.close().await.expect("close");
 }
 
-/// Who is inside a read/write critical section: readers in the low 32 bits, exclusive
-/// holders (writes, locks) above. Counts every moment the two kinds meet, or two
-/// exclusive holders do.
-#[derive(Default)]
-struct Occupancy {
-    inside: std::sync::atomic::AtomicU64,
-    violations: AtomicUsize,
-}
-
-impl Occupancy {
-    /// The unit one holder of `kind` adds.
-    fn unit(kind: EntryKind) -> u64 {
-        if kind == EntryKind::Read {
-            1
-        } else {
-            1 << 32
-        }
-    }
-
-    /// Adds `delta` (wrapping, so a step from writer to reader is one change) and checks.
-    fn change(&self, delta: u64) {
-        let now = self
-            .inside
-            .fetch_add(delta, Ordering::SeqCst)
-            .wrapping_add(delta);
-        let (writers, readers) = (now >> 32, now & 0xFFFF_FFFF);
-        if writers > 1 || (writers == 1 && readers > 0) {
-            self.violations.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn enter(&self, kind: EntryKind) {
-        self.change(Self::unit(kind));
-    }
-
-    fn leave(&self, kind: EntryKind) {
-        self.inside.fetch_sub(Self::unit(kind), Ordering::SeqCst);
-    }
-
-    fn violations(&self) -> usize {
-        self.violations.load(Ordering::SeqCst)
-    }
-}
-
-/// A worker's own deterministic random sequence (xorshift64), so runs differ by worker
-/// but not from one run to the next.
-fn xorshift(x: &mut u64) -> u64 {
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    *x
-}
-
 /// Waits for every worker, each within a generous bound, and fails on a worker's panic.
 async fn join_workers(tasks: Vec<tokio::task::JoinHandle<()>>) {
     for t in tasks {
@@ -566,45 +514,6 @@ async fn rwlock_waits_end_by_message_not_by_the_recheck_timer() {
     );
 }
 
-/// Waits as the recipes do: keeps the [`Snapshot`] it last listed, and when its blocker
-/// goes asks [`Snapshot::without_head`] (the remove said `Gone::Head`) or
-/// [`Snapshot::without`] before listing the entries ahead again. Returns the entry and
-/// whether the last wait was granted without a listing because of a head removal.
-async fn acquire_like_recipes(
-    b: &RedisBackend,
-    q: &dlock_core::QueuePath,
-    kind: EntryKind,
-) -> (dlock_core::Entry, bool) {
-    use dlock_core::driver::Snapshot;
-    use dlock_core::Gone;
-    let added = b
-        .enqueue(q, &dlock_testkit::ticket(), kind, Position::Tail, b"")
-        .await
-        .expect("enqueue");
-    let mine = added.mine;
-    let mut view = Snapshot::new(added.queue, &mine.name);
-    loop {
-        let blocker = match view.decide(&mine.name) {
-            Decision::Acquired => return (mine, false),
-            Decision::Missing => panic!("entry {} vanished while waiting", mine.name),
-            Decision::Wait(blocker) => blocker.clone(),
-        };
-        match b.wait_gone_detail(q, &blocker).await.expect("wait_gone") {
-            Gone::Head => {
-                if view.without_head(&blocker.name, &mine.name) {
-                    return (mine, true);
-                }
-            }
-            _ => {
-                if view.without(&blocker.name, &mine.name) {
-                    return (mine, false);
-                }
-            }
-        }
-        view = Snapshot::new(b.queue_ahead(q, &mine).await.expect("list"), &mine.name);
-    }
-}
-
 /// The listing-free handoff on a real server: the remove script says `removed head` only
 /// when nothing else is queued at or ahead of the entry, and waiters granted on that
 /// (readers, writers, write holders downgrading beside their write) never break
@@ -641,7 +550,7 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
                 };
                 // Lock entries share the queue with the read/write ones in this test:
                 // exclusive like writes, so they count as writers.
-                let (mine, by_head) = acquire_like_recipes(&b, &q, kind).await;
+                let (mine, by_head) = acquire_like_recipes(&*b, &q, kind).await;
                 if by_head {
                     head_grants.fetch_add(1, Ordering::SeqCst);
                 }

@@ -268,8 +268,13 @@ pub async fn head_handoffs_keep_exclusion(connect: Connect) -> usize {
 /// Waits as the recipes do: keeps the [`Snapshot`] it last listed, and when its blocker
 /// goes asks [`Snapshot::without_head`] (told [`Gone::Head`]) or [`Snapshot::without`]
 /// before listing the entries ahead again. Returns the entry and whether the last wait
-/// was granted without a listing because of a head removal.
-async fn acquire_like_recipes(b: &dyn DynBackend, q: &QueuePath, kind: EntryKind) -> (Entry, bool) {
+/// was granted without a listing because of a head removal. Panics (failing the test)
+/// on a backend error or when the entry vanishes while it waits.
+pub async fn acquire_like_recipes(
+    b: &dyn DynBackend,
+    q: &QueuePath,
+    kind: EntryKind,
+) -> (Entry, bool) {
     let added = within(
         "enqueue",
         b.enqueue(q, &crate::ticket(), kind, Position::Tail, b""),
@@ -304,14 +309,14 @@ async fn acquire_like_recipes(b: &dyn DynBackend, q: &QueuePath, kind: EntryKind
 /// holders (writes, locks) above. Counts every moment the two kinds meet, or two
 /// exclusive holders do.
 #[derive(Default)]
-struct Occupancy {
+pub struct Occupancy {
     inside: AtomicU64,
     violations: AtomicUsize,
 }
 
 impl Occupancy {
     /// The unit one holder of `kind` adds.
-    fn unit(kind: EntryKind) -> u64 {
+    pub fn unit(kind: EntryKind) -> u64 {
         if kind == EntryKind::Read {
             1
         } else {
@@ -320,7 +325,7 @@ impl Occupancy {
     }
 
     /// Adds `delta` (wrapping, so a step from writer to reader is one change) and checks.
-    fn change(&self, delta: u64) {
+    pub fn change(&self, delta: u64) {
         let now = self
             .inside
             .fetch_add(delta, Ordering::SeqCst)
@@ -331,21 +336,25 @@ impl Occupancy {
         }
     }
 
-    fn enter(&self, kind: EntryKind) {
+    /// A holder of `kind` enters; checked.
+    pub fn enter(&self, kind: EntryKind) {
         self.change(Self::unit(kind));
     }
 
-    fn leave(&self, kind: EntryKind) {
+    /// A holder of `kind` leaves.
+    pub fn leave(&self, kind: EntryKind) {
         self.inside.fetch_sub(Self::unit(kind), Ordering::SeqCst);
     }
 
-    fn violations(&self) -> usize {
+    /// How many times two holders met that may not share the lock.
+    pub fn violations(&self) -> usize {
         self.violations.load(Ordering::SeqCst)
     }
 }
 
-/// A worker's own deterministic random sequence (xorshift64).
-fn xorshift(x: &mut u64) -> u64 {
+/// A worker's own deterministic random sequence (xorshift64), so runs differ by worker
+/// but not from one run to the next.
+pub fn xorshift(x: &mut u64) -> u64 {
     *x ^= *x << 13;
     *x ^= *x >> 7;
     *x ^= *x << 17;
