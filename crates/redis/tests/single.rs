@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::*;
 use dlock_core::{decide, Backend, Decision, EntryKind, Error, Position, SessionOptions};
 use dlock_redis::RedisBackend;
-use dlock_testkit::contract::gone::{acquire_like_recipes, xorshift, Occupancy};
+use dlock_testkit::contract::gone::{xorshift, Occupancy};
 use futures::FutureExt;
 
 const LONG: Duration = Duration::from_secs(30);
@@ -517,7 +517,8 @@ async fn rwlock_waits_end_by_message_not_by_the_recheck_timer() {
 /// The listing-free handoff on a real server: the remove script says `removed head` only
 /// when nothing else is queued at or ahead of the entry, and waiters granted on that
 /// (readers, writers, write holders downgrading beside their write) never break
-/// exclusion. Every wait still ends by a message.
+/// exclusion (the contract's `head_handoffs_keep_exclusion`). Here some grants are made
+/// that way, and every wait still ends by a message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
     init_tracing();
@@ -527,73 +528,22 @@ async fn head_removals_grant_without_a_listing_and_keep_exclusion() {
     ) else {
         return;
     };
-    const WORKERS: u64 = 6;
-    const ROUNDS: u64 = 200;
-    let q = fresh_queue("head-handoff");
-    let occupancy = Arc::new(Occupancy::default());
-    let head_grants = Arc::new(AtomicUsize::new(0));
-    let mut backends = Vec::new();
-    for _ in 0..WORKERS {
-        backends.push(connect(&addr, LONG).await);
-    }
-    let mut tasks = Vec::new();
-    for (i, b) in backends.iter().enumerate() {
-        let (b, q, occupancy, head_grants) =
-            (b.clone(), q.clone(), occupancy.clone(), head_grants.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut x = 0x2545_F491_4F6C_DD1Du64 ^ (i as u64 + 1);
-            for _ in 0..ROUNDS {
-                let kind = match xorshift(&mut x) % 10 {
-                    0..=3 => EntryKind::Write,
-                    4..=6 => EntryKind::Read,
-                    _ => EntryKind::Lock,
-                };
-                // Lock entries share the queue with the read/write ones in this test:
-                // exclusive like writes, so they count as writers.
-                let (mine, by_head) = acquire_like_recipes(&*b, &q, kind).await;
-                if by_head {
-                    head_grants.fetch_add(1, Ordering::SeqCst);
-                }
-                occupancy.enter(kind);
-                tokio::task::yield_now().await;
-                if kind == EntryKind::Write && x.is_multiple_of(3) {
-                    // Downgrade: a read beside the held write, then the write goes while
-                    // others wait behind it: the one way an entry joins ahead of them.
-                    let beside = b
-                        .enqueue(
-                            &q,
-                            &dlock_testkit::ticket(),
-                            EntryKind::Read,
-                            Position::Beside(&mine),
-                            b"",
-                        )
-                        .await
-                        .expect("downgrade");
-                    // One step from writer to reader (+1 reader, -1 writer).
-                    occupancy.change(1u64.wrapping_sub(Occupancy::unit(kind)));
-                    b.remove(&q, &mine).await.expect("remove write");
-                    tokio::task::yield_now().await;
-                    occupancy.leave(EntryKind::Read);
-                    b.remove(&q, &beside.mine).await.expect("remove read");
-                } else {
-                    occupancy.leave(kind);
-                    b.remove(&q, &mine).await.expect("remove");
-                }
+    // Every session the contract opens, kept to read its wake-up counters afterwards.
+    let opened: Arc<parking_lot::Mutex<Vec<Arc<RedisBackend>>>> = Arc::default();
+    let connect = {
+        let opened = opened.clone();
+        dlock_testkit::contract::connect_fn(move |o| {
+            let (addr, opened) = (addr.clone(), opened.clone());
+            async move {
+                let b = RedisBackend::connect(&addr, o).await?;
+                opened.lock().push(b.clone());
+                Ok(b)
             }
-        }));
-    }
-    join_workers(tasks).await;
-    let mut missed = 0;
-    for b in &backends {
-        missed += b.stats().missed_wakeups;
-        b.close().await.expect("close");
-    }
-    let heads = head_grants.load(Ordering::SeqCst);
-    eprintln!(
-        "head handoffs: {} acquires, {heads} granted by a head removal, missed_wakeups={missed}",
-        WORKERS * ROUNDS
-    );
-    assert_eq!(occupancy.violations(), 0, "exclusion");
+        })
+    };
+    let heads = dlock_testkit::contract::gone::head_handoffs_keep_exclusion(connect).await;
+    let missed: u64 = opened.lock().iter().map(|b| b.stats().missed_wakeups).sum();
+    eprintln!("head handoffs: {heads} granted by a head removal, missed_wakeups={missed}");
     assert!(heads > 0, "some handoffs were granted by a head removal");
     assert_eq!(missed, 0, "waits the re-check timer had to rescue");
 }

@@ -270,11 +270,7 @@ pub async fn head_handoffs_keep_exclusion(connect: Connect) -> usize {
 /// before listing the entries ahead again. Returns the entry and whether the last wait
 /// was granted without a listing because of a head removal. Panics (failing the test)
 /// on a backend error or when the entry vanishes while it waits.
-pub async fn acquire_like_recipes(
-    b: &dyn DynBackend,
-    q: &QueuePath,
-    kind: EntryKind,
-) -> (Entry, bool) {
+async fn acquire_like_recipes(b: &dyn DynBackend, q: &QueuePath, kind: EntryKind) -> (Entry, bool) {
     let added = within(
         "enqueue",
         b.enqueue(q, &crate::ticket(), kind, Position::Tail, b""),
