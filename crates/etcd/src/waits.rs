@@ -72,13 +72,10 @@ struct Ahead<'a> {
     prefix: &'a str,
     /// The key of the entry waited on.
     key: &'a str,
-    /// Its name and sequence.
-    name: &'a str,
-    seq: u64,
     /// The revision of the read that listed `names`.
     read_rev: i64,
-    /// The other entries queued with a sequence up to `seq`, as of `read_rev` and every
-    /// change applied since; `None` when they are not tracked (a write among them).
+    /// The other entries queued with a sequence up to that entry's, as of `read_rev` and
+    /// every delete since; `None` when they are not tracked (a write among them).
     names: Option<HashSet<String>>,
 }
 
@@ -91,7 +88,7 @@ impl Ahead<'_> {
         for e in m.events() {
             let Some(kv) = e.kv() else { continue };
             // A revision's changes come in one message: finish the delete's revision,
-            // so that a read put beside a write in the same transaction counts.
+            // so that an entry ahead deleted in the same transaction counts as gone.
             if gone_at.is_some_and(|rev| kv.mod_revision() != rev) {
                 break;
             }
@@ -108,26 +105,16 @@ impl Ahead<'_> {
                 // Not an entry of this queue (a sub-queue's key).
                 continue;
             };
-            match e.event_type() {
-                EventType::Delete if kv.key() == self.key.as_bytes() => {
-                    gone_at = Some(kv.mod_revision());
-                }
-                EventType::Delete => {
-                    if let Some(names) = &mut self.names {
-                        names.remove(name);
-                    }
-                }
-                // Not sent (the watch takes deletes only), and harmless if one were:
-                // its own value changed (new data), still queued where it was.
-                EventType::Put if name == self.name => {}
-                EventType::Put => {
-                    // A new entry sorts behind unless it is a read beside a write.
-                    let at_or_ahead = layout::entry_from_kv(self.prefix, raw(kv))
-                        .is_none_or(|new| new.seq <= self.seq);
-                    if let Some(names) = self.names.as_mut().filter(|_| at_or_ahead) {
-                        names.insert(name.to_owned());
-                    }
-                }
+            // The watch takes deletes only. No put can bring an entry ahead unseen: a
+            // new entry sorts behind, except a read beside a write, and with a write
+            // ahead nothing is tracked.
+            if e.event_type() != EventType::Delete {
+                continue;
+            }
+            if kv.key() == self.key.as_bytes() {
+                gone_at = Some(kv.mod_revision());
+            } else if let Some(names) = &mut self.names {
+                names.remove(name);
             }
         }
         gone_at.map(|_| {
@@ -291,6 +278,7 @@ impl EtcdBackend {
         }
         let queue = layout::queue_from_kvs(prefix, read.kvs().iter().map(raw));
         let Some(seq) = queue.iter().find(|e| e.name == entry.name).map(|e| e.seq) else {
+            // Its key is not an entry of this queue's layout: nothing to track.
             return Ok(Gone::Unknown);
         };
         let ahead_of_it = queue
@@ -305,8 +293,6 @@ impl EtcdBackend {
         let mut ahead = Ahead {
             prefix,
             key,
-            name: &entry.name,
-            seq,
             read_rev,
             names,
         };
