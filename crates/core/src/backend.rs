@@ -93,6 +93,20 @@ impl SessionOptions {
         self
     }
 
+    /// How long one connection attempt to one server (TCP connect, TLS handshake) may
+    /// take within [`SessionOptions::connect_timeout`]: a third of it, and at least a
+    /// second unless the connect timeout itself is shorter.
+    ///
+    /// Clients try a list of servers one after the other. With the whole connect timeout
+    /// per attempt, one server whose handshake stalls (a host that is down and drops the
+    /// SYN, a listen queue that overflowed: the kernel retransmits after 1 s, 3 s, 7 s)
+    /// uses it all and the next server is never tried. A third leaves room for two more
+    /// attempts; the floor keeps a slow but working TLS handshake from being cut off
+    /// again and again.
+    pub fn attempt_timeout(&self) -> Duration {
+        (self.connect_timeout / 3).max(self.connect_timeout.min(Duration::from_secs(1)))
+    }
+
     /// Connects over TLS with these settings.
     pub fn with_tls(mut self, tls: TlsOptions) -> Self {
         self.tls = Some(tls);
@@ -769,5 +783,32 @@ mod margin_tests {
             lost_margin(Duration::from_millis(300)),
             Duration::from_millis(100)
         );
+    }
+}
+
+#[cfg(test)]
+mod attempt_tests {
+    use super::*;
+
+    fn attempt(connect: Duration) -> Duration {
+        SessionOptions::default()
+            .with_connect_timeout(connect)
+            .attempt_timeout()
+    }
+
+    /// A third of the connect timeout, at least a second, never more than the whole.
+    #[test]
+    fn an_attempt_gets_a_third_of_the_connect_timeout_and_at_least_a_second() {
+        assert_eq!(attempt(Duration::from_secs(6)), Duration::from_secs(2));
+        assert_eq!(attempt(Duration::from_secs(2)), Duration::from_secs(1));
+        assert_eq!(
+            attempt(Duration::from_millis(500)),
+            Duration::from_millis(500)
+        );
+        for ms in [1, 10, 999, 1000, 2999, 3000, 5000, 60_000] {
+            let whole = Duration::from_millis(ms);
+            let a = attempt(whole);
+            assert!(a <= whole && a >= whole / 3, "{whole:?}: {a:?}");
+        }
     }
 }

@@ -367,7 +367,7 @@ fn check_session(what: &str, opts: &SessionOptions) -> Result<(Duration, String)
 /// The client settings for `lease`.
 fn tuning(opts: &SessionOptions, lease: Duration) -> Tuning {
     Tuning {
-        connect_timeout: opts.connect_timeout,
+        attempt_timeout: opts.attempt_timeout(),
         command_timeout: (lease / 2).clamp(Duration::from_secs(1), Duration::from_secs(5)),
         database: None,
     }

@@ -29,7 +29,9 @@ const TRYAGAIN_MAX_PAUSE: Duration = Duration::from_millis(100);
 /// Client settings derived from the session options.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Tuning {
-    pub connect_timeout: Duration,
+    /// fred's `connection_timeout`: one attempt's share of the connect timeout
+    /// ([`dlock_core::SessionOptions::attempt_timeout`]); the connect waits for the whole.
+    pub attempt_timeout: Duration,
     pub command_timeout: Duration,
     /// The database to SELECT (`None`: the server's default, 0).
     pub database: Option<u8>,
@@ -309,7 +311,7 @@ impl Node {
         };
         let mut b = Builder::from_config(config);
         b.with_connection_config(|c| {
-            c.connection_timeout = tuning.connect_timeout;
+            c.connection_timeout = tuning.attempt_timeout;
             c.internal_command_timeout = tuning.command_timeout;
             c.max_command_attempts = 1;
         })
@@ -406,7 +408,7 @@ impl Node {
             let mut b = Builder::from_config(config);
             b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
                 .with_connection_config(|c| {
-                    c.connection_timeout = tuning.connect_timeout;
+                    c.connection_timeout = tuning.attempt_timeout;
                     c.internal_command_timeout = tuning.command_timeout;
                     c.max_command_attempts = 1;
                 })

@@ -216,6 +216,36 @@ async fn locks_spread_over_masters_and_wake_ups_are_sharded() {
     b.close().await.expect("close");
 }
 
+/// A seed whose TCP connect hangs (the first one tried: the black hole sorts first) costs
+/// one connection attempt, not the whole connect timeout: both clients go on to the
+/// other seeds and connect within the timeout. Before each attempt had its own share of
+/// the timeout, the subscriber spent all of it on the stalled seed (a CI run failed this
+/// way: one SYN dropped by a loaded machine, `subscriber Connecting` at the deadline).
+#[tokio::test]
+async fn a_seed_that_stalls_the_handshake_costs_one_attempt() {
+    let Some((nodes, _state, _turn)) = shared_cluster().await else {
+        return;
+    };
+    let hole = dlock_testkit::BlackHole::new().expect("black hole");
+    let mut with_hole = vec![hole.addr()];
+    with_hole.extend(seeds(&nodes));
+    let timeout = Duration::from_secs(4);
+    let start = Instant::now();
+    let b = RedisBackend::connect_cluster(
+        &with_hole,
+        opts(Duration::from_secs(15)).with_connect_timeout(timeout),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("connect with a stalled first seed: {e}"));
+    assert!(start.elapsed() < timeout, "{:?}", start.elapsed());
+    // Connected for real: a lock on the cluster works.
+    let q = fresh_queue("cluster-stalled-seed");
+    let added = lock(&b, &q).await;
+    assert_eq!(decide(&added.queue, &added.mine.name), Decision::Acquired);
+    b.remove(&q, &added.mine).await.expect("remove");
+    b.close().await.expect("close");
+}
+
 #[tokio::test]
 async fn bad_cluster_arguments_are_typed_errors() {
     let o = opts(Duration::from_secs(15));

@@ -106,6 +106,37 @@ async fn lock_and_unlock_through_sentinel() {
     b.close().await.expect("close");
 }
 
+/// A Sentinel whose TCP connect hangs, listed first, costs one connection attempt, not
+/// the whole connect timeout: the clients ask the next Sentinel and connect within the
+/// timeout (fred asks the Sentinels one after the other).
+#[tokio::test]
+async fn a_sentinel_that_stalls_the_handshake_costs_one_attempt() {
+    init_tracing();
+    let Some(group) = dlock_testkit::require_redis_sentinel() else {
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    let (sentinels, service) = sentinels_and_service(&group);
+    let hole = dlock_testkit::BlackHole::new().expect("black hole");
+    let mut with_hole = vec![hole.addr()];
+    with_hole.extend(sentinels);
+    let timeout = Duration::from_secs(4);
+    let start = Instant::now();
+    let b = RedisBackend::connect_sentinel(
+        &with_hole,
+        &service,
+        opts(LONG).with_connect_timeout(timeout),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("connect with a stalled first Sentinel: {e}"));
+    assert!(start.elapsed() < timeout, "{:?}", start.elapsed());
+    let q = fresh_queue("sentinel-stalled");
+    let added = lock(&b, &q).await;
+    assert_eq!(decide(&added.queue, &added.mine.name), Decision::Acquired);
+    b.remove(&q, &added.mine).await.expect("remove");
+    b.close().await.expect("close");
+}
+
 #[tokio::test]
 async fn bad_sentinel_arguments_are_typed_errors() {
     let o = opts(LONG);

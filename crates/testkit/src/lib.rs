@@ -64,6 +64,7 @@
 
 #![deny(missing_docs)]
 
+mod blackhole;
 mod cluster;
 mod config;
 pub mod contract;
@@ -82,6 +83,7 @@ mod service;
 mod state;
 pub mod tap;
 
+pub use blackhole::BlackHole;
 pub use cluster::{spawn_lock, Cluster, ClusterSpec};
 pub use config::{
     etcd_argv, redis_argv, redis_cluster_argv, redis_ha_argv, secure_etcd_argv, secure_redis_argv,
