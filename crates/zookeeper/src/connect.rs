@@ -8,7 +8,7 @@ use zookeeper_client as zk;
 
 use crate::backend::{ZkBackend, DEFAULT_SESSION_TIMEOUT};
 use crate::errors::{connect_error, map_err};
-use crate::session::{watch_session, Shared};
+use crate::session::{connection_timeout, watch_session, Shared};
 use crate::ZkOptions;
 
 impl ZkBackend {
@@ -50,8 +50,11 @@ impl ZkBackend {
         // from here (the heartbeat's first proof).
         let requested = tokio::time::Instant::now();
         let acls = crate::security::acls(&opts);
+        let attempt = connection_timeout(&opts, timeout);
         let (connector, tls) = crate::security::configure(
-            zk::Client::connector().with_session_timeout(timeout),
+            zk::Client::connector()
+                .with_session_timeout(timeout)
+                .with_connection_timeout(attempt),
             &opts,
         )?;
         let connecting = async move {
@@ -158,7 +161,14 @@ impl ZkBackend {
             }
         };
 
-        Ok(Self::assemble(client, requested, tick, acls, false))
+        Ok(Self::assemble(
+            client,
+            requested,
+            tick,
+            Some(attempt),
+            acls,
+            false,
+        ))
     }
 
     /// Builds the backend on the application's own zookeeper-client session (bring your
@@ -233,15 +243,24 @@ impl ZkBackend {
                  the lost signal will also fire on leader elections and reconnections"
             );
         }
-        Ok(Self::assemble(client, first, zk_opts.tick_time, acls, true))
+        Ok(Self::assemble(
+            client,
+            first,
+            zk_opts.tick_time,
+            None,
+            acls,
+            true,
+        ))
     }
 
     /// The backend on an established session; `requested` starts the lost signal's
-    /// clock (the session lives on the leader at least a timeout from then).
+    /// clock (the session lives on the leader at least a timeout from then). `attempt`
+    /// is the connection timeout dlock gave the client, `None` on the application's.
     fn assemble(
         client: zk::Client,
         requested: tokio::time::Instant,
         tick: Option<std::time::Duration>,
+        attempt: Option<std::time::Duration>,
         acls: zk::Acls<'static>,
         borrowed: bool,
     ) -> Arc<ZkBackend> {
@@ -254,6 +273,7 @@ impl ZkBackend {
             Arc::downgrade(&shared),
             task_states,
             session_timeout,
+            attempt,
         ));
         let heartbeat = tokio::spawn(crate::heartbeat::run(
             Arc::downgrade(&shared),

@@ -37,8 +37,8 @@
 //! when a server tells it, or (zookeeper-client) when it gives up reconnecting 1.4·`t`
 //! after the last reply: during a partition, both come too late.
 //! So one task per session watches the connection state, and when the connection has been
-//! down for 0.4·`t` (the client itself needs 0.4·`t` to notice, so that is about 0.8·`t`
-//! after the last reply) it declares every entry of the session lost: `lost()` futures
+//! down until 0.8·`t` after the last reply (the client notices a silent connection after
+//! its connection timeout, at most 0.4·`t`) it declares every entry of the session lost: `lost()` futures
 //! complete with [`dlock_core::Error::LockLost`], in-flight and later operations fail with
 //! it instead of hanging, and the session is closed so it cannot come back holding entries.
 //! Curator waits a full `t` after SUSPENDED, which can be 0.4·`t` after the server already

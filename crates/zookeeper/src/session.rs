@@ -182,18 +182,39 @@ pub(crate) async fn clean_up_after_loss(b: Borrowed) {
 }
 
 /// How long the session may stay `Disconnected` before the adapter declares it lost,
-/// given the negotiated session timeout `t`.
+/// given the negotiated session timeout `t` and the connection timeout `c` dlock gave
+/// the client (`None`: the application's client, taken to have the crate's default).
 ///
 /// The server expires a session `t` after it last heard from the client. zookeeper-client
-/// reports `Disconnected` only after 0.4·`t` without a reply (checked every `t`/20), so by
-/// then 0.40–0.45·`t` of the server's budget is spent. Waiting the full `t` after
-/// `Disconnected`, as Curator does, would declare the loss up to 0.45·`t` *after* another
-/// client may already hold the lock; the crate's own expiry (1.4·`t` after the last reply)
-/// is later still. Waiting 0.4·`t` declares it 0.80–0.85·`t` after the last reply: before
-/// the server can expire the session, with 0.15·`t` left for the last round trip and
-/// scheduling delay.
-pub(crate) fn local_expiry_after(t: Duration) -> Duration {
-    t * 2 / 5
+/// reports `Disconnected` once its connection has been silent for its connection timeout:
+/// `c` when `c` ≤ 0.6·`t`, otherwise (and by default) 0.4·`t`, checked every eighth of
+/// that. Waiting the full `t` after `Disconnected`, as Curator does, would declare the
+/// loss long *after* another client may already hold the lock; the crate's own expiry
+/// (1.4·`t` after the last reply) is later still. Waiting what is left of 0.8·`t`
+/// declares it 0.80–0.875·`t` after the last reply: before the server can expire the
+/// session, with at least an eighth of `t` left for the last round trip and scheduling
+/// delay. A shorter `c` only makes the session `Disconnected` (and the client try
+/// another server) sooner, never the loss later or earlier.
+pub(crate) fn local_expiry_after(t: Duration, c: Option<Duration>) -> Duration {
+    let silent = match c {
+        Some(c) if c <= t * 3 / 5 => c,
+        _ => t * 2 / 5,
+    };
+    (t * 4 / 5).saturating_sub(silent)
+}
+
+/// zookeeper-client's connection timeout for a session of requested timeout `t`: one
+/// attempt's share of the connect timeout ([`dlock_core::SessionOptions::attempt_timeout`]),
+/// and never more than the crate's own default of 0.4·`t`.
+///
+/// The crate gives one server its connection timeout to answer: by default 0.4·`t`, 4 s
+/// at the default 10 s, 12 s at 30 s. A server that is down and drops the SYN then held
+/// the connect for all of that, and with a 5 s connect timeout the next server was often
+/// never tried. The same value is how long a connection may stay silent before the crate
+/// reports `Disconnected` (it pings every 3/8 of it); [`local_expiry_after`] accounts
+/// for it.
+pub(crate) fn connection_timeout(opts: &dlock_core::SessionOptions, t: Duration) -> Duration {
+    opts.attempt_timeout().min(t * 2 / 5)
 }
 
 /// Watches `states` until the session ends, recording the verdict in `shared`.
@@ -201,8 +222,9 @@ pub(crate) async fn watch_session(
     shared: Weak<Shared>,
     mut states: zk::StateWatcher,
     session_timeout: Duration,
+    connection_timeout: Option<Duration>,
 ) {
-    let grace = local_expiry_after(session_timeout);
+    let grace = local_expiry_after(session_timeout, connection_timeout);
     let mut suspended_until: Option<Instant> = None;
     // The state the session is in now counts as the first change: it may already have
     // dropped its connection between connect and this task's start.
@@ -216,9 +238,9 @@ pub(crate) async fn watch_session(
                     state = states.changed() => state,
                     () = tokio::time::sleep_until(deadline) => {
                         let reason = format!(
-                            "disconnected from ZooKeeper for {grace:?} (0.4 of the \
-                             {session_timeout:?} session timeout): the server may expire the \
-                             session at any moment"
+                            "disconnected from ZooKeeper for {grace:?} (0.8 of the \
+                             {session_timeout:?} session timeout since the last reply): the \
+                             server may expire the session at any moment"
                         );
                         if let Some(shared) = shared.upgrade() {
                             shared.conclude(Health::Lost(reason));
@@ -250,5 +272,41 @@ pub(crate) async fn watch_session(
             shared.conclude(verdict);
         }
         return;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The grace after `Disconnected` is what is left of 0.8·`t` once the crate noticed
+    /// the silence: after `c` when `c` ≤ 0.6·`t` (zookeeper-client's rule), else after
+    /// its default 0.4·`t`.
+    #[test]
+    fn the_grace_is_what_is_left_of_four_fifths_of_the_session() {
+        let t = Duration::from_secs(10);
+        let ms = Duration::from_millis;
+        // The application's client, and a connection timeout the crate ignores.
+        assert_eq!(local_expiry_after(t, None), ms(4000));
+        assert_eq!(local_expiry_after(t, Some(ms(6001))), ms(4000));
+        assert_eq!(local_expiry_after(t, Some(t)), ms(4000));
+        // Ones it uses: it notices sooner, the loss is declared at the same moment.
+        assert_eq!(local_expiry_after(t, Some(ms(6000))), ms(2000));
+        assert_eq!(local_expiry_after(t, Some(ms(4000))), ms(4000));
+        assert_eq!(local_expiry_after(t, Some(ms(1667))), ms(6333));
+    }
+
+    /// An attempt's share of the connect timeout, capped at the crate's default.
+    #[test]
+    fn the_connection_timeout_is_an_attempt_capped_at_two_fifths_of_the_session() {
+        let o = dlock_core::SessionOptions::default().with_connect_timeout(Duration::from_secs(6));
+        assert_eq!(
+            connection_timeout(&o, Duration::from_secs(30)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            connection_timeout(&o, Duration::from_secs(2)),
+            Duration::from_millis(800)
+        );
     }
 }

@@ -236,6 +236,34 @@ async fn unreachable_server_is_a_typed_error() {
     assert!(matches!(got, Err(Error::InvalidUrl { .. })), "got {got:?}");
 }
 
+/// A server of the connect string whose TCP connect hangs (down, dropping the SYN) costs
+/// one attempt, not the connect: with a 30 s session zookeeper-client used to give each
+/// server 12 s (0.4 of the session timeout), so whenever its shuffle tried the stalled
+/// server first the 4 s connect timed out. Four connects: each tries it first with even
+/// odds, so the old behaviour fails this test fifteen times in sixteen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_stalls_the_handshake_costs_one_attempt() {
+    let Some(hosts) = zk_hosts() else { return };
+    let hole = dlock_testkit::BlackHole::new().expect("black hole");
+    let first = hosts.split(',').next().expect("a host");
+    let with_hole = format!("{},{first}", hole.addr());
+    let timeout = Duration::from_secs(4);
+    let o = SessionOptions::default()
+        .with_session_timeout(Duration::from_secs(30))
+        .with_connect_timeout(timeout);
+    for round in 0..4 {
+        let start = std::time::Instant::now();
+        let b = within(ZkBackend::connect(&with_hole, o.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("connect {round} with a stalled server listed: {e}"));
+        assert!(start.elapsed() < timeout, "{:?}", start.elapsed());
+        let q = queue(&format!("stalled-{round}-{}", uuid::Uuid::new_v4()));
+        let added = add(&b, &q, EntryKind::Lock, "enqueue").await;
+        within(b.remove(&q, &added.mine)).await.expect("remove");
+        within(b.close()).await.expect("close");
+    }
+}
+
 /// A TCP proxy between the client and one server that can stop forwarding, to partition
 /// the client without touching the server.
 struct Proxy {
