@@ -91,6 +91,15 @@ impl fmt::Debug for EtcdBackend {
 /// each other.
 const MAX_IN_FLIGHT: usize = 64;
 
+/// The least time between two HTTP/2 pings on one connection. etcd counts a ping that
+/// comes sooner than its `--grpc-keepalive-min-time` (5 s by default) after the last one,
+/// on a connection it has sent nothing on since, as a strike, and at the third closes the
+/// connection with GOAWAY `too_many_pings`, breaking every watch and keep-alive stream on
+/// it. Pinging every third of a 2 s TTL did that about 3 s after every connect to a
+/// member that carried only a quiet watch. A second above etcd's default keeps timer
+/// jitter from counting as a strike.
+const MIN_PING_INTERVAL: Duration = Duration::from_secs(6);
+
 /// Runs one idempotent request with [`retrying`], once a slot of `limit` is free. The
 /// budget counts from the moment the request is sent, not from when it was queued.
 pub(crate) async fn request<T, F, Fut>(
@@ -174,12 +183,14 @@ impl EtcdBackend {
         let connect_timeout = opts.connect_timeout;
         let request_timeout = connect_timeout.max(Duration::from_secs(5));
         // HTTP/2 pings find a dead server even on an idle watch or keep-alive stream,
-        // which etcd-client would otherwise wait on forever.
-        let ping = (ttl / 3).clamp(Duration::from_millis(500), Duration::from_secs(10));
+        // which etcd-client would otherwise wait on forever; no more often than etcd
+        // permits ([`MIN_PING_INTERVAL`]).
+        let ping = (ttl / 3).clamp(MIN_PING_INTERVAL, Duration::from_secs(10));
+        let ping_timeout = (ttl / 3).clamp(Duration::from_secs(1), Duration::from_secs(10));
         let co = ConnectOptions::new()
             .with_connect_timeout(connect_timeout)
             .with_timeout(request_timeout)
-            .with_keep_alive(ping, ping)
+            .with_keep_alive(ping, ping_timeout)
             .with_keep_alive_while_idle(true)
             // A member that lost its leader answers "no leader" at once instead of holding
             // the request until it times out; the request is then retried elsewhere.

@@ -117,6 +117,77 @@ fn etcdctl(eps: &[String]) -> tokio::process::Command {
 // tests/contract.rs. The tests below check what only etcd has: its mutex's key layout,
 // leases, etcdctl interop.
 
+/// etcd closes a connection that pings more often than every 5 s while it sends nothing
+/// (`--grpc-keepalive-min-time`: GOAWAY `too_many_pings` at the third early ping), with
+/// every stream on it. Clients with a 2 s session, waiting quietly on a 3-member
+/// cluster, keep their one watch stream and their session for three times as long as
+/// the GOAWAY took when they pinged every third of the TTL (it came 2.7 s after
+/// connecting, on each connection that carried no keep-alive answers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quiet_waiters_on_a_short_session_keep_their_streams() {
+    init_tracing();
+    let eps = etcd_or_skip!("quiet_waiters_on_a_short_session_keep_their_streams");
+    if eps.len() < 2 {
+        // One member means one connection, which the keep-alive answers keep busy.
+        eprintln!("NOTE: one etcd endpoint: this test proves little; CI runs three");
+    }
+    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(2));
+    let q = QueuePath::root(unique_name("quiet-waiters"));
+    let holder = EtcdBackend::connect(&eps, opts.clone())
+        .await
+        .expect("connect");
+    let (_, held, _) = enqueue(&holder, &q, EntryKind::Lock).await;
+    let mut held_lost = holder.lost(&q, &held);
+    let mut waiters = Vec::new();
+    for _ in 0..3 {
+        let b = EtcdBackend::connect(&eps, opts.clone())
+            .await
+            .expect("connect");
+        let (_, mine, queue) = enqueue(&b, &q, EntryKind::Lock).await;
+        let ahead = match decide(&queue, &mine.name) {
+            Decision::Wait(ahead) => ahead.clone(),
+            other => panic!("a second contender did not wait: {other:?}"),
+        };
+        let lost = b.lost(&q, &mine);
+        let wait = tokio::spawn({
+            let (b, q) = (b.clone(), q.clone());
+            async move { b.wait_gone(&q, &ahead).await }
+        });
+        waiters.push((b, mine, lost, wait));
+    }
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert!(
+        futures::FutureExt::now_or_never(&mut held_lost).is_none(),
+        "the holder's session was lost"
+    );
+    for (i, (b, _, lost, wait)) in waiters.iter_mut().enumerate() {
+        assert_eq!(
+            b.watch_streams_opened(),
+            1,
+            "waiter {i}'s watch stream broke and was re-opened"
+        );
+        assert!(
+            futures::FutureExt::now_or_never(lost).is_none(),
+            "waiter {i}'s session was lost"
+        );
+        if wait.is_finished() {
+            let got = wait.await;
+            panic!("waiter {i} stopped waiting while the lock was held: {got:?}");
+        }
+    }
+    holder.remove(&q, &held).await.expect("release");
+    for (b, mine, _, wait) in waiters {
+        timeout(SOON, wait)
+            .await
+            .expect("the waiter is woken")
+            .expect("waiter task")
+            .expect("wait_gone");
+        b.remove(&q, &mine).await.expect("release");
+        b.close().await.expect("close");
+    }
+    holder.close().await.expect("close");
+}
+
 /// A mutex entry is etcd's own key, `<name>/<lease hex>`, its token the create revision;
 /// a second contender of the same client gets a key of its own; retrying an enqueue with
 /// the same ticket finds the same entry.
