@@ -70,17 +70,31 @@ pub(crate) struct ServerConf {
 }
 
 /// Asks the servers (`host:port` each) for their timing with the `conf` four-letter
-/// word, over TLS when `tls` is given (blocking; a second per server at most). `None` if
-/// no server answers it.
+/// word, over TLS when `tls` is given, all at once (blocking, one thread per server; a
+/// second at most). The first answer wins; `None` if no server answers it.
+///
+/// All at once because a server that is down and drops the SYN holds its probe for the
+/// whole limit: asked in turn, each such server listed before a live one added half a
+/// second to every connect.
 pub(crate) fn probe_conf(
     hosts: &[String],
     tls: Option<&std::sync::Arc<rustls::ClientConfig>>,
 ) -> Option<ServerConf> {
-    hosts.iter().find_map(|host| {
-        let limit = Duration::from_millis(500);
-        let out = crate::security::four_letter(host, b"conf", tls, limit).ok()?;
-        parse_conf(&out)
-    })
+    let limit = Duration::from_millis(500);
+    let (tx, rx) = std::sync::mpsc::channel();
+    for host in hosts {
+        let (tx, host, tls) = (tx.clone(), host.clone(), tls.cloned());
+        // Detached: a probe still waiting on a dead server ends within its limit, and
+        // its answer, if any, goes nowhere.
+        std::thread::spawn(move || {
+            let conf = crate::security::four_letter(&host, b"conf", tls.as_ref(), limit)
+                .ok()
+                .and_then(|out| parse_conf(&out));
+            let _ = tx.send(conf);
+        });
+    }
+    drop(tx);
+    rx.iter().flatten().next()
 }
 
 /// The `tickTime=N` and `syncLimit=N` lines of a `conf` answer.
@@ -248,6 +262,47 @@ mod tests {
         assert_eq!(
             parse_conf("conf is not executed because it is not in the whitelist."),
             None
+        );
+    }
+
+    /// A server that answers `conf` the way ZooKeeper does: the settings, then close.
+    fn conf_server() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut conn in listener.incoming().flatten() {
+                let mut word = [0u8; 4];
+                if conn.read_exact(&mut word).is_ok() && &word == b"conf" {
+                    let _ = conn.write_all(b"tickTime=200\nsyncLimit=5\n");
+                }
+            }
+        });
+        addr
+    }
+
+    /// Servers that are down and drop the SYN, listed first, do not delay the answer of
+    /// the live one: asked in turn, the eight below would have taken 4 s.
+    #[test]
+    fn dead_servers_listed_first_do_not_delay_the_conf_probe() {
+        let holes: Vec<_> = (0..8)
+            .map(|_| dlock_testkit::BlackHole::new().expect("black hole"))
+            .collect();
+        let mut hosts: Vec<String> = holes.iter().map(|h| h.addr()).collect();
+        hosts.push(conf_server());
+        let start = std::time::Instant::now();
+        let conf = probe_conf(&hosts, None).expect("the live server's conf");
+        assert_eq!(conf.tick, Duration::from_millis(200));
+        assert_eq!(conf.follower_detection, Some(Duration::from_secs(1)));
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(
+            probe_conf(&hosts[..2], None),
+            None,
+            "no live server, no conf"
         );
     }
 
