@@ -174,6 +174,12 @@ impl KeepAlive {
         (self.ttl / 3).max(Duration::from_millis(100))
     }
 
+    /// How long one renewal may go unanswered before it is sent again on a fresh stream:
+    /// an interval, at least half a second.
+    fn answer_wait(&self) -> Duration {
+        self.interval().max(Duration::from_millis(500))
+    }
+
     /// When the lost signal fires: [`dlock_core::lost_margin`] before the earliest moment
     /// the server may expire the lease (a whole TTL after the last acknowledged
     /// keep-alive was sent).
@@ -233,8 +239,19 @@ impl KeepAlive {
         let mut backoff = Duration::from_millis(50);
         loop {
             let sent = Instant::now();
-            let opened = match self.bounded(lease.keep_alive(self.id)).await {
-                Ok(r) => r,
+            // Opening the stream waits for the answer to its first renewal: no longer than
+            // a renewal on an open stream waits ([`KeepAlive::answer_wait`]), then again
+            // on a fresh stream, which the balancer may send to another member.
+            let wait = self.answer_wait();
+            let opened = match self.bounded(timeout(wait, lease.keep_alive(self.id))).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_elapsed)) => {
+                    tracing::debug!(
+                        ?wait,
+                        "no answer to the keep-alive stream's first renewal; opening another"
+                    );
+                    continue;
+                }
                 Err(end) => return end,
             };
             match opened {
@@ -290,7 +307,7 @@ impl KeepAlive {
                 tracing::debug!(error = %e, "keep-alive send failed; re-opening the stream");
                 return Ok(());
             }
-            let wait = self.interval().max(Duration::from_millis(500));
+            let wait = self.answer_wait();
             match self.bounded(timeout(wait, stream.message())).await? {
                 Ok(Ok(Some(r))) if r.ttl() > 0 => self.acked_at = sent,
                 Ok(Ok(Some(r))) => {
