@@ -85,7 +85,8 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
         return Ok(code);
     }
     // The short chaos run: one seeded random round per backend this build has, every
-    // recipe, on its own servers far from the integration ports.
+    // recipe, on its own servers far from the integration ports and below the
+    // ephemeral ones (see `ChaosArgs::port_offset`).
     crate::header("cargo xtask chaos --short");
     crate::chaos::run(
         root,
@@ -98,7 +99,7 @@ pub(crate) fn run(root: &Path, args: &IntegrationArgs) -> anyhow::Result<i32> {
             list: false,
             short: true,
             no_docs: true,
-            port_offset: args.offset.value.saturating_add(45_000),
+            port_offset: args.offset.value.saturating_add(25_000),
         },
     )
 }

@@ -301,8 +301,11 @@ pub(crate) struct ChaosArgs {
     /// Leave docs/safety.md alone (the short run never touches it).
     #[arg(long)]
     pub(crate) no_docs: bool,
-    /// Added to every default server port; far from the integration suite's by default.
-    #[arg(long = "port-offset", default_value_t = 45_000)]
+    /// Added to every default server port; far from the integration suite's by default,
+    /// and below the kernel's ephemeral ports (32768 and up on Linux): a node killed and
+    /// restarted there could find its port taken as the source port of a client's
+    /// connection (a leader-kill round failed that way, `bind: address already in use`).
+    #[arg(long = "port-offset", default_value_t = 25_000)]
     pub(crate) port_offset: u16,
 }
 
@@ -370,6 +373,21 @@ mod tests {
     #[test]
     fn flags_are_consistent() {
         Cli::command().debug_assert();
+    }
+
+    /// The chaos servers' default ports, and the next offsets tried when one is taken,
+    /// stay below Linux's ephemeral ports (32768 and up), where a restarted node's port
+    /// can be held as the source port of some connection.
+    #[test]
+    fn chaos_ports_stay_below_the_ephemeral_range() {
+        let cli = Cli::try_parse_from(["xtask", "chaos"]).expect("parses");
+        let Task::Chaos(args) = cli.task else {
+            panic!("wrong task: {cli:?}");
+        };
+        // The layout's highest port is a Redis Cluster bus port, 6407 + offset; the
+        // cluster start moves up in steps of 100 when a port is taken.
+        let highest = 6407 + u32::from(args.port_offset) + 10 * 100;
+        assert!(highest < 32_768, "{highest}");
     }
 
     #[test]
