@@ -161,14 +161,7 @@ impl ZkBackend {
             }
         };
 
-        Ok(Self::assemble(
-            client,
-            requested,
-            tick,
-            Some(attempt),
-            acls,
-            false,
-        ))
+        Ok(Self::assemble(client, requested, tick, Some(attempt), acls))
     }
 
     /// Builds the backend on the application's own zookeeper-client session (bring your
@@ -243,27 +236,21 @@ impl ZkBackend {
                  the lost signal will also fire on leader elections and reconnections"
             );
         }
-        Ok(Self::assemble(
-            client,
-            first,
-            zk_opts.tick_time,
-            None,
-            acls,
-            true,
-        ))
+        Ok(Self::assemble(client, first, zk_opts.tick_time, None, acls))
     }
 
     /// The backend on an established session; `requested` starts the lost signal's
     /// clock (the session lives on the leader at least a timeout from then). `attempt`
-    /// is the connection timeout dlock gave the client, `None` on the application's.
+    /// is the connection timeout dlock gave the client it made, `None` for the
+    /// application's own client (a borrowed session).
     fn assemble(
         client: zk::Client,
         requested: tokio::time::Instant,
         tick: Option<std::time::Duration>,
         attempt: Option<std::time::Duration>,
         acls: zk::Acls<'static>,
-        borrowed: bool,
     ) -> Arc<ZkBackend> {
+        let borrowed = attempt.is_none();
         let session_timeout = client.session_timeout();
         let session_id = client.session_id();
         let states = client.state_watcher();
