@@ -21,6 +21,7 @@ use tracing::Instrument;
 
 use crate::claims::Local;
 use crate::errors::{diagnose_unreachable, map, retrying};
+use crate::hubs::Hubs;
 use crate::kv_pool::KvPool;
 use crate::layout;
 use crate::reads::{header_rev, holds_entry};
@@ -50,6 +51,8 @@ pub struct EtcdBackend {
     pub(crate) namespace: String,
     /// Every watch of this client, multiplexed over one stream.
     pub(crate) watches: Watches,
+    /// The queue watches kept armed between waits (`hubs.rs`).
+    pub(crate) hubs: Hubs,
     /// Bounds the requests this client has in flight; see [`request`].
     pub(crate) in_flight: Arc<Semaphore>,
     lease: LeaseClient,
@@ -298,6 +301,7 @@ impl EtcdBackend {
             kv: KvPool::new(client.kv_client()),
             namespace: opts.namespace.clone().unwrap_or_default(),
             watches: Watches::new(client.watch_client(), request_timeout),
+            hubs: Hubs::default(),
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
             lease: client.lease_client(),
             endpoints,
@@ -324,6 +328,14 @@ impl EtcdBackend {
     /// stream broke and was re-opened. For tests and diagnostics.
     pub fn watch_streams_opened(&self) -> u64 {
         self.watches.opened()
+    }
+
+    /// How many watches this client has asked the server for. Each wait arms one,
+    /// except a mutex waiter's wait on a short queue, which joins the watch this client
+    /// keeps on that queue (armed by the first such wait, cancelled a few seconds after
+    /// the last). For tests and diagnostics.
+    pub fn watches_armed(&self) -> u64 {
+        self.watches.armed()
     }
 
     /// The session of lease `id`, if this client had one.

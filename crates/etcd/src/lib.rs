@@ -18,6 +18,7 @@
 //! - `reads`: queue reads and the revision floor no read goes back before;
 //! - `waits`: `wait_gone` and `wait_changed` on watches, and their retries;
 //! - `watches`: the one watch stream every watch of a client shares;
+//! - `hubs`: the whole-queue watches a client keeps armed between its mutex waits;
 //! - `errors`: how etcd-client's errors map to [`dlock_core::Error`].
 //!
 //! # The design decision: etcd's own mutex keys
@@ -167,6 +168,7 @@ pub const NAME_RULES: dlock_core::NameRules = dlock_core::NameRules::common();
 mod backend;
 mod claims;
 mod errors;
+mod hubs;
 mod kv_pool;
 mod layout;
 mod reads;

@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::{Entry, EntryKind, Error, Gone, Result};
@@ -13,6 +14,7 @@ use tokio::time::{sleep, timeout, Instant};
 
 use crate::backend::EtcdBackend;
 use crate::errors::map;
+use crate::hubs::{Hub, Sub};
 use crate::layout;
 use crate::reads::{header_rev, holds_entry, queue_read, raw};
 use crate::watches::Watch;
@@ -64,6 +66,23 @@ fn stale(key: &str, kv: Option<&etcd_client::KeyValue>, read_rev: i64) {
         read_rev,
         "a watch event already in the read (its member lagged behind the read's); ignored"
     );
+}
+
+/// Where [`EtcdBackend::until_gone`] takes its watch messages from: a watch armed for
+/// this wait, or the client's hub of the queue (`hubs.rs`).
+enum Feed<'a> {
+    Own(&'a mut Watch),
+    Hub(&'a mut Sub),
+}
+
+impl Feed<'_> {
+    /// The next message, `None` once the watch has ended. Cancel-safe.
+    async fn message(&mut self) -> Option<Arc<WatchResponse>> {
+        match self {
+            Feed::Own(w) => w.message().await.map(Arc::new),
+            Feed::Hub(s) => s.message().await,
+        }
+    }
 }
 
 /// What a waiter watching its queue whole knows of the entries queued up to the one it
@@ -212,8 +231,15 @@ impl EtcdBackend {
             }
             None
         };
-        self.until_gone(key, entry, &mut watch, (watch_rev, read_rev), gone)
-            .await?;
+        let armed_at = Instant::now();
+        self.until_gone(
+            key,
+            entry,
+            Feed::Own(&mut watch),
+            (watch_rev, read_rev, armed_at),
+            gone,
+        )
+        .await?;
         Ok(())
     }
 
@@ -257,20 +283,19 @@ impl EtcdBackend {
             return one_key().await;
         }
         // Deletes only: a put can bring an entry ahead only as a read beside a write,
-        // and with a write up to `entry` in the read nothing is tracked.
-        let (mut watch, watch_rev) = self.arm(prefix, true, true).await?;
+        // and with a write up to `entry` in the read nothing is tracked. The watch is the
+        // client's hub of this queue, armed by the first such wait and kept between
+        // waits; read at or above the revision its feed covers, the queue and the feed
+        // show every change, as a watch armed before the read would.
+        let (hub, mut sub, covered) = self.join_queue(prefix).await?;
         let read = self
-            .fresh_get(
-                prefix,
-                queue_read().with_limit(TRACK_AT_MOST + 1),
-                watch_rev,
-            )
+            .fresh_get(prefix, queue_read().with_limit(TRACK_AT_MOST + 1), covered)
             .await
             .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
         if read.more() || read.kvs().len() > TRACK_AT_MOST as usize {
-            // Too long to watch whole: give the watch back and watch the one key. (The
-            // read holds only the queue's first keys: it cannot say `entry` is gone.)
-            drop(watch);
+            // Too long to watch whole: leave the hub and watch the one key. (The read
+            // holds only the queue's first keys: it cannot say `entry` is gone.)
+            drop(sub);
             return one_key().await;
         }
         if !holds_entry(&read, key, entry) {
@@ -296,22 +321,47 @@ impl EtcdBackend {
             read_rev,
             names,
         };
-        self.until_gone(key, entry, &mut watch, (watch_rev, read_rev), |m| {
-            ahead.apply(m)
-        })
+        self.until_gone(
+            key,
+            entry,
+            Feed::Hub(&mut sub),
+            (hub.watch_rev, read_rev, hub.armed_at),
+            |m| ahead.apply(m),
+        )
         .await
         .map(|gone| gone.unwrap_or(Gone::Unknown))
     }
 
-    /// Waits on an armed `watch` until `on_message` says the entry at `key` is gone
-    /// (`Some`), or a re-read finds it gone first (`None`). `revs`: the revision the
-    /// watch starts after and that of the read that last showed the entry.
+    /// Joins the client's hub of the queue at `prefix` (`hubs.rs`), arming its watch
+    /// (the whole queue, deletes only) if there is none or its watch has ended: the
+    /// hub, the feed and the revision a read must reach to miss nothing.
+    async fn join_queue(&self, prefix: &str) -> Result<(Arc<Hub>, Sub, i64)> {
+        let found = self.hubs.lock().get(prefix).cloned();
+        if let Some(hub) = found {
+            if let Some((sub, covered)) = hub.subscribe() {
+                return Ok((hub, sub, covered));
+            }
+        }
+        let (watch, watch_rev) = self.arm(prefix, true, true).await?;
+        Ok(Hub::start(
+            &self.hubs,
+            prefix.to_owned(),
+            watch,
+            watch_rev,
+            Instant::now(),
+        ))
+    }
+
+    /// Waits on a watch's `feed` until `on_message` says the entry at `key` is gone
+    /// (`Some`), or a re-read finds it gone first (`None`). The revision the watch
+    /// starts after, that of the read that last showed the entry, and when the watch
+    /// was armed.
     async fn until_gone<T>(
         &self,
         key: &str,
         entry: &Entry,
-        watch: &mut Watch,
-        (watch_rev, read_rev): (i64, i64),
+        mut feed: Feed<'_>,
+        (watch_rev, read_rev, armed_at): (i64, i64, Instant),
         mut on_message: impl FnMut(&WatchResponse) -> Option<T>,
     ) -> Result<Option<T>> {
         let exists = |r: &GetResponse| holds_entry(r, key, entry);
@@ -321,12 +371,13 @@ impl EtcdBackend {
         // us up to 100 ms late, stalling every waiter behind us. If the read shows that
         // nothing was written since the watch's start, it is synced; otherwise two cheap
         // reads every 5 ms for the first 55 ms bound that stall without waiting on the loop.
+        // A hub's watch armed longer ago than that has been caught up (`hubs.rs`).
         let now = Instant::now();
         let mut next_check = now + UNSYNCED_CHECK;
         let last_check = if self.proves_synced(read_rev, watch_rev) {
             now
         } else {
-            now + UNSYNCED_WINDOW
+            armed_at + UNSYNCED_WINDOW
         };
         // A backstop, once per session TTL: if the watch ever misses the delete (it must
         // not, but a missed wake-up would strand this waiter, and everyone queued behind
@@ -336,7 +387,7 @@ impl EtcdBackend {
         let mut next_audit = now + audit_every;
         loop {
             let msg = tokio::select! {
-                m = watch.message() => m,
+                m = feed.message() => m,
                 _ = tokio::time::sleep_until(next_audit) => {
                     next_audit += audit_every;
                     let r = self

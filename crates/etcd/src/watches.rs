@@ -72,6 +72,8 @@ pub(crate) struct Watches {
     current: parking_lot::Mutex<Option<Arc<Mux>>>,
     /// How many streams were opened.
     opened: std::sync::atomic::AtomicU64,
+    /// How many watches were asked for.
+    armed: std::sync::atomic::AtomicU64,
     /// Serialises opening a stream, so concurrent first watches share one.
     opening: tokio::sync::Mutex<()>,
 }
@@ -90,6 +92,7 @@ impl Watches {
             request_timeout,
             current: parking_lot::Mutex::new(None),
             opened: std::sync::atomic::AtomicU64::new(0),
+            armed: std::sync::atomic::AtomicU64::new(0),
             opening: tokio::sync::Mutex::new(()),
         }
     }
@@ -109,6 +112,7 @@ impl Watches {
         key: &str,
         opts: WatchOptions,
     ) -> Result<Watch, etcd_client::Error> {
+        self.armed.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::unbounded_channel();
         let mut tx = Some(tx);
         for _ in 0..2 {
@@ -179,6 +183,11 @@ impl Watches {
     /// How many watch streams were opened so far.
     pub(crate) fn opened(&self) -> u64 {
         self.opened.load(Ordering::Relaxed)
+    }
+
+    /// How many watches were asked for so far.
+    pub(crate) fn armed(&self) -> u64 {
+        self.armed.load(Ordering::Relaxed)
     }
 
     /// Drops the current stream; watches on it end once their handles are dropped.

@@ -920,6 +920,83 @@ async fn a_release_at_the_head_of_a_short_queue_says_head() {
     }
 }
 
+/// A client's mutex waits on one short queue share one watch, kept armed between them
+/// (a watch armed per wait is often started unsynced by etcd 3.4, and its delete then
+/// comes late): consecutive waits arm one watch, not one each, still answer `Head` for
+/// a head's release, and a wait joining the kept watch after its entry went, its delete
+/// already passed on, still returns at once. A few seconds after the last wait the watch
+/// is let go, and the next wait arms another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_on_one_queue_share_a_kept_watch() {
+    use dlock_core::Gone;
+    let eps = etcd_or_skip!("waits_on_one_queue_share_a_kept_watch");
+    init_tracing();
+    let a = connect(&eps).await;
+    let b = connect(&eps).await;
+    let q = QueuePath::root(unique_name("kept-watch"));
+    // The holder's release with one waiter behind, the wait given time to arm; the next
+    // entry goes too.
+    let handoff = || {
+        let (a, b, q) = (a.clone(), b.clone(), q.clone());
+        async move {
+            let (_, holder, _) = enqueue(&a, &q, EntryKind::Lock).await;
+            let (_, next, _) = enqueue(&a, &q, EntryKind::Lock).await;
+            let waiter = {
+                let (b, q, holder) = (b.clone(), q.clone(), holder.clone());
+                tokio::spawn(async move { b.wait_gone_detail(&q, &holder).await })
+            };
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(
+                !waiter.is_finished(),
+                "the wait ended while its entry was there"
+            );
+            a.remove(&q, &holder).await.expect("remove");
+            let gone = timeout(SOON, waiter)
+                .await
+                .expect("the wait ends once its entry goes")
+                .expect("join")
+                .expect("wait_gone_detail");
+            a.remove(&q, &next).await.expect("remove");
+            gone
+        }
+    };
+    assert_eq!(
+        handoff().await,
+        Gone::Head,
+        "the first wait (arms the watch)"
+    );
+    let armed = b.watches_armed();
+    for i in 0..5 {
+        assert_eq!(handoff().await, Gone::Head, "wait {i} on the kept watch");
+    }
+    // Gone before the wait, its delete already passed on by the kept watch.
+    let (_, early, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    a.remove(&q, &early).await.expect("remove");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let gone = timeout(SOON, b.wait_gone_detail(&q, &early))
+        .await
+        .expect("a wait on an entry already gone returns at once")
+        .expect("wait_gone_detail");
+    assert_eq!(
+        gone,
+        Gone::Unknown,
+        "an entry gone before the wait is not said Head"
+    );
+    assert_eq!(
+        b.watches_armed(),
+        armed,
+        "waits after the first armed watches of their own"
+    );
+    // Idle past the kept watch's linger (2 to 4 s): the next wait arms again.
+    tokio::time::sleep(Duration::from_millis(4_500)).await;
+    assert_eq!(handoff().await, Gone::Head, "the wait after the linger");
+    assert_eq!(
+        b.watches_armed(),
+        armed + 1,
+        "the kept watch outlived its linger, or the wait after it armed more than one"
+    );
+}
+
 /// The contract's mixed readers, writers, locks and downgrades, where a head removal
 /// grants without a listing: exclusion holds, and on etcd some grants were made that way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
