@@ -348,6 +348,11 @@ impl EtcdBackend {
                     )));
                 }
             }
+            // A client that waits on this queue keeps a watch on it (`hubs.rs`): this
+            // read of the whole queue can spare its next wait a read of its own.
+            if let Some(hub) = self.hubs.lock().get(&prefix) {
+                hub.offer(header_rev(resp.header()), get.clone());
+            }
             let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
             let name = &key[prefix.len()..];
             if let Some((gkey, rev, gone_ticket, claim)) = &hand_on {

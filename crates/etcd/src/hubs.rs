@@ -20,6 +20,13 @@
 //! (stream broken, cancelled by the server) every subscriber's feed closes and the hub
 //! is forgotten; the next waiter arms a new one.
 //!
+//! The read need not be the waiter's own: the client's enqueue transactions read the
+//! whole queue anyway, and offer that read to the queue's hub ([`Hub::offer`]); a
+//! subscriber gets the newest one if its revision is at or above `covered` (the feed
+//! then holds every change after it), and uses it if it shows the entry waited on (an
+//! older read would say that entry is gone). A W2 wait then costs the server nothing but
+//! the enqueue it follows: 3.0 -> 2.1 server requests per lock.
+//!
 //! A hub nobody subscribed to for a while ([`LINGER`] to twice that) cancels its watch:
 //! an idle client does not keep receiving a busy queue's deletes.
 
@@ -27,7 +34,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use etcd_client::WatchResponse;
+use etcd_client::{GetResponse, WatchResponse};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -56,11 +63,23 @@ struct State {
     /// The highest header revision of a message passed on so far (at first
     /// `watch_rev`).
     covered: i64,
+    /// The newest read of the whole queue this client's enqueue transactions made, with
+    /// the transaction's revision ([`Hub::offer`]).
+    snapshot: Option<(i64, Arc<GetResponse>)>,
     subs: Vec<mpsc::UnboundedSender<Arc<WatchResponse>>>,
     /// Whether someone subscribed since the last idle check.
     used: bool,
     /// The watch ended or was let go: nobody may subscribe any more.
     dead: bool,
+}
+
+/// What [`Hub::subscribe`] gives.
+pub(crate) struct Joined {
+    pub(crate) sub: Sub,
+    /// Every event above this revision comes through `sub`.
+    pub(crate) covered: i64,
+    /// A read of the whole queue at a revision at or above `covered`, if one was offered.
+    pub(crate) snapshot: Option<(i64, Arc<GetResponse>)>,
 }
 
 /// A subscriber's feed: the hub's messages from its subscription on.
@@ -85,12 +104,13 @@ impl Hub {
         watch: Watch,
         watch_rev: i64,
         armed_at: Instant,
-    ) -> (Arc<Hub>, Sub, i64) {
+    ) -> (Arc<Hub>, Joined) {
         let hub = Arc::new(Hub {
             armed_at,
             watch_rev,
             state: parking_lot::Mutex::new(State {
                 covered: watch_rev,
+                snapshot: None,
                 subs: Vec::new(),
                 used: true,
                 dead: false,
@@ -107,12 +127,19 @@ impl Hub {
             }
         }
         tokio::spawn(run(hub.clone(), watch, Arc::downgrade(hubs), key));
-        (hub, Sub { rx }, watch_rev)
+        let joined = Joined {
+            sub: Sub { rx },
+            covered: watch_rev,
+            snapshot: None,
+        };
+        (hub, joined)
     }
 
-    /// Joins the hub: the feed and the `covered` revision (see the module docs), or
-    /// `None` if its watch has ended.
-    pub(crate) fn subscribe(&self) -> Option<(Sub, i64)> {
+    /// Joins the hub: the feed, the `covered` revision (see the module docs) and, if the
+    /// newest [`offer`](Self::offer)ed read of the queue is at or above it, that read
+    /// with its revision: with the feed it shows every change, as a read made now
+    /// would. `None` if the watch has ended.
+    pub(crate) fn subscribe(&self) -> Option<Joined> {
         let mut s = self.state.lock();
         if s.dead {
             return None;
@@ -120,7 +147,22 @@ impl Hub {
         let (tx, rx) = mpsc::unbounded_channel();
         s.subs.push(tx);
         s.used = true;
-        Some((Sub { rx }, s.covered))
+        let snapshot = s.snapshot.clone().filter(|(rev, _)| *rev >= s.covered);
+        Some(Joined {
+            sub: Sub { rx },
+            covered: s.covered,
+            snapshot,
+        })
+    }
+
+    /// Offers a read of the whole queue made at revision `rev` (an enqueue
+    /// transaction's, which reads the queue anyway) to later subscribers; the newest
+    /// is kept.
+    pub(crate) fn offer(&self, rev: i64, read: GetResponse) {
+        let mut s = self.state.lock();
+        if s.snapshot.as_ref().is_none_or(|(kept, _)| *kept < rev) {
+            s.snapshot = Some((rev, Arc::new(read)));
+        }
     }
 
     /// Ends every feed; nobody can subscribe after this.

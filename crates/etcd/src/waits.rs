@@ -14,7 +14,7 @@ use tokio::time::{sleep, timeout, Instant};
 
 use crate::backend::EtcdBackend;
 use crate::errors::map;
-use crate::hubs::{Hub, Sub};
+use crate::hubs::{Hub, Joined, Sub};
 use crate::layout;
 use crate::reads::{header_rev, holds_entry, queue_read, raw};
 use crate::watches::Watch;
@@ -287,11 +287,26 @@ impl EtcdBackend {
         // client's hub of this queue, armed by the first such wait and kept between
         // waits; read at or above the revision its feed covers, the queue and the feed
         // show every change, as a watch armed before the read would.
-        let (hub, mut sub, covered) = self.join_queue(prefix).await?;
-        let read = self
-            .fresh_get(prefix, queue_read().with_limit(TRACK_AT_MOST + 1), covered)
-            .await
-            .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
+        let (hub, joined) = self.join_queue(prefix).await?;
+        let mut sub = joined.sub;
+        // The queue as an enqueue of this client read it, if that read is recent enough
+        // (at or above `covered`) and shows the entry; else a read of its own. (A read
+        // from before the entry was created does not show it, and would say "gone".)
+        let (read, read_rev) = match joined.snapshot.filter(|(_, r)| holds_entry(r, key, entry)) {
+            Some((rev, r)) => (r, rev),
+            None => {
+                let r = self
+                    .fresh_get(
+                        prefix,
+                        queue_read().with_limit(TRACK_AT_MOST + 1),
+                        joined.covered,
+                    )
+                    .await
+                    .map_err(|e| map(&format!("reading queue {prefix}"), e))?;
+                let rev = header_rev(r.header());
+                (Arc::new(r), rev)
+            }
+        };
         if read.more() || read.kvs().len() > TRACK_AT_MOST as usize {
             // Too long to watch whole: leave the hub and watch the one key. (The read
             // holds only the queue's first keys: it cannot say `entry` is gone.)
@@ -314,7 +329,6 @@ impl EtcdBackend {
         } else {
             Some(ahead_of_it.map(|e| e.name.clone()).collect())
         };
-        let read_rev = header_rev(read.header());
         let mut ahead = Ahead {
             prefix,
             key,
@@ -335,11 +349,11 @@ impl EtcdBackend {
     /// Joins the client's hub of the queue at `prefix` (`hubs.rs`), arming its watch
     /// (the whole queue, deletes only) if there is none or its watch has ended: the
     /// hub, the feed and the revision a read must reach to miss nothing.
-    async fn join_queue(&self, prefix: &str) -> Result<(Arc<Hub>, Sub, i64)> {
+    async fn join_queue(&self, prefix: &str) -> Result<(Arc<Hub>, Joined)> {
         let found = self.hubs.lock().get(prefix).cloned();
         if let Some(hub) = found {
-            if let Some((sub, covered)) = hub.subscribe() {
-                return Ok((hub, sub, covered));
+            if let Some(joined) = hub.subscribe() {
+                return Ok((hub, joined));
             }
         }
         let (watch, watch_rev) = self.arm(prefix, true, true).await?;

@@ -997,6 +997,88 @@ async fn waits_on_one_queue_share_a_kept_watch() {
     );
 }
 
+/// A wait on the kept watch may take its queue listing from the waiting client's own
+/// latest enqueue (which reads the queue anyway) instead of a read of its own, but only
+/// a listing that shows the entry waited on and is not older than what the kept watch
+/// already passed on. Three waits by a client that enqueues too: one on its predecessor
+/// in that listing (pending, then `Head`), one on an entry queued after the listing (it
+/// must stay pending: that listing does not show it, which would read as "gone"), and one
+/// after an entry ahead was
+/// deleted and its delete passed on before the wait (it must still say `Head`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_takes_its_listing_from_an_enqueue_only_when_it_may() {
+    use dlock_core::Gone;
+    let eps = etcd_or_skip!("a_wait_takes_its_listing_from_an_enqueue_only_when_it_may");
+    init_tracing();
+    let a = connect(&eps).await;
+    let b = connect(&eps).await;
+    let q = QueuePath::root(unique_name("enqueue-listing"));
+    let settle = || tokio::time::sleep(Duration::from_millis(200));
+    let wait = |gone: Entry| {
+        let (b, q) = (b.clone(), q.clone());
+        tokio::spawn(async move { b.wait_gone_detail(&q, &gone).await })
+    };
+    let ended = |w: tokio::task::JoinHandle<dlock_core::Result<Gone>>| async move {
+        timeout(SOON, w)
+            .await
+            .expect("the wait ends once its entry goes")
+            .expect("join")
+            .expect("wait_gone_detail")
+    };
+    // B's kept watch of the queue, armed by a first wait.
+    let (_, h0, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    let w = wait(h0.clone());
+    settle().await;
+    a.remove(&q, &h0).await.expect("remove");
+    assert_eq!(ended(w).await, Gone::Head, "h0 went as the head");
+
+    // 1. B queues behind A's holder: B's enqueue listed [h1, b1].
+    let (_, h1, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    let (_, b1, _) = enqueue(&b, &q, EntryKind::Lock).await;
+    let w = wait(h1.clone());
+    settle().await;
+    assert!(!w.is_finished(), "the wait on h1 ended while h1 was there");
+    a.remove(&q, &h1).await.expect("remove");
+    assert_eq!(ended(w).await, Gone::Head, "h1 went as the head");
+
+    // 2. An entry queued after B's latest enqueue (B's b2, after h1's delete, so recent
+    // enough), that listing does not show it.
+    let (_, b2, _) = enqueue(&b, &q, EntryKind::Lock).await;
+    let (_, a2, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    settle().await;
+    let w = wait(a2.clone());
+    settle().await;
+    assert!(
+        !w.is_finished(),
+        "the wait on a2 ended while a2 was there: {:?}",
+        w.await
+    );
+    b.remove(&q, &b1).await.expect("remove");
+    b.remove(&q, &b2).await.expect("remove");
+    a.remove(&q, &a2).await.expect("remove");
+    assert_eq!(ended(w).await, Gone::Head, "a2 went as the head");
+
+    // 3. B's enqueue lists [x, p, b3]; x goes, its delete passed on by the kept watch
+    // before the wait on p begins: a wait using that listing would still count x as
+    // ahead of p, and could not say Head.
+    let (_, x, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    let (_, p, _) = enqueue(&a, &q, EntryKind::Lock).await;
+    let (_, b3, listed) = enqueue(&b, &q, EntryKind::Lock).await;
+    assert_eq!(listed.len(), 3, "B's enqueue listed x, p and its own entry");
+    a.remove(&q, &x).await.expect("remove");
+    settle().await;
+    let w = wait(p.clone());
+    settle().await;
+    assert!(!w.is_finished(), "the wait on p ended while p was there");
+    a.remove(&q, &p).await.expect("remove");
+    assert_eq!(
+        ended(w).await,
+        Gone::Head,
+        "p went as the head, x long gone"
+    );
+    b.remove(&q, &b3).await.expect("remove");
+}
+
 /// The contract's mixed readers, writers, locks and downgrades, where a head removal
 /// grants without a listing: exclusion holds, and on etcd some grants were made that way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
