@@ -15,6 +15,7 @@ use crate::backend::{request, EtcdBackend};
 use crate::errors::map;
 use crate::layout;
 use crate::reads::{header_rev, queue_read, raw};
+use crate::waits::TRACK_AT_MOST;
 
 /// What this client's own contenders have claimed, so that two of them never share a key
 /// and a cancelled enqueue can be cleaned up.
@@ -349,9 +350,12 @@ impl EtcdBackend {
                 }
             }
             // A client that waits on this queue keeps a watch on it (`hubs.rs`): this
-            // read of the whole queue can spare its next wait a read of its own.
-            if let Some(hub) = self.hubs.lock().get(&prefix) {
-                hub.offer(header_rev(resp.header()), get.clone());
+            // read of the whole queue can spare its next wait a read of its own. (Only a
+            // short one: a wait on a longer queue watches one key and reads it.)
+            if get.kvs().len() <= TRACK_AT_MOST as usize {
+                if let Some(hub) = self.hubs.lock().get(&prefix) {
+                    hub.offer(header_rev(resp.header()), get.clone());
+                }
             }
             let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
             let name = &key[prefix.len()..];

@@ -38,7 +38,7 @@ const UNSYNCED_WINDOW: Duration = Duration::from_millis(55);
 /// whether the entry they wait on went as the head ([`EtcdBackend::wait_gone_tracking_once`]).
 /// Only the first entries of a queue can see it this short, so each change of a queue
 /// reaches at most this many such watches, and a longer queue costs what it did before.
-const TRACK_AT_MOST: i64 = 8;
+pub(crate) const TRACK_AT_MOST: i64 = 8;
 
 /// Whether a watch event is news to a waiter whose read answered at revision `read_rev`:
 /// it happened after that read (its key's mod revision, which a delete event carries
