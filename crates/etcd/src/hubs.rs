@@ -8,8 +8,10 @@
 //! with re-reads every 5 ms for the first 55 ms; measured on W2 (8 workers, one name, one
 //! etcd), 226 of 3,725 wakes (6 %) still came from a re-read, each up to 5 ms late on the
 //! handoff chain, and without the re-reads W2 ran at less than half its rate. A watch
-//! that stays armed is caught up once and then sent every event as it is committed, and
-//! a waiter that joins it costs no watch create, no cancel and no re-read.
+//! that stays armed is caught up once and from then on sent each event as it is
+//! committed (unless the server's buffer for the stream fills, which a waiter's
+//! once-per-TTL re-read still covers), and a waiter that joins it costs no watch create,
+//! no cancel and no re-read.
 //!
 //! What a subscriber may rely on: every message of the watch that the hub passes on
 //! after [`Hub::subscribe`] returns reaches it, in order, and every event of a revision
