@@ -349,15 +349,15 @@ impl EtcdBackend {
                     )));
                 }
             }
+            let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
             // A client that waits on this queue keeps a watch on it (`hubs.rs`): this
             // read of the whole queue can spare its next wait a read of its own. (Only a
             // short one: a wait on a longer queue watches one key and reads it.)
             if get.kvs().len() <= TRACK_AT_MOST as usize {
                 if let Some(hub) = self.hubs.lock().get(&prefix) {
-                    hub.offer(header_rev(resp.header()), get.clone());
+                    hub.offer(header_rev(resp.header()), get);
                 }
             }
-            let queue = layout::queue_from_kvs(&prefix, get.kvs().iter().map(raw));
             let name = &key[prefix.len()..];
             if let Some((gkey, rev, gone_ticket, claim)) = &hand_on {
                 // Mine is there: this attempt or an earlier one with the same ticket (whose

@@ -97,7 +97,7 @@ impl Sub {
 }
 
 impl Hub {
-    /// Starts a hub on an armed `watch` (its `created` answer already read, at
+    /// Starts a hub on a `watch` armed just now (its `created` answer already read, at
     /// `watch_rev`) and returns it with its first subscriber; the hub is registered
     /// under `key` unless another is there already.
     pub(crate) fn start(
@@ -105,10 +105,9 @@ impl Hub {
         key: String,
         watch: Watch,
         watch_rev: i64,
-        armed_at: Instant,
     ) -> (Arc<Hub>, Joined) {
         let hub = Arc::new(Hub {
-            armed_at,
+            armed_at: Instant::now(),
             watch_rev,
             state: parking_lot::Mutex::new(State {
                 covered: watch_rev,

@@ -357,13 +357,7 @@ impl EtcdBackend {
             }
         }
         let (watch, watch_rev) = self.arm(prefix, true, true).await?;
-        Ok(Hub::start(
-            &self.hubs,
-            prefix.to_owned(),
-            watch,
-            watch_rev,
-            Instant::now(),
-        ))
+        Ok(Hub::start(&self.hubs, prefix.to_owned(), watch, watch_rev))
     }
 
     /// Waits on a watch's `feed` until `on_message` says the entry at `key` is gone
