@@ -46,23 +46,9 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Seen {
     }
 }
 
-#[tokio::test]
-async fn acquire_and_release_spans_carry_lock_token_and_wait() {
-    let seen = Seen::default();
-    let subscriber = tracing_subscriber::registry().with(seen.clone());
-    let _default = tracing::subscriber::set_default(subscriber);
-    // Other tests of this binary hit the same callsites on other threads with no
-    // subscriber; one registered while this scoped subscriber was being installed can
-    // keep a cached "never" (one run in a full suite missed its `dlock.release` span).
-    // Re-deciding every callsite's interest now includes this subscriber.
-    tracing::callsite::rebuild_interest_cache();
-
-    let server = MemServer::new();
-    let backend = server
-        .connect(SessionOptions::default())
-        .await
-        .expect("connect to the in-memory server");
-    let client = Client::new(backend as Arc<dyn DynBackend>);
+/// Takes and frees a mutex and a semaphore permit on a fresh in-memory server: the
+/// recipes' acquire and release callsites are hit, on whatever thread runs this.
+async fn lock_and_permit(client: &Client) -> String {
     let mut g = client
         .mutex("spans/m")
         .expect("name")
@@ -78,6 +64,42 @@ async fn acquire_and_release_spans_carry_lock_token_and_wait() {
         .await
         .expect("permit");
     p.release().await.expect("release");
+    token
+}
+
+async fn mem_client() -> Client {
+    let backend = MemServer::new()
+        .connect(SessionOptions::default())
+        .await
+        .expect("connect to the in-memory server");
+    Client::new(backend as Arc<dyn DynBackend>)
+}
+
+#[tokio::test]
+async fn acquire_and_release_spans_carry_lock_token_and_wait() {
+    // tracing caches, per callsite and for the whole process, whether any subscriber
+    // wants it. While exactly one dispatcher exists, tracing-core decides that from the
+    // default of whichever thread hits the callsite first: another test's thread, with
+    // no subscriber, would cache "never" and hide this test's spans (CI saw a missing
+    // `dlock.acquire` span). A second live dispatcher makes every decision ask all of
+    // them, this test's layer included.
+    let _second = tracing::Dispatch::new(tracing_subscriber::registry());
+    let seen = Seen::default();
+    let subscriber = tracing_subscriber::registry().with(seen.clone());
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    // Provoke the race: a thread with no subscriber hits the callsites first.
+    std::thread::spawn(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async { lock_and_permit(&mem_client().await).await });
+    })
+    .join()
+    .expect("the other thread's lock and permit");
+
+    let token = lock_and_permit(&mem_client().await).await;
 
     let seen = seen.0.lock().expect("spans").clone();
     let named = |name: &str, lock: &str| {
