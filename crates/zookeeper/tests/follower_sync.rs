@@ -245,6 +245,10 @@ async fn a_session_shorter_than_twice_the_follower_detection_is_warned_about() {
     let warned = |session: Duration| {
         let hosts = hosts.clone();
         async move {
+            // Keep tracing's per-callsite interest from being decided by another
+            // test's subscriber-less thread alone (it does while just one dispatcher
+            // exists): with two alive, every decision asks this one too.
+            let _second = tracing::Dispatch::new(tracing_subscriber::registry());
             let out = Captured::default();
             let subscriber = tracing_subscriber::fmt()
                 .with_writer(out.clone())
