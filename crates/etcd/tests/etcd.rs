@@ -188,6 +188,67 @@ async fn quiet_waiters_on_a_short_session_keep_their_streams() {
     holder.close().await.expect("close");
 }
 
+/// Whether a client DATA frame is one whole gRPC message holding a lease ID alone (field
+/// 1, a varint of 2^32 or more): a keep-alive renewal, a TTL query or a revoke. Never the
+/// lease grant, whose field 1 is its TTL in seconds.
+fn carries_only_a_lease_id(payload: &[u8]) -> bool {
+    let [0, l0, l1, l2, l3, msg @ ..] = payload else {
+        return false;
+    };
+    if usize::try_from(u32::from_be_bytes([*l0, *l1, *l2, *l3])).ok() != Some(msg.len()) {
+        return false;
+    }
+    let [0x08, varint @ ..] = msg else {
+        return false;
+    };
+    let mut id = 0u64;
+    for (i, byte) in varint.iter().enumerate().take(10) {
+        id |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return i + 1 == varint.len() && id >= 1 << 32;
+        }
+    }
+    false
+}
+
+/// An etcd member may leave a keep-alive stream's first renewal unanswered while it
+/// answers everything else on the connection (seen under load). The session then opens
+/// another stream after one renewal's wait instead of waiting for that answer until its
+/// lease is as good as gone. A proxy swallows the opening's renewal; a 2 s session still
+/// keeps its lease, and the lock it holds, for three times its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_keep_alive_opening_is_retried_on_a_new_stream() {
+    init_tracing();
+    let eps = etcd_or_skip!("an_unanswered_keep_alive_opening_is_retried_on_a_new_stream");
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], 1, carries_only_a_lease_id)
+        .await
+        .expect("start the proxy");
+    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(2));
+    let b = EtcdBackend::connect(&[proxy.addr()], opts)
+        .await
+        .expect("connect through the proxy");
+    let q = QueuePath::root(unique_name("keep-alive-opening"));
+    let (_, held, _) = enqueue(&b, &q, EntryKind::Lock).await;
+    let mut lost = b.lost(&q, &held);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        proxy.dropped(),
+        1,
+        "no keep-alive renewal was swallowed: the test staged nothing"
+    );
+    if let Some(e) = futures::FutureExt::now_or_never(&mut lost) {
+        panic!("the session was lost: {e}");
+    }
+    let direct = connect(&eps).await;
+    assert!(
+        direct.contains(&q, &held).await.expect("contains"),
+        "the held entry is gone: its lease expired"
+    );
+    b.remove(&q, &held).await.expect("release");
+    b.close().await.expect("close");
+    direct.close().await.expect("close");
+}
+
 /// A mutex entry is etcd's own key, `<name>/<lease hex>`, its token the create revision;
 /// a second contender of the same client gets a key of its own; retrying an enqueue with
 /// the same ticket finds the same entry.

@@ -50,6 +50,8 @@
 //!
 //! - Testing recipes with no server at all, or under seeded faults on a virtual clock:
 //!   [`mem::MemServer`] and its [`mem::MemBackend`] sessions.
+//! - Making an HTTP/2 (gRPC) server leave one chosen request unanswered while its
+//!   connection goes on, as a loaded etcd member may: [`FrameDrop`].
 //! - Counting a backend's calls, failing chosen ones or holding up a lost signal, on a
 //!   real backend or the in-memory one: [`tap::Tapped`] with your [`tap::Tap`].
 //!
@@ -70,6 +72,7 @@ mod config;
 pub mod contract;
 mod env;
 mod error;
+mod frame_drop;
 mod install;
 mod leaders;
 pub mod mem;
@@ -100,6 +103,7 @@ pub use env::{
     ENV_ZK,
 };
 pub use error::{Error, Result};
+pub use frame_drop::FrameDrop;
 pub use install::{ensure_installed, missing_prerequisites, APT_PACKAGES};
 pub use netcut::{connections_of, NetCut};
 pub use ports::{client_port, ports_in_use, MAX_PORT_OFFSET};
