@@ -649,7 +649,9 @@ impl Backend for EtcdBackend {
         let session = self.live_session().await?;
         let mut lease = self.lease.clone();
         match timeout(self.request_timeout, lease.time_to_live(session.id(), None)).await {
-            Ok(Ok(r)) if r.ttl() > 0 => Ok(()),
+            // -1 is a lease etcd no longer has; 0 one with under a second left (the
+            // time left is cut to whole seconds), still there.
+            Ok(Ok(r)) if r.ttl() >= 0 => Ok(()),
             Ok(Ok(_)) => Err(Error::LockLost(format!(
                 "health check: the session's lease {:x} is gone",
                 session.id()

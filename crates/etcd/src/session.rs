@@ -277,7 +277,11 @@ impl KeepAlive {
                 .await
             {
                 Err(end) => return end,
-                Ok(Ok(Ok(r))) if r.ttl() <= 0 => {
+                // etcd answers -1 for a lease it no longer has, and otherwise the time
+                // left cut to whole seconds: 0 is a lease with under a second left (or
+                // one just expired, which the next renewal finds gone), not a lost one.
+                // The deadline still fires on time whatever this says.
+                Ok(Ok(Ok(r))) if r.ttl() < 0 => {
                     return End::Lost(format!("lease {:x} expired (ttl {})", self.id, r.ttl()));
                 }
                 Ok(other) => {
