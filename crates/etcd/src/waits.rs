@@ -10,7 +10,7 @@ use dlock_core::{Entry, EntryKind, Error, Gone, Result};
 use etcd_client::{
     EventType, GetOptions, GetResponse, WatchFilterType, WatchOptions, WatchResponse,
 };
-use tokio::time::{sleep, timeout, Instant};
+use tokio::time::{sleep, timeout_at, Instant};
 
 use crate::backend::EtcdBackend;
 use crate::errors::map;
@@ -166,30 +166,36 @@ impl EtcdBackend {
         if no_put {
             opts = opts.with_filters([WatchFilterType::NoPut]);
         }
-        let opened = timeout(self.request_timeout, async {
-            let mut w = self
-                .watches
-                .watch(key, opts)
-                .await
-                .map_err(|e| map(&format!("watching {key}"), e))?;
-            match w.message().await {
-                Some(m) if m.created() && !m.canceled() => Ok((w, header_rev(m.header()))),
-                Some(m) => Err(Error::backend(
-                    format!("watching {key}"),
-                    format!("watch refused: {}", m.cancel_reason()),
-                )),
-                None => Err(Error::Unreachable(format!(
-                    "watching {key}: stream closed before the watch was created"
-                ))),
-            }
-        })
-        .await;
-        match opened {
-            Ok(r) => r,
-            Err(_) => Err(Error::Unreachable(format!(
+        let deadline = Instant::now() + self.request_timeout;
+        let no_answer = || {
+            Error::Unreachable(format!(
                 "watching {key}: no answer within {:?}",
                 self.request_timeout
+            ))
+        };
+        let mut w = match timeout_at(deadline, self.watches.watch(key, opts)).await {
+            Ok(w) => w.map_err(|e| map(&format!("watching {key}"), e))?,
+            Err(_) => return Err(no_answer()),
+        };
+        match timeout_at(deadline, w.message()).await {
+            Ok(Some(m)) if m.created() && !m.canceled() => Ok((w, header_rev(m.header()))),
+            Ok(Some(m)) => Err(Error::backend(
+                format!("watching {key}"),
+                format!("watch refused: {}", m.cancel_reason()),
+            )),
+            Ok(None) => Err(Error::Unreachable(format!(
+                "watching {key}: stream closed before the watch was created"
             ))),
+            Err(_) => {
+                // The stream took the create and left it unanswered. A member can do
+                // that to one stream while it serves the rest of the connection, and
+                // every later watch of this client would go to the same stream: give
+                // it up, so the caller's retry opens another (which the balancer may
+                // send to another member).
+                tracing::debug!(key, "no answer to a watch create; giving its stream up");
+                w.give_up_stream();
+                Err(no_answer())
+            }
         }
     }
 

@@ -15,7 +15,9 @@
 //!
 //! A broken stream ends every watch on it (their receivers close, which the callers
 //! report as [`dlock_core::Error::Unreachable`] and re-arm); the next watch opens a new
-//! stream.
+//! stream. So does a stream that leaves a create unanswered for a request timeout: the
+//! connection may be fine while that one stream is not, and without being given up it
+//! would take every later watch of the client.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,15 +49,21 @@ struct Routes {
 struct Shared {
     routes: parking_lot::Mutex<Routes>,
     dead: AtomicBool,
+    /// Tells the reader to let the stream go (a permit, so a kill before it waits counts).
+    stop: tokio::sync::Notify,
 }
 
 impl Shared {
-    /// Ends every watch on the stream: their receivers see the end of their channel.
+    /// Ends every watch on the stream: their receivers see the end of their channel, and
+    /// the reader stops reading, which resets the stream on the server.
     fn kill(&self) {
         self.dead.store(true, Ordering::Release);
-        let mut r = self.routes.lock();
-        r.pending.clear();
-        r.by_id.clear();
+        {
+            let mut r = self.routes.lock();
+            r.pending.clear();
+            r.by_id.clear();
+        }
+        self.stop.notify_one();
     }
 }
 
@@ -157,6 +165,7 @@ impl Watches {
         let shared = Arc::new(Shared {
             routes: parking_lot::Mutex::new(Routes::default()),
             dead: AtomicBool::new(false),
+            stop: tokio::sync::Notify::new(),
         });
         shared.routes.lock().pending.push_back(first);
         let stream = retrying(self.request_timeout, || {
@@ -206,6 +215,13 @@ impl Watch {
             self.id = Some(m.watch_id());
         }
         Some(m)
+    }
+
+    /// Gives up the stream this watch was sent on: every watch on it ends, and the next
+    /// watch the client arms opens a new stream. For a stream that left a create
+    /// unanswered (the backend's `arm`), which would otherwise take every later watch.
+    pub(crate) fn give_up_stream(&self) {
+        self.mux.shared.kill();
     }
 }
 
@@ -264,7 +280,14 @@ async fn read_loop(
     cmds: mpsc::WeakUnboundedSender<Cmd>,
 ) {
     loop {
-        let m = match responses.message().await {
+        let next = tokio::select! {
+            next = responses.message() => next,
+            () = shared.stop.notified() => {
+                tracing::debug!("shared watch stream given up");
+                break;
+            }
+        };
+        let m = match next {
             Ok(Some(m)) => m,
             Ok(None) => {
                 tracing::debug!("shared watch stream ended");

@@ -224,7 +224,7 @@ async fn unanswered_keep_alive_renewals_are_sent_again_on_a_new_stream() {
     // Lease-ID messages in order: the opening's renewal (swallowed), the second opening's
     // (answered), that stream's first renewal (swallowed), the third opening's, ...
     let seen = AtomicU64::new(0);
-    let picks = move |payload: &[u8]| {
+    let picks = move |_stream: u32, payload: &[u8]| {
         carries_only_a_lease_id(payload)
             && [1, 3].contains(&(seen.fetch_add(1, Ordering::SeqCst) + 1))
     };
@@ -255,6 +255,114 @@ async fn unanswered_keep_alive_renewals_are_sent_again_on_a_new_stream() {
     b.remove(&q, &held).await.expect("release");
     b.close().await.expect("close");
     direct.close().await.expect("close");
+}
+
+/// Whether a client DATA frame is one whole gRPC message creating a watch: a
+/// `WatchRequest` whose `create_request` (field 1) starts with its key (field 1). Puts,
+/// ranges and deletes have their key's own bytes after that first tag, transactions a
+/// compare's fields, lease calls a lease field: none of them matches.
+fn creates_a_watch(payload: &[u8]) -> bool {
+    let [0, l0, l1, l2, l3, 0x0a, rest @ ..] = payload else {
+        return false;
+    };
+    if usize::try_from(u32::from_be_bytes([*l0, *l1, *l2, *l3])).ok() != Some(rest.len() + 1) {
+        return false;
+    }
+    let mut len = 0usize;
+    for (i, byte) in rest.iter().enumerate().take(5) {
+        len |= usize::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return rest.get(i + 1) == Some(&0x0a) && rest.len() == i + 1 + len;
+        }
+    }
+    false
+}
+
+/// A watch stream that the server stops answering, while the connection and every other
+/// call on it are still served, is given up: a wait whose watch it leaves unanswered
+/// arms it on a new stream and is woken by the release. (Before, every later watch of
+/// the client went to the stalled stream, and each wait failed once its retries ran out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_stream_that_stops_answering_is_replaced() {
+    init_tracing();
+    let eps = etcd_or_skip!("a_watch_stream_that_stops_answering_is_replaced");
+    // The stream the waiter's first watch is created on; swallowed whole once stalled.
+    let first = Arc::new(AtomicU64::new(0));
+    let stall = Arc::new(AtomicBool::new(false));
+    let picks = {
+        let (first, stall) = (first.clone(), stall.clone());
+        move |stream: u32, payload: &[u8]| {
+            if creates_a_watch(payload) {
+                let _ =
+                    first.compare_exchange(0, stream.into(), Ordering::SeqCst, Ordering::SeqCst);
+            }
+            stall.load(Ordering::SeqCst) && u64::from(stream) == first.load(Ordering::SeqCst)
+        }
+    };
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], usize::MAX, picks)
+        .await
+        .expect("start the proxy");
+    // Longer than the 5 s a watch's `created` answer is waited for, so a wait retries.
+    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
+    let waiter = EtcdBackend::connect(&[proxy.addr()], opts)
+        .await
+        .expect("connect through the proxy");
+    let holder = connect(&eps).await;
+
+    // Behind a held lock on `q`, wait for its release (released after `after`).
+    let wait_behind = |q: QueuePath, after: Duration| {
+        let (waiter, holder) = (waiter.clone(), holder.clone());
+        async move {
+            let (_, held, _) = enqueue(&holder, &q, EntryKind::Lock).await;
+            let (_, mine, queue) = enqueue(&waiter, &q, EntryKind::Lock).await;
+            let Decision::Wait(ahead) = decide(&queue, &mine.name) else {
+                panic!("a second contender did not wait");
+            };
+            let ahead = ahead.clone();
+            let wait = tokio::spawn({
+                let (waiter, q) = (waiter.clone(), q.clone());
+                async move { waiter.wait_gone(&q, &ahead).await }
+            });
+            tokio::time::sleep(after).await;
+            holder.remove(&q, &held).await.expect("release");
+            let woken = timeout(SOON, wait).await;
+            waiter.remove(&q, &mine).await.expect("release");
+            woken
+        }
+    };
+    let woken = wait_behind(
+        QueuePath::root(unique_name("stream-ok")),
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(
+        matches!(woken, Ok(Ok(Ok(_)))),
+        "on a working stream: {woken:?}"
+    );
+    assert_ne!(first.load(Ordering::SeqCst), 0, "no watch was created");
+    assert_eq!(waiter.watch_streams_opened(), 1);
+
+    stall.store(true, Ordering::SeqCst);
+    let woken = wait_behind(
+        QueuePath::root(unique_name("stream-stalled")),
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(
+        matches!(woken, Ok(Ok(Ok(_)))),
+        "behind a stalled watch stream: {woken:?}"
+    );
+    assert!(
+        proxy.dropped() > 0,
+        "nothing was swallowed: the stream never stalled"
+    );
+    assert_eq!(
+        waiter.watch_streams_opened(),
+        2,
+        "the stalled stream was not replaced"
+    );
+    waiter.close().await.expect("close");
+    holder.close().await.expect("close");
 }
 
 /// A mutex entry is etcd's own key, `<name>/<lease hex>`, its token the create revision;

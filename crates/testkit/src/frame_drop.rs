@@ -29,8 +29,8 @@ const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// The DATA frame type (RFC 9113 §6.1).
 const DATA: u8 = 0x0;
 
-/// The test's rule: whether to swallow a DATA frame with this payload.
-type Picks = Box<dyn Fn(&[u8]) -> bool + Send + Sync>;
+/// The test's rule: whether to swallow a DATA frame of this stream with this payload.
+type Picks = Box<dyn Fn(u32, &[u8]) -> bool + Send + Sync>;
 
 /// Which client messages to swallow: the test's rule, and how many more it may take.
 struct Rule {
@@ -40,9 +40,9 @@ struct Rule {
 }
 
 impl Rule {
-    /// Whether to swallow a DATA frame with this payload; counts it if so.
-    fn takes(&self, payload: &[u8]) -> bool {
-        if !(self.picks)(payload) {
+    /// Whether to swallow a DATA frame of `stream` with this payload; counts it if so.
+    fn takes(&self, stream: u32, payload: &[u8]) -> bool {
+        if !(self.picks)(stream, payload) {
             return false;
         }
         let took = self
@@ -66,16 +66,17 @@ pub struct FrameDrop {
 
 impl FrameDrop {
     /// Listens on a fresh loopback port and proxies each connection to `upstream`
-    /// (`host:port`). `picks` sees the payload of each DATA frame the client sends (for
-    /// gRPC: the 5-byte message prefix, then the message); of those it picks, the first
-    /// `budget` are swallowed.
+    /// (`host:port`). `picks` sees each DATA frame the client sends: its stream id (each
+    /// gRPC call is one stream, numbered per connection) and its payload (for gRPC: the
+    /// 5-byte message prefix, then the message); of those it picks, the first `budget`
+    /// are swallowed.
     ///
     /// # Errors
     /// The listener cannot be bound.
     pub async fn start(
         upstream: &str,
         budget: usize,
-        picks: impl Fn(&[u8]) -> bool + Send + Sync + 'static,
+        picks: impl Fn(u32, &[u8]) -> bool + Send + Sync + 'static,
     ) -> std::io::Result<FrameDrop> {
         let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).await?;
         let addr = listener.local_addr()?;
@@ -162,7 +163,8 @@ async fn client_frames(
         let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
         payload.resize(len, 0);
         from.read_exact(&mut payload).await?;
-        if header[3] == DATA && rule.takes(&payload) {
+        let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & !(1 << 31);
+        if header[3] == DATA && rule.takes(stream, &payload) {
             continue;
         }
         to.write_all(&header).await?;
@@ -180,7 +182,7 @@ mod tests {
     async fn swallows_picked_data_frames_within_the_budget() {
         let server = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let upstream = server.local_addr().expect("addr").to_string();
-        let drop = FrameDrop::start(&upstream, 1, |p| p == b"drop me")
+        let drop = FrameDrop::start(&upstream, 1, |_, p| p == b"drop me")
             .await
             .expect("proxy");
         let mut client = TcpStream::connect(drop.addr()).await.expect("connect");
