@@ -109,7 +109,13 @@
 //! or its budget (the connect timeout, at least 5 s) runs out; an attempt that gets no
 //! answer within a third of the budget (a write forwarded to a leader that just died) is
 //! retried too. Requests carry etcd's require-leader flag, so a member without a leader
-//! refuses them at once instead of holding them. Broken watch streams are re-armed.
+//! refuses them at once instead of holding them. Broken watch streams are re-armed, and
+//! so is one that leaves a watch's create unanswered for the budget while the connection
+//! still serves the rest: it is given up and the watch armed on a new stream. A
+//! keep-alive stream whose renewal goes unanswered for a third of the TTL (at least
+//! 0.5 s; a loaded member was seen to leave one so) is replaced by a new one the same
+//! way, well before the session's deadline. The etcd crate's tests stage both with the
+//! test kit's `FrameDrop`.
 //!
 //! # Cancel safety
 //! Every future may be dropped. An enqueue's transaction runs in its own task once sent;
