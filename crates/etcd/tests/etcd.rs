@@ -309,10 +309,11 @@ async fn a_watch_stream_that_stops_answering_is_replaced() {
         .expect("connect through the proxy");
     let holder = connect(&eps).await;
 
-    // Behind a held lock on `q`, wait for its release (released after `after`).
-    let wait_behind = |q: QueuePath, after: Duration| {
+    // Behind a held lock (released after half a second), a wait is woken by the release.
+    let wait_behind = |name: &'static str| {
         let (waiter, holder) = (waiter.clone(), holder.clone());
         async move {
+            let q = QueuePath::root(unique_name(name));
             let (_, held, _) = enqueue(&holder, &q, EntryKind::Lock).await;
             let (_, mine, queue) = enqueue(&waiter, &q, EntryKind::Lock).await;
             let Decision::Wait(ahead) = decide(&queue, &mine.name) else {
@@ -323,35 +324,19 @@ async fn a_watch_stream_that_stops_answering_is_replaced() {
                 let (waiter, q) = (waiter.clone(), q.clone());
                 async move { waiter.wait_gone(&q, &ahead).await }
             });
-            tokio::time::sleep(after).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
             holder.remove(&q, &held).await.expect("release");
             let woken = timeout(SOON, wait).await;
             waiter.remove(&q, &mine).await.expect("release");
-            woken
+            assert!(matches!(woken, Ok(Ok(Ok(_)))), "{name}: {woken:?}");
         }
     };
-    let woken = wait_behind(
-        QueuePath::root(unique_name("stream-ok")),
-        Duration::from_millis(500),
-    )
-    .await;
-    assert!(
-        matches!(woken, Ok(Ok(Ok(_)))),
-        "on a working stream: {woken:?}"
-    );
+    wait_behind("stream-ok").await;
     assert_ne!(first.load(Ordering::SeqCst), 0, "no watch was created");
     assert_eq!(waiter.watch_streams_opened(), 1);
 
     stall.store(true, Ordering::SeqCst);
-    let woken = wait_behind(
-        QueuePath::root(unique_name("stream-stalled")),
-        Duration::from_millis(500),
-    )
-    .await;
-    assert!(
-        matches!(woken, Ok(Ok(Ok(_)))),
-        "behind a stalled watch stream: {woken:?}"
-    );
+    wait_behind("stream-stalled").await;
     assert!(
         proxy.dropped() > 0,
         "nothing was swallowed: the stream never stalled"
