@@ -253,12 +253,15 @@ async fn write_loop(
     shared: Arc<Shared>,
 ) {
     while let Some(cmd) = cmds.recv().await {
+        if shared.dead.load(Ordering::Acquire) {
+            // The stream was given up (or broke): nothing more goes to it, not even a
+            // cancel, which a stalled stream would never take (the request channel
+            // would fill and this task hang). Dropping a create's route ends that
+            // watch at once; the server drops the rest with the stream.
+            break;
+        }
         let sent = match cmd {
             Cmd::Create(key, opts, route) => {
-                if shared.dead.load(Ordering::Acquire) {
-                    // Dropping the route ends that watch at once.
-                    continue;
-                }
                 // Queued before it is sent, so the reader finds it when the answer comes.
                 shared.routes.lock().pending.push_back(route);
                 sender.watch(key, Some(opts)).await
