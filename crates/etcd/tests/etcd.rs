@@ -13,6 +13,7 @@ use dlock_core::{
     Backend, Entry, EntryKind, Error, LockName, Position, QueuePath, SessionOptions, Ticket,
 };
 use dlock_etcd::EtcdBackend;
+use dlock_testkit::frame_drop::{Frame, Side};
 use tokio::time::{timeout, Instant};
 
 /// Generous bound for anything that should happen "soon" on a loaded 2-core machine.
@@ -224,8 +225,9 @@ async fn unanswered_keep_alive_renewals_are_sent_again_on_a_new_stream() {
     // Lease-ID messages in order: the opening's renewal (swallowed), the second opening's
     // (answered), that stream's first renewal (swallowed), the third opening's, ...
     let seen = AtomicU64::new(0);
-    let picks = move |_stream: u32, payload: &[u8]| {
-        carries_only_a_lease_id(payload)
+    let picks = move |f: &Frame<'_>| {
+        f.from == Side::Client
+            && carries_only_a_lease_id(f.payload)
             && [1, 3].contains(&(seen.fetch_add(1, Ordering::SeqCst) + 1))
     };
     let proxy = dlock_testkit::FrameDrop::start(&eps[0], 2, picks)
@@ -291,12 +293,15 @@ async fn a_watch_stream_that_stops_answering_is_replaced() {
     let stall = Arc::new(AtomicBool::new(false));
     let picks = {
         let (first, stall) = (first.clone(), stall.clone());
-        move |stream: u32, payload: &[u8]| {
-            if creates_a_watch(payload) {
-                let _ =
-                    first.compare_exchange(0, stream.into(), Ordering::SeqCst, Ordering::SeqCst);
+        move |f: &Frame<'_>| {
+            if f.from != Side::Client {
+                return false;
             }
-            stall.load(Ordering::SeqCst) && u64::from(stream) == first.load(Ordering::SeqCst)
+            if creates_a_watch(f.payload) {
+                let _ =
+                    first.compare_exchange(0, f.stream.into(), Ordering::SeqCst, Ordering::SeqCst);
+            }
+            stall.load(Ordering::SeqCst) && u64::from(f.stream) == first.load(Ordering::SeqCst)
         }
     };
     let proxy = dlock_testkit::FrameDrop::start(&eps[0], usize::MAX, picks)
@@ -346,6 +351,82 @@ async fn a_watch_stream_that_stops_answering_is_replaced() {
         2,
         "the stalled stream was not replaced"
     );
+    waiter.close().await.expect("close");
+    holder.close().await.expect("close");
+}
+
+/// A watch that stops delivering (the server's frames for its stream lost on the way,
+/// the connection and the stream still open) cannot strand a waiter, nor the waiters
+/// queued behind it: once per session TTL the waiter re-reads, finds its predecessor
+/// gone and stops waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read() {
+    init_tracing();
+    let eps = etcd_or_skip!("a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read");
+    // The stream the waiter's watch is created on; once deaf, its events are swallowed.
+    let first = Arc::new(AtomicU64::new(0));
+    let deaf = Arc::new(AtomicBool::new(false));
+    let picks = {
+        let (first, deaf) = (first.clone(), deaf.clone());
+        move |f: &Frame<'_>| match f.from {
+            Side::Client => {
+                if creates_a_watch(f.payload) {
+                    let _ = first.compare_exchange(
+                        0,
+                        f.stream.into(),
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    );
+                }
+                false
+            }
+            Side::Server => {
+                deaf.load(Ordering::SeqCst) && u64::from(f.stream) == first.load(Ordering::SeqCst)
+            }
+        }
+    };
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], usize::MAX, picks)
+        .await
+        .expect("start the proxy");
+    let ttl = Duration::from_secs(3);
+    let opts = SessionOptions::default().with_session_timeout(ttl);
+    let waiter = EtcdBackend::connect(&[proxy.addr()], opts)
+        .await
+        .expect("connect through the proxy");
+    let holder = connect(&eps).await;
+    let q = QueuePath::root(unique_name("deaf-watch"));
+    let (_, held, _) = enqueue(&holder, &q, EntryKind::Lock).await;
+    let (_, mine, queue) = enqueue(&waiter, &q, EntryKind::Lock).await;
+    let Decision::Wait(ahead) = decide(&queue, &mine.name) else {
+        panic!("a second contender did not wait");
+    };
+    let ahead = ahead.clone();
+    let wait = tokio::spawn({
+        let (waiter, q) = (waiter.clone(), q.clone());
+        async move { waiter.wait_gone(&q, &ahead).await }
+    });
+    // Let the watch be created and its `created` answer through, then go deaf.
+    let created_by = Instant::now() + SOON;
+    while first.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < created_by, "no watch was created");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    deaf.store(true, Ordering::SeqCst);
+    holder.remove(&q, &held).await.expect("release");
+    let released = Instant::now();
+    let woken = timeout(SOON, wait).await;
+    let after = released.elapsed();
+    assert!(matches!(woken, Ok(Ok(Ok(_)))), "{woken:?}");
+    assert!(
+        proxy.dropped() > 0,
+        "the release's event was not swallowed: the watch never went deaf"
+    );
+    assert!(
+        after <= ttl + Duration::from_secs(2),
+        "woken {after:?} after the release, more than a TTL of {ttl:?}"
+    );
+    waiter.remove(&q, &mine).await.expect("release");
     waiter.close().await.expect("close");
     holder.close().await.expect("close");
 }

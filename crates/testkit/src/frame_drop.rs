@@ -1,26 +1,28 @@
 //! [`FrameDrop`]: a loopback proxy in front of a cleartext HTTP/2 (gRPC) server that
-//! swallows chosen request messages, so a test can make the server leave one stream
-//! unanswered while the connection and every other stream on it go on.
+//! swallows chosen messages, so a test can make one stream go unanswered, or deaf, while
+//! the connection and every other stream on it go on.
 //!
 //! That is what an etcd member did to a keep-alive stream's first renewal under load
-//! (stop 35: sent, never answered, the member's other answers still arriving). No packet
-//! rule can stage it: a dropped packet stalls the whole connection, since TCP delivers in
-//! order. This proxy works a layer up. It forwards the server's bytes unchanged and reads
-//! the client's as HTTP/2 frames: after the connection preface, each frame is a 9-byte
-//! header (24-bit length, type, flags, stream id) and its payload. A DATA frame whose
-//! payload the test's rule picks is not forwarded, while the budget lasts; every other
-//! frame is. Only DATA frames are ever dropped: HEADERS frames carry the connection's
-//! header compression state, which the server must see in full and in order.
+//! (sent, never answered, the member's other answers still arriving). No packet rule can
+//! stage it: a dropped packet stalls the whole connection, since TCP delivers in order.
+//! This proxy works a layer up. It reads both directions as HTTP/2 frames (after the
+//! client's connection preface, each frame is a 9-byte header: 24-bit length, type,
+//! flags, stream id; then its payload) and forwards every frame, except the DATA frames
+//! the test's rule picks, while the budget lasts. Only DATA frames are ever dropped:
+//! HEADERS frames carry the connection's header compression state, which each side must
+//! see in full and in order.
 //!
-//! The server never sees the swallowed message and so never answers it; the stream stays
-//! open. (It also never returns the flow-control window the message used, a few bytes of
-//! the connection's 64 KiB or more: harmless for a test.)
+//! A swallowed request is never seen by the server, so never answered; a swallowed
+//! answer or event never reaches the client. The stream stays open either way. (The
+//! receiver also never returns the flow-control window the dropped bytes used, a few
+//! bytes of the connection's 64 KiB or more: harmless for a test.)
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -29,10 +31,32 @@ const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// The DATA frame type (RFC 9113 §6.1).
 const DATA: u8 = 0x0;
 
-/// The test's rule: whether to swallow a DATA frame of this stream with this payload.
-type Picks = Box<dyn Fn(u32, &[u8]) -> bool + Send + Sync>;
+/// Which way a frame goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Sent by the client: a request message.
+    Client,
+    /// Sent by the server: an answer, or a stream's event.
+    Server,
+}
 
-/// Which client messages to swallow: the test's rule, and how many more it may take.
+/// A DATA frame on its way, as the rule sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Frame<'a> {
+    /// Who sent it.
+    pub from: Side,
+    /// Its stream: each gRPC call is one stream, numbered by the client per connection
+    /// (odd numbers), the same in both directions.
+    pub stream: u32,
+    /// Its payload. For gRPC: a 5-byte prefix (compressed flag, big-endian length), then
+    /// the protobuf message, when the message fits one frame (small ones do).
+    pub payload: &'a [u8],
+}
+
+/// The test's rule: whether to swallow this frame.
+type Picks = Box<dyn Fn(&Frame<'_>) -> bool + Send + Sync>;
+
+/// Which frames to swallow: the test's rule, and how many more it may take.
 struct Rule {
     picks: Picks,
     budget: AtomicUsize,
@@ -40,9 +64,9 @@ struct Rule {
 }
 
 impl Rule {
-    /// Whether to swallow a DATA frame of `stream` with this payload; counts it if so.
-    fn takes(&self, stream: u32, payload: &[u8]) -> bool {
-        if !(self.picks)(stream, payload) {
+    /// Whether to swallow `frame`; counts it if so.
+    fn takes(&self, frame: &Frame<'_>) -> bool {
+        if !(self.picks)(frame) {
             return false;
         }
         let took = self
@@ -56,8 +80,8 @@ impl Rule {
     }
 }
 
-/// A loopback proxy to one HTTP/2 server that swallows up to `budget` client DATA frames
-/// its rule picks. Dropping it closes the listener and every proxied connection.
+/// A loopback proxy to one HTTP/2 server that swallows up to `budget` DATA frames its
+/// rule picks, either way. Dropping it closes the listener and every proxied connection.
 pub struct FrameDrop {
     addr: SocketAddr,
     rule: Arc<Rule>,
@@ -66,17 +90,15 @@ pub struct FrameDrop {
 
 impl FrameDrop {
     /// Listens on a fresh loopback port and proxies each connection to `upstream`
-    /// (`host:port`). `picks` sees each DATA frame the client sends: its stream id (each
-    /// gRPC call is one stream, numbered per connection) and its payload (for gRPC: the
-    /// 5-byte message prefix, then the message); of those it picks, the first `budget`
-    /// are swallowed.
+    /// (`host:port`). `picks` sees each DATA frame, either way ([`Frame`]); of those it
+    /// picks, the first `budget` are swallowed.
     ///
     /// # Errors
     /// The listener cannot be bound.
     pub async fn start(
         upstream: &str,
         budget: usize,
-        picks: impl Fn(u32, &[u8]) -> bool + Send + Sync + 'static,
+        picks: impl Fn(&Frame<'_>) -> bool + Send + Sync + 'static,
     ) -> std::io::Result<FrameDrop> {
         let listener = TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).await?;
         let addr = listener.local_addr()?;
@@ -130,12 +152,12 @@ async fn proxy(client: TcpStream, upstream: String, rule: Arc<Rule>) {
     let _ = server.set_nodelay(true);
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
-    let down = async move {
-        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
+    let down = async {
+        let _ = frames(Side::Server, &mut server_rx, &mut client_tx, &rule).await;
         let _ = client_tx.shutdown().await;
     };
-    let up = async move {
-        let _ = client_frames(&mut client_rx, &mut server_tx, &rule).await;
+    let up = async {
+        let _ = frames(Side::Client, &mut client_rx, &mut server_tx, &rule).await;
         let _ = server_tx.shutdown().await;
     };
     // One direction ending ends the connection: the other side sees it closed.
@@ -145,30 +167,39 @@ async fn proxy(client: TcpStream, upstream: String, rule: Arc<Rule>) {
     }
 }
 
-/// Copies the client's preface, then its frames one by one, leaving out the DATA frames
-/// the rule takes. Returns when the client closes the connection (or sends a frame cut
-/// short) or the server cannot be written to.
-async fn client_frames(
-    from: &mut tokio::net::tcp::OwnedReadHalf,
-    to: &mut tokio::net::tcp::OwnedWriteHalf,
+/// Copies one direction frame by frame (the client's preface first), leaving out the
+/// DATA frames the rule takes. Returns when the sender closes the connection (or sends a
+/// frame cut short) or the receiver cannot be written to.
+async fn frames(
+    from: Side,
+    rx: &mut OwnedReadHalf,
+    tx: &mut OwnedWriteHalf,
     rule: &Rule,
 ) -> std::io::Result<()> {
-    let mut preface = [0u8; PREFACE.len()];
-    from.read_exact(&mut preface).await?;
-    to.write_all(&preface).await?;
+    if from == Side::Client {
+        let mut preface = [0u8; PREFACE.len()];
+        rx.read_exact(&mut preface).await?;
+        tx.write_all(&preface).await?;
+    }
     let mut header = [0u8; 9];
     let mut payload = Vec::new();
     loop {
-        from.read_exact(&mut header).await?;
+        rx.read_exact(&mut header).await?;
         let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
         payload.resize(len, 0);
-        from.read_exact(&mut payload).await?;
+        rx.read_exact(&mut payload).await?;
+        // The stream id's top bit is reserved.
         let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & !(1 << 31);
-        if header[3] == DATA && rule.takes(stream, &payload) {
+        let frame = Frame {
+            from,
+            stream,
+            payload: &payload,
+        };
+        if header[3] == DATA && rule.takes(&frame) {
             continue;
         }
-        to.write_all(&header).await?;
-        to.write_all(&payload).await?;
+        tx.write_all(&header).await?;
+        tx.write_all(&payload).await?;
     }
 }
 
@@ -176,44 +207,59 @@ async fn client_frames(
 mod tests {
     use super::*;
 
-    /// A frame the rule picks is swallowed while the budget lasts; the rest pass,
-    /// byte for byte, and the preface first.
+    fn frame(kind: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = u32::try_from(payload.len())
+            .expect("short payload")
+            .to_be_bytes();
+        let mut f = vec![len[1], len[2], len[3], kind, 0];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// The DATA frames the rule picks are swallowed, either way, while the budget lasts;
+    /// everything else passes byte for byte, the client's preface first.
     #[tokio::test]
-    async fn swallows_picked_data_frames_within_the_budget() {
+    async fn swallows_picked_data_frames_both_ways_within_the_budget() {
         let server = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let upstream = server.local_addr().expect("addr").to_string();
-        let drop = FrameDrop::start(&upstream, 1, |_, p| p == b"drop me")
-            .await
-            .expect("proxy");
-        let mut client = TcpStream::connect(drop.addr()).await.expect("connect");
-        let (mut seen, _) = server.accept().await.expect("accept");
-
-        let frame = |kind: u8, stream: u32, payload: &[u8]| {
-            let len = u32::try_from(payload.len())
-                .expect("short payload")
-                .to_be_bytes();
-            let mut f = vec![len[1], len[2], len[3], kind, 0];
-            f.extend_from_slice(&stream.to_be_bytes());
-            f.extend_from_slice(payload);
-            f
+        // Client frames on stream 1 and server frames on stream 3 saying "drop me".
+        let picks = |f: &Frame<'_>| {
+            f.payload == b"drop me"
+                && match f.from {
+                    Side::Client => f.stream == 1,
+                    Side::Server => f.stream == 3,
+                }
         };
-        let kept = frame(DATA, 1, b"keep me");
-        let headers = frame(0x1, 3, b"drop me");
+        let proxy = FrameDrop::start(&upstream, 2, picks).await.expect("proxy");
+        let mut client = TcpStream::connect(proxy.addr()).await.expect("connect");
+        let (mut far, _) = server.accept().await.expect("accept");
+
         let mut sent = PREFACE.to_vec();
         sent.extend(frame(DATA, 1, b"drop me"));
-        sent.extend(&kept);
-        sent.extend(&headers); // not DATA: forwarded whatever its payload
-        sent.extend(frame(DATA, 5, b"drop me")); // over the budget: forwarded
+        sent.extend(frame(DATA, 1, b"keep me"));
+        sent.extend(frame(0x1, 1, b"drop me")); // HEADERS: never dropped
+        sent.extend(frame(DATA, 3, b"drop me")); // the client's on stream 3: not picked
         client.write_all(&sent).await.expect("send");
-        client.shutdown().await.expect("close");
-
-        let mut got = Vec::new();
-        seen.read_to_end(&mut got).await.expect("read");
         let mut want = PREFACE.to_vec();
-        want.extend(&kept);
-        want.extend(&headers);
-        want.extend(frame(DATA, 5, b"drop me"));
+        want.extend(frame(DATA, 1, b"keep me"));
+        want.extend(frame(0x1, 1, b"drop me"));
+        want.extend(frame(DATA, 3, b"drop me"));
+        let mut got = vec![0; want.len()];
+        far.read_exact(&mut got).await.expect("the server reads");
         assert_eq!(got, want);
-        assert_eq!(drop.dropped(), 1);
+
+        let mut answered = frame(0x4, 0, b""); // SETTINGS
+        answered.extend(frame(DATA, 3, b"drop me")); // the budget's second
+        answered.extend(frame(DATA, 3, b"drop me")); // over the budget: forwarded
+        answered.extend(frame(DATA, 1, b"answer"));
+        far.write_all(&answered).await.expect("answer");
+        let mut want = frame(0x4, 0, b"");
+        want.extend(frame(DATA, 3, b"drop me"));
+        want.extend(frame(DATA, 1, b"answer"));
+        let mut got = vec![0; want.len()];
+        client.read_exact(&mut got).await.expect("the client reads");
+        assert_eq!(got, want);
+        assert_eq!(proxy.dropped(), 2);
     }
 }

@@ -50,8 +50,8 @@
 //!
 //! - Testing recipes with no server at all, or under seeded faults on a virtual clock:
 //!   [`mem::MemServer`] and its [`mem::MemBackend`] sessions.
-//! - Making an HTTP/2 (gRPC) server leave one chosen request unanswered while its
-//!   connection goes on, as a loaded etcd member may: [`FrameDrop`].
+//! - Making an HTTP/2 (gRPC) server leave one chosen request unanswered, or one stream's
+//!   answers undelivered, while its connection goes on: [`FrameDrop`].
 //! - Counting a backend's calls, failing chosen ones or holding up a lost signal, on a
 //!   real backend or the in-memory one: [`tap::Tapped`] with your [`tap::Tap`].
 //!
@@ -72,7 +72,7 @@ mod config;
 pub mod contract;
 mod env;
 mod error;
-mod frame_drop;
+pub mod frame_drop;
 mod install;
 mod leaders;
 pub mod mem;
