@@ -13,7 +13,7 @@ use dlock_core::{
     Backend, Entry, EntryKind, Error, LockName, Position, QueuePath, SessionOptions, Ticket,
 };
 use dlock_etcd::EtcdBackend;
-use dlock_testkit::frame_drop::{Frame, Side};
+use dlock_testkit::frame_drop::{Action, Frame, Side, DATA};
 use tokio::time::{timeout, Instant};
 
 /// Generous bound for anything that should happen "soon" on a loaded 2-core machine.
@@ -189,6 +189,19 @@ async fn quiet_waiters_on_a_short_session_keep_their_streams() {
     holder.close().await.expect("close");
 }
 
+/// A `FrameDrop` rule that swallows the DATA frames `picks` picks and passes the rest.
+fn swallow_data(
+    picks: impl Fn(&Frame<'_>) -> bool + Send + Sync + 'static,
+) -> impl Fn(&Frame<'_>) -> Action + Send + Sync + 'static {
+    move |f| {
+        if f.kind == DATA && picks(f) {
+            Action::Swallow
+        } else {
+            Action::Pass
+        }
+    }
+}
+
 /// Whether a client DATA frame is one whole gRPC message holding a lease ID alone (field
 /// 1, a varint of 2^32 or more): a keep-alive renewal, a TTL query or a revoke. Never the
 /// lease grant, whose field 1 is its TTL in seconds.
@@ -230,7 +243,7 @@ async fn unanswered_keep_alive_renewals_are_sent_again_on_a_new_stream() {
             && carries_only_a_lease_id(f.payload)
             && [1, 3].contains(&(seen.fetch_add(1, Ordering::SeqCst) + 1))
     };
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], 2, picks)
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], swallow_data(picks))
         .await
         .expect("start the proxy");
     let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(2));
@@ -242,7 +255,7 @@ async fn unanswered_keep_alive_renewals_are_sent_again_on_a_new_stream() {
     let mut lost = b.lost(&q, &held);
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
-        proxy.dropped(),
+        proxy.swallowed(),
         2,
         "not both keep-alive renewals were swallowed: the test staged less than it says"
     );
@@ -304,7 +317,7 @@ async fn a_watch_stream_that_stops_answering_is_replaced() {
             stall.load(Ordering::SeqCst) && u64::from(f.stream) == first.load(Ordering::SeqCst)
         }
     };
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], usize::MAX, picks)
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], swallow_data(picks))
         .await
         .expect("start the proxy");
     // Longer than the 5 s a watch's `created` answer is waited for, so a wait retries.
@@ -343,7 +356,7 @@ async fn a_watch_stream_that_stops_answering_is_replaced() {
     stall.store(true, Ordering::SeqCst);
     wait_behind("stream-stalled").await;
     assert!(
-        proxy.dropped() > 0,
+        proxy.swallowed() > 0,
         "nothing was swallowed: the stream never stalled"
     );
     assert_eq!(
@@ -385,7 +398,7 @@ async fn a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read() {
             }
         }
     };
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], usize::MAX, picks)
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], swallow_data(picks))
         .await
         .expect("start the proxy");
     let ttl = Duration::from_secs(3);
@@ -419,7 +432,7 @@ async fn a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read() {
     let after = released.elapsed();
     assert!(matches!(woken, Ok(Ok(Ok(_)))), "{woken:?}");
     assert!(
-        proxy.dropped() > 0,
+        proxy.swallowed() > 0,
         "the release's event was not swallowed: the watch never went deaf"
     );
     assert!(
@@ -429,6 +442,104 @@ async fn a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read() {
     waiter.remove(&q, &mine).await.expect("release");
     waiter.close().await.expect("close");
     holder.close().await.expect("close");
+}
+
+/// A release whose plain delete goes unanswered leaves its mutex key retired for the
+/// session: that delete may still reach the server, late, and must then find nothing of
+/// a later hold to delete (etcd's mutex key is the same for every hold of a name by one
+/// lease). Staged: the proxy holds the release's delete back (and drops the rest of its
+/// stream, the client's reset included, as a lost packet would); the release completes
+/// another way; the client takes the lock again; then the held delete reaches the
+/// server, which answers it. The second hold is still there, and the lock still held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_release_delete_cannot_remove_a_later_hold() {
+    init_tracing();
+    let eps = etcd_or_skip!("a_late_release_delete_cannot_remove_a_later_hold");
+    // While `target` is set, the first client DATA frame naming it is the release's
+    // delete: its stream is held from then on, and the server's answer on it noted.
+    let target = Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let held_stream = Arc::new(AtomicU64::new(0));
+    let answered = Arc::new(AtomicBool::new(false));
+    let rule = {
+        let (target, held_stream, answered) =
+            (target.clone(), held_stream.clone(), answered.clone());
+        move |f: &Frame<'_>| {
+            let held = held_stream.load(Ordering::SeqCst);
+            match f.from {
+                Side::Server => {
+                    if held != 0 && u64::from(f.stream) == held && f.kind == DATA {
+                        answered.store(true, Ordering::SeqCst);
+                    }
+                    Action::Pass
+                }
+                Side::Client if held != 0 && u64::from(f.stream) == held => {
+                    if f.kind == DATA {
+                        Action::Hold
+                    } else {
+                        Action::Swallow
+                    }
+                }
+                Side::Client => {
+                    let t = target.lock().map(|t| t.clone()).unwrap_or_default();
+                    if held == 0
+                        && f.kind == DATA
+                        && !t.is_empty()
+                        && f.payload.windows(t.len()).any(|w| w == t.as_slice())
+                    {
+                        held_stream.store(f.stream.into(), Ordering::SeqCst);
+                        Action::Hold
+                    } else {
+                        Action::Pass
+                    }
+                }
+            }
+        }
+    };
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], rule)
+        .await
+        .expect("start the proxy");
+    let a = EtcdBackend::connect(&[proxy.addr()], SessionOptions::default())
+        .await
+        .expect("connect through the proxy");
+    let b = connect(&eps).await;
+    let q = QueuePath::root(unique_name("late-delete"));
+
+    let (_, first, queue) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert!(matches!(decide(&queue, &first.name), Decision::Acquired));
+    *target.lock().expect("target") = first.name.as_bytes().to_vec();
+    a.remove(&q, &first)
+        .await
+        .expect("the release completes another way");
+    target.lock().expect("target").clear();
+    assert!(proxy.held() > 0, "the release's delete was not held back");
+    assert!(
+        !b.contains(&q, &first).await.expect("contains"),
+        "the first hold is still there"
+    );
+
+    let (_, second, queue) = enqueue(&a, &q, EntryKind::Lock).await;
+    assert!(matches!(decide(&queue, &second.name), Decision::Acquired));
+    proxy.release_held();
+    let by = Instant::now() + SOON;
+    while !answered.load(Ordering::SeqCst) {
+        assert!(Instant::now() < by, "the late delete was never answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        b.contains(&q, &second).await.expect("contains"),
+        "the late delete of {} removed the later hold {}",
+        first.name,
+        second.name
+    );
+    let (_, other, queue) = enqueue(&b, &q, EntryKind::Lock).await;
+    assert!(
+        matches!(decide(&queue, &other.name), Decision::Wait(_)),
+        "another client got the lock while it was held"
+    );
+    b.remove(&q, &other).await.expect("release");
+    a.remove(&q, &second).await.expect("release");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
 }
 
 /// A mutex entry is etcd's own key, `<name>/<lease hex>`, its token the create revision;

@@ -50,8 +50,9 @@
 //!
 //! - Testing recipes with no server at all, or under seeded faults on a virtual clock:
 //!   [`mem::MemServer`] and its [`mem::MemBackend`] sessions.
-//! - Making an HTTP/2 (gRPC) server leave one chosen request unanswered, or one stream's
-//!   answers undelivered, while its connection goes on: [`FrameDrop`].
+//! - Making an HTTP/2 (gRPC) server leave one chosen request unanswered, one stream's
+//!   answers undelivered, or a request arrive late, while its connection goes on:
+//!   [`FrameDrop`].
 //! - Counting a backend's calls, failing chosen ones or holding up a lost signal, on a
 //!   real backend or the in-memory one: [`tap::Tapped`] with your [`tap::Tap`].
 //!
