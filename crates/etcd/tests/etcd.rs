@@ -444,35 +444,40 @@ async fn a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read() {
     holder.close().await.expect("close");
 }
 
-/// A release whose plain delete goes unanswered leaves its mutex key retired for the
-/// session: that delete may still reach the server, late, and must then find nothing of
-/// a later hold to delete (etcd's mutex key is the same for every hold of a name by one
-/// lease). Staged: the proxy holds the release's delete back (and drops the rest of its
-/// stream, the client's reset included, as a lost packet would); the release completes
-/// another way; the client takes the lock again; then the held delete reaches the
-/// server, which answers it. The second hold is still there, and the lock still held.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_release_delete_cannot_remove_a_later_hold() {
-    init_tracing();
-    let eps = etcd_or_skip!("a_late_release_delete_cannot_remove_a_later_hold");
-    // While `target` is set, the first client DATA frame naming it is the release's
-    // delete: its stream is held from then on, and the server's answer on it noted.
-    let target = Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
-    let held_stream = Arc::new(AtomicU64::new(0));
-    let answered = Arc::new(AtomicBool::new(false));
-    let rule = {
-        let (target, held_stream, answered) =
-            (target.clone(), held_stream.clone(), answered.clone());
-        move |f: &Frame<'_>| {
-            let held = held_stream.load(Ordering::SeqCst);
+/// A `FrameDrop` rule that, once armed with some bytes, holds back the first client
+/// DATA frame containing them (a request delayed in the network, past the client's
+/// timeout), drops the rest of that request's stream (the client's reset when it gives
+/// up, lost as packets would be, so the server still serves the request when it comes),
+/// and notes when the server answers it.
+#[derive(Clone, Default)]
+struct DelayOne {
+    target: Arc<std::sync::Mutex<Vec<u8>>>,
+    stream: Arc<AtomicU64>,
+    answered: Arc<AtomicBool>,
+}
+
+impl DelayOne {
+    fn arm(&self, bytes: &[u8]) {
+        *self.target.lock().expect("target") = bytes.to_vec();
+    }
+
+    fn disarm(&self) {
+        self.target.lock().expect("target").clear();
+    }
+
+    fn rule(&self) -> impl Fn(&Frame<'_>) -> Action + Send + Sync + 'static {
+        let me = self.clone();
+        move |f| {
+            let held = me.stream.load(Ordering::SeqCst);
+            let on_held = held != 0 && u64::from(f.stream) == held;
             match f.from {
                 Side::Server => {
-                    if held != 0 && u64::from(f.stream) == held && f.kind == DATA {
-                        answered.store(true, Ordering::SeqCst);
+                    if on_held && f.kind == DATA {
+                        me.answered.store(true, Ordering::SeqCst);
                     }
                     Action::Pass
                 }
-                Side::Client if held != 0 && u64::from(f.stream) == held => {
+                Side::Client if on_held => {
                     if f.kind == DATA {
                         Action::Hold
                     } else {
@@ -480,13 +485,13 @@ async fn a_late_release_delete_cannot_remove_a_later_hold() {
                     }
                 }
                 Side::Client => {
-                    let t = target.lock().map(|t| t.clone()).unwrap_or_default();
+                    let t = me.target.lock().map(|t| t.clone()).unwrap_or_default();
                     if held == 0
                         && f.kind == DATA
                         && !t.is_empty()
                         && f.payload.windows(t.len()).any(|w| w == t.as_slice())
                     {
-                        held_stream.store(f.stream.into(), Ordering::SeqCst);
+                        me.stream.store(f.stream.into(), Ordering::SeqCst);
                         Action::Hold
                     } else {
                         Action::Pass
@@ -494,8 +499,30 @@ async fn a_late_release_delete_cannot_remove_a_later_hold() {
                 }
             }
         }
-    };
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], rule)
+    }
+
+    /// Waits until the server has answered the held request (after its release).
+    async fn answered(&self) {
+        let by = Instant::now() + SOON;
+        while !self.answered.load(Ordering::SeqCst) {
+            assert!(Instant::now() < by, "the late request was never answered");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A release whose plain delete goes unanswered leaves its mutex key retired for the
+/// session: that delete may still reach the server, late, and must then find nothing of
+/// a later hold to delete (etcd's mutex key is the same for every hold of a name by one
+/// lease). Staged: the proxy holds the release's delete back; the release completes
+/// another way; the client takes the lock again; then the held delete reaches the
+/// server, which answers it. The second hold is still there, and the lock still held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_release_delete_cannot_remove_a_later_hold() {
+    init_tracing();
+    let eps = etcd_or_skip!("a_late_release_delete_cannot_remove_a_later_hold");
+    let delay = DelayOne::default();
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], delay.rule())
         .await
         .expect("start the proxy");
     let a = EtcdBackend::connect(&[proxy.addr()], SessionOptions::default())
@@ -506,11 +533,11 @@ async fn a_late_release_delete_cannot_remove_a_later_hold() {
 
     let (_, first, queue) = enqueue(&a, &q, EntryKind::Lock).await;
     assert!(matches!(decide(&queue, &first.name), Decision::Acquired));
-    *target.lock().expect("target") = first.name.as_bytes().to_vec();
+    delay.arm(first.name.as_bytes());
     a.remove(&q, &first)
         .await
         .expect("the release completes another way");
-    target.lock().expect("target").clear();
+    delay.disarm();
     assert!(proxy.held() > 0, "the release's delete was not held back");
     assert!(
         !b.contains(&q, &first).await.expect("contains"),
@@ -520,11 +547,7 @@ async fn a_late_release_delete_cannot_remove_a_later_hold() {
     let (_, second, queue) = enqueue(&a, &q, EntryKind::Lock).await;
     assert!(matches!(decide(&queue, &second.name), Decision::Acquired));
     proxy.release_held();
-    let by = Instant::now() + SOON;
-    while !answered.load(Ordering::SeqCst) {
-        assert!(Instant::now() < by, "the late delete was never answered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    delay.answered().await;
     assert!(
         b.contains(&q, &second).await.expect("contains"),
         "the late delete of {} removed the later hold {}",
@@ -542,9 +565,58 @@ async fn a_late_release_delete_cannot_remove_a_later_hold() {
     b.close().await.expect("close");
 }
 
-/// A mutex entry is etcd's own key, `<name>/<lease hex>`, its token the create revision;
-/// a second contender of the same client gets a key of its own; retrying an enqueue with
-/// the same ticket finds the same entry.
+/// An enqueue whose first attempt goes unanswered is retried; if that attempt reaches
+/// the server after the entry was granted and released, its put-if-absent creates the
+/// entry again, under the client's live lease, where nobody holds or releases it. The
+/// client's sweep of the released key takes that copy back, and another contender gets
+/// the lock. Staged: the proxy holds the enqueue's first attempt back past its retry,
+/// and lets it through after the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_enqueue_copy_after_the_release_is_taken_back() {
+    init_tracing();
+    let eps = etcd_or_skip!("a_late_enqueue_copy_after_the_release_is_taken_back");
+    let delay = DelayOne::default();
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], delay.rule())
+        .await
+        .expect("start the proxy");
+    let a = EtcdBackend::connect(&[proxy.addr()], SessionOptions::default())
+        .await
+        .expect("connect through the proxy");
+    let b = connect(&eps).await;
+    let name = unique_name("late-enqueue");
+    let q = QueuePath::root(name.clone());
+
+    delay.arm(name.as_str().as_bytes());
+    let (_, mine, queue) = enqueue(&a, &q, EntryKind::Lock).await;
+    delay.disarm();
+    assert!(
+        proxy.held() > 0,
+        "the enqueue's first attempt was not held back"
+    );
+    assert!(matches!(decide(&queue, &mine.name), Decision::Acquired));
+    a.remove(&q, &mine).await.expect("release");
+    proxy.release_held();
+    delay.answered().await;
+
+    let by = Instant::now() + SOON;
+    loop {
+        let (_, other, queue) = enqueue(&b, &q, EntryKind::Lock).await;
+        let got = matches!(decide(&queue, &other.name), Decision::Acquired);
+        b.remove(&q, &other).await.expect("release");
+        if got {
+            break;
+        }
+        assert!(
+            Instant::now() < by,
+            "the late copy of {} still blocks the lock: {queue:?}",
+            mine.name
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
+
 #[tokio::test]
 async fn entries_are_etcds_mutex_keys_and_a_retry_is_idempotent() {
     let eps = etcd_or_skip!("entries_are_etcds_mutex_keys_and_a_retry_is_idempotent");
