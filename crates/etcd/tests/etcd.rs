@@ -243,13 +243,8 @@ async fn unanswered_keep_alive_renewals_are_sent_again_on_a_new_stream() {
             && carries_only_a_lease_id(f.payload)
             && [1, 3].contains(&(seen.fetch_add(1, Ordering::SeqCst) + 1))
     };
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], swallow_data(picks))
-        .await
-        .expect("start the proxy");
     let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(2));
-    let b = EtcdBackend::connect(&[proxy.addr()], opts)
-        .await
-        .expect("connect through the proxy");
+    let (proxy, b) = through(&eps, swallow_data(picks), opts).await;
     let q = QueuePath::root(unique_name("keep-alive-opening"));
     let (_, held, _) = enqueue(&b, &q, EntryKind::Lock).await;
     let mut lost = b.lost(&q, &held);
@@ -293,6 +288,56 @@ fn creates_a_watch(payload: &[u8]) -> bool {
     false
 }
 
+/// A `FrameDrop` rule on the client's first watch stream (the one its first watch create
+/// went out on): once stalled, that stream's DATA frames from `side` are swallowed.
+#[derive(Clone, Default)]
+struct FirstWatchStream {
+    stream: Arc<AtomicU64>,
+    stalled: Arc<AtomicBool>,
+}
+
+impl FirstWatchStream {
+    fn rule(&self, side: Side) -> impl Fn(&Frame<'_>) -> Action + Send + Sync + 'static {
+        let me = self.clone();
+        swallow_data(move |f| {
+            if f.from == Side::Client && creates_a_watch(f.payload) {
+                let _ = me.stream.compare_exchange(
+                    0,
+                    f.stream.into(),
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                );
+            }
+            f.from == side
+                && me.stalled.load(Ordering::SeqCst)
+                && u64::from(f.stream) == me.stream.load(Ordering::SeqCst)
+        })
+    }
+
+    fn created(&self) -> bool {
+        self.stream.load(Ordering::SeqCst) != 0
+    }
+
+    fn stall(&self) {
+        self.stalled.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A proxy to the first endpoint under `rule`, and a backend connected through it.
+async fn through(
+    eps: &[String],
+    rule: impl Fn(&Frame<'_>) -> Action + Send + Sync + 'static,
+    opts: SessionOptions,
+) -> (dlock_testkit::FrameDrop, Arc<EtcdBackend>) {
+    let proxy = dlock_testkit::FrameDrop::start(&eps[0], rule)
+        .await
+        .expect("start the proxy");
+    let b = EtcdBackend::connect(&[proxy.addr()], opts)
+        .await
+        .expect("connect through the proxy");
+    (proxy, b)
+}
+
 /// A watch stream that the server stops answering, while the connection and every other
 /// call on it are still served, is given up: a wait whose watch it leaves unanswered
 /// arms it on a new stream and is woken by the release. (Before, every later watch of
@@ -301,30 +346,12 @@ fn creates_a_watch(payload: &[u8]) -> bool {
 async fn a_watch_stream_that_stops_answering_is_replaced() {
     init_tracing();
     let eps = etcd_or_skip!("a_watch_stream_that_stops_answering_is_replaced");
-    // The stream the waiter's first watch is created on; swallowed whole once stalled.
-    let first = Arc::new(AtomicU64::new(0));
-    let stall = Arc::new(AtomicBool::new(false));
-    let picks = {
-        let (first, stall) = (first.clone(), stall.clone());
-        move |f: &Frame<'_>| {
-            if f.from != Side::Client {
-                return false;
-            }
-            if creates_a_watch(f.payload) {
-                let _ =
-                    first.compare_exchange(0, f.stream.into(), Ordering::SeqCst, Ordering::SeqCst);
-            }
-            stall.load(Ordering::SeqCst) && u64::from(f.stream) == first.load(Ordering::SeqCst)
-        }
-    };
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], swallow_data(picks))
-        .await
-        .expect("start the proxy");
-    // Longer than the 5 s a watch's `created` answer is waited for, so a wait retries.
+    // The stream the waiter's first watch is created on; its requests swallowed once
+    // stalled. The session is longer than the 5 s a watch's `created` answer is waited
+    // for, so a wait retries.
+    let first = FirstWatchStream::default();
     let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
-    let waiter = EtcdBackend::connect(&[proxy.addr()], opts)
-        .await
-        .expect("connect through the proxy");
+    let (proxy, waiter) = through(&eps, first.rule(Side::Client), opts).await;
     let holder = connect(&eps).await;
 
     // Behind a held lock (released after half a second), a wait is woken by the release.
@@ -350,10 +377,10 @@ async fn a_watch_stream_that_stops_answering_is_replaced() {
         }
     };
     wait_behind("stream-ok").await;
-    assert_ne!(first.load(Ordering::SeqCst), 0, "no watch was created");
+    assert!(first.created(), "no watch was created");
     assert_eq!(waiter.watch_streams_opened(), 1);
 
-    stall.store(true, Ordering::SeqCst);
+    first.stall();
     wait_behind("stream-stalled").await;
     assert!(
         proxy.swallowed() > 0,
@@ -377,35 +404,10 @@ async fn a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read() {
     init_tracing();
     let eps = etcd_or_skip!("a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read");
     // The stream the waiter's watch is created on; once deaf, its events are swallowed.
-    let first = Arc::new(AtomicU64::new(0));
-    let deaf = Arc::new(AtomicBool::new(false));
-    let picks = {
-        let (first, deaf) = (first.clone(), deaf.clone());
-        move |f: &Frame<'_>| match f.from {
-            Side::Client => {
-                if creates_a_watch(f.payload) {
-                    let _ = first.compare_exchange(
-                        0,
-                        f.stream.into(),
-                        Ordering::SeqCst,
-                        Ordering::SeqCst,
-                    );
-                }
-                false
-            }
-            Side::Server => {
-                deaf.load(Ordering::SeqCst) && u64::from(f.stream) == first.load(Ordering::SeqCst)
-            }
-        }
-    };
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], swallow_data(picks))
-        .await
-        .expect("start the proxy");
+    let first = FirstWatchStream::default();
     let ttl = Duration::from_secs(3);
     let opts = SessionOptions::default().with_session_timeout(ttl);
-    let waiter = EtcdBackend::connect(&[proxy.addr()], opts)
-        .await
-        .expect("connect through the proxy");
+    let (proxy, waiter) = through(&eps, first.rule(Side::Server), opts).await;
     let holder = connect(&eps).await;
     let q = QueuePath::root(unique_name("deaf-watch"));
     let (_, held, _) = enqueue(&holder, &q, EntryKind::Lock).await;
@@ -420,12 +422,12 @@ async fn a_waiter_whose_watch_goes_deaf_is_woken_by_its_periodic_re_read() {
     });
     // Let the watch be created and its `created` answer through, then go deaf.
     let created_by = Instant::now() + SOON;
-    while first.load(Ordering::SeqCst) == 0 {
+    while !first.created() {
         assert!(Instant::now() < created_by, "no watch was created");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    deaf.store(true, Ordering::SeqCst);
+    first.stall();
     holder.remove(&q, &held).await.expect("release");
     let released = Instant::now();
     let woken = timeout(SOON, wait).await;
@@ -522,12 +524,7 @@ async fn a_late_release_delete_cannot_remove_a_later_hold() {
     init_tracing();
     let eps = etcd_or_skip!("a_late_release_delete_cannot_remove_a_later_hold");
     let delay = DelayOne::default();
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], delay.rule())
-        .await
-        .expect("start the proxy");
-    let a = EtcdBackend::connect(&[proxy.addr()], SessionOptions::default())
-        .await
-        .expect("connect through the proxy");
+    let (proxy, a) = through(&eps, delay.rule(), SessionOptions::default()).await;
     let b = connect(&eps).await;
     let q = QueuePath::root(unique_name("late-delete"));
 
@@ -576,12 +573,7 @@ async fn a_late_enqueue_copy_after_the_release_is_taken_back() {
     init_tracing();
     let eps = etcd_or_skip!("a_late_enqueue_copy_after_the_release_is_taken_back");
     let delay = DelayOne::default();
-    let proxy = dlock_testkit::FrameDrop::start(&eps[0], delay.rule())
-        .await
-        .expect("start the proxy");
-    let a = EtcdBackend::connect(&[proxy.addr()], SessionOptions::default())
-        .await
-        .expect("connect through the proxy");
+    let (proxy, a) = through(&eps, delay.rule(), SessionOptions::default()).await;
     let b = connect(&eps).await;
     let name = unique_name("late-enqueue");
     let q = QueuePath::root(name.clone());
