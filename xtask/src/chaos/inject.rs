@@ -14,9 +14,13 @@ use rand::rngs::StdRng;
 use rand::Rng as _;
 
 use super::history::{self, now_us, Fault, Mode, Record};
+use super::late::LateRequest;
 use super::proxy::Proxy;
 use super::scenario::{Recipe, Scenario};
 use super::{wait_for, Group, Kind, Workers, SESSION, WAIT};
+
+/// How long a late request is held at most, waiting for its sender to hold again.
+const LATE_HOLD_MAX: Duration = Duration::from_secs(30);
 
 /// True once a worker other than `victim` began a section after `t`.
 fn other_began(records: &[Record], victim: u32, t: u64) -> bool {
@@ -52,13 +56,21 @@ pub(super) struct Hit {
     pub(super) exercised_fence: bool,
 }
 
+/// How the victims reach the servers, where a holder fault goes through them.
+pub(super) struct Links<'a> {
+    /// `client-cut`: each victim's cuttable proxies.
+    pub(super) cuts: &'a HashMap<u32, Vec<Proxy>>,
+    /// `late-request`: each victim's frame proxies.
+    pub(super) late: &'a HashMap<u32, LateRequest>,
+}
+
 /// Injects one holder fault of `scenario` on `victim` (of `group`), at a moment inside its
 /// section drawn from `rng`, and waits until the lock serves another worker.
 pub(super) fn inject_holder(
     scenario: Scenario,
     group: &Group,
     workers: &mut Workers,
-    proxies: &HashMap<u32, Vec<Proxy>>,
+    links: &Links<'_>,
     victim: u32,
     rng: &mut StdRng,
 ) -> anyhow::Result<Hit> {
@@ -127,7 +139,7 @@ pub(super) fn inject_holder(
             })
         }
         Scenario::ClientCut => {
-            let ps = proxies.get(&victim).context("victim without proxies")?;
+            let ps = links.cuts.get(&victim).context("victim without proxies")?;
             let t = now_us();
             for p in ps {
                 p.cut();
@@ -156,6 +168,71 @@ pub(super) fn inject_holder(
                     // A free permit may go to another worker at once: the margin is a
                     // mutual-exclusion measure (the permit count is checked instead).
                     measure_margin: recipe != Recipe::Semaphore,
+                },
+                exercised_fence: false,
+            })
+        }
+        Scenario::LateRequest => {
+            let l = links
+                .late
+                .get(&victim)
+                .context("victim without frame proxies")?;
+            // Half the time the next enqueue (its put carries dlock's value header; an
+            // election candidate's value is bare, so there the next request naming it).
+            let enqueue = recipe != Recipe::Election && rng.gen_bool(0.5);
+            let t = now_us();
+            l.arm(&group.name, if enqueue { b"dlock1 " } else { b"" });
+            wait_for("a request of the victim held", WAIT, || Ok(l.caught()))?;
+            let held_at = now_us();
+            eprintln!(
+                "  {}: holding {} of worker {victim}: {}",
+                recipe.label(),
+                if enqueue {
+                    "the next enqueue"
+                } else {
+                    "a request"
+                },
+                l.held_message()
+            );
+            // The client gives the request up (its timeout) and goes on. A held release
+            // (or other request) arrives once the victim holds again, where a late
+            // delete does the most harm; a held enqueue once the victim has held and
+            // released again, so its put lands after the entry's removal. A victim that
+            // does not get that far within the bound (others ahead, or it died) gets the
+            // request late all the same.
+            let again = wait_for("the victim in a later section", LATE_HOLD_MAX, || {
+                let recs = h()?;
+                Ok(if enqueue {
+                    history::sections(&recs)
+                        .iter()
+                        .any(|s| s.worker == victim && s.start_us > held_at && s.end_us.is_some())
+                } else {
+                    inside_writing(&recs, victim, recipe, held_at)
+                })
+            });
+            if enqueue && again.is_ok() {
+                // A section's end is logged before its release is sent: let the
+                // release reach the server first.
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            l.release();
+            eprintln!(
+                "  {}: let worker {victim}'s request through after {:.1} s{}",
+                recipe.label(),
+                (now_us() - held_at) as f64 / 1e6,
+                match (again.is_ok(), enqueue) {
+                    (true, true) => ", after the worker held and released again",
+                    (true, false) => ", with the worker inside a later section",
+                    (false, _) => "",
+                }
+            );
+            Ok(Hit {
+                fault: Fault {
+                    at_us: t,
+                    victim: Some(victim),
+                    signal_from_us: None,
+                    paused: false,
+                    measure_margin: false,
                 },
                 exercised_fence: false,
             })

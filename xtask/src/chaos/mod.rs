@@ -20,10 +20,12 @@
 //!
 //! Where to start: [`run`] plans the rounds and runs them, [`run_round`] one round. The
 //! scenario catalogue and the round plan are in [`scenario`], the code that injects each
-//! fault in [`inject`]; the workers, checker, store, proxy and report have a module each.
+//! fault in [`inject`]; the workers, checker, store, proxy, late request and report have
+//! a module each.
 
 pub(crate) mod history;
 mod inject;
+mod late;
 mod proxy;
 mod report;
 mod scenario;
@@ -45,7 +47,8 @@ use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 
 use self::history::{now_us, Fault, Record, Rules};
-use self::inject::{inject_holder, inject_server};
+use self::inject::{inject_holder, inject_server, Links};
+use self::late::LateRequest;
 use self::proxy::Proxy;
 use self::report::Row;
 pub(crate) use self::scenario::Recipe;
@@ -497,6 +500,13 @@ fn run_round(
             proxies.insert(v, ps);
         }
     }
+    // A late request: each victim reaches etcd through its own frame proxies.
+    let mut late: HashMap<u32, LateRequest> = HashMap::new();
+    if scenario == Scenario::LateRequest {
+        for v in groups.iter().flat_map(|g| g.victims.iter().copied()) {
+            late.insert(v, LateRequest::start(rt, &addrs)?);
+        }
+    }
     // Replica promotion: every client reaches Redis through one address that moves to
     // the promoted replica, as a virtual IP (or Sentinel-aware clients) would.
     let vip = match scenario {
@@ -518,9 +528,12 @@ fn run_round(
     let mut workers = Workers(Vec::new());
     for g in &groups {
         for &(id, slow) in &g.ids {
-            let worker_url = match proxies.get(&id) {
-                Some(ps) => kind.url(&ps.iter().map(|p| p.addr().to_string()).collect::<Vec<_>>()),
-                None => url.clone(),
+            let worker_url = match (proxies.get(&id), late.get(&id)) {
+                (Some(ps), _) => {
+                    kind.url(&ps.iter().map(|p| p.addr().to_string()).collect::<Vec<_>>())
+                }
+                (None, Some(l)) => kind.url(&l.addrs()),
+                (None, None) => url.clone(),
             };
             let work = if slow {
                 scenario.slow_work_ms()
@@ -581,7 +594,11 @@ fn run_round(
         for (gi, g) in groups.iter_mut().enumerate() {
             let victims = g.victims.clone();
             for victim in victims {
-                let hit = inject_holder(scenario, g, &mut workers, &proxies, victim, &mut rng)?;
+                let links = Links {
+                    cuts: &proxies,
+                    late: &late,
+                };
+                let hit = inject_holder(scenario, g, &mut workers, &links, victim, &mut rng)?;
                 if hit.exercised_fence && g.via(victim) == "lib" {
                     g.expects_stale_write = true;
                 }
@@ -660,6 +677,7 @@ fn run_round(
     let killed = workers.finish(WAIT);
     let run_end = now_us();
     drop(proxies);
+    drop(late);
     let closed = workers.closed();
     let mut rows = Vec::new();
     for (gi, g) in groups.iter().enumerate() {

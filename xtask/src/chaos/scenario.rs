@@ -13,6 +13,7 @@ pub(crate) enum Scenario {
     HolderKill,
     HolderPause,
     ClientCut,
+    LateRequest,
     LeaderKill,
     LeaderPause,
     LeaderCut,
@@ -27,10 +28,11 @@ pub(crate) enum Scenario {
 }
 
 impl Scenario {
-    pub(super) const ALL: [Scenario; 14] = [
+    pub(super) const ALL: [Scenario; 15] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::ClientCut,
+        Scenario::LateRequest,
         Scenario::LeaderKill,
         Scenario::LeaderPause,
         Scenario::LeaderCut,
@@ -49,6 +51,7 @@ impl Scenario {
             Scenario::HolderKill => "holder-kill",
             Scenario::HolderPause => "holder-pause",
             Scenario::ClientCut => "client-cut",
+            Scenario::LateRequest => "late-request",
             Scenario::LeaderKill => "leader-kill",
             Scenario::LeaderPause => "leader-pause",
             Scenario::LeaderCut => "leader-cut",
@@ -71,6 +74,9 @@ impl Scenario {
             }
             Scenario::ClientCut => {
                 "a loopback proxy between the holder and the servers stops forwarding past the session"
+            }
+            Scenario::LateRequest => {
+                "a proxy between the holder and etcd holds its next request that names the lock (its release, most often) past the client's timeout, and lets it reach the server once the holder is inside a later section"
             }
             Scenario::LeaderKill => {
                 "SIGKILL the server leader (ZooKeeper, etcd 3-node), restart it"
@@ -135,6 +141,10 @@ impl Scenario {
             // addresses the nodes announce in the slot map, not to its seeds, and a node
             // announces one address (`cluster-announce-ip/port`) for every client.
             Scenario::ClientCut => !matches!(kind, Kind::RedisSentinel | Kind::RedisCluster),
+            // One request of a connection held while the others go on needs a protocol
+            // of independent streams (HTTP/2): ZooKeeper and Redis answer a connection's
+            // requests in order, so holding one holds all.
+            Scenario::LateRequest => kind == Kind::Etcd,
         }
     }
 
@@ -142,7 +152,10 @@ impl Scenario {
     pub(super) fn hits_holders(self) -> bool {
         matches!(
             self,
-            Scenario::HolderKill | Scenario::HolderPause | Scenario::ClientCut
+            Scenario::HolderKill
+                | Scenario::HolderPause
+                | Scenario::ClientCut
+                | Scenario::LateRequest
         )
     }
 
