@@ -12,7 +12,16 @@
 //!   configures it (one attempt, a command timeout). Beside rslock's W1 (the same two
 //!   commands through redis-rs) it is the floor of what any lock on this client crate
 //!   can reach: what it costs over the raw wire is the client's, not dlock's.
+//! - etcd, a semaphore without an internal mutex (`W4r`, only when `--only` names it):
+//!   each worker keeps one key under the semaphore's prefix, created with its lease
+//!   and read back with the whole prefix in one transaction; it holds a permit while
+//!   fewer than `permits` keys were created before its own, and waits for deletes of
+//!   those on one prefix watch it keeps armed (so always synced). Two synced writes per
+//!   permit (the put, the delete), as a W2 handoff: what W4 could reach on etcd without
+//!   Curator's layout (an internal mutex, a lease created under it).
 
+use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -26,6 +35,8 @@ use crate::resp::{Conn, Reply};
 pub const ZK_WORKLOAD: &str = "W0s-zk-createseq-getchildren-delete";
 /// The peers' workload label of the etcd ceiling.
 pub const ETCD_WORKLOAD: &str = "W0-etcd-put-delete";
+/// The label of the etcd semaphore without an internal mutex.
+pub const ETCD_RANKED_WORKLOAD: &str = "W4r-etcd-ranked-semaphore";
 /// The peers' workload label of the Redis ceiling.
 pub const REDIS_WORKLOAD: &str = "W0-redis-setnx-evalsha";
 /// The label of the same commands sent through fred.
@@ -138,6 +149,147 @@ impl Worker for EtcdRaw {
 
     fn close(self: Box<Self>) -> BoxFuture<'static, ()> {
         async {}.boxed()
+    }
+}
+
+/// etcd, a semaphore without an internal mutex: one worker (client, lease, key, kept
+/// watch) of it.
+pub struct EtcdRanked {
+    c: etcd_client::Client,
+    prefix: String,
+    key: String,
+    lease: i64,
+    permits: usize,
+    stream: etcd_client::WatchStream,
+    shared: Arc<crate::harness::Shared>,
+}
+
+impl EtcdRanked {
+    /// Connects to `addr`, grants a lease and arms the prefix watch (deletes only).
+    ///
+    /// # Errors
+    /// A failed connect, grant or watch, as text.
+    pub async fn connect(
+        addr: &str,
+        prefix: &str,
+        permits: u32,
+        shared: Arc<crate::harness::Shared>,
+    ) -> Result<EtcdRanked, String> {
+        use etcd_client::{WatchFilterType, WatchOptions};
+        let opts = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
+        let mut c = etcd_client::Client::connect([format!("http://{addr}")], Some(opts))
+            .await
+            .map_err(|e| format!("etcd connect {addr}: {e}"))?;
+        let lease = c
+            .lease_grant(60, None)
+            .await
+            .map_err(|e| format!("etcd lease: {e}"))?
+            .id();
+        let prefix = format!("{prefix}/");
+        let stream = c
+            .watch(
+                prefix.as_str(),
+                Some(
+                    WatchOptions::new()
+                        .with_prefix()
+                        .with_filters([WatchFilterType::NoPut]),
+                ),
+            )
+            .await
+            .map_err(|e| format!("etcd watch: {e}"))?;
+        Ok(EtcdRanked {
+            key: format!("{prefix}{lease:x}"),
+            c,
+            prefix,
+            lease,
+            permits: permits as usize,
+            stream,
+            shared,
+        })
+    }
+}
+
+impl Worker for EtcdRanked {
+    fn iter(&mut self) -> BoxFuture<'_, Result<Duration, String>> {
+        use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget};
+        use etcd_client::{Txn, TxnOp, TxnOpResponse};
+        async move {
+            let t = Instant::now();
+            let list = || {
+                TxnOp::get(
+                    self.prefix.as_str(),
+                    Some(
+                        GetOptions::new()
+                            .with_prefix()
+                            .with_keys_only()
+                            .with_sort(SortTarget::Create, SortOrder::Ascend),
+                    ),
+                )
+            };
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    self.key.as_str(),
+                    CompareOp::Equal,
+                    0,
+                )])
+                .and_then([
+                    TxnOp::put(
+                        self.key.as_str(),
+                        "",
+                        Some(PutOptions::new().with_lease(self.lease)),
+                    ),
+                    list(),
+                ])
+                .or_else([list()]);
+            let resp = self
+                .c
+                .txn(txn)
+                .await
+                .map_err(|e| format!("etcd txn: {e}"))?;
+            let rev = resp.header().map_or(0, |h| h.revision());
+            let mut ahead: HashSet<Vec<u8>> = HashSet::new();
+            for op in resp.op_responses() {
+                if let TxnOpResponse::Get(g) = op {
+                    for kv in g.kvs() {
+                        if kv.key() == self.key.as_bytes() {
+                            break;
+                        }
+                        ahead.insert(kv.key().to_vec());
+                    }
+                }
+            }
+            // Every delete after the read comes on the kept watch, in order.
+            while ahead.len() >= self.permits {
+                let msg = self
+                    .stream
+                    .message()
+                    .await
+                    .map_err(|e| format!("etcd watch: {e}"))?
+                    .ok_or("etcd watch ended")?;
+                for ev in msg.events() {
+                    if let Some(kv) = ev.kv() {
+                        if kv.mod_revision() > rev {
+                            ahead.remove(kv.key());
+                        }
+                    }
+                }
+            }
+            let d = t.elapsed();
+            self.shared.sem_section(self.permits as u32);
+            self.c
+                .delete(self.key.as_str(), None)
+                .await
+                .map_err(|e| format!("etcd delete: {e}"))?;
+            Ok(d)
+        }
+        .boxed()
+    }
+
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
+        async move {
+            let _ = self.c.lease_revoke(self.lease).await;
+        }
+        .boxed()
     }
 }
 

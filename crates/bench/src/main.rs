@@ -77,7 +77,8 @@ struct Args {
     #[arg(long, default_value = "lockbench")]
     prefix: String,
     /// Only these workloads, comma separated (W0 = the ceilings, W0f = the Redis ceiling
-    /// through fred, only when named here, W1..W6, S1, S2, S3).
+    /// through fred and W4r = an etcd semaphore without an internal mutex, each only
+    /// when named here, W1..W6, S1, S2, S3).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
     /// Also run the scale checks S1, S2 and S3.
@@ -126,7 +127,7 @@ impl Args {
         if w == "W6" && self.failovers == 0 {
             return false;
         }
-        if w == "W0f" {
+        if w == "W0f" || w == "W4r" {
             // Opt-in: not one of the peers' workloads, so the default output keeps its lines.
             return self.only.as_ref().is_some_and(|o| o.iter().any(|x| x == w));
         }
@@ -275,6 +276,39 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
                 ceiling::ETCD_WORKLOAD,
                 w,
                 duration,
+            )
+            .await;
+        }
+        if args.wants("W4r") {
+            let shared = Arc::new(Shared::default());
+            let mut ws = Vec::new();
+            for _ in 0..args.workers {
+                ws.push(
+                    ceiling::EtcdRanked::connect(
+                        &first_host(etcd),
+                        &format!("{prefix}/ceiling-etcd-ranked"),
+                        args.leases,
+                        shared.clone(),
+                    )
+                    .await,
+                );
+            }
+            let leases = args.leases;
+            let check = |_: &Outcome| {
+                vec![
+                    ("leases", leases.to_string()),
+                    ("violations", shared.violations().to_string()),
+                    ("max_holders", shared.max_holders().to_string()),
+                ]
+            };
+            run_one(
+                &mut sink,
+                "ceiling-etcd",
+                ceiling::ETCD_RANKED_WORKLOAD,
+                ws,
+                duration,
+                Some(&check),
+                None,
             )
             .await;
         }
