@@ -142,15 +142,33 @@ pub struct Hints {
     /// then remove), so the semaphore lists its leases first and takes a free permit
     /// with it, instead of adding its lease before it looks.
     pub atomic_enqueue_removing: bool,
+    /// The semaphore keeps one queue of permits and no internal mutex: the first N
+    /// entries hold, the rest wait for one of the N entries just ahead of them to go
+    /// ([`crate::driver::permit_decision`]). Two synced writes per permit, where
+    /// Curator's layout (the default) takes a mutex first; but Curator's own clients
+    /// cannot share such a semaphore. Unlike the other hints this one decides the
+    /// semaphore's layout (which queue its entries go to), so it must never differ
+    /// between two clients of one backend: it is fixed by the backend's code, not by
+    /// configuration. It relies on a new entry always sorting after every entry already
+    /// in its queue, so that an entry's count of entries ahead only goes down.
+    pub ranked_semaphore: bool,
 }
 
 impl Hints {
-    /// Hints with every field set as given (the struct is `#[non_exhaustive]`).
+    /// Hints with every field set as given, and no [`Hints::ranked_semaphore`] (the
+    /// struct is `#[non_exhaustive]`).
     pub const fn new(watch_ahead: bool, atomic_enqueue_removing: bool) -> Self {
         Hints {
             watch_ahead,
             atomic_enqueue_removing,
+            ranked_semaphore: false,
         }
+    }
+
+    /// These hints with [`Hints::ranked_semaphore`] set as given.
+    pub const fn with_ranked_semaphore(mut self, ranked: bool) -> Self {
+        self.ranked_semaphore = ranked;
+        self
     }
 }
 

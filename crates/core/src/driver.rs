@@ -179,6 +179,41 @@ pub fn lease_granted(lease_count: usize, max_leases: u32) -> bool {
     lease_count <= max_leases as usize
 }
 
+/// What a ranked semaphore's contender does next ([`permit_decision`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PermitDecision {
+    /// Fewer than the permits' count of entries are ahead: it holds a permit.
+    Granted,
+    /// Its own entry is not in the listing.
+    Missing,
+    /// Wait until one of these entries goes: the entries just ahead of its own (at
+    /// least the `permits` nearest), nearest last.
+    Wait(Vec<Entry>),
+}
+
+/// The ranked semaphore rule ([`crate::Hints::ranked_semaphore`]): in a queue sorted in
+/// the backend's order (`queue`, or any part of it that holds `mine` and every entry
+/// ahead of it), the entry named `mine` holds a permit while fewer than `permits`
+/// entries are ahead of it. Since a new entry always sorts last, the entries ahead only
+/// go, so a granted entry stays granted and at most `permits` entries hold at once.
+///
+/// Otherwise it waits for one of the `permits` entries just ahead to go: while those
+/// are all there, at least `permits` are ahead whatever happens further up, so no
+/// other change can free a permit for it. It may watch more: the nearest `watch`
+/// entries ahead if `watch` is larger, so that, all of them armed at once, it need not
+/// arm another each time one goes (each change then wakes up to `watch` waiters). A
+/// permit count of 0 never grants (the wait is then on nothing, forever).
+pub fn permit_decision(queue: &[Entry], mine: &str, permits: u32, watch: usize) -> PermitDecision {
+    let Some(at) = queue.iter().position(|e| e.name == mine) else {
+        return PermitDecision::Missing;
+    };
+    let permits = permits as usize;
+    if at < permits {
+        return PermitDecision::Granted;
+    }
+    PermitDecision::Wait(queue[at - permits.max(watch).min(at)..at].to_vec())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1189,6 +1224,147 @@ mod tests {
             // And without mine, both say it is missing.
             let without: Vec<Entry> = partial.iter().filter(|e| e.name != mine).cloned().collect();
             prop_assert_eq!(decide(&without, &mine), Decision::Missing);
+        }
+    }
+
+    #[test]
+    fn permit_decision_grants_the_first_permits_and_waits_on_the_ones_just_ahead() {
+        let q: Vec<Entry> = (1..=5).map(|s| entry(EntryKind::Lease, s)).collect();
+        assert_eq!(
+            permit_decision(&q, "e2lease-", 3, 0),
+            PermitDecision::Granted
+        );
+        assert_eq!(
+            permit_decision(&q, "e3lease-", 3, 0),
+            PermitDecision::Granted
+        );
+        let PermitDecision::Wait(w) = permit_decision(&q, "e5lease-", 3, 0) else {
+            panic!("the fifth of three permits waits");
+        };
+        let names: Vec<&str> = w.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["e2lease-", "e3lease-", "e4lease-"]);
+        let PermitDecision::Wait(w) = permit_decision(&q, "e5lease-", 3, 8) else {
+            panic!("still waits");
+        };
+        assert_eq!(w.len(), 4, "watching more: every entry ahead, no more");
+        assert_eq!(
+            permit_decision(&q, "e9lease-", 3, 0),
+            PermitDecision::Missing
+        );
+        assert!(
+            matches!(permit_decision(&q, "e1lease-", 0, 0), PermitDecision::Wait(w) if w.is_empty())
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+        /// The ranked semaphore as its contenders run it: each one lists the queue when it
+        /// enqueues, then only learns of deletes of the entries it waits on, late and in
+        /// any order, and decides on its own (stale) view. Never more than `permits` hold;
+        /// once every notice is delivered, the first `permits` entries all hold.
+        #[test]
+        fn ranked_permits_never_exceed_the_count(
+            permits in 1u32..4,
+            watch in 0usize..6,
+            ops in prop::collection::vec((0u8..3, any::<prop::sample::Index>()), 1..120),
+        ) {
+            struct Contender {
+                view: Vec<Entry>,
+                granted: bool,
+                /// Entries this one was told went, not yet acted on.
+                notices: Vec<String>,
+                waiting_on: Vec<String>,
+            }
+            impl Contender {
+                /// Applies the rule to this contender's view and arms its waits (a wait
+                /// on an entry already gone is told at once).
+                fn decide(&mut self, name: &str, live: &[Entry], permits: u32, watch: usize) {
+                    match permit_decision(&self.view, name, permits, watch) {
+                        PermitDecision::Granted => self.granted = true,
+                        PermitDecision::Missing => unreachable!("a live contender's view has it"),
+                        PermitDecision::Wait(w) => {
+                            for e in w {
+                                if self.waiting_on.contains(&e.name) {
+                                    continue;
+                                }
+                                if !live.iter().any(|l| l.name == e.name) {
+                                    self.notices.push(e.name.clone());
+                                }
+                                self.waiting_on.push(e.name);
+                            }
+                        }
+                    }
+                }
+
+                /// Acts on its oldest notice: drops that entry from its view, decides.
+                fn deliver(&mut self, name: &str, live: &[Entry], permits: u32, watch: usize) {
+                    let gone = self.notices.remove(0);
+                    self.view.retain(|e| e.name != gone);
+                    self.waiting_on.retain(|n| *n != gone);
+                    if !self.granted {
+                        self.decide(name, live, permits, watch);
+                    }
+                }
+            }
+            let mut live: Vec<Entry> = Vec::new();
+            let mut cs: HashMap<String, Contender> = HashMap::new();
+            let mut next = 1u64;
+            for (op, pick) in ops {
+                match op {
+                    0 => {
+                        let e = entry(EntryKind::Lease, next);
+                        next += 1;
+                        live.push(e.clone());
+                        let mut c = Contender {
+                            view: live.clone(),
+                            granted: false,
+                            notices: Vec::new(),
+                            waiting_on: Vec::new(),
+                        };
+                        c.decide(&e.name, &live, permits, watch);
+                        cs.insert(e.name, c);
+                    }
+                    1 if !live.is_empty() => {
+                        // A holder releases or a waiter gives up: every contender waiting
+                        // on it is told, later.
+                        let gone = live.remove(pick.index(live.len())).name;
+                        cs.remove(&gone);
+                        for c in cs.values_mut() {
+                            if c.waiting_on.contains(&gone) {
+                                c.notices.push(gone.clone());
+                            }
+                        }
+                    }
+                    _ => {
+                        // One notice reaches one contender.
+                        let mut names: Vec<String> = cs
+                            .iter()
+                            .filter(|(_, c)| !c.notices.is_empty())
+                            .map(|(n, _)| n.clone())
+                            .collect();
+                        names.sort();
+                        if !names.is_empty() {
+                            let name = names[pick.index(names.len())].clone();
+                            cs.get_mut(&name).expect("listed").deliver(&name, &live, permits, watch);
+                        }
+                    }
+                }
+                let holding = cs.values().filter(|c| c.granted).count();
+                prop_assert!(holding <= permits as usize, "{} hold {} permits", holding, permits);
+            }
+            // Deliver everything: the first `permits` live entries hold.
+            while let Some(name) = cs
+                .iter()
+                .find(|(_, c)| !c.notices.is_empty())
+                .map(|(n, _)| n.clone())
+            {
+                cs.get_mut(&name).expect("listed").deliver(&name, &live, permits, watch);
+                let holding = cs.values().filter(|c| c.granted).count();
+                prop_assert!(holding <= permits as usize);
+            }
+            for (i, e) in live.iter().enumerate() {
+                prop_assert_eq!(cs[&e.name].granted, i < permits as usize, "entry {} of {}", i, live.len());
+            }
         }
     }
 
