@@ -448,7 +448,12 @@ impl Backend for EtcdBackend {
         // `atomic_enqueue_removing`: a transaction puts one key and deletes another
         // (`enqueue_removing` above), so a semaphore's lease and its mutex's handoff
         // are one synced write.
-        Hints::new(false, true)
+        // `ranked_semaphore`: no internal mutex, the first N entries of one queue hold:
+        // a new key's create revision is above every existing key's, so it always sorts
+        // last. Two synced writes per permit; the mutex layout measured at 0.58x-0.61x
+        // the put + delete ceiling in W4, a mutex-free prototype at 2.8x
+        // (docs/benchmarks.md, round eight).
+        Hints::new(false, true).with_ranked_semaphore(true)
     }
 
     fn enqueue(
@@ -467,8 +472,9 @@ impl Backend for EtcdBackend {
 
     /// One transaction: put the new entry's key (if absent) and delete `gone`'s key (if
     /// it still holds that very entry, by create revision), then read `q`. One synced
-    /// write where enqueue + remove are two: the semaphore takes its lease and hands its
-    /// internal mutex on with it.
+    /// write where enqueue + remove are two (Curator's semaphore order takes its lease
+    /// and hands its internal mutex on with it; etcd's own semaphore is ranked and has no
+    /// such mutex).
     fn enqueue_removing(
         &self,
         q: &QueuePath,

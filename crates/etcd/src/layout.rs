@@ -11,12 +11,13 @@
 //! | a second mutex contender of the same client on the same name | `NAME/<lease hex>-<ticket uuid>` |
 //! | read lock | `NAME/<lease hex>-<ticket uuid>-r` |
 //! | write lock | `NAME/<lease hex>-<ticket uuid>-w` |
-//! | semaphore lease | `NAME/leases/<lease hex>-<ticket uuid>-l` |
-//! | semaphore's internal mutex | `NAME/locks/<lease hex>` |
+//! | semaphore entry (ranked: the first N hold) | `NAME/permits/<lease hex>-<ticket uuid>-l` |
+//! | Curator's layout, not written by the recipes on etcd: semaphore lease | `NAME/leases/<lease hex>-<ticket uuid>-l` |
+//! | Curator's layout: semaphore's internal mutex | `NAME/locks/<lease hex>` |
 //! | election candidate (`EntryKind::Candidate`) | `NAME/<lease hex>`: exactly the key of Go's `concurrency.Election` |
 //! | a second candidate of the same client in the same election | `NAME/<lease hex>-<ticket uuid>` |
 //!
-//! A queue is the set of keys *directly* under its prefix: the semaphore's `leases/...`
+//! A queue is the set of keys *directly* under its prefix: the semaphore's `permits/...`
 //! keys are one level deeper than `NAME/...` and never appear in the root queue. etcd's
 //! lock does not filter by depth, so it also waits for those deeper keys: that only makes
 //! it more careful, never less.

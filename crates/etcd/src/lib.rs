@@ -13,8 +13,8 @@
 //! - `layout`: the key layout (below), pure and unit-tested;
 //! - `session`: the lease and its keep-alive task, and the lost signal;
 //! - `claims`: the key each ticket's entry takes, the enqueue transaction (which also
-//!   deletes the entry handed on, for `enqueue_removing`: a semaphore's lease and its
-//!   internal mutex's handoff in one synced write), and the deletes that free a claimed key;
+//!   deletes the entry handed on, for `enqueue_removing`: one synced write for what
+//!   Curator's semaphore order does in two), and the deletes that free a claimed key;
 //! - `reads`: queue reads and the revision floor no read goes back before;
 //! - `waits`: `wait_gone` and `wait_changed` on watches, and their retries;
 //! - `watches`: the one watch stream every watch of a client shares;
@@ -43,11 +43,15 @@
 //! | second mutex contender of the same client on `NAME` | `NAME/<lease hex>-<ticket uuid>` | as above |
 //! | read lock | `NAME/<lease hex>-<ticket uuid>-r` | `dlock1 <ticket> <writer revision or 0>\n<data>` |
 //! | write lock | `NAME/<lease hex>-<ticket uuid>-w` | as for a mutex |
-//! | semaphore lease | `NAME/leases/<lease hex>-<ticket uuid>-l` | as for a mutex |
-//! | semaphore's internal mutex | `NAME/locks/<lease hex>` | as for a mutex |
+//! | semaphore entry (a permit held or waited for) | `NAME/permits/<lease hex>-<ticket uuid>-l` | as for a mutex, `<data>` ending in ` permits=N` |
+//!
+//! The semaphore is ranked ([`dlock_core::Hints::ranked_semaphore`]): no internal mutex,
+//! the first N keys of `NAME/permits/` by create revision hold a permit. Curator's
+//! layout (`NAME/leases/`, `NAME/locks/`), which earlier builds wrote here too, is not
+//! read: a semaphore name must not be shared with such a build.
 //!
 //! - A queue is the keys *directly* under its prefix; deeper keys (a semaphore's
-//!   `leases/...`, the lock `NAME/sub`) are not part of it. etcd's lock does not filter by
+//!   `permits/...`, the lock `NAME/sub`) are not part of it. etcd's lock does not filter by
 //!   depth, so it also waits for those: it is more careful, never less.
 //! - Any other key directly under `NAME/` (another client's etcd mutex key, say) counts as
 //!   an exclusive mutex entry, as it does for etcd's lock.

@@ -280,12 +280,13 @@ impl EtcdBackend {
                 .await
                 .map(|()| Gone::Unknown)
         };
-        if entry.kind != EntryKind::Lock {
+        if !matches!(entry.kind, EntryKind::Lock | EntryKind::Lease) {
             // A read or write queue (`RwLock`): its readers come and go beside each
             // other, and each of their deletes would reach every whole-queue watch.
             // Measured (W5, 90 % reads, five interleaved rounds against one etcd):
             // 12 % slower with writers waiting on reads watching the queue whole. A
-            // write waited on could also be joined by a downgrade's read.
+            // write waited on could also be joined by a downgrade's read. A ranked
+            // semaphore's entries (`Lease`) queue as a mutex's do, each behind the last.
             return one_key().await;
         }
         // Deletes only: a put can bring an entry ahead only as a read beside a write,

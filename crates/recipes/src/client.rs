@@ -174,7 +174,8 @@ impl<B: DynBackend + ?Sized> Client<B> {
     }
 
     /// Every contender of the lock `name`, whatever the recipe: entries directly under
-    /// the name (mutex, read/write) and in a semaphore's `leases` and `locks` queues.
+    /// the name (mutex, read/write), in a semaphore's `leases` and `locks` queues, and in
+    /// a ranked semaphore's `permits` queue (whose first N entries hold).
     ///
     /// # Errors
     /// [`Error::InvalidName`], or a backend error.
@@ -185,16 +186,22 @@ impl<B: DynBackend + ?Sized> Client<B> {
             None,
             Some(crate::semaphore::LEASES),
             Some(crate::semaphore::LOCKS),
+            Some(crate::semaphore::PERMITS),
         ] {
             let q = QueuePath {
                 lock: lock.clone(),
                 sub,
             };
             let entries = self.backend.participants(&q).await?;
-            let held: Vec<String> = if sub == Some(crate::semaphore::LEASES) {
-                entries.iter().map(|e| e.name.clone()).collect()
-            } else {
-                holders(&entries).iter().map(|e| e.name.clone()).collect()
+            let held: Vec<String> = match sub {
+                Some(crate::semaphore::LEASES) => entries.iter().map(|e| e.name.clone()).collect(),
+                Some(crate::semaphore::PERMITS) => entries
+                    .iter()
+                    .zip(crate::semaphore::permit_holders(&entries))
+                    .filter(|(_, h)| *h)
+                    .map(|(e, _)| e.name.clone())
+                    .collect(),
+                _ => holders(&entries).iter().map(|e| e.name.clone()).collect(),
             };
             out.extend(entries.into_iter().map(|entry| Participant {
                 queue: sub.unwrap_or(""),

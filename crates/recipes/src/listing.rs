@@ -7,7 +7,7 @@ use std::fmt;
 use dlock_core::driver::holders;
 use dlock_core::{EntryKind, ListedQueue, LockName, NameRules};
 
-use crate::semaphore::{LEASES, LOCKS};
+use crate::semaphore::{permit_holders, LEASES, LOCKS, PERMITS};
 
 /// What recipe a listed lock's entries belong to, as far as they tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -17,7 +17,8 @@ pub enum LockKind {
     Mutex,
     /// Read or write entries (Curator `__READ__` / `__WRIT__`).
     ReadWrite,
-    /// A semaphore's `leases` or `locks` queue (the semaphore-mutex too).
+    /// A semaphore's `leases` or `locks` queue, or a ranked semaphore's `permits` (the
+    /// semaphore-mutex too).
     Semaphore,
     /// Election candidates (Curator `LeaderLatch`'s `latch-`). Where a backend cannot
     /// tell a candidate from a mutex contender (etcd, whose election and mutex keys are
@@ -56,10 +57,13 @@ pub struct LockSummary {
     /// once), and every lease of a semaphore (as [`crate::Client::participants`] counts
     /// them). Where a semaphore contender adds its lease before it looks (every backend
     /// but ZooKeeper), the lease of the one contender waiting for a permit counts here
-    /// too while it waits: a semaphore's count can exceed its permits by one.
+    /// too while it waits: a semaphore's count can exceed its permits by one. A ranked
+    /// semaphore's (etcd's) first N entries hold, N being the count each entry was
+    /// written with.
     pub holders: usize,
-    /// Entries that wait: the rest of its own queue, and every entry of a semaphore's
-    /// internal `locks` queue (held only while acquiring a permit).
+    /// Entries that wait: the rest of its own queue, every entry of a semaphore's
+    /// internal `locks` queue (held only while acquiring a permit), and a ranked
+    /// semaphore's entries past its first N.
     pub waiters: usize,
 }
 
@@ -76,6 +80,7 @@ enum Part {
     Own,
     Leases,
     Locks,
+    Permits,
 }
 
 /// The lock a queue belongs to and which of its queues it is. `NAME/leases` holding
@@ -89,6 +94,9 @@ fn place(q: &ListedQueue) -> (&str, Part) {
         }
         if sub == LOCKS {
             return (lock, Part::Locks);
+        }
+        if sub == PERMITS && q.entries.iter().any(|e| e.kind == EntryKind::Lease) {
+            return (lock, Part::Permits);
         }
     }
     (q.path.as_str(), Part::Own)
@@ -141,6 +149,15 @@ pub(crate) fn summarize(
             }
             Part::Locks => {
                 s.waiters += q.entries.len();
+                s.kind = LockKind::Semaphore;
+            }
+            Part::Permits => {
+                let held = permit_holders(&q.entries)
+                    .into_iter()
+                    .filter(|h| *h)
+                    .count();
+                s.holders += held;
+                s.waiters += q.entries.len() - held;
                 s.kind = LockKind::Semaphore;
             }
         }

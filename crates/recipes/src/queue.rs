@@ -192,7 +192,7 @@ pub(crate) fn spawn_remove<B: DynBackend + ?Sized>(backend: Arc<B>, q: QueuePath
 
 /// [`DynBackend::wait_gone_detail`] on owned arguments, so the watch can outlive one loop
 /// turn.
-fn watch_gone<B: DynBackend + ?Sized>(
+pub(crate) fn watch_gone<B: DynBackend + ?Sized>(
     backend: Arc<B>,
     q: QueuePath,
     entry: Entry,

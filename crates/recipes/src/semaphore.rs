@@ -17,11 +17,27 @@
 //! once a permit is free: one synced write less on the mutex's critical path, and the
 //! lease exists only if the mutex entry still did. Both keep "at most `permits` leases
 //! are held" because both add leases only under the mutex.
+//!
+//! Where the backend says [`dlock_core::Hints::ranked_semaphore`] (etcd), there is no
+//! internal mutex and no Curator layout: every contender's entry goes to one queue,
+//! `s/permits`, and the first N entries hold ([`dlock_core::driver::permit_decision`]).
+//! A waiter waits for one of the entries just ahead of it to go (the N nearest, and up
+//! to eight), so a release wakes at most eight waiters (N if more), and a permit costs
+//! two synced writes (the entry's creation and
+//! its removal) instead of Curator's three with a grant serialized behind a mutex
+//! (docs/benchmarks.md, round eight). Each entry's payload ends with ` permits=N`, the
+//! count its contender was given, so a listing can tell holders from waiters.
 
 use std::time::Duration;
 
-use dlock_core::driver::lease_granted;
-use dlock_core::{Capability, DynBackend, EntryKind, Error, LockName, Position, QueuePath, Result};
+use std::collections::HashSet;
+
+use dlock_core::driver::{lease_granted, permit_decision, PermitDecision};
+use dlock_core::{
+    Capability, DynBackend, Entry, EntryKind, Error, Gone, LockName, Position, QueuePath, Result,
+};
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt as _};
 
 use crate::guard::{Held, LockGuard};
 use crate::multi::MultiGuard;
@@ -34,6 +50,49 @@ use tracing::Instrument;
 pub const LOCKS: &str = "locks";
 /// The lease queue of a semaphore (Curator's `leases`).
 pub const LEASES: &str = "leases";
+/// The one queue of a ranked semaphore ([`dlock_core::Hints::ranked_semaphore`]): the
+/// first N entries hold a permit, the rest wait.
+pub const PERMITS: &str = "permits";
+
+/// How many entries ahead a ranked semaphore's waiter watches at least (every one, up
+/// to this many). Armed together right after the enqueue, they need no read of their
+/// own (the enqueue's listing serves them: etcd's kept queue watch), and none is armed
+/// again while the entries ahead go; with only the `permits` nearest, each release
+/// made every waiter behind it arm the next one, a read each. Measured on one etcd (W4,
+/// 8 workers, 3 permits): see docs/benchmarks.md, round eight. A change wakes at most
+/// this many waiters (or the permit count, if larger): constant in the queue's length.
+const WATCH_AHEAD: usize = 8;
+
+/// What a ranked semaphore's entry carries after the client's data: the permit count
+/// its contender was given, for listings.
+const PERMITS_TAG: &str = " permits=";
+
+/// The payload of a ranked semaphore's entry: the client's data, then ` permits=N`.
+fn permit_data(client: &[u8], permits: u32) -> Vec<u8> {
+    let mut d = client.to_vec();
+    d.extend_from_slice(PERMITS_TAG.as_bytes());
+    d.extend_from_slice(permits.to_string().as_bytes());
+    d
+}
+
+/// The permit count a ranked semaphore's entry was written with (see [`permit_data`]),
+/// if its payload says.
+pub(crate) fn permits_of(entry: &Entry) -> Option<usize> {
+    let data = std::str::from_utf8(&entry.data).ok()?;
+    let (_, n) = data.rsplit_once(PERMITS_TAG)?;
+    n.parse().ok()
+}
+
+/// Whether each entry of a ranked semaphore's queue (in queue order) holds a permit: the
+/// entry at index i does while fewer than its contender's count are ahead. An entry
+/// without a count is taken to hold (the listing then errs towards "held").
+pub(crate) fn permit_holders(entries: &[Entry]) -> Vec<bool> {
+    entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| permits_of(e).is_none_or(|n| i < n))
+        .collect()
+}
 
 /// Where a semaphore's permit count comes from.
 #[derive(Debug, Clone)]
@@ -306,9 +365,13 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         key: Option<HoldKey>,
     ) -> Result<std::sync::Arc<Held<B>>> {
         let backend = &self.client.backend;
+        let max = self.permits().await?;
+        if backend.hints().ranked_semaphore {
+            let (q, entry) = self.acquire_ranked(w, max).await?;
+            return Held::grant(backend.clone(), q, entry, key).await;
+        }
         let locks = QueuePath::sub(self.name.clone(), LOCKS);
         let leases = QueuePath::sub(self.name.clone(), LEASES);
-        let max = self.permits().await?;
         // The internal mutex: fair, and only its holder waits on the leases.
         let inner = queue::acquire(
             backend,
@@ -412,6 +475,83 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             Ok(entry) => {
                 cleanup.disarm();
                 Held::grant(backend.clone(), leases.clone(), entry, key).await
+            }
+            Err(e) => {
+                cleanup.abandon_now().await;
+                Err(e)
+            }
+        }
+    }
+}
+
+impl<B: DynBackend + ?Sized> Semaphore<B> {
+    /// Takes a permit of a ranked semaphore: adds an entry to `permits` and waits until
+    /// fewer than `max` entries are ahead of it. Cancellation-safe as every acquire: on
+    /// an error, or when dropped, the entry is removed.
+    async fn acquire_ranked(&self, w: Wait, max: u32) -> Result<(QueuePath, Entry)> {
+        let backend = &self.client.backend;
+        let q = QueuePath::sub(self.name.clone(), PERMITS);
+        let ticket = self.client.tickets.ticket();
+        let cleanup = AbandonOnDrop::new(backend.clone(), q.clone(), ticket.clone());
+        let data = permit_data(&self.client.data, max);
+        let attempt = async {
+            let enq = backend
+                .enqueue(&q, &ticket, EntryKind::Lease, Position::Tail, &data)
+                .await?;
+            let mine = enq.mine;
+            // The listing as this contender last knew it: entries ahead only go (a new
+            // one sorts last), so dropping those it is told went keeps it an
+            // over-count of who is ahead, and a grant on it is a grant on the truth.
+            let mut view = enq.queue;
+            // Armed at the first wait, as in a mutex acquire.
+            let mut lost: Option<BoxFuture<'static, Error>> = None;
+            // One watch per entry waited on, kept until that entry goes: the window
+            // only ever gains entries further ahead as the nearer ones go.
+            let mut watches = FuturesUnordered::new();
+            let mut watching: HashSet<String> = HashSet::new();
+            loop {
+                match permit_decision(&view, &mine.name, max, WATCH_AHEAD) {
+                    PermitDecision::Granted => return Ok(mine),
+                    PermitDecision::Missing => {
+                        return Err(Error::LockLost(format!(
+                            "entry {} vanished from {q} while waiting",
+                            mine.name
+                        )))
+                    }
+                    PermitDecision::Wait(ahead) => {
+                        if let Some(refused) = w.refusal() {
+                            return Err(refused);
+                        }
+                        for e in ahead {
+                            if watching.insert(e.name.clone()) {
+                                let gone = queue::watch_gone(backend.clone(), q.clone(), e.clone());
+                                watches.push(async move { (e.name, gone.await) });
+                            }
+                        }
+                    }
+                }
+                tracing::trace!(queue = %q, mine = %mine.name, watching = watching.len(), "waiting for a permit");
+                let lost = lost.get_or_insert_with(|| backend.lost(&q, &mine));
+                tokio::select! {
+                    // A session lost at the moment a permit came free is lost.
+                    biased;
+                    e = lost => return Err(e),
+                    Some((name, r)) = watches.next() => {
+                        watching.remove(&name);
+                        match r? {
+                            // Found missing, not seen removed: it may have gone with
+                            // mine, which only a fresh listing can tell.
+                            Gone::Vanished => view = backend.queue_ahead(&q, &mine).await?,
+                            _ => view.retain(|e| e.name != name),
+                        }
+                    }
+                }
+            }
+        };
+        match queue::within(w, attempt).await {
+            Ok(entry) => {
+                cleanup.disarm();
+                Ok((q, entry))
             }
             Err(e) => {
                 cleanup.abandon_now().await;

@@ -103,6 +103,10 @@ pub(crate) async fn run_seed(seed: u64, recipe: Recipe) -> anyhow::Result<Outcom
         ..FaultPlan::new(seed)
     };
     let server = MemServer::with_faults(plan);
+    // Half the seeds run the semaphores as on etcd (one ranked queue), half as on
+    // ZooKeeper (Curator's internal mutex); drawn apart from the faults' generator so the
+    // faults of a seed stay what they were.
+    server.rank_semaphores(StdRng::seed_from_u64(seed ^ 0x5EED_5EED).gen_bool(0.5));
     let history = History {
         start: Instant::now(),
         records: Arc::new(Mutex::new(Vec::new())),

@@ -34,6 +34,7 @@ mod redis_faults;
 mod reentry;
 mod removal;
 mod secure;
+mod semaphore;
 #[cfg(all(feature = "etcd", feature = "zookeeper"))]
 mod server_faults;
 mod spans;
@@ -125,6 +126,7 @@ all_backends! {
     mem rwlock_downgrade => crate::recipes::rwlock_downgrade,
     mem downgrade_beside_a_deleted_write_is_lost => crate::recipes::downgrade_beside_a_deleted_write_is_lost,
     mem semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
+    mem a_waiter_gets_the_permit_any_holder_gives_back => crate::semaphore::a_waiter_gets_the_permit_any_holder_gives_back,
     mem failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
     mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
@@ -255,6 +257,9 @@ mod etcdctl_elect_interop {
 }
 mod etcd_lost_enqueue_reply_leaves_one_raw_candidate {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::etcd_election::lost_enqueue_reply_leaves_one_raw_candidate);
+}
+mod etcd_semaphore_is_one_ranked_queue {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::semaphore::etcd_semaphore_is_one_ranked_queue);
 }
 mod etcd_leader_kill_keeps_the_lock {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::faults::etcd_leader_kill_keeps_the_lock);

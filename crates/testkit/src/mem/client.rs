@@ -292,9 +292,10 @@ impl Backend for MemBackend {
     }
 
     /// Both: watches cost nothing here, and `enqueue_removing` is one atomic step, so the
-    /// recipes take the paths ZooKeeper takes.
+    /// recipes take the paths ZooKeeper takes; a ranked semaphore where the server says
+    /// ([`MemServer::rank_semaphores`]), to take etcd's.
     fn hints(&self) -> Hints {
-        Hints::new(true, true)
+        Hints::new(true, true).with_ranked_semaphore(self.link.server.ranks_semaphores())
     }
 
     /// Both, as on ZooKeeper: payloads are written and watched, and a queue keeps a

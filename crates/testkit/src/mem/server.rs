@@ -6,6 +6,7 @@
 //! is visible to reads; faults may make it late, or lose it.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -42,6 +43,8 @@ type QueueKey = (LockName, Option<&'static str>);
 pub struct MemServer {
     state: Mutex<State>,
     plan: Option<FaultPlan>,
+    /// See [`MemServer::rank_semaphores`].
+    ranked: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -122,6 +125,7 @@ impl MemServer {
         Arc::new(MemServer {
             state: Mutex::new(State::default()),
             plan: None,
+            ranked: AtomicBool::new(false),
         })
     }
 
@@ -131,7 +135,20 @@ impl MemServer {
         Arc::new(MemServer {
             state: Mutex::new(State::default()),
             plan: Some(plan),
+            ranked: AtomicBool::new(false),
         })
+    }
+
+    /// Has every client of this server say [`dlock_core::Hints::ranked_semaphore`] (off
+    /// by default: mem takes ZooKeeper's paths), so the recipes' etcd semaphore runs here
+    /// too. Set it before any client takes a semaphore: clients of one name must agree.
+    pub fn rank_semaphores(&self, on: bool) {
+        self.ranked.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether [`MemServer::rank_semaphores`] is on.
+    pub(crate) fn ranks_semaphores(&self) -> bool {
+        self.ranked.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Opens a session and returns its client, which keeps it alive with heartbeats

@@ -1,0 +1,141 @@
+//! The counting semaphore's waits, on every backend, and etcd's ranked layout
+//! ([`dlock_core::Hints::ranked_semaphore`]): one `permits` queue whose first N entries
+//! hold, no internal mutex.
+
+// The etcd-only test is not instantiated without the etcd feature.
+#![cfg_attr(not(feature = "etcd"), allow(dead_code, unused_imports))]
+
+use std::time::Duration;
+
+use dlock::{Client, LockKind};
+
+use crate::support::{client, eventually, leftovers, unique, Kind};
+
+const GENEROUS: Duration = Duration::from_secs(30);
+/// How long a freed permit may take to reach the waiter: far below the session (4 s
+/// here) and the test's other limits, far above a wake-up.
+const PROMPTLY: Duration = Duration::from_secs(3);
+
+async fn clients(url: &str, n: usize) -> Vec<Client> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(client(url).await);
+    }
+    out
+}
+
+/// Three permits held in turn by A, B and C, and D waiting: B, neither the first nor
+/// the last holder, gives its permit back, and D gets it while A and C still hold. With
+/// Curator's layout the internal mutex's holder waits on every lease; in the ranked one
+/// D waits on each of the three entries ahead of it (a wait on the nearest alone would
+/// leave D waiting for C).
+pub async fn a_waiter_gets_the_permit_any_holder_gives_back(_kind: Kind, url: &str) {
+    let name = unique("sem-any");
+    let cs = clients(url, 4).await;
+    let mut held = Vec::new();
+    for c in &cs[..3] {
+        let sem = c.semaphore(&name, 3).expect("name");
+        held.push(
+            sem.acquire_timeout(GENEROUS)
+                .await
+                .expect("one of three permits"),
+        );
+    }
+    let sem = cs[3].semaphore(&name, 3).expect("name");
+    let waiter = tokio::spawn(async move { sem.acquire_timeout(GENEROUS).await });
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await >= 4 }).await,
+        "the fourth contender queued"
+    );
+    assert!(
+        !waiter.is_finished(),
+        "no permit for a fourth while three hold"
+    );
+    let mut b = held.remove(1);
+    b.release().await.expect("B gives its permit back");
+    let mut d = tokio::time::timeout(PROMPTLY, waiter)
+        .await
+        .expect("D gets B's permit while A and C still hold")
+        .expect("task")
+        .expect("permit");
+    for g in &held {
+        g.verify().await.expect("A and C still hold theirs");
+    }
+    d.release().await.expect("release");
+    for g in &mut held {
+        g.release().await.expect("release");
+    }
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
+        "nothing left"
+    );
+    for c in cs {
+        c.close().await.expect("close");
+    }
+}
+
+/// etcd's semaphore is one ranked queue: every contender's entry is in `permits` (none
+/// in Curator's `leases` or `locks`), the first two of a two-permit semaphore hold and
+/// the third waits, as `participants` and the listing say; when the first holder
+/// leaves, the waiter holds, with no write of its own.
+pub async fn etcd_semaphore_is_one_ranked_queue(_kind: Kind, url: &str) {
+    let name = unique("sem-ranked");
+    let cs = clients(url, 3).await;
+    let mut a = cs[0]
+        .semaphore(&name, 2)
+        .expect("name")
+        .acquire_timeout(GENEROUS)
+        .await
+        .expect("A: a permit");
+    let mut b = cs[1]
+        .semaphore(&name, 2)
+        .expect("name")
+        .acquire_timeout(GENEROUS)
+        .await
+        .expect("B: a permit");
+    let sem = cs[2].semaphore(&name, 2).expect("name");
+    let waiter = tokio::spawn(async move { sem.acquire_timeout(GENEROUS).await });
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 3 }).await,
+        "C queued"
+    );
+    let ps = cs[0].participants(&name).await.expect("participants");
+    let by_queue: Vec<(&str, bool)> = ps.iter().map(|p| (p.queue, p.holds)).collect();
+    assert_eq!(
+        by_queue,
+        [("permits", true), ("permits", true), ("permits", false)],
+        "one queue, the first two hold"
+    );
+    assert!(
+        ps.iter()
+            .all(|p| String::from_utf8_lossy(&p.entry.data).ends_with(" permits=2")),
+        "each entry carries its count"
+    );
+    let listed: Vec<(String, LockKind, usize, usize)> = cs[0]
+        .locks(&name)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|l| (l.name.as_str().to_owned(), l.kind, l.holders, l.waiters))
+        .collect();
+    assert_eq!(listed, [(name.clone(), LockKind::Semaphore, 2, 1)]);
+
+    a.release().await.expect("A leaves");
+    let mut c = tokio::time::timeout(PROMPTLY, waiter)
+        .await
+        .expect("C holds once A left")
+        .expect("task")
+        .expect("permit");
+    let ps = cs[0].participants(&name).await.expect("participants");
+    let holds: Vec<bool> = ps.iter().map(|p| p.holds).collect();
+    assert_eq!(holds, [true, true], "B and C hold");
+    b.release().await.expect("release");
+    c.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
+        "nothing left"
+    );
+    for c in cs {
+        c.close().await.expect("close");
+    }
+}
