@@ -265,6 +265,7 @@ macro_rules! backend_contract {
             fifo_across_two_sessions_and_wait_gone_wakes_on_removal,
             wait_gone_returns_at_once_when_already_gone,
             tokens_strictly_increase_across_sessions,
+            a_new_entry_sorts_after_every_entry_in_its_queue,
             beside_read_sorts_beside_its_writer,
             beside_a_gone_writer_is_refused_and_leaves_nothing,
             abandon_removes_exactly_the_tickets_entry,

@@ -5,9 +5,12 @@
 //! contract lets a replica serving one session trail another session's write (a
 //! ZooKeeper follower, an etcd member), never its own.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{decide, Decision, Entry, EntryKind, Error, Position, QueuePath, Ticket};
+use dlock_core::{
+    decide, Decision, DynBackend, Entry, EntryKind, Error, Position, QueuePath, Ticket,
+};
 use futures::FutureExt;
 
 use super::{add, eventually, fresh_name, fresh_queue, session, within, Connect};
@@ -188,6 +191,53 @@ pub async fn tokens_strictly_increase_across_sessions(connect: Connect) {
         tokens.windows(2).all(|w| w[0] < w[1]),
         "tokens not increasing: {tokens:?}"
     );
+    within("close", a.close()).await.expect("close");
+    within("close", b.close()).await.expect("close");
+}
+
+/// An entry added at the tail sorts after every entry already in its queue, whoever
+/// added those and whatever left in between: what a ranked semaphore's rule rests on
+/// (`Hints::ranked_semaphore`: the entries ahead of a waiter only ever go). Checked on
+/// a semaphore's sub-queue, with leases from two sessions and removals from the head,
+/// the middle and the tail.
+pub async fn a_new_entry_sorts_after_every_entry_in_its_queue(connect: Connect) {
+    let a = session(&connect).await;
+    let b = session(&connect).await;
+    let q = QueuePath::sub(fresh_name(&*a, "sorts-last"), "permits");
+    let mut live: Vec<(Arc<dyn DynBackend>, Entry)> = Vec::new();
+    for i in 0..12usize {
+        let who = if i % 2 == 0 { &a } else { &b };
+        let done = add(&**who, &q, EntryKind::Lease, "enqueue").await;
+        let last = done.queue.last().map(|e| e.name.clone());
+        assert_eq!(
+            last.as_deref(),
+            Some(done.mine.name.as_str()),
+            "entry {i} sorts last"
+        );
+        assert!(
+            done.queue
+                .iter()
+                .all(|e| e.name == done.mine.name || e.seq < done.mine.seq),
+            "entry {i} has the highest sequence: {:?}",
+            done.queue.iter().map(|e| e.seq).collect::<Vec<_>>()
+        );
+        live.push((who.clone(), done.mine));
+        if i % 3 == 2 {
+            // Remove the head, then the middle, then the tail, in turn.
+            let at = match (i / 3) % 3 {
+                0 => 0,
+                1 => live.len() / 2,
+                _ => live.len() - 1,
+            };
+            let (owner, e) = live.remove(at);
+            within("remove", owner.remove(&q, &e))
+                .await
+                .expect("remove");
+        }
+    }
+    for (owner, e) in &live {
+        within("remove", owner.remove(&q, e)).await.expect("remove");
+    }
     within("close", a.close()).await.expect("close");
     within("close", b.close()).await.expect("close");
 }
