@@ -106,6 +106,14 @@ impl Worker for ZkRaw {
     }
 }
 
+/// A client of the etcd at `addr` (`host:port`), as every etcd ceiling connects.
+async fn etcd_connect(addr: &str) -> Result<etcd_client::Client, String> {
+    let opts = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
+    etcd_client::Client::connect([format!("http://{addr}")], Some(opts))
+        .await
+        .map_err(|e| format!("etcd connect {addr}: {e}"))
+}
+
 /// etcd: one client, one key.
 pub struct EtcdRaw {
     c: etcd_client::Client,
@@ -118,10 +126,7 @@ impl EtcdRaw {
     /// # Errors
     /// The connect error, as text.
     pub async fn connect(addr: &str, key: &str) -> Result<EtcdRaw, String> {
-        let opts = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
-        let c = etcd_client::Client::connect([format!("http://{addr}")], Some(opts))
-            .await
-            .map_err(|e| format!("etcd connect {addr}: {e}"))?;
+        let c = etcd_connect(addr).await?;
         Ok(EtcdRaw {
             c,
             key: key.to_owned(),
@@ -176,10 +181,7 @@ impl EtcdRanked {
         shared: Arc<crate::harness::Shared>,
     ) -> Result<EtcdRanked, String> {
         use etcd_client::{WatchFilterType, WatchOptions};
-        let opts = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(5));
-        let mut c = etcd_client::Client::connect([format!("http://{addr}")], Some(opts))
-            .await
-            .map_err(|e| format!("etcd connect {addr}: {e}"))?;
+        let mut c = etcd_connect(addr).await?;
         let lease = c
             .lease_grant(60, None)
             .await

@@ -294,13 +294,7 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
                 );
             }
             let leases = args.leases;
-            let check = |_: &Outcome| {
-                vec![
-                    ("leases", leases.to_string()),
-                    ("violations", shared.violations().to_string()),
-                    ("max_holders", shared.max_holders().to_string()),
-                ]
-            };
+            let check = |_: &Outcome| semaphore_checks(leases, &shared);
             run_one(
                 &mut sink,
                 "ceiling-etcd",
@@ -465,6 +459,16 @@ fn candidate(url: &str, name: &str, session: Duration, id: u32) -> ExitCode {
 }
 
 /// Runs a backend's ceiling: one raw client, no recipe, no checks.
+/// A semaphore workload's check fields: its permits, the violations and the most
+/// holders seen at once.
+fn semaphore_checks(leases: u32, shared: &Shared) -> Vec<(&'static str, String)> {
+    vec![
+        ("leases", leases.to_string()),
+        ("violations", shared.violations().to_string()),
+        ("max_holders", shared.max_holders().to_string()),
+    ]
+}
+
 async fn run_ceiling<W: Worker>(
     sink: &mut Sink,
     peer: &str,
@@ -623,13 +627,7 @@ async fn run_target(sink: &mut Sink, args: &Args, prefix: &str, t: &Target, dura
             }),
         )
         .await;
-        let check = |_: &Outcome| {
-            vec![
-                ("leases", leases.to_string()),
-                ("violations", shared.violations().to_string()),
-                ("max_holders", shared.max_holders().to_string()),
-            ]
-        };
+        let check = |_: &Outcome| semaphore_checks(leases, &shared);
         run_one(
             sink,
             peer,

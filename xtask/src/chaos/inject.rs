@@ -56,6 +56,23 @@ pub(super) struct Hit {
     pub(super) exercised_fence: bool,
 }
 
+impl Hit {
+    /// A fault at `t` on `victim` after which no lost signal is expected (the holder
+    /// died, or only a request of it was delayed) and no late write either.
+    fn unsignalled(t: u64, victim: u32) -> Hit {
+        Hit {
+            fault: Fault {
+                at_us: t,
+                victim: Some(victim),
+                signal_from_us: None,
+                paused: false,
+                measure_margin: false,
+            },
+            exercised_fence: false,
+        }
+    }
+}
+
 /// How the victims reach the servers, where a holder fault goes through them.
 pub(super) struct Links<'a> {
     /// `client-cut`: each victim's cuttable proxies.
@@ -91,16 +108,7 @@ pub(super) fn inject_holder(
             wait_for("another holder after the kill", WAIT, || {
                 Ok(other_began(&h()?, victim, t))
             })?;
-            Ok(Hit {
-                fault: Fault {
-                    at_us: t,
-                    victim: Some(victim),
-                    signal_from_us: None,
-                    paused: false,
-                    measure_margin: false,
-                },
-                exercised_fence: false,
-            })
+            Ok(Hit::unsignalled(t, victim))
         }
         Scenario::HolderPause => {
             let t = now_us();
@@ -226,16 +234,7 @@ pub(super) fn inject_holder(
                     (false, _) => "",
                 }
             );
-            Ok(Hit {
-                fault: Fault {
-                    at_us: t,
-                    victim: Some(victim),
-                    signal_from_us: None,
-                    paused: false,
-                    measure_margin: false,
-                },
-                exercised_fence: false,
-            })
+            Ok(Hit::unsignalled(t, victim))
         }
         other => bail!("{} is not a holder fault", other.label()),
     }
