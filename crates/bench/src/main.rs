@@ -18,7 +18,8 @@
 //! name with an in-memory holder flag and unlocked counter; W3 N workers, one name each;
 //! W4 N workers on a semaphore of `--leases` permits; W5 N workers on a read/write lock,
 //! 90 % reads (`peak_readers` = most readers inside at once). `--scale` adds S1 (server
-//! operations per release with 10..1000 waiters queued), S2 (memory per held lock,
+//! operations per release with 10..1000 waiters queued on a mutex, `S1-waiters`, and on a
+//! semaphore of `--leases` permits, `S1-permits`), S2 (memory per held lock,
 //! measured in a process of its own) and, on Redis, S3 (the server's `INFO commandstats`
 //! cost of an uncontended acquire + release, dlock's beside rslock's protocol). `--failovers N` adds W6, leader failover: three
 //! candidate processes in one election, the leader SIGKILLed N times, the time to the next
@@ -762,6 +763,20 @@ async fn run_s1(sink: &mut Sink, args: &Args, t: &Target, base: &str) {
                 releases as f64 / secs.max(1e-9),
             )),
             Err(e) => sink.fail(t.peer, "S1-waiters", &format!("{n} waiters: {e}")),
+        }
+    }
+    let permits = args.leases;
+    for &n in &args.waiters {
+        let name = format!("{base}/s1p-{n}");
+        match scale::permit_waiters(&holder, &waiter, &name, permits, n, counter).await {
+            Ok((ops, releases, secs)) => sink.emit(format!(
+                "peer={} workload=S1-permits permits={permits} waiters={n} releases={releases} \
+                 server_ops={ops} server_ops_per_release={:.2} secs={secs:.2} handoffs_s={:.1}",
+                t.peer,
+                ops as f64 / releases as f64,
+                releases as f64 / secs.max(1e-9),
+            )),
+            Err(e) => sink.fail(t.peer, "S1-permits", &format!("{n} waiters: {e}")),
         }
     }
     let _ = holder.close().await;

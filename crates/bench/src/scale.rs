@@ -1,5 +1,5 @@
 //! Scale checks (with `--scale`): server operations per release as the queue on one
-//! lock grows (S1), and client memory per held lock (S2).
+//! lock or semaphore grows (S1), and client memory per held lock (S2).
 
 use std::time::{Duration, Instant};
 
@@ -100,6 +100,76 @@ pub async fn waiters(
                 .map_err(|e| format!("waiter release: {e}"))
         });
     }
+    let release = async move {
+        held.release()
+            .await
+            .map_err(|e| format!("holder release: {e}"))
+    };
+    handoffs(holder, name, 1, tasks, counter, release).await
+}
+
+/// S1 for the semaphore (`S1-permits`): one client holds all `permits` permits, `waiters`
+/// tasks of another client queue for one each; then the holder gives its permits back
+/// at once and every waiter, granted, gives its own back. Herd-free means the server
+/// requests per release stay constant as `waiters` grows. Returns (server operations,
+/// releases, seconds) of the handoff phase.
+///
+/// # Errors
+/// Backend errors, or a queue that does not fill within two minutes.
+pub async fn permit_waiters(
+    holder: &Client,
+    waiter_client: &Client,
+    name: &str,
+    permits: u32,
+    waiters: usize,
+    counter: &OpCounter,
+) -> Result<(u64, u64, f64), String> {
+    let s = holder.semaphore(name, permits).map_err(|e| e.to_string())?;
+    let mut held = Vec::new();
+    for _ in 0..permits {
+        held.push(
+            s.acquire()
+                .await
+                .map_err(|e| format!("holder acquire: {e}"))?,
+        );
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..waiters {
+        let ws = waiter_client
+            .semaphore(name, permits)
+            .map_err(|e| e.to_string())?;
+        tasks.spawn(async move {
+            let mut g = ws
+                .acquire()
+                .await
+                .map_err(|e| format!("waiter acquire: {e}"))?;
+            g.release()
+                .await
+                .map_err(|e| format!("waiter release: {e}"))
+        });
+    }
+    let release = async move {
+        futures::future::try_join_all(held.iter_mut().map(|g| g.release()))
+            .await
+            .map(drop)
+            .map_err(|e| format!("holder release: {e}"))
+    };
+    handoffs(holder, name, permits as usize, tasks, counter, release).await
+}
+
+/// The handoff phase of S1: waits until `holders` + every task's contender are listed
+/// and their watches are armed, then runs `release` and waits for every task. Returns
+/// (server operations, releases, seconds) from the release on.
+async fn handoffs(
+    holder: &Client,
+    name: &str,
+    holders: usize,
+    mut tasks: tokio::task::JoinSet<Result<(), String>>,
+    counter: &OpCounter,
+    release: impl std::future::Future<Output = Result<(), String>>,
+) -> Result<(u64, u64, f64), String> {
+    let waiters = tasks.len();
+    let contenders = holders + waiters;
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let n = holder
@@ -107,13 +177,12 @@ pub async fn waiters(
             .await
             .map_err(|e| format!("participants: {e}"))?
             .len();
-        if n > waiters {
+        if n >= contenders {
             break;
         }
         if Instant::now() > deadline {
             return Err(format!(
-                "only {n} of {} contenders queued after 120 s",
-                waiters + 1
+                "only {n} of {contenders} contenders queued after 120 s"
             ));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -121,15 +190,13 @@ pub async fn waiters(
     settle(counter, waiters).await?;
     let before = counter.read().await?;
     let t = Instant::now();
-    held.release()
-        .await
-        .map_err(|e| format!("holder release: {e}"))?;
+    release.await?;
     while let Some(r) = tasks.join_next().await {
         r.map_err(|e| format!("waiter task: {e}"))??;
     }
     let secs = t.elapsed().as_secs_f64();
     let after = counter.read().await?;
-    Ok((after.saturating_sub(before), waiters as u64 + 1, secs))
+    Ok((after.saturating_sub(before), contenders as u64, secs))
 }
 
 /// Waits until every queued waiter has armed its watch: a waiter is listed once its

@@ -127,8 +127,10 @@ impl SessionOptions {
 }
 
 /// What a backend tells the recipes about its costs ([`Backend::hints`]). Every choice
-/// is safe either way; only the number of round trips on a handoff and of server requests
-/// per acquire change.
+/// is safe either way. [`Hints::watch_ahead`] and [`Hints::atomic_enqueue_removing`]
+/// change only the number of round trips on a handoff and of server requests per
+/// acquire; [`Hints::ranked_semaphore`] also decides where the semaphore's entries are
+/// written, so it is fixed by the backend's code.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Hints {
@@ -143,8 +145,8 @@ pub struct Hints {
     /// with it, instead of adding its lease before it looks.
     pub atomic_enqueue_removing: bool,
     /// The semaphore keeps one queue of permits and no internal mutex: the first N
-    /// entries hold, the rest wait for one of the N entries just ahead of them to go
-    /// ([`crate::driver::permit_decision`]). Two synced writes per permit, where
+    /// entries hold, the rest wait for one of the entries just ahead of them to go (at
+    /// least the N nearest; [`crate::driver::permit_decision`]). Two synced writes per permit, where
     /// Curator's layout (the default) takes a mutex first; but Curator's own clients
     /// cannot share such a semaphore. Unlike the other hints this one decides the
     /// semaphore's layout (which queue its entries go to), so it must never differ

@@ -22,8 +22,10 @@
 //! internal mutex and no Curator layout: every contender's entry goes to one queue,
 //! `s/permits`, and the first N entries hold ([`dlock_core::driver::permit_decision`]).
 //! A waiter waits for one of the entries just ahead of it to go (the N nearest, and up
-//! to eight), so a release wakes at most eight waiters (N if more), and a permit costs
-//! two synced writes (the entry's creation and
+//! to eight), so a release wakes at most eight waiters (N if more); it arms watches
+//! only from a fresh listing, and lists again once fewer than N of its watches are left
+//! ([`dlock_core::driver::permit_next`]), so a handoff costs the same whatever the queue's
+//! length. A permit costs two synced writes (the entry's creation and
 //! its removal) instead of Curator's three with a grant serialized behind a mutex
 //! (docs/benchmarks.md, round eight). Each entry's payload ends with ` permits=N`, the
 //! count its contender was given, so a listing can tell holders from waiters.
@@ -32,7 +34,7 @@ use std::time::Duration;
 
 use std::collections::HashSet;
 
-use dlock_core::driver::{lease_granted, permit_decision, PermitDecision};
+use dlock_core::driver::{lease_granted, permit_next, PermitNext};
 use dlock_core::{
     Capability, DynBackend, Entry, EntryKind, Error, Gone, LockName, Position, QueuePath, Result,
 };
@@ -509,24 +511,40 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             // only ever gains entries further ahead as the nearer ones go.
             let mut watches = FuturesUnordered::new();
             let mut watching: HashSet<String> = HashSet::new();
+            // Whether `view` is a listing not yet acted on: only such a listing is
+            // trusted to arm watches from (`permit_next`).
+            let mut fresh = true;
             loop {
-                match permit_decision(&view, &mine.name, max, WATCH_AHEAD) {
-                    PermitDecision::Granted => return Ok(mine),
-                    PermitDecision::Missing => {
+                let next = permit_next(
+                    &view,
+                    &mine.name,
+                    max,
+                    WATCH_AHEAD,
+                    |n| watching.contains(n),
+                    fresh,
+                );
+                fresh = false;
+                match next {
+                    PermitNext::Granted => return Ok(mine),
+                    PermitNext::Missing => {
                         return Err(Error::LockLost(format!(
                             "entry {} vanished from {q} while waiting",
                             mine.name
                         )))
                     }
-                    PermitDecision::Wait(ahead) => {
+                    PermitNext::Relist => {
+                        view = backend.queue_ahead(&q, &mine).await?;
+                        fresh = true;
+                        continue;
+                    }
+                    PermitNext::Wait(arm) => {
                         if let Some(refused) = w.refusal() {
                             return Err(refused);
                         }
-                        for e in ahead {
-                            if watching.insert(e.name.clone()) {
-                                let gone = queue::watch_gone(backend.clone(), q.clone(), e.clone());
-                                watches.push(async move { (e.name, gone.await) });
-                            }
+                        for e in arm {
+                            watching.insert(e.name.clone());
+                            let gone = queue::watch_gone(backend.clone(), q.clone(), e.clone());
+                            watches.push(async move { (e.name, gone.await) });
                         }
                     }
                 }

@@ -127,6 +127,7 @@ all_backends! {
     mem downgrade_beside_a_deleted_write_is_lost => crate::recipes::downgrade_beside_a_deleted_write_is_lost,
     mem semaphore_peak_equals_permits => crate::recipes::semaphore_peak_equals_permits,
     mem a_waiter_gets_the_permit_any_holder_gives_back => crate::semaphore::a_waiter_gets_the_permit_any_holder_gives_back,
+    mem a_long_semaphore_queue_hands_every_permit_on => crate::semaphore::a_long_semaphore_queue_hands_every_permit_on,
     mem failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
     mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,

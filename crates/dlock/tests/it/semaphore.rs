@@ -74,6 +74,70 @@ pub async fn a_waiter_gets_the_permit_any_holder_gives_back(_kind: Kind, url: &s
     }
 }
 
+/// A queue longer than a waiter watches: two permits held, twenty waiters of one client
+/// queued behind them (on etcd each waiter sees at most eight entries ahead of it by
+/// watch, and the rest only by listing again). Every waiter gets a permit, never more
+/// than two hold at once, and nothing is left.
+pub async fn a_long_semaphore_queue_hands_every_permit_on(_kind: Kind, url: &str) {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    const WAITERS: usize = 20;
+    let name = unique("sem-long");
+    let cs = clients(url, 2).await;
+    let sem = cs[0].semaphore(&name, 2).expect("name");
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(
+            sem.acquire_timeout(GENEROUS)
+                .await
+                .expect("one of two permits"),
+        );
+    }
+    let inside = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..WAITERS {
+        let sem = cs[1].semaphore(&name, 2).expect("name");
+        let (inside, peak) = (inside.clone(), peak.clone());
+        tasks.spawn(async move {
+            let mut g = sem.acquire_timeout(GENEROUS).await?;
+            peak.fetch_max(inside.fetch_add(1, SeqCst) + 1, SeqCst);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            inside.fetch_sub(1, SeqCst);
+            g.release().await
+        });
+    }
+    assert!(
+        eventually(GENEROUS, || async {
+            leftovers(&cs[0], &name).await >= 2 + WAITERS
+        })
+        .await,
+        "every waiter queued"
+    );
+    assert!(
+        tasks.len() == WAITERS && inside.load(SeqCst) == 0,
+        "nobody inside while two hold"
+    );
+    for g in &mut held {
+        g.release().await.expect("release");
+    }
+    let mut served = 0;
+    while let Some(r) = tasks.join_next().await {
+        r.expect("task").expect("a waiter's permit");
+        served += 1;
+    }
+    assert_eq!(served, WAITERS);
+    let peak = peak.load(SeqCst);
+    assert!((1..=2).contains(&peak), "{peak} held at once of 2 permits");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
+        "nothing left"
+    );
+    for c in cs {
+        c.close().await.expect("close");
+    }
+}
+
 /// etcd's semaphore is one ranked queue: every contender's entry is in `permits` (none
 /// in Curator's `leases` or `locks`), the first two of a two-permit semaphore hold and
 /// the third waits, as `participants` and the listing say; when the first holder
