@@ -59,7 +59,8 @@ pub const PERMITS: &str = "permits";
 /// How many entries ahead a ranked semaphore's waiter watches at least (every one, up
 /// to this many). Armed together right after the enqueue, they need no read of their
 /// own (the enqueue's listing serves them: etcd's kept queue watch), and none is armed
-/// again while the entries ahead go; with only the `permits` nearest, each release
+/// again while the entries ahead go (more are armed only from a new listing:
+/// [`dlock_core::driver::permit_next`]); with only the `permits` nearest, each release
 /// made every waiter behind it arm the next one, a read each. Measured on one etcd (W4,
 /// 8 workers, 3 permits): see docs/benchmarks.md, round eight. A change wakes at most
 /// this many waiters (or the permit count, if larger): constant in the queue's length.
