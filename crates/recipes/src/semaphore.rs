@@ -560,7 +560,10 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                         match r? {
                             // Found missing, not seen removed: it may have gone with
                             // mine, which only a fresh listing can tell.
-                            Gone::Vanished => view = backend.queue_ahead(&q, &mine).await?,
+                            Gone::Vanished => {
+                                view = backend.queue_ahead(&q, &mine).await?;
+                                fresh = true;
+                            }
                             _ => view.retain(|e| e.name != name),
                         }
                     }
