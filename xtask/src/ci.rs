@@ -1,7 +1,7 @@
 //! `cargo xtask ci`: the whole gate, fail fast: fmt, clippy, rustdoc (warnings denied),
 //! the publish checks (rust-version against the dependencies', `cargo deny check licenses
 //! bans`, `cargo package`; see [`crate::publish`]), the seeded simulation (10,000 seeds over the in-memory backend), then integration (tests, doc tests, the examples, a dlock-bench smoke pass whose
-//! figures are never asserted), the demo, then the short chaos run. `.ci/run` calls
+//! speeds are never asserted, and a herd check on server request counts), the demo, then the short chaos run. `.ci/run` calls
 //! exactly this.
 
 use std::path::Path;

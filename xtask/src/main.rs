@@ -3,7 +3,7 @@
 //!
 //! - `cluster up|down|status`: real ZooKeeper / etcd / Redis servers on 127.0.0.1.
 //! - `integration`: start servers, export `DLOCK_TEST_*`, run every test, tear down.
-//! - `ci`: fmt check, clippy, rustdoc, the publish checks, integration (with the examples), a dlock-bench smoke pass. What `.ci/run` calls.
+//! - `ci`: fmt check, clippy, rustdoc, the publish checks, integration (with the examples), a dlock-bench smoke pass and herd check. What `.ci/run` calls.
 //! - `publish-check`: the publish checks of `ci` alone: rust-version, `cargo deny`, `cargo package`.
 //! - `examples`: every example of `examples/` once against real servers.
 //! - `demo`: the stock-deduction scenario, with and without the lock.

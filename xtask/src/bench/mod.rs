@@ -26,7 +26,7 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::flags::BenchArgs;
-use parse::{check_smoke, parse_line, summarise, Row};
+use parse::{check_herd, check_smoke, parse_line, summarise, Row};
 use render::markdown;
 use runner::{build_bench, run_own, run_peers};
 
@@ -70,12 +70,48 @@ pub(crate) fn run(root: &Path, args: &BenchArgs) -> anyhow::Result<i32> {
 }
 
 /// `cargo xtask ci`'s smoke pass: dlock-bench for a fraction of a second against the
-/// integration servers; the lines must parse with no violation. Never a timed assertion.
+/// integration servers; the lines must parse with no violation. Then the herd check:
+/// `S1` with 20 and 200 waiters queued on a mutex and on a semaphore, whose server
+/// requests per release must not grow with the queue ([`check_herd`]). Counts of
+/// server requests, never a timed assertion.
 pub(crate) fn smoke(root: &Path, endpoints: &dlock_testkit::Endpoints) -> anyhow::Result<bool> {
     let bin = build_bench(root, false)?;
+    // The first node of each cluster is enough; Redlock gets every master.
+    let first = |v: &Option<String>| {
+        v.as_ref()
+            .map(|s| s.split(',').next().unwrap_or(s).to_owned())
+    };
+    let servers: Vec<(&str, String)> = [
+        ("--zk", first(&endpoints.zk)),
+        ("--etcd", first(&endpoints.etcd)),
+        ("--redis", first(&endpoints.redis)),
+        ("--redlock", endpoints.redlock.clone()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, v)| v.map(|v| (flag, v)))
+    .collect();
+    let run = |args: &[&str]| -> anyhow::Result<(bool, Vec<String>)> {
+        let mut cmd = Command::new(&bin);
+        cmd.args(args);
+        for (flag, v) in &servers {
+            cmd.args([flag, v.as_str()]);
+        }
+        let out = cmd
+            .stderr(Stdio::inherit())
+            .output()
+            .context("running dlock-bench")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        for l in &lines {
+            eprintln!("  {l}");
+        }
+        if !out.status.success() {
+            eprintln!("dlock-bench: exit status {}", out.status);
+        }
+        Ok((out.status.success(), lines))
+    };
     crate::header("dlock-bench smoke pass (--duration 0.2)");
-    let mut cmd = Command::new(&bin);
-    cmd.args([
+    let (ok, lines) = run(&[
         "--duration",
         "0.2",
         "--workers",
@@ -84,42 +120,34 @@ pub(crate) fn smoke(root: &Path, endpoints: &dlock_testkit::Endpoints) -> anyhow
         "2",
         "--prefix",
         "xtask-smoke",
-    ]);
-    // The first node of each cluster is enough; Redlock gets every master.
-    let first = |v: &Option<String>| {
-        v.as_ref()
-            .map(|s| s.split(',').next().unwrap_or(s).to_owned())
-    };
-    for (flag, v) in [
-        ("--zk", first(&endpoints.zk)),
-        ("--etcd", first(&endpoints.etcd)),
-        ("--redis", first(&endpoints.redis)),
-        ("--redlock", endpoints.redlock.clone()),
-    ] {
-        if let Some(v) = v {
-            cmd.args([flag, &v]);
-        }
-    }
-    let out = cmd
-        .stderr(Stdio::inherit())
-        .output()
-        .context("running dlock-bench")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let lines: Vec<String> = text.lines().map(str::to_owned).collect();
-    for l in &lines {
-        eprintln!("  {l}");
-    }
+    ])?;
     match check_smoke(&lines) {
-        Ok(n) if out.status.success() => {
-            eprintln!("dlock-bench smoke: {n} dlock workloads ran, 0 violations");
-            Ok(true)
-        }
-        Ok(_) => {
-            eprintln!("dlock-bench smoke: exit status {}", out.status);
-            Ok(false)
-        }
+        Ok(n) if ok => eprintln!("dlock-bench smoke: {n} dlock workloads ran, 0 violations"),
+        Ok(_) => return Ok(false),
         Err(e) => {
             eprintln!("dlock-bench smoke failed: {e:#}");
+            return Ok(false);
+        }
+    }
+    crate::header("dlock-bench herd check (S1, 20 and 200 waiters)");
+    let (ok, lines) = run(&[
+        "--only",
+        "S1",
+        "--waiters",
+        "20,200",
+        "--leases",
+        "2",
+        "--prefix",
+        "xtask-herd",
+    ])?;
+    match check_herd(&lines) {
+        Ok(n) if ok => {
+            eprintln!("dlock-bench herd check: {n} queues, requests per release flat");
+            Ok(true)
+        }
+        Ok(_) => Ok(false),
+        Err(e) => {
+            eprintln!("dlock-bench herd check failed: {e:#}");
             Ok(false)
         }
     }

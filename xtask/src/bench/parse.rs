@@ -123,6 +123,60 @@ pub(crate) fn check_smoke(lines: &[String]) -> anyhow::Result<usize> {
     Ok(ran)
 }
 
+/// How much a release may cost the longest queue of a herd check, per release, over the
+/// shortest: a handoff's requests do not depend on how many wait behind it, but the
+/// shortest queue's average is diluted by its first handoffs (a holder's release that
+/// wakes nobody new, the last waiter's release with nobody behind), so a little growth
+/// is allowed. A herd (every waiter woken per release) or a waiter's work growing with
+/// what is ahead of it multiplies the figure by the queue's growth, ten here.
+const HERD_GROWTH: f64 = 1.5;
+
+/// Checks the lines of an `S1` run with two queue lengths: nothing failed, and for every
+/// (peer, workload) that ran, the server requests per release at the longest queue are
+/// at most [`HERD_GROWTH`] times those at the shortest, plus one. Returns how many
+/// (peer, workload) pairs were checked.
+pub(crate) fn check_herd(lines: &[String]) -> anyhow::Result<usize> {
+    let mut by: BTreeMap<(String, String), Vec<(f64, f64)>> = BTreeMap::new();
+    for l in lines.iter().filter(|l| l.starts_with("peer=")) {
+        let row = parse_line(l).with_context(|| format!("unparsable result line: {l}"))?;
+        match row.get("status").map(String::as_str) {
+            Some("skipped") => continue,
+            Some(other) => bail!("{other}: {l}"),
+            None => {}
+        }
+        let (Some(p), Some(w)) = (row.get("peer"), row.get("workload")) else {
+            continue;
+        };
+        let (Some(n), Some(per)) = (num(&row, "waiters"), num(&row, "server_ops_per_release"))
+        else {
+            bail!("no waiters/server_ops_per_release in: {l}");
+        };
+        by.entry((p.clone(), w.clone())).or_default().push((n, per));
+    }
+    let mut checked = 0;
+    for ((peer, workload), mut points) in by {
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (Some(&(short_n, short)), Some(&(long_n, long))) = (points.first(), points.last())
+        else {
+            continue;
+        };
+        if long_n <= short_n {
+            continue;
+        }
+        if long > short * HERD_GROWTH + 1.0 {
+            bail!(
+                "{peer} {workload}: {long:.2} server requests per release with {long_n} waiters \
+                 against {short:.2} with {short_n}: the cost of a handoff grows with the queue"
+            );
+        }
+        checked += 1;
+    }
+    if checked == 0 {
+        bail!("no queue was measured at two lengths");
+    }
+    Ok(checked)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,5 +193,33 @@ mod tests {
         let failed = vec!["peer=dlock-zk workload=W2 status=failed reason=x".to_string()];
         assert!(check_smoke(&failed).is_err());
         assert!(check_smoke(&[]).is_err());
+    }
+
+    #[test]
+    fn herd_check_rejects_a_cost_growing_with_the_queue() {
+        let line = |w: &str, n: u32, per: f64| {
+            format!(
+                "peer=dlock-etcd workload={w} waiters={n} releases={} server_ops=0 \
+                 server_ops_per_release={per} secs=1 handoffs_s=1",
+                n + 1
+            )
+        };
+        // Flat as measured, and the ranked semaphore's herd before `permit_next`.
+        let flat = vec![
+            line("S1-waiters", 20, 1.9),
+            line("S1-waiters", 200, 2.0),
+            line("S1-permits", 20, 1.5),
+            line("S1-permits", 200, 1.95),
+            "peer=dlock-redlock workload=all status=skipped reason=x".to_string(),
+        ];
+        assert_eq!(check_herd(&flat).expect("flat"), 2);
+        let herd = vec![line("S1-permits", 10, 1.85), line("S1-permits", 100, 82.0)];
+        assert!(check_herd(&herd).is_err());
+        let failed = vec!["peer=dlock-zk workload=S1-waiters status=failed reason=x".to_string()];
+        assert!(check_herd(&failed).is_err());
+        assert!(
+            check_herd(&[line("S1-waiters", 20, 2.0)]).is_err(),
+            "one length only"
+        );
     }
 }
