@@ -93,17 +93,26 @@ pub(crate) fn summarise(rows: &[Row]) -> BTreeMap<(String, String), Summary> {
         .collect()
 }
 
-/// Checks the lines of a smoke run: every line parses, nothing failed, no violation,
-/// every counter intact, and at least one dlock workload ran. Returns how many ran.
-pub(crate) fn check_smoke(lines: &[String]) -> anyhow::Result<usize> {
-    let mut ran = 0;
+/// The result lines among `lines` with their rows, skipped workloads left out; an error
+/// for a line that does not parse or a workload that failed.
+fn measured(lines: &[String]) -> anyhow::Result<Vec<(&String, Row)>> {
+    let mut out = Vec::new();
     for l in lines.iter().filter(|l| l.starts_with("peer=")) {
         let row = parse_line(l).with_context(|| format!("unparsable result line: {l}"))?;
         match row.get("status").map(String::as_str) {
             Some("skipped") => continue,
             Some(other) => bail!("{other}: {l}"),
-            None => {}
+            None => out.push((l, row)),
         }
+    }
+    Ok(out)
+}
+
+/// Checks the lines of a smoke run: every line parses, nothing failed, no violation,
+/// every counter intact, and at least one dlock workload ran. Returns how many ran.
+pub(crate) fn check_smoke(lines: &[String]) -> anyhow::Result<usize> {
+    let mut ran = 0;
+    for (l, row) in measured(lines)? {
         if num(&row, "ops_s").is_none() || num(&row, "n").is_none() {
             bail!("no ops_s/n in: {l}");
         }
@@ -137,13 +146,7 @@ const HERD_GROWTH: f64 = 1.5;
 /// (peer, workload) pairs were checked.
 pub(crate) fn check_herd(lines: &[String]) -> anyhow::Result<usize> {
     let mut by: BTreeMap<(String, String), Vec<(f64, f64)>> = BTreeMap::new();
-    for l in lines.iter().filter(|l| l.starts_with("peer=")) {
-        let row = parse_line(l).with_context(|| format!("unparsable result line: {l}"))?;
-        match row.get("status").map(String::as_str) {
-            Some("skipped") => continue,
-            Some(other) => bail!("{other}: {l}"),
-            None => {}
-        }
+    for (l, row) in measured(lines)? {
         let (Some(p), Some(w)) = (row.get("peer"), row.get("workload")) else {
             continue;
         };
