@@ -752,31 +752,32 @@ async fn run_s1(sink: &mut Sink, args: &Args, t: &Target, base: &str) {
             return;
         }
     };
-    for &n in &args.waiters {
-        let name = format!("{base}/s1-{n}");
-        match scale::waiters(&holder, &waiter, &name, n, counter).await {
-            Ok((ops, releases, secs)) => sink.emit(format!(
-                "peer={} workload=S1-waiters waiters={n} releases={releases} server_ops={ops} \
-                 server_ops_per_release={:.2} secs={secs:.2} handoffs_s={:.1}",
-                t.peer,
-                ops as f64 / releases as f64,
-                releases as f64 / secs.max(1e-9),
-            )),
-            Err(e) => sink.fail(t.peer, "S1-waiters", &format!("{n} waiters: {e}")),
-        }
-    }
+    // The mutex (`S1-waiters`), then a semaphore of `--leases` permits (`S1-permits`).
     let permits = args.leases;
-    for &n in &args.waiters {
-        let name = format!("{base}/s1p-{n}");
-        match scale::permit_waiters(&holder, &waiter, &name, permits, n, counter).await {
-            Ok((ops, releases, secs)) => sink.emit(format!(
-                "peer={} workload=S1-permits permits={permits} waiters={n} releases={releases} \
-                 server_ops={ops} server_ops_per_release={:.2} secs={secs:.2} handoffs_s={:.1}",
-                t.peer,
-                ops as f64 / releases as f64,
-                releases as f64 / secs.max(1e-9),
-            )),
-            Err(e) => sink.fail(t.peer, "S1-permits", &format!("{n} waiters: {e}")),
+    for (workload, sem) in [("S1-waiters", false), ("S1-permits", true)] {
+        for &n in &args.waiters {
+            let (r, shape) = if sem {
+                let name = format!("{base}/s1p-{n}");
+                let r = scale::permit_waiters(&holder, &waiter, &name, permits, n, counter).await;
+                (r, format!("permits={permits} "))
+            } else {
+                let name = format!("{base}/s1-{n}");
+                (
+                    scale::waiters(&holder, &waiter, &name, n, counter).await,
+                    String::new(),
+                )
+            };
+            match r {
+                Ok((ops, releases, secs)) => sink.emit(format!(
+                    "peer={} workload={workload} {shape}waiters={n} releases={releases} \
+                     server_ops={ops} server_ops_per_release={:.2} secs={secs:.2} \
+                     handoffs_s={:.1}",
+                    t.peer,
+                    ops as f64 / releases as f64,
+                    releases as f64 / secs.max(1e-9),
+                )),
+                Err(e) => sink.fail(t.peer, workload, &format!("{n} waiters: {e}")),
+            }
         }
     }
     let _ = holder.close().await;
