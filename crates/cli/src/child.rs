@@ -6,11 +6,17 @@
 //! new holder: exactly the two writers the lock exists to prevent. So the command leads a
 //! new process group, every signal goes to the whole group, and on a lost lock dlock sends
 //! SIGTERM, waits until every process of the group is gone or the grace period
-//! (`--kill-after`) has passed, and then sends SIGKILL to whatever is left.
+//! (`--kill-after`) has passed, and then sends SIGKILL to whatever is left. The same
+//! holds when the command exits by itself: whatever it left running in its group (`sh -c
+//! 'job &'`) is stopped before dlock releases the lock, so no process of the group runs
+//! after the release.
 
 use std::time::Duration;
 
 use dlock::Error;
+
+use crate::out::say;
+use crate::signals::Signals;
 
 /// How the child ended.
 pub(crate) enum Outcome {
@@ -27,13 +33,16 @@ pub(crate) struct Run<'a> {
     pub(crate) kill_after: Duration,
 }
 
-/// Runs the command until it exits; stops its group on `lost`; forwards SIGTERM and
-/// SIGINT to its group; and sends its group SIGTERM once when `stop` fires (a revocation
-/// request).
+/// Runs the command until it exits, then stops whatever it left running in its group;
+/// stops its group on `lost`; passes SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to dlock
+/// (`signals`) on to its group; and sends its group SIGTERM once when `stop` fires (a
+/// revocation request). Returns only when no process of the group runs any more, or
+/// SIGKILL was sent to what was left of it.
 pub(crate) async fn run(
     run: &Run<'_>,
     lost: impl std::future::Future<Output = Error>,
     stop: Option<tokio::sync::oneshot::Receiver<()>>,
+    signals: &mut Signals,
 ) -> Outcome {
     let Some((prog, args)) = run.cmd.split_first() else {
         return Outcome::SpawnFailed(crate::EX_USAGE, "no command given".into());
@@ -42,7 +51,7 @@ pub(crate) async fn run(
     // A lock lost between its grant and here is not run under: the command would start
     // only to be stopped, after it may already have done something.
     if let Some(e) = futures::FutureExt::now_or_never(lost.as_mut()) {
-        eprintln!("dlock: {e}; the command was not started");
+        say!("dlock: {e}; the command was not started");
         return Outcome::Lost(e);
     }
     let mut command = tokio::process::Command::new(prog);
@@ -63,9 +72,6 @@ pub(crate) async fn run(
         }
     };
     let group = child.id();
-    let mut sigterm =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
     let mut stop = stop;
     loop {
         tokio::select! {
@@ -81,35 +87,31 @@ pub(crate) async fn run(
                 }
             }
             status = child.wait() => {
-                return Outcome::Exited(match status {
+                let code = match status {
                     Ok(s) => status_code(s),
                     Err(_) => 1,
-                });
+                };
+                // The leader is reaped: an empty group means nothing it started runs.
+                if group_alive(group) {
+                    say!("dlock: the command exited but left processes running in its group; stopping them before the release");
+                    terminate(&mut child, group, run.kill_after).await;
+                }
+                return Outcome::Exited(code);
             }
             e = &mut lost => {
-                eprintln!("dlock: {e}; stopping the command");
+                say!("dlock: {e}; stopping the command");
                 terminate(&mut child, group, run.kill_after).await;
                 return Outcome::Lost(e);
             }
-            _ = recv(&mut sigterm) => signal_group(group, libc::SIGTERM),
-            _ = recv(&mut sigint) => signal_group(group, libc::SIGINT),
+            n = signals.recv() => signal_group(group, n),
         }
-    }
-}
-
-async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
-    match s {
-        Some(s) => {
-            s.recv().await;
-        }
-        None => std::future::pending::<()>().await,
     }
 }
 
 /// SIGTERM to the whole group; once the group is empty, or `grace` has passed, SIGKILL
-/// to whatever is left of it, and the command reaped. Returns only when no process of
-/// the group runs any more (or, past the grace, once SIGKILL was sent: a process in
-/// uninterruptible sleep dies when it wakes).
+/// to whatever is left of it, and the command reaped (if it was not yet). Returns only
+/// when no process of the group runs any more (or, past the grace, once SIGKILL was sent:
+/// a process in uninterruptible sleep dies when it wakes).
 async fn terminate(child: &mut tokio::process::Child, group: Option<u32>, grace: Duration) {
     signal_group(group, libc::SIGTERM);
     let deadline = tokio::time::Instant::now() + grace;
@@ -184,7 +186,7 @@ mod tests {
             kill_after: Duration::from_secs(1),
         };
         let lost = std::future::ready(Error::LockLost("the session expired".into()));
-        match run(&r, lost, None).await {
+        match run(&r, lost, None, &mut Signals::install()).await {
             Outcome::Lost(e) => assert!(e.is_lost(), "{e:?}"),
             Outcome::Exited(code) => panic!("the command ran and exited {code}"),
             Outcome::SpawnFailed(code, why) => {

@@ -6,7 +6,9 @@
 //! 75 timed out; 69 backend unreachable; 64 bad usage, name or URL; 70 lock lost while
 //! the command ran (the command's process group got SIGTERM, then SIGKILL after
 //! `--kill-after`, or the hold could not be confirmed on the server once the command had
-//! exited); 126/127 command not executable / not found.
+//! exited); 126/127 command not executable / not found; 128 + N when signal N (SIGHUP,
+//! SIGINT, SIGQUIT, SIGTERM) ended the wait for the lock (nothing ran, the entry is
+//! removed).
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -15,8 +17,12 @@ use clap::{Args, Parser, Subcommand};
 use dlock::{exit_code, Client, Error, LockGuard, MultiGuard, SessionOptions};
 
 use crate::child::{Outcome, Run};
+use crate::out::{say, show};
+use crate::signals::Signals;
 
 mod child;
+mod out;
+mod signals;
 
 /// Distributed locks from the shell, over ZooKeeper, etcd and Redis.
 #[derive(Debug, Parser)]
@@ -236,7 +242,7 @@ fn main() -> ExitCode {
                 .filter(|l| !l.is_empty())
                 .collect::<Vec<_>>()
                 .join(" ");
-            eprintln!("dlock: {}", line.trim_start_matches("error: "));
+            say!("dlock: {}", line.trim_start_matches("error: "));
             return ExitCode::from(EX_USAGE);
         }
     };
@@ -259,7 +265,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("dlock: cannot start the runtime: {e}");
+            say!("dlock: cannot start the runtime: {e}");
             return ExitCode::from(1);
         }
     };
@@ -273,7 +279,7 @@ async fn run(cli: Cli) -> u8 {
     match run_inner(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("dlock: {e}");
+            say!("dlock: {e}");
             u8::try_from(exit_code(&e)).unwrap_or(1)
         }
     }
@@ -306,40 +312,15 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
 
 async fn exec(client: &Client, a: ExecArgs, kill_after: Duration) -> Result<u8, Error> {
     let name = client.lock_name(&a.name)?;
+    // From here on a signal ends the wait cleanly or reaches the command's group; it no
+    // longer kills dlock alone (crate::signals).
+    let mut signals = Signals::install();
     if a.revocable {
-        return exec_revocable(client, a, name, kill_after).await;
+        return exec_revocable(client, a, name, kill_after, signals).await;
     }
-    let timeout = a.wait.limit();
-    let mut guard: LockGuard = if a.read {
-        let rw = client.rwlock(name.as_str())?;
-        match timeout {
-            Some(t) => rw.read_timeout(t).await?,
-            None => rw.read().await?,
-        }
-    } else if a.write {
-        let rw = client.rwlock(name.as_str())?;
-        match timeout {
-            Some(t) => rw.write_timeout(t).await?,
-            None => rw.write().await?,
-        }
-    } else if let Some(n) = a.permits {
-        let s = client.semaphore(name.as_str(), n)?;
-        match timeout {
-            Some(t) => s.acquire_timeout(t).await?,
-            None => s.acquire().await?,
-        }
-    } else if a.non_reentrant {
-        let m = client.semaphore_mutex(name.as_str())?;
-        match timeout {
-            Some(t) => m.lock_timeout(t).await?,
-            None => m.lock().await?,
-        }
-    } else {
-        let m = client.mutex(name.as_str())?;
-        match timeout {
-            Some(t) => m.lock_timeout(t).await?,
-            None => m.lock().await?,
-        }
+    let mut guard = match signals.or_signal(take(client, &a, &name)).await {
+        Ok(taken) => taken?,
+        Err(n) => return Ok(interrupted(n)),
     };
     let token = guard.token().to_string();
     let lost = guard.lost();
@@ -349,10 +330,57 @@ async fn exec(client: &Client, a: ExecArgs, kill_after: Duration) -> Result<u8, 
         env: &env,
         kill_after,
     };
-    let outcome = child::run(&run, lost, None).await;
+    let outcome = child::run(&run, lost, None, &mut signals).await;
     let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
     finish(outcome, verified, released)
+}
+
+/// Takes what `exec`'s flags name: the read or write side, a permit, the semaphore-mutex
+/// or the reentrant mutex, within `--timeout` if given.
+async fn take(client: &Client, a: &ExecArgs, name: &dlock::LockName) -> Result<LockGuard, Error> {
+    let timeout = a.wait.limit();
+    if a.read {
+        let rw = client.rwlock(name.as_str())?;
+        match timeout {
+            Some(t) => rw.read_timeout(t).await,
+            None => rw.read().await,
+        }
+    } else if a.write {
+        let rw = client.rwlock(name.as_str())?;
+        match timeout {
+            Some(t) => rw.write_timeout(t).await,
+            None => rw.write().await,
+        }
+    } else if let Some(n) = a.permits {
+        let s = client.semaphore(name.as_str(), n)?;
+        match timeout {
+            Some(t) => s.acquire_timeout(t).await,
+            None => s.acquire().await,
+        }
+    } else if a.non_reentrant {
+        let m = client.semaphore_mutex(name.as_str())?;
+        match timeout {
+            Some(t) => m.lock_timeout(t).await,
+            None => m.lock().await,
+        }
+    } else {
+        let m = client.mutex(name.as_str())?;
+        match timeout {
+            Some(t) => m.lock_timeout(t).await,
+            None => m.lock().await,
+        }
+    }
+}
+
+/// A wait for the lock that signal `n` ended: the acquire was dropped (its entry is
+/// removed, at the latest when `run_inner` closes the client) and nothing ran.
+fn interrupted(n: libc::c_int) -> u8 {
+    say!(
+        "dlock: {} while waiting for the lock; nothing was run",
+        signals::name(n)
+    );
+    signals::interrupted_code(n)
 }
 
 async fn exec_revocable(
@@ -360,11 +388,20 @@ async fn exec_revocable(
     a: ExecArgs,
     name: dlock::LockName,
     kill_after: Duration,
+    mut signals: Signals,
 ) -> Result<u8, Error> {
     let m = client.mutex(name.as_str())?;
-    let mut guard = match a.wait.limit() {
-        Some(t) => m.lock_revocable_timeout(t).await?,
-        None => m.lock_revocable().await?,
+    let taken = signals
+        .or_signal(async {
+            match a.wait.limit() {
+                Some(t) => m.lock_revocable_timeout(t).await,
+                None => m.lock_revocable().await,
+            }
+        })
+        .await;
+    let mut guard = match taken {
+        Ok(taken) => taken?,
+        Err(n) => return Ok(interrupted(n)),
     };
     let token = guard.token().to_string();
     let lost = guard.lost();
@@ -375,7 +412,7 @@ async fn exec_revocable(
         env: &env,
         kill_after,
     };
-    let outcome = run_child_revocable(&run, lost, revoked).await;
+    let outcome = run_child_revocable(&run, lost, revoked, &mut signals).await;
     let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
     finish(outcome, verified, released)
@@ -387,12 +424,13 @@ async fn run_child_revocable(
     run: &Run<'_>,
     lost: impl std::future::Future<Output = Error>,
     revoked: impl std::future::Future<Output = Result<(), Error>>,
+    signals: &mut Signals,
 ) -> Outcome {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let watch = async move {
         match revoked.await {
             Ok(()) => {
-                eprintln!("dlock: revocation requested; stopping the command");
+                say!("dlock: revocation requested; stopping the command");
                 let _ = tx.send(());
             }
             // The lock ended another way (lost, released): the lost signal covers it.
@@ -401,7 +439,7 @@ async fn run_child_revocable(
         std::future::pending::<std::convert::Infallible>().await
     };
     tokio::select! {
-        outcome = child::run(run, lost, Some(rx)) => outcome,
+        outcome = child::run(run, lost, Some(rx), signals) => outcome,
         never = watch => match never {},
     }
 }
@@ -412,9 +450,18 @@ async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8
         m = m.mutex(n)?;
     }
     let wait = a.wait.limit();
-    let mut guard: MultiGuard<dyn dlock::DynBackend> = match wait {
-        Some(t) => m.acquire_timeout(t).await?,
-        None => m.acquire().await?,
+    let mut signals = Signals::install();
+    let taken = signals
+        .or_signal(async {
+            match wait {
+                Some(t) => m.acquire_timeout(t).await,
+                None => m.acquire().await,
+            }
+        })
+        .await;
+    let mut guard: MultiGuard<dyn dlock::DynBackend> = match taken {
+        Ok(taken) => taken?,
+        Err(n) => return Ok(interrupted(n)),
     };
     let tokens = guard
         .tokens()
@@ -435,7 +482,7 @@ async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8
         env: &env,
         kill_after,
     };
-    let outcome = child::run(&run, lost, None).await;
+    let outcome = child::run(&run, lost, None, &mut signals).await;
     let verified = confirm(&outcome, guard.verify()).await;
     let released = guard.release().await;
     finish(outcome, verified, released)
@@ -464,12 +511,12 @@ fn finish(
         Outcome::Lost(e) => Err(e),
 
         Outcome::SpawnFailed(code, msg) => {
-            eprintln!("dlock: {msg}");
+            say!("dlock: {msg}");
             Ok(code)
         }
         Outcome::Exited(code) => {
             if let Err(e) = verified {
-                eprintln!(
+                say!(
                     "dlock: the command exited with {code}, but the lock was not held to the end: {e}"
                 );
                 return Err(lost_while_running(e));
@@ -477,7 +524,7 @@ fn finish(
             if let Err(e) = released {
                 // The command ran under the lock; a failed release only delays the next
                 // holder until the session ends, so report it but keep the command's code.
-                eprintln!("dlock: warning: release failed: {e}");
+                say!("dlock: warning: release failed: {e}");
             }
             Ok(code)
         }
@@ -498,9 +545,18 @@ async fn elect(client: &Client, a: ElectArgs, kill_after: Duration) -> Result<u8
     let name = client.lock_name(&a.name)?;
     let election = client.election(name.as_str())?;
     let wait = a.wait.limit();
-    let leadership = match wait {
-        Some(t) => election.campaign_timeout(&a.value, t).await?,
-        None => election.campaign(&a.value).await?,
+    let mut signals = Signals::install();
+    let campaign = signals
+        .or_signal(async {
+            match wait {
+                Some(t) => election.campaign_timeout(&a.value, t).await,
+                None => election.campaign(&a.value).await,
+            }
+        })
+        .await;
+    let leadership = match campaign {
+        Ok(led) => led?,
+        Err(n) => return Ok(interrupted(n)),
     };
     let term = leadership.term().to_string();
     let lost = leadership.lost();
@@ -514,14 +570,15 @@ async fn elect(client: &Client, a: ElectArgs, kill_after: Duration) -> Result<u8
         env: &env,
         kill_after,
     };
-    let outcome = child::run(&run, lost, None).await;
+    let outcome = child::run(&run, lost, None, &mut signals).await;
     let verified = confirm(&outcome, leadership.verify()).await;
     let resigned = leadership.resign().await;
     finish(outcome, verified, resigned)
 }
 
-/// The leader as one line (`NAME: VALUE (term T)`, `NAME: no leader`) or one JSON object.
-fn show_leader(name: &str, leader: Option<&dlock::Leader>, json: bool) {
+/// The leader as one line (`NAME: VALUE (term T)`, `NAME: no leader`) or one JSON object;
+/// false if stdout could not take it (its reader is gone).
+fn show_leader(name: &str, leader: Option<&dlock::Leader>, json: bool) -> bool {
     if json {
         let doc = match leader {
             Some(l) => serde_json::json!({
@@ -531,15 +588,15 @@ fn show_leader(name: &str, leader: Option<&dlock::Leader>, json: bool) {
             }),
             None => serde_json::json!({ "name": name, "value": null, "term": null }),
         };
-        println!("{doc}");
+        show!("{doc}")
     } else {
         match leader {
-            Some(l) => println!(
+            Some(l) => show!(
                 "{name}: {} (term {})",
                 String::from_utf8_lossy(&l.value),
                 l.term
             ),
-            None => println!("{name}: no leader"),
+            None => show!("{name}: no leader"),
         }
     }
 }
@@ -551,21 +608,25 @@ async fn leader(client: &Client, a: LeaderArgs) -> Result<u8, Error> {
         use futures::StreamExt;
         let mut changes = election.observe();
         while let Some(change) = changes.next().await {
-            show_leader(name.as_str(), change?.as_ref(), a.json);
+            // Nobody reads any more (`dlock leader --watch | head -1`): done.
+            if !show_leader(name.as_str(), change?.as_ref(), a.json) {
+                break;
+            }
         }
         return Ok(0);
     }
     let current = election.leader().await?;
-    show_leader(name.as_str(), current.as_ref(), a.json);
+    // The exit code is the answer; a line nobody could read changes nothing.
+    let _ = show_leader(name.as_str(), current.as_ref(), a.json);
     Ok(if current.is_some() { 0 } else { STATUS_FREE })
 }
 
 async fn revoke(client: &Client, a: RevokeArgs) -> Result<u8, Error> {
     let asked = client.revoke(&a.name).await?;
     if asked == 0 {
-        println!("{}: free (nobody to ask)", a.name);
+        show!("{}: free (nobody to ask)", a.name);
     } else {
-        println!("{}: asked {asked} holder(s) to release", a.name);
+        show!("{}: asked {asked} holder(s) to release", a.name);
     }
     Ok(0)
 }
@@ -587,11 +648,11 @@ async fn list(client: &Client, a: ListArgs) -> Result<u8, Error> {
                 })
             })
             .collect();
-        println!("{}", serde_json::Value::Array(rows));
+        show!("{}", serde_json::Value::Array(rows));
     } else if !locks.is_empty() {
-        println!("{:>7} {:>7} {:<9} name", "holders", "waiters", "kind");
+        show!("{:>7} {:>7} {:<9} name", "holders", "waiters", "kind");
         for l in &locks {
-            println!(
+            show!(
                 "{:>7} {:>7} {:<9} {}",
                 l.holders,
                 l.waiters,
@@ -631,19 +692,24 @@ async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
         if let Some(node) = &node {
             doc["node"] = serde_json::json!(node);
         }
-        println!("{doc}");
+        show!("{doc}");
     } else if parts.is_empty() {
-        println!("{}: free (no holders, no waiters)", a.name);
+        show!("{}: free (no holders, no waiters)", a.name);
         if let Some(node) = &node {
-            println!("served by {node}");
+            show!("served by {node}");
         }
     } else {
         if let Some(node) = &node {
-            println!("served by {node}");
+            show!("served by {node}");
         }
-        println!(
+        show!(
             "{:<7} {:<6} {:<5} {:>10} {:>12} {:>9}  owner",
-            "state", "queue", "kind", "sequence", "token", "age"
+            "state",
+            "queue",
+            "kind",
+            "sequence",
+            "token",
+            "age"
         );
         for p in &parts {
             let age = p
@@ -651,7 +717,7 @@ async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
                 .created_ms
                 .map(|c| format!("{:.1}s", (now_ms - c) as f64 / 1000.0))
                 .unwrap_or_else(|| "-".into());
-            println!(
+            show!(
                 "{:<7} {:<6} {:<5} {:>10} {:>12} {:>9}  {}",
                 if p.holds { "holder" } else { "waiter" },
                 if p.queue.is_empty() { "-" } else { p.queue },

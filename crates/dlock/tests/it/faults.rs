@@ -21,13 +21,13 @@ use crate::support::{
     client, dlock, dlock_exec_true, eventually, holder_entry, leftovers, tempdir, unique, Kind,
 };
 
-const GENEROUS: Duration = Duration::from_secs(60);
+pub(crate) const GENEROUS: Duration = Duration::from_secs(60);
 
 /// Held by the tests that kill an etcd member and by those that use one etcd endpoint.
 pub(crate) static ETCD_FAULTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Sends `sig` (e.g. `STOP`) to every process of the group `pgid`.
-fn signal_group(pgid: u32, sig: &str) {
+pub(crate) fn signal_group(pgid: u32, sig: &str) {
     let st = Command::new("kill")
         .args([&format!("-{sig}"), "--", &format!("-{pgid}")])
         .status()
@@ -37,7 +37,7 @@ fn signal_group(pgid: u32, sig: &str) {
 
 /// Start time (clock ticks since boot) of `pid`, or `None` if no such process runs. Compared
 /// with an earlier reading, it tells "the same process" from "a new one that got the PID".
-fn start_time(pid: u32) -> Option<u64> {
+pub(crate) fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may contain spaces and parentheses; fields after the
     // last ')' are plain. Start time is field 22, the 20th after the name.
@@ -63,7 +63,10 @@ impl Drop for Cont {
 }
 
 /// Waits (polling, up to `limit`) for `child` to exit and returns its status, or `None`.
-async fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+pub(crate) async fn wait_exit(
+    child: &mut Child,
+    limit: Duration,
+) -> Option<std::process::ExitStatus> {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
         match child.try_wait() {
@@ -81,7 +84,7 @@ async fn wait_exit(child: &mut Child, limit: Duration) -> Option<std::process::E
 /// A child this test started as the leader of its own process group; if it still runs
 /// when this is dropped (a failed assertion), the whole group is killed, so no command it
 /// started (a shell polling for a gate file, `sleep 600`) outlives the test.
-struct Reap(Child);
+pub(crate) struct Reap(pub(crate) Child);
 
 impl Drop for Reap {
     fn drop(&mut self) {
@@ -96,7 +99,12 @@ impl Drop for Reap {
 
 /// Starts `dlock <args> -- sh -c <script> sh <script_args>` as the leader of its own
 /// process group, its stderr into `errfile`, reaped (with its group) when dropped.
-fn spawn_exec(args: &[&str], script: &str, script_args: &[&Path], errfile: &Path) -> Reap {
+pub(crate) fn spawn_exec(
+    args: &[&str],
+    script: &str,
+    script_args: &[&Path],
+    errfile: &Path,
+) -> Reap {
     let holder = dlock()
         .args(args)
         .args(["--", "sh", "-c", script, "sh"])

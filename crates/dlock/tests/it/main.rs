@@ -15,6 +15,7 @@
 
 mod acquire_shape;
 mod cli;
+mod cli_signals;
 #[cfg(feature = "zookeeper")]
 mod curator;
 #[cfg(feature = "zookeeper")]
@@ -159,6 +160,10 @@ all_backends! {
     servers cli_killed_leader_is_replaced => crate::faults::cli_killed_leader_is_replaced,
     servers cli_unnoticed_loss_exits_70 => crate::faults::cli_unnoticed_loss_exits_70,
     servers cli_lost_lock_stops_the_whole_process_group => crate::faults::cli_lost_lock_stops_the_whole_process_group,
+    servers cli_hangup_stops_the_command_before_dlock_exits => crate::cli_signals::cli_hangup_stops_the_command_before_dlock_exits,
+    servers cli_leftovers_of_the_command_stop_before_the_release => crate::cli_signals::cli_leftovers_of_the_command_stop_before_the_release,
+    servers cli_interrupted_waiter_leaves_the_queue => crate::cli_signals::cli_interrupted_waiter_leaves_the_queue,
+    servers cli_closed_output_changes_no_exit_code => crate::cli_signals::cli_closed_output_changes_no_exit_code,
 }
 
 /// One `#[tokio::test]` per backend running a shared test against the secured variant
