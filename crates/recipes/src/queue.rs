@@ -118,8 +118,8 @@ fn removal_backoff(attempt: u32) -> Duration {
 
 /// Runs `op` (a removal) until it succeeds, fails with an error after which the
 /// session's entries are gone anyway ([`Error::is_lost`]: lost, or the client closed),
-/// or `ended` completes (the session that keeps the entry ended, so the server removes
-/// it). It never gives up while the session lives: an entry left under a live session
+/// or `ended` completes with such an error (the session that keeps the entry ended, so
+/// the server removes it). It never gives up while the session lives: an entry left under a live session
 /// (an etcd lease or a Redis watchdog that keeps renewing it, a ZooKeeper session that
 /// keeps pinging) is a ghost that every other contender waits behind for as long as the
 /// process runs.
@@ -147,6 +147,20 @@ async fn remove_until_done<F>(
                     tokio::time::sleep(removal_backoff(attempt)).await;
                 }
             }
+        }
+    };
+    // `ended` is the entry's lost signal, which also completes (with `NotHeld`) when this
+    // client released the entry: the removal running here does that with its first
+    // request (Redis settles the entry before it sends anything). That is not the
+    // session's end and must not stop the retries: on Redis a lone entry moved into the
+    // queue layout takes a second script to go, and without it the next holder waits
+    // for the key to expire.
+    let ended = async {
+        let e = ended.await;
+        if e.is_lost() {
+            e
+        } else {
+            std::future::pending().await
         }
     };
     tokio::select! {

@@ -130,6 +130,7 @@ all_backends! {
     mem a_waiter_gets_the_permit_any_holder_gives_back => crate::semaphore::a_waiter_gets_the_permit_any_holder_gives_back,
     mem a_long_semaphore_queue_hands_every_permit_on => crate::semaphore::a_long_semaphore_queue_hands_every_permit_on,
     mem failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
+    mem a_dropped_guard_hands_the_lock_on_before_its_session_ends => crate::removal::a_dropped_guard_hands_the_lock_on_before_its_session_ends,
     mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,

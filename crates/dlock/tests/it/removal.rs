@@ -8,7 +8,7 @@ use std::time::Duration;
 use dlock::{Error, Result};
 use dlock_testkit::tap::{Call, Tap, Tapped};
 
-use crate::support::{client, eventually, leftovers, unique, Kind};
+use crate::support::{client, client_with, eventually, leftovers, unique, Kind};
 
 /// More failures than the old background retry made (one release, then five): the entry
 /// must still go.
@@ -112,4 +112,40 @@ pub async fn failed_removals_keep_trying_while_the_session_lives(_kind: Kind, ur
 
     real.close().await.expect("close");
     observer.close().await.expect("close");
+}
+
+/// A guard dropped unreleased while another client waits hands the lock on long before the
+/// dropped holder's session would end (60 s here): its background release runs to the
+/// end. On Redis a lone holder's entry is one key, which the waiter's enqueue moves into
+/// the queue layout, so that release takes two scripts (the lone-entry release answers
+/// "queued now", then the queue's removal). Before, the first script's settling of the
+/// entry completed the entry's own lost signal, which the background retry took for the
+/// session's end: it stopped after one script, and the waiter got the lock only when the
+/// key expired, a whole lease later.
+pub async fn a_dropped_guard_hands_the_lock_on_before_its_session_ends(_kind: Kind, url: &str) {
+    let name = unique("dropped");
+    let a = client_with(
+        url,
+        dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
+    )
+    .await;
+    let b = client(url).await;
+    let held = a.mutex(&name).expect("n").lock().await.expect("lock");
+    let waiter = {
+        let m = b.mutex(&name).expect("n");
+        tokio::spawn(async move { m.lock_timeout(WITHIN).await })
+    };
+    assert!(
+        eventually(WITHIN, || async { leftovers(&a, &name).await == 2 }).await,
+        "the waiter never queued"
+    );
+    drop(held);
+    let mut g = waiter
+        .await
+        .expect("waiter task")
+        .expect("the dropped guard's lock was handed on before its 60 s session ended");
+    g.release().await.expect("release");
+    assert_eq!(leftovers(&a, &name).await, 0);
+    a.close().await.expect("close");
+    b.close().await.expect("close");
 }

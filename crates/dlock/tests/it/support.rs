@@ -142,7 +142,15 @@ fn with_zk_chroot(url: &str, chroot: &str) -> String {
 /// A fresh client (its own session) on `url`; on [`MEM_URL`], a session on the
 /// process's in-memory server.
 pub async fn client(url: &str) -> Client {
-    let opts = SessionOptions::default().with_session_timeout(SESSION_TIMEOUT);
+    client_with(
+        url,
+        SessionOptions::default().with_session_timeout(SESSION_TIMEOUT),
+    )
+    .await
+}
+
+/// [`client`] with the caller's session options (a longer session, say).
+pub async fn client_with(url: &str, opts: SessionOptions) -> Client {
     if url == MEM_URL {
         let backend = mem_server()
             .connect(opts)
