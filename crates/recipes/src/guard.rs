@@ -369,6 +369,14 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
         }
         self.released = true;
         if !self.held.leave() {
+            // Other guards of this hold remain, so the entry stays; but a section that
+            // ran while the hold was lost must still hear of it, whichever guard ends it.
+            if let Some(reason) = self.held.lost_reason() {
+                return Err(Error::LockLost(format!(
+                    "{} had been lost before it was released: {reason}",
+                    self.held.q.lock
+                )));
+            }
             return Ok(());
         }
         let held = &self.held;

@@ -116,6 +116,7 @@ all_backends! {
     mem moved_guard_leaves_no_reentry_behind => crate::reentry::moved_guard_leaves_no_reentry_behind,
     mem nested_reentry_through_guard_and_scope => crate::reentry::nested_reentry_through_guard_and_scope,
     mem lost_hold_is_never_reentered_or_downgraded => crate::reentry::lost_hold_is_never_reentered_or_downgraded,
+    mem reentered_guards_report_a_lost_hold_on_release => crate::reentry::reentered_guards_report_a_lost_hold_on_release,
     mem non_reentrant_and_upgrade_in_scope_are_typed_errors => crate::reentry::non_reentrant_and_upgrade_in_scope_are_typed_errors,
     mem timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
     mem zero_timeout_takes_a_free_lock => crate::acquire_shape::zero_timeout_takes_a_free_lock_and_fails_at_once_on_a_held_one,

@@ -226,6 +226,30 @@ pub async fn lost_hold_is_never_reentered_or_downgraded(_kind: Kind, url: &str) 
     );
 }
 
+/// Every guard of a re-entered hold that is released after the hold was lost reports the
+/// loss, not only the last: an inner section ended by its own guard's `release` must learn
+/// that it may have overlapped another holder's. Before, every guard but the last
+/// answered `Ok`.
+pub async fn reentered_guards_report_a_lost_hold_on_release(_kind: Kind, url: &str) {
+    let name = unique("lostrel");
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let mut outer = m.lock().await.expect("lock");
+    let mut inner = outer.reenter().expect("re-enter");
+    c.close().await.expect("close");
+    assert!(
+        eventually(GENEROUS, || async { outer.is_lost() }).await,
+        "lost never fired after close"
+    );
+    let r = inner.release().await;
+    assert!(
+        matches!(r, Err(Error::LockLost(_))),
+        "the inner guard of a lost hold released fine: {r:?}"
+    );
+    let r = outer.release().await;
+    assert!(r.is_err(), "the outer guard of a lost hold released fine");
+}
+
 /// Only the holder's own scope is refused a non-reentrant lock or an upgrade; a sibling
 /// future of the same task waits for it instead.
 pub async fn non_reentrant_and_upgrade_in_scope_are_typed_errors(_kind: Kind, url: &str) {
