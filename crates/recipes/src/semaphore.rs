@@ -15,8 +15,11 @@
 //! and, where adding an entry and removing another is one atomic request (ZooKeeper's
 //! `multi`), list first, then add the lease and release the mutex in that one request
 //! once a permit is free: one synced write less on the mutex's critical path, and the
-//! lease exists only if the mutex entry still did. Both keep "at most `permits` leases
-//! are held" because both add leases only under the mutex.
+//! lease exists only if the mutex entry still did, after which the contender counts the
+//! leases up to its own once more (a Curator contender can add a lease without the mutex:
+//! one whose session expired while it held it), and gives its lease back and queues
+//! again if more than `permits` are out. Both orders keep "at most `permits` leases are
+//! held": whoever holds the newest lease counted every other holder's.
 //!
 //! Where the backend says [`dlock_core::Hints::ranked_semaphore`] (etcd), there is no
 //! internal mutex and no Curator layout: every contender's entry goes to one queue,
@@ -375,53 +378,112 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         }
         let locks = QueuePath::sub(self.name.clone(), LOCKS);
         let leases = QueuePath::sub(self.name.clone(), LEASES);
-        // The internal mutex: fair, and only its holder waits on the leases.
-        let inner = queue::acquire(
-            backend,
-            &locks,
-            self.client.tickets.ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            &self.client.data,
-            w,
-        )
-        .await?;
-        let mut lost = backend.lost(&locks, &inner);
-        let mut inner_guard = RemoveInner {
-            backend: backend.clone(),
-            q: locks.clone(),
-            entry: Some(inner),
-        };
-        let ticket = self.client.tickets.ticket();
-        let cleanup = AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone());
-        let attempt = async {
-            // While this contender holds the internal mutex nobody else adds a lease, so
-            // the lease set can only shrink: one listing tells whether a permit is free,
-            // and a change reported after it means one is. Where the backend can, the
-            // lease is then created and the mutex handed on in one atomic step (one
-            // synced write on ZooKeeper), without a lease that has to wait.
-            if !backend.hints().atomic_enqueue_removing {
-                // Curator's order: add the lease, then look; wait with it in place.
-                let enq = backend
-                    .enqueue(
-                        &leases,
-                        &ticket,
-                        EntryKind::Lease,
-                        Position::Tail,
-                        &self.client.data,
-                    )
-                    .await?;
-                let mine = enq.mine;
-                let mut seen = enq.queue;
-                loop {
-                    if !seen.iter().any(|e| e.name == mine.name) {
-                        return Err(Error::LockLost(format!(
-                            "lease {} vanished from {leases}",
-                            mine.name
-                        )));
+        // A turn that gave its lease back (`Ok(None)` below) queues again.
+        loop {
+            // The internal mutex: fair, and only its holder waits on the leases.
+            let inner = queue::acquire(
+                backend,
+                &locks,
+                self.client.tickets.ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                &self.client.data,
+                w,
+            )
+            .await?;
+            let mut lost = backend.lost(&locks, &inner);
+            let mut inner_guard = RemoveInner {
+                backend: backend.clone(),
+                q: locks.clone(),
+                entry: Some(inner),
+            };
+            let ticket = self.client.tickets.ticket();
+            let cleanup = AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone());
+            let attempt = async {
+                // While this contender holds the internal mutex nobody else adds a lease, so
+                // the lease set can only shrink: one listing tells whether a permit is free,
+                // and a change reported after it means one is. Where the backend can, the
+                // lease is then created and the mutex handed on in one atomic step (one
+                // synced write on ZooKeeper), without a lease that has to wait.
+                if !backend.hints().atomic_enqueue_removing {
+                    // Curator's order: add the lease, then look; wait with it in place.
+                    let enq = backend
+                        .enqueue(
+                            &leases,
+                            &ticket,
+                            EntryKind::Lease,
+                            Position::Tail,
+                            &self.client.data,
+                        )
+                        .await?;
+                    let mine = enq.mine;
+                    let mut seen = enq.queue;
+                    loop {
+                        if !seen.iter().any(|e| e.name == mine.name) {
+                            return Err(Error::LockLost(format!(
+                                "lease {} vanished from {leases}",
+                                mine.name
+                            )));
+                        }
+                        if lease_granted(seen.len(), max) {
+                            return Ok(Some(mine));
+                        }
+                        if let Some(refused) = w.refusal() {
+                            return Err(refused);
+                        }
+                        tokio::select! {
+                            r = backend.wait_changed(&leases, &seen) => r?,
+                            e = &mut lost => return Err(e),
+                        }
+                        seen = backend.queue(&leases).await?;
                     }
-                    if lease_granted(seen.len(), max) {
-                        return Ok(mine);
+                }
+                let mut seen = backend.queue(&leases).await?;
+                loop {
+                    if lease_granted(seen.len() + 1, max) {
+                        let Some(inner) = inner_guard.entry.as_ref() else {
+                            return Err(Error::LockLost(format!(
+                                "the internal mutex of {} was released while taking a lease",
+                                self.name
+                            )));
+                        };
+                        let mine = backend
+                            .enqueue_removing(
+                                &leases,
+                                &ticket,
+                                EntryKind::Lease,
+                                &self.client.data,
+                                &locks,
+                                inner,
+                            )
+                            .await?;
+                        // The mutex entry went with the lease's creation.
+                        inner_guard.entry = None;
+                        // Counted again with the lease in place, as Curator's contender
+                        // counts: the listing above was made before it, and a lease
+                        // can be added without the mutex (a Curator contender whose
+                        // session expired while it held the mutex creates its lease on
+                        // a new session without taking the mutex again). Of any set of
+                        // holders, the one with the newest lease counted every other
+                        // holder's lease ahead of its own, so nobody who finds at most
+                        // `max` up to its own can be one too many.
+                        let upto = backend.queue_ahead(&leases, &mine).await?;
+                        return match upto.iter().position(|e| e.name == mine.name) {
+                            Some(i) if lease_granted(i + 1, max) => Ok(Some(mine)),
+                            Some(i) => {
+                                tracing::warn!(
+                                    semaphore = %self.name,
+                                    leases = i + 1,
+                                    permits = max,
+                                    "more leases than permits: one was added without the internal mutex; giving this one back and queueing again"
+                                );
+                                Ok(None)
+                            }
+                            None => Err(Error::LockLost(format!(
+                                "lease {} vanished from {leases}",
+                                mine.name
+                            ))),
+                        };
                     }
                     if let Some(refused) = w.refusal() {
                         return Err(refused);
@@ -430,58 +492,27 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                         r = backend.wait_changed(&leases, &seen) => r?,
                         e = &mut lost => return Err(e),
                     }
-                    seen = backend.queue(&leases).await?;
+                    if lease_granted(seen.len(), max) {
+                        // At least one of the `seen` leases went and none came, so a permit
+                        // is free whichever it was: only the count matters from here on.
+                        seen.pop();
+                    } else {
+                        seen = backend.queue(&leases).await?;
+                    }
                 }
-            }
-            let mut seen = backend.queue(&leases).await?;
-            loop {
-                if lease_granted(seen.len() + 1, max) {
-                    let Some(inner) = inner_guard.entry.as_ref() else {
-                        return Err(Error::LockLost(format!(
-                            "the internal mutex of {} was released while taking a lease",
-                            self.name
-                        )));
-                    };
-                    let mine = backend
-                        .enqueue_removing(
-                            &leases,
-                            &ticket,
-                            EntryKind::Lease,
-                            &self.client.data,
-                            &locks,
-                            inner,
-                        )
-                        .await?;
-                    // The mutex entry went with the lease's creation.
-                    inner_guard.entry = None;
-                    return Ok(mine);
+            };
+            let result = queue::within(w, attempt).await;
+            inner_guard.release().await;
+            match result {
+                Ok(Some(entry)) => {
+                    cleanup.disarm();
+                    return Held::grant(backend.clone(), leases.clone(), entry, key).await;
                 }
-                if let Some(refused) = w.refusal() {
-                    return Err(refused);
+                Ok(None) => cleanup.abandon_now().await,
+                Err(e) => {
+                    cleanup.abandon_now().await;
+                    return Err(e);
                 }
-                tokio::select! {
-                    r = backend.wait_changed(&leases, &seen) => r?,
-                    e = &mut lost => return Err(e),
-                }
-                if lease_granted(seen.len(), max) {
-                    // At least one of the `seen` leases went and none came, so a permit
-                    // is free whichever it was: only the count matters from here on.
-                    seen.pop();
-                } else {
-                    seen = backend.queue(&leases).await?;
-                }
-            }
-        };
-        let result = queue::within(w, attempt).await;
-        inner_guard.release().await;
-        match result {
-            Ok(entry) => {
-                cleanup.disarm();
-                Held::grant(backend.clone(), leases.clone(), entry, key).await
-            }
-            Err(e) => {
-                cleanup.abandon_now().await;
-                Err(e)
             }
         }
     }

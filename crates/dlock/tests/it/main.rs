@@ -344,6 +344,7 @@ zk_only! {
     shared container_parents_are_reaped => crate::zk_scenarios::container_parents_are_reaped,
     shared semaphore_interrupted_acquire_leaves_no_orphans => crate::zk_scenarios::semaphore_interrupted_acquire_leaves_no_orphans,
     shared semaphore_deleted_internal_lock_is_a_typed_error => crate::zk_scenarios::semaphore_deleted_internal_lock_is_a_typed_error,
+    shared semaphore_lease_added_outside_the_mutex_is_counted => crate::zk_scenarios::semaphore_lease_added_outside_the_mutex_is_counted,
     shared guard_lost_fires_on_session_expiry => crate::zk_faults::guard_lost_fires_on_session_expiry,
     shared cli_sigstop_past_session_exits_70 => crate::zk_faults::cli_sigstop_past_session_exits_70,
     shared revoke_between_dlock_clients => crate::zk_revoke::revoke_between_dlock_clients,

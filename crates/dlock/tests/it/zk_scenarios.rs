@@ -175,3 +175,63 @@ pub async fn semaphore_deleted_internal_lock_is_a_typed_error(url: &str) {
     drop(raw);
     c.close().await.expect("close");
 }
+
+/// A lease added by someone who does not hold the internal mutex is still counted. Curator
+/// lets that happen: an `InterProcessSemaphoreV2` contender whose session expires (a GC
+/// pause) right after it took the internal mutex goes on to create its lease on a new
+/// session without taking the mutex again, and stays safe itself because it counts the
+/// leases after adding its own. dlock's contender on ZooKeeper lists the leases first and
+/// adds its own only once a permit is free (one `multi` with the mutex node's removal).
+/// Before, it took the outsider's arrival for a departure (any change of the lease set
+/// woke it, and it assumed one had gone) and took a permit while every permit was held.
+/// Now it counts the leases ahead of its own after adding it, and gives the lease back
+/// and queues again when more than the permits are out.
+pub async fn semaphore_lease_added_outside_the_mutex_is_counted(url: &str) {
+    let name = unique("sem-outside");
+    let (a, _ab, raw) = zk_client(url, SESSION_TIMEOUT).await;
+    let (d, _db, _) = zk_client(url, SESSION_TIMEOUT).await;
+    let mut held = a
+        .semaphore(&name, 1)
+        .expect("name")
+        .acquire_timeout(GENEROUS)
+        .await
+        .expect("permit");
+    let ds = d.semaphore(&name, 1).expect("name");
+    let waiter = tokio::spawn(async move { ds.acquire_timeout(GENEROUS).await });
+    assert!(
+        eventually(GENEROUS, || async { sem_counts(&a, &name).await == (1, 1) }).await,
+        "the waiter never took the internal mutex: {:?}",
+        sem_counts(&a, &name).await
+    );
+    // The lease a Curator contender creates (protected, ephemeral-sequential), here
+    // without the internal mutex.
+    let prefix = format!("/{name}/leases/_c_00000000-0000-4000-8000-000000000000-lease-");
+    let opts = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+    let (_, seq) = raw
+        .create(&prefix, b"outsider", &opts)
+        .await
+        .expect("create the outsider's lease");
+    let outsider = format!("{prefix}{seq}");
+    // Two leases are out of one permit: the waiter must not get one. (Before, it did
+    // within one notification's round trip.)
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !waiter.is_finished(),
+        "a permit was granted while both leases of a one-permit semaphore were held: {:?}",
+        waiter.await
+    );
+    // Both hand their permits back: the waiter gets one.
+    raw.delete(&outsider, None)
+        .await
+        .expect("delete the outsider's lease");
+    held.release().await.expect("release");
+    let mut got = waiter
+        .await
+        .expect("waiter task")
+        .expect("the waiter gets the permit once both are back");
+    assert_eq!(sem_counts(&a, &name).await.0, 1, "one lease out");
+    got.release().await.expect("release");
+    drop(raw);
+    a.close().await.expect("close");
+    d.close().await.expect("close");
+}
