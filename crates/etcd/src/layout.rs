@@ -133,13 +133,18 @@ pub(crate) fn parse_name(name: &str) -> Option<ParsedName> {
     let (uuid, kind) = match rest.len() {
         36 => (rest, EntryKind::Lock),
         38 => {
-            let kind = match &rest[36..] {
+            // `get`, not indexing: anyone who may write under the lock's prefix can store
+            // a name whose 36th byte falls inside a multi-byte character (then foreign).
+            let (Some(uuid), Some(suffix)) = (rest.get(..36), rest.get(36..)) else {
+                return Some(foreign);
+            };
+            let kind = match suffix {
                 "-r" => EntryKind::Read,
                 "-w" => EntryKind::Write,
                 "-l" => EntryKind::Lease,
                 _ => return Some(foreign),
             };
-            (&rest[..36], kind)
+            (uuid, kind)
         }
         _ => return Some(foreign),
     };
@@ -419,6 +424,11 @@ mod tests {
         }
         assert_eq!(parse_name("leases/694d-x-l"), None);
         assert_eq!(parse_name(""), None);
+        // 38 bytes after the lease, the 36th inside a two-byte character: anyone may
+        // store such a key under a lock's prefix (it used to panic every reader).
+        let odd = format!("1-{}\u{e9}b", "a".repeat(35));
+        let p = parse_name(&odd).expect("an entry");
+        assert_eq!((p.kind, p.ticket), (EntryKind::Lock, None));
     }
 
     #[test]

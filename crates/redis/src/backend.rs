@@ -107,6 +107,12 @@ pub(crate) struct Shared {
     /// Wakes the watchdog for an immediate round (after a reconnect).
     pub(crate) wake: Arc<Notify>,
     pub(crate) closed: AtomicBool,
+    /// Held (shared) by every `remove` and `abandon` from its check that the backend is
+    /// open to its last request; `close` takes it exclusively before it collects the
+    /// live entries. An entry a removal took out of `live` is then either removed by
+    /// that removal, which `close` waits for, or still in `live` for `close` to remove:
+    /// never left to expire after a lease (an interrupted `dlock exec` closing at once).
+    pub(crate) removing: tokio::sync::RwLock<()>,
     pub(crate) tasks: Mutex<Vec<AbortHandle>>,
     pub(crate) counters: Counters,
 }
@@ -243,6 +249,9 @@ impl Shared {
             return;
         }
         self.abort_tasks();
+        // Removals under way finish first: the entries they took out of `live` go with
+        // them (see `removing`).
+        let _quiet = self.removing.write().await;
         let live: Vec<((String, String), Live)> = self.live.lock().drain().collect();
         let mut groups: HashMap<String, (Arc<QueueKeys>, Vec<String>)> = HashMap::new();
         for ((q, name), l) in live {
@@ -491,6 +500,8 @@ impl Backend for RedisBackend {
             tracing::debug_span!("remove", lock = %q, entry = %entry.name, token = ?entry.token);
         async move {
             let s = &self.shared;
+            let _removing = s.removing.read().await;
+            s.check_open()?;
             // Stop renewing before deleting: no renewal may follow a release. A live
             // entry's keys were built by its enqueue; reuse them.
             let (keys, solo) = match s.settle_live(
@@ -501,7 +512,6 @@ impl Backend for RedisBackend {
                 Some(live) => live,
                 None => (Arc::new(QueueKeys::new(&self.shared.prefix, q)), false),
             };
-            s.check_open()?;
             if solo && s.release_solo(&keys, &entry.name).await? {
                 return Ok(());
             }
@@ -515,6 +525,8 @@ impl Backend for RedisBackend {
         let span = tracing::debug_span!("abandon", lock = %q, ticket = ticket.as_str());
         async move {
             let s = &self.shared;
+            let _removing = s.removing.read().await;
+            s.check_open()?;
             let keys = QueueKeys::new(&self.shared.prefix, q);
             let mine: Vec<String> = s
                 .live
@@ -528,7 +540,6 @@ impl Backend for RedisBackend {
             for name in mine {
                 s.settle(&keys.queue, &name, Fate::Released);
             }
-            s.check_open()?;
             let mut args = Shared::q_args(&keys);
             args.push(Value::from(ticket.protected_prefix()));
             let results = s

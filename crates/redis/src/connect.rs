@@ -325,6 +325,7 @@ impl RedisBackend {
             contended: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
+            removing: tokio::sync::RwLock::new(()),
             tasks: Mutex::new(Vec::new()),
             counters: Counters::default(),
             nodes,

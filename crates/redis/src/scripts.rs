@@ -51,8 +51,10 @@ use fred::types::scripts::Script;
 /// reads the lock's lone entry when `KEYS[1]` holds one (a string, see [`SOLO`]), and
 /// fails the script, before it writes anything, when that string is not
 /// `<name> <token digits> <data>` (the caller gets a typed backend error), and
-/// `unsolo` moves it into the queue layout (entry key, sorted-set member, the same TTL)
-/// before a second entry joins it: every script that reads or changes the queue checks
+/// `unsolo` moves it into the queue layout (entry key, sorted-set member, the same TTL:
+/// a key in its last millisecond, `PTTL` 0, keeps 1 ms, not a new lease; only a key
+/// without any TTL, which dlock never writes, gets the lease) before a second entry joins
+/// it: every script that reads or changes the queue checks
 /// `KEYS[1]`'s type first, because the sorted-set commands fail on a string.
 const PRELUDE: &str = r#"
 local function ent(v)
@@ -75,7 +77,7 @@ local function unsolo(ep, lease)
   local name, tok, data = solo()
   if not name then return end
   local ttl = redis.call('PTTL', KEYS[1])
-  if ttl < 1 then ttl = lease end
+  if ttl == -1 then ttl = lease elseif ttl < 1 then ttl = 1 end
   redis.call('DEL', KEYS[1])
   redis.call('SET', ep .. name, tok .. ' ' .. string.sub(tok, 1, -4) .. ' ' .. data, 'PX', ttl)
   redis.call('ZADD', KEYS[1], tok, name)

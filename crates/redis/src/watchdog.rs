@@ -264,11 +264,139 @@ pub(crate) async fn watchdog(weak: Weak<Shared>) {
                 }
             }
         }
+        // Between rounds the deadlines keep running: a deadline that falls in this sleep
+        // (renewals that keep failing, say timing out at the command timeout) must fire
+        // `lost()` then, not at the next round, which may be after the server expired the
+        // entry. So wake at the earliest deadline too, as the round above does. The check
+        // right after the round also catches a deadline that passed as the round ended.
+        let next_round = round_started + period;
+        let mut next_deadline = shared.fire_overdue();
         let wake = shared.wake.clone();
+        // No strong reference while asleep, as before.
         drop(shared);
-        tokio::select! {
-            _ = tokio::time::sleep_until(round_started + period) => {}
-            _ = wake.notified() => {}
+        // Pinned once: a reconnect's `notify_one` during the round (or this wait) is kept
+        // as a permit and taken here, and one arriving between two sleeps is not missed.
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        loop {
+            let until = next_deadline.map_or(next_round, |d| d.min(next_round));
+            tokio::select! {
+                _ = &mut notified => break,
+                _ = tokio::time::sleep_until(until) => {}
+            }
+            if Instant::now() >= next_round {
+                // The round's start checks the deadlines.
+                break;
+            }
+            let Some(shared) = weak.upgrade() else { return };
+            next_deadline = shared.fire_overdue();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use fred::prelude::Value;
+    use parking_lot::Mutex;
+    use tokio::sync::Notify;
+    use tokio::time::Instant;
+
+    use super::{watchdog, Fate};
+    use crate::backend::{Counters, Mode, Shared};
+    use crate::keys::QueueKeys;
+    use crate::node::{Node, Tuning};
+    use crate::scripts::Scripts;
+    use crate::tls::Access;
+
+    /// A backend on one master that accepts connections and never answers: every
+    /// renewal times out after `command_timeout`.
+    fn unanswering(addr: &str, lease: Duration, command_timeout: Duration) -> Arc<Shared> {
+        let tuning = Tuning {
+            attempt_timeout: command_timeout,
+            command_timeout,
+            database: None,
+        };
+        let node = Node::start(addr, tuning, &Access::default()).expect("node");
+        Arc::new(Shared {
+            mode: Mode::Single,
+            prefix: String::new(),
+            nodes: vec![node],
+            majority: 1,
+            lease,
+            lease_ms: Value::from(lease.as_millis().to_string()),
+            recheck: (lease / 3).min(Duration::from_secs(1)),
+            drift: lease / 100 + Duration::from_millis(2),
+            scripts: Scripts::new(false),
+            live: Mutex::new(HashMap::new()),
+            chans: Mutex::new(HashMap::new()),
+            idle_chans: Mutex::new(Vec::new()),
+            sub_ops: tokio::sync::Mutex::new(()),
+            seq_hint: Mutex::new(HashMap::new()),
+            contended: Mutex::new(HashMap::new()),
+            wake: Arc::new(Notify::new()),
+            closed: AtomicBool::new(false),
+            removing: tokio::sync::RwLock::new(()),
+            tasks: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+        })
+    }
+
+    /// A holder cut off right after a successful renewal, on the default 30 s lease:
+    /// rounds every 10 s, each renewal timing out (5 s). Its deadline, t0 + 30 s − 0.302 s
+    /// − 3 s ≈ t0 + 26.7 s, falls while the watchdog sleeps between the round of t0 + 20 s
+    /// (timed out at t0 + 25 s) and the one of t0 + 30 s, the moment the server may expire
+    /// the entry. `lost()` must fire at the deadline, not then: before, it fired at the
+    /// next round. Paused time (the clock moves only when every task waits), so the
+    /// moments are exact whatever the machine's load.
+    #[tokio::test(start_paused = true)]
+    async fn lost_fires_at_the_deadline_between_rounds() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let lease = Duration::from_secs(30);
+        let shared = unanswering(&addr, lease, Duration::from_secs(5));
+        let keys = Arc::new(QueueKeys::of("", "watchdog-test", None));
+        let t0 = Instant::now();
+        shared.register(&keys, "e1", None, t0, false);
+        let mut fate = shared.live.lock()[&(keys.queue.clone(), "e1".to_owned())]
+            .fate
+            .subscribe();
+        let deadline = shared.deadline_of(t0);
+        let task = tokio::spawn(watchdog(Arc::downgrade(&shared)));
+
+        let settled = tokio::time::timeout(2 * lease, fate.wait_for(Option::is_some))
+            .await
+            .expect("lost() never fired")
+            .expect("fate sender dropped")
+            .clone();
+        let fired = Instant::now();
+        task.abort();
+        shared.nodes[0].abort_tasks();
+        drop(listener);
+
+        assert!(
+            matches!(&settled, Some(Fate::Lost(r)) if r.contains("no successful renewal")),
+            "{settled:?}"
+        );
+        // Not early: the entry is still renewed (and valid) until its deadline.
+        assert!(
+            fired >= deadline,
+            "fired {:?} before the deadline",
+            deadline - fired
+        );
+        // At the deadline (paused time: exactly, but for the watchdog's own steps).
+        let slack = Duration::from_millis(10);
+        assert!(
+            fired <= deadline + slack,
+            "lost() fired {:?} after the deadline (t0 + {:?}), at t0 + {:?}; the server may expire the entry at t0 + {:?}",
+            fired - deadline,
+            deadline - t0,
+            fired - t0,
+            lease,
+        );
     }
 }
