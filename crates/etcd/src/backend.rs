@@ -609,7 +609,13 @@ impl Backend for EtcdBackend {
             };
             // The enqueue's transaction may still be in flight; a delete sent now could
             // be applied before it and leave its key behind.
-            let _ = timeout(self.request_timeout, p.done.wait_for(|d| *d)).await;
+            // The wait is bounded, and the transaction can outlast it (queued for an
+            // in-flight slot, or a last attempt started near its deadline): then it may
+            // still land after the delete below, so its key is swept as after an
+            // unanswered attempt.
+            let answered = timeout(self.request_timeout, p.done.wait_for(|d| *d))
+                .await
+                .is_ok();
             // As in a release: the mutex key is retired while its delete is in flight,
             // and stays retired for the session unless one attempt was answered, since
             // an unanswered attempt may still land after a later claim of the key.
@@ -632,7 +638,7 @@ impl Backend for EtcdBackend {
                 .map_err(|e| map(&format!("abandoning {}", p.key), e))?;
             }
             self.forget(Some(ticket.as_str()), &p.key);
-            if p.is_uncertain() {
+            if !answered || p.is_uncertain() {
                 self.sweep_later(&p, ticket.as_str());
             }
             tracing::debug!(key = %p.key, "abandoned");

@@ -578,12 +578,20 @@ impl EtcdBackend {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T>> + 'a,
     {
-        let started = Instant::now();
+        let mut outage: Option<Instant> = None;
         let mut backoff = Duration::from_millis(20);
         loop {
+            let began = Instant::now();
             match attempt().await {
                 Ok(done) => return Ok(done),
-                Err(e @ Error::Unreachable(_)) if started.elapsed() < self.session.lock().ttl() => {
+                Err(e @ Error::Unreachable(_)) => {
+                    let now = Instant::now();
+                    if !outage_continues(&mut outage, began, now, self.session.lock().ttl()) {
+                        return Err(e);
+                    }
+                    if outage == Some(now) {
+                        backoff = Duration::from_millis(20);
+                    }
                     tracing::debug!(what, error = %e, "watch failed; re-arming");
                     sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -591,5 +599,67 @@ impl EtcdBackend {
                 Err(e) => return Err(e),
             }
         }
+    }
+}
+
+/// How long an attempt of [`EtcdBackend::retry_watch`] must have run before its failure
+/// counts as the start of a new outage rather than part of the one before: longer than
+/// the longest back-off and an arming round trip, so it was a watch that worked.
+const WORKED_FOR: Duration = Duration::from_secs(3);
+
+/// Whether [`EtcdBackend::retry_watch`] tries again after an attempt that began at `began`
+/// failed at `now`: while the outage (`outage`, its start, kept across calls) is shorter
+/// than `ttl`. The outage is measured from its first failure, not from the first attempt:
+/// one attempt lasts a whole wait behind one entry, so a waiter queued longer than a TTL
+/// would otherwise never be retried.
+fn outage_continues(
+    outage: &mut Option<Instant>,
+    began: Instant,
+    now: Instant,
+    ttl: Duration,
+) -> bool {
+    if now.duration_since(began) >= WORKED_FOR {
+        *outage = Some(now);
+    }
+    let start = *outage.get_or_insert(began);
+    now.duration_since(start) < ttl
+}
+
+#[cfg(test)]
+mod outage_tests {
+    use super::*;
+
+    #[test]
+    fn an_outage_is_measured_from_its_first_failure() {
+        let ttl = Duration::from_secs(60);
+        let t0 = Instant::now();
+        let mut outage = None;
+        // A watch that worked for five minutes, then broke: retried.
+        let failed = t0 + Duration::from_secs(300);
+        assert!(outage_continues(&mut outage, t0, failed, ttl));
+        // Quick failures after it: retried while the outage is under a TTL...
+        let mut at = failed;
+        for _ in 0..50 {
+            let began = at;
+            at += Duration::from_secs(1);
+            assert!(outage_continues(&mut outage, began, at, ttl));
+        }
+        // ...and given up once it lasts a TTL.
+        let began = failed + Duration::from_secs(59);
+        assert!(!outage_continues(&mut outage, began, failed + ttl, ttl));
+        // Never working at all: given up after a TTL from the first attempt.
+        let mut fresh = None;
+        assert!(outage_continues(
+            &mut fresh,
+            t0,
+            t0 + Duration::from_millis(5),
+            ttl
+        ));
+        assert!(!outage_continues(
+            &mut fresh,
+            t0 + Duration::from_secs(59),
+            t0 + ttl,
+            ttl
+        ));
     }
 }

@@ -269,6 +269,11 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// Waits for `n` permits, all or none, held by one guard: on an error the permits
     /// already taken are returned before this returns.
     ///
+    /// The permits are taken one at a time, as Curator's `acquire(qty)` takes them: two
+    /// callers that each ask for more than half the permits can each get some and wait
+    /// for the rest forever. Give such calls a timeout, or serialize them (a mutex
+    /// around the `acquire_many`).
+    ///
     /// # Errors
     /// [`Error::InvalidPermits`] if `n` is 0 or more than the semaphore has; as
     /// [`Semaphore::acquire`].

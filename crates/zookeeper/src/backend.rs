@@ -81,7 +81,11 @@ impl ZkBackend {
     /// The underlying zookeeper-client handle, for what the trait does not cover (guarded
     /// writes with `new_check_writer`, inspecting the tree). It shares this session:
     /// entries it creates are ephemeral to the same session, and holding it keeps the
-    /// session open after [`Backend::close`] until it is dropped.
+    /// session open after [`Backend::close`] until it is dropped. The same holds after a
+    /// lost signal: dlock then gives up its own handle so that the session ends, but a
+    /// session the server still keeps (the signal can fire on a stall shorter than the
+    /// timeout) stays open with dlock's entries in it, blocking other contenders, for as
+    /// long as a handle taken here lives. Drop it when the lock is lost.
     ///
     /// # Errors
     /// [`Error::LockLost`] or [`Error::Closed`] once the session is over.
