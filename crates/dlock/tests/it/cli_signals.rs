@@ -30,6 +30,40 @@ async fn background_child(file: &std::path::Path) -> (u32, u64) {
     (pid, start_time(pid).expect("the background child runs"))
 }
 
+/// Waits for the `dlock exec` `holder` to exit and checks that it exited `code`, that the
+/// command's background child (`child`: pid and start time) no longer runs, and that the
+/// lock `name` has no entry left: released at once, not when the session ends. Returns
+/// dlock's stderr.
+async fn exits_leaving_nothing(
+    holder: &mut std::process::Child,
+    errfile: &std::path::Path,
+    url: &str,
+    name: &str,
+    (pid, start): (u32, u64),
+    code: i32,
+) -> String {
+    let status = wait_exit(holder, GENEROUS).await;
+    let err = std::fs::read_to_string(errfile).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {err}"));
+    assert_eq!(
+        status.code(),
+        Some(code),
+        "dlock did not exit with its command's code ({status}); stderr: {err}"
+    );
+    let outlived = start_time(pid) == Some(start);
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    assert!(
+        !outlived,
+        "the command's background child outlived dlock; stderr: {err}"
+    );
+    let c = client(url).await;
+    assert_eq!(leftovers(&c, name).await, 0, "an entry was left behind");
+    c.close().await.expect("close");
+    err
+}
+
 /// SIGHUP (a closed terminal or ssh session) sent to `dlock` alone reaches the command's
 /// process group, and dlock exits only once the group is gone, releasing the lock. Before,
 /// SIGHUP killed dlock alone: the command, in a group of its own, ran on without the lock
@@ -47,28 +81,9 @@ pub async fn cli_hangup_stops_the_command_before_dlock_exits(_kind: Kind, url: &
     );
     let (pid, start) = background_child(&pid_file).await;
     signal_pid(holder.0.id(), "HUP");
-    let status = wait_exit(&mut holder.0, GENEROUS).await;
-    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
-    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {err}"));
     // The shell died of the SIGHUP dlock passed on: 128 + 1, as a shell reports it.
-    assert_eq!(
-        status.code(),
-        Some(129),
-        "dlock did not exit with its command's code ({status}); stderr: {err}"
-    );
-    assert_ne!(
-        start_time(pid),
-        Some(start),
-        "the command's background child outlived dlock; stderr: {err}"
-    );
-    // Released at once, not when the session ends.
-    let c = client(url).await;
-    assert_eq!(leftovers(&c, &name).await, 0, "an entry was left behind");
-    c.close().await.expect("close");
+    exits_leaving_nothing(&mut holder.0, &errfile, url, &name, (pid, start), 129).await;
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status();
 }
 
 /// A command that exits leaving a process running in its group (`sh -c 'job &'`) does not
@@ -91,23 +106,9 @@ pub async fn cli_leftovers_of_the_command_stop_before_the_release(_kind: Kind, u
     );
     let (pid, start) = background_child(&pid_file).await;
     std::fs::write(&gate, b"").expect("gate");
-    let status = wait_exit(&mut holder.0, GENEROUS).await;
-    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
-    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {err}"));
-    assert_eq!(status.code(), Some(3), "stderr: {err}");
-    assert_ne!(
-        start_time(pid),
-        Some(start),
-        "the command's leftover outlived the release; stderr: {err}"
-    );
+    let err = exits_leaving_nothing(&mut holder.0, &errfile, url, &name, (pid, start), 3).await;
     assert!(err.contains("left processes running"), "stderr: {err}");
-    let c = client(url).await;
-    assert_eq!(leftovers(&c, &name).await, 0, "an entry was left behind");
-    c.close().await.expect("close");
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status();
 }
 
 /// Ctrl-C (SIGINT) to a `dlock exec` still waiting for the lock ends the wait: its entry
