@@ -379,6 +379,25 @@ pub trait Backend: Send + Sync + 'static {
         }
     }
 
+    /// Whether a waiter's own `entry` is still in `q`, asked when a watch of this session
+    /// ([`Backend::wait_gone`], [`Backend::wait_gone_detail`]) has just said that an entry
+    /// ahead of it went, before the waiter takes the lock from its own view.
+    ///
+    /// The answer must reflect at least every change that watch reported: an entry
+    /// deleted from outside before the one ahead went (an operator's delete, a revoked
+    /// lease, a server that lost keys) must be reported gone, or its waiter would hold
+    /// beside the contender that queued after the deletion. It may reflect an older state
+    /// than [`Backend::contains`], which a holder asks about the present. The default is
+    /// [`Backend::contains`]; a backend that can answer for the watched moment more
+    /// cheaply overrides it.
+    fn still_queued(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        Backend::contains(self, q, entry)
+    }
+
     /// Completes once `entry` is no longer in `q` (at once if it is already gone). Only
     /// that very entry's removal counts, never that of an older entry under the same
     /// name (a key reused by the same client), however late its event arrives.
@@ -606,6 +625,12 @@ pub trait DynBackend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<Entry>>>;
     /// [`Backend::contains`].
     fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>>;
+    /// [`Backend::still_queued`].
+    fn still_queued<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<bool>>;
     /// [`Backend::wait_gone`].
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>>;
     /// [`Backend::wait_gone_detail`].
@@ -709,6 +734,13 @@ impl<B: Backend> DynBackend for B {
     }
     fn contains<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<bool>> {
         Box::pin(Backend::contains(self, q, entry))
+    }
+    fn still_queued<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(Backend::still_queued(self, q, entry))
     }
     fn wait_gone<'a>(&'a self, q: &'a QueuePath, entry: &'a Entry) -> BoxFuture<'a, Result<()>> {
         Box::pin(Backend::wait_gone(self, q, entry))

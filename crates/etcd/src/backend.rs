@@ -525,6 +525,20 @@ impl Backend for EtcdBackend {
         Ok(holds_entry(&resp, &key, entry))
     }
 
+    /// One read of the entry's key, served by any member that has reached every revision
+    /// this client has seen (`fresh_get`), the deletes its watches reported
+    /// included: serializable where that member is up to date, so no quorum round on a
+    /// handoff. A member that has applied the delete the waiter was woken by has applied
+    /// every earlier one, its own entry's included.
+    async fn still_queued(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
+        let resp = self
+            .fresh_get(&key, GetOptions::new().with_keys_only(), 0)
+            .await
+            .map_err(|e| map(&format!("looking up {key}"), e))?;
+        Ok(holds_entry(&resp, &key, entry))
+    }
+
     fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
         async move {

@@ -214,6 +214,33 @@ pub(crate) fn watch_gone<B: DynBackend + ?Sized>(
     Box::pin(async move { backend.wait_gone_detail(&q, &entry).await })
 }
 
+/// `mine`, once the server confirms it is still queued: the last step of a grant made
+/// from a waiter's own view after a watch said an entry ahead went.
+///
+/// The view cannot see the waiter's own entry go. Deleted from outside while it waited
+/// (an operator's delete, a revoked lease, a server that lost keys), the entry is no
+/// longer ahead of anyone, so the contender that queued after it takes the lock when
+/// the same entry goes, and without this read both would hold.
+/// [`DynBackend::still_queued`] answers for a moment no earlier than the change the
+/// waiter's watch reported, so an entry it finds was there when the one ahead went. One
+/// read per handoff, on the waiter's side;
+/// Curator lists the queue on every wake and etcd's lock reads its own key after its
+/// wait for the same reason. A grant from a listing that named `mine` needs none.
+pub(crate) async fn confirmed<B: DynBackend + ?Sized>(
+    backend: &B,
+    q: &QueuePath,
+    mine: Entry,
+) -> Result<Entry> {
+    if backend.still_queued(q, &mine).await? {
+        Ok(mine)
+    } else {
+        Err(Error::LockLost(format!(
+            "entry {} was deleted from {q} while it waited",
+            mine.name
+        )))
+    }
+}
+
 /// Adds an entry of `kind` to `q` and waits until the driver grants it.
 ///
 /// On any error (timeout, would-block, lost session) the entry is removed before the
@@ -285,7 +312,7 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
                         _ => view.without(&blocker.name, &mine.name),
                     };
                     if granted {
-                        return Ok(mine);
+                        return confirmed(backend.as_ref(), q, mine).await;
                     }
                 }
                 r = &mut next_gone => {

@@ -560,9 +560,14 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                     |n| watching.contains(n),
                     fresh,
                 );
-                fresh = false;
+                let listed = std::mem::replace(&mut fresh, false);
                 match next {
-                    PermitNext::Granted => return Ok(mine),
+                    // On a listing that named `mine`, granted; on a view a watch
+                    // shortened, granted once the server still has `mine`.
+                    PermitNext::Granted if listed => return Ok(mine),
+                    PermitNext::Granted => {
+                        return queue::confirmed(backend.as_ref(), &q, mine).await
+                    }
                     PermitNext::Missing => {
                         return Err(Error::LockLost(format!(
                             "entry {} vanished from {q} while waiting",

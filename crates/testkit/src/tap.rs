@@ -48,6 +48,7 @@ pub enum Call {
     Queue,
     QueueAhead,
     Contains,
+    StillQueued,
     WaitGone,
     WaitGoneDetail,
     WaitChanged,
@@ -178,6 +179,13 @@ impl<T: Tap> Backend for Tapped<T> {
     }
     fn contains(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<bool>> + Send {
         through!(self, Call::Contains, |b| b.contains(q, entry))
+    }
+    fn still_queued(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+    ) -> impl Future<Output = Result<bool>> + Send {
+        through!(self, Call::StillQueued, |b| b.still_queued(q, entry))
     }
     fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> impl Future<Output = Result<()>> + Send {
         through!(self, Call::WaitGone, |b| b.wait_gone(q, entry))

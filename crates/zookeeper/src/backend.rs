@@ -228,12 +228,26 @@ impl Backend for ZkBackend {
             // The session's server may be a follower that trails the leader (or is cut off
             // from it and does not know yet): without a sync it would say "still there" about
             // an entry the leader already deleted. A sync completes only through the leader.
-            match retry(|| client.sync(&parent)).await {
-                Ok(()) | Err(zk::Error::NoNode) => {}
-                Err(err) => return Err(map_err("syncing before looking up an entry", err)),
-            }
             let path = format!("{parent}/{}", entry.name);
-            match retry(|| client.check_stat(&path)).await {
+            // Both sent at once: a server answers one session's requests in order, so the
+            // `exists` is answered after the sync (ZooKeeper's own sync-then-read idiom),
+            // in one round trip. After a dropped connection, one after the other.
+            let stat = match futures::future::join(client.sync(&parent), client.check_stat(&path))
+                .await
+            {
+                (Ok(()) | Err(zk::Error::NoNode), Ok(stat)) => Ok(stat),
+                (Err(err), _) if !is_connection_loss(&err) && err != zk::Error::NoNode => {
+                    return Err(map_err("syncing before looking up an entry", err))
+                }
+                _ => {
+                    match retry(|| client.sync(&parent)).await {
+                        Ok(()) | Err(zk::Error::NoNode) => {}
+                        Err(err) => return Err(map_err("syncing before looking up an entry", err)),
+                    }
+                    retry(|| client.check_stat(&path)).await
+                }
+            };
+            match stat {
                 // A sequential name is never reused, but the czxid (the token) settles it.
                 Ok(Some(stat)) => Ok(entry.token_matches(czxid_token(stat.czxid))),
                 Ok(None) => Ok(false),

@@ -460,6 +460,73 @@ pub async fn verify_checks_the_entry_on_the_server(kind: Kind, url: &str) {
     b.close().await.expect("close");
 }
 
+/// A waiter whose own entry is deleted from outside while it waits (an operator's
+/// delete, a revoked lease) never takes the lock from the view it had: when the entry
+/// ahead of it goes, it fails with `LockLost`, and the contender that queued after the
+/// deletion, which no longer sees it, gets the lock alone. Curator lists the queue on
+/// every wake and etcd's lock reads its own key after its wait, for the same reason.
+pub async fn a_waiter_whose_entry_went_is_never_granted(_kind: Kind, url: &str) {
+    let name = unique("waitgone");
+    let a = client(url).await;
+    let b = client(url).await;
+    let c = client(url).await;
+    let mut g = a.mutex(&name).expect("n").lock().await.expect("lock");
+    let mb = b.mutex(&name).expect("n");
+    let waiter = tokio::spawn(async move {
+        // A hold taken here is released at once: the assertion below is on the result.
+        mb.lock_timeout(GENEROUS).await.map(|g| g.token().get())
+    });
+    let queued = |n: usize| {
+        let a = &a;
+        let name = &name;
+        async move {
+            eventually(GENEROUS, || async {
+                a.participants(name).await.map(|p| p.len()).unwrap_or(0) == n
+            })
+            .await
+        }
+    };
+    assert!(queued(2).await, "the waiter never queued");
+    let waiting: Vec<_> = a
+        .participants(&name)
+        .await
+        .expect("participants")
+        .into_iter()
+        .filter(|p| !p.holds)
+        .collect();
+    assert_eq!(waiting.len(), 1, "one waiter expected: {waiting:?}");
+    let q = dlock_core::QueuePath::root(a.lock_name(&name).expect("name"));
+    a.backend()
+        .remove(&q, &waiting[0].entry)
+        .await
+        .expect("delete the waiter's entry from outside");
+    let mc = c.mutex(&name).expect("n");
+    let newcomer = tokio::spawn(async move {
+        let held = mc.lock_timeout(GENEROUS).await;
+        held.map(|g| (g.token().get(), g))
+    });
+    assert!(queued(2).await, "the newcomer never queued");
+    g.release().await.expect("release");
+    let got = tokio::time::timeout(GENEROUS, waiter)
+        .await
+        .expect("the waiter finished")
+        .expect("waiter task");
+    assert!(
+        matches!(got, Err(Error::LockLost(_))),
+        "a waiter whose entry was deleted took the lock beside the newcomer: {got:?}"
+    );
+    let (_, mut gc) = tokio::time::timeout(GENEROUS, newcomer)
+        .await
+        .expect("the newcomer finished")
+        .expect("newcomer task")
+        .expect("the newcomer gets the lock");
+    gc.release().await.expect("release");
+    assert_eq!(leftovers(&a, &name).await, 0, "entries left under {name}");
+    for x in [a, b, c] {
+        x.close().await.expect("close");
+    }
+}
+
 /// Token bookkeeping without an extra dependency.
 mod parking_lot_free {
     #[derive(Default)]

@@ -203,3 +203,95 @@ pub async fn etcd_semaphore_is_one_ranked_queue(_kind: Kind, url: &str) {
         c.close().await.expect("close");
     }
 }
+
+/// A permit waiter whose own entry is deleted from outside while it waits never takes a
+/// permit from the view it had (the mutex's `a_waiter_whose_entry_went_is_never_granted`,
+/// on a one-permit semaphore): when the holder gives its permit back, the waiter fails
+/// with `LockLost` and the contender that queued after the deletion takes the permit
+/// alone. Whichever of the waiter's entries the layout has (etcd's ranked permit, the
+/// internal mutex of Curator's layout, its lease where it has one) is the one deleted.
+pub async fn a_permit_waiter_whose_entry_went_is_never_granted(_kind: Kind, url: &str) {
+    let name = unique("semgone");
+    let cs = clients(url, 3).await;
+    let entries = |c: &Client| {
+        let name = name.clone();
+        let c = c.clone();
+        async move { c.participants(&name).await.expect("participants") }
+    };
+    let mut g = cs[0]
+        .semaphore(&name, 1)
+        .expect("name")
+        .acquire()
+        .await
+        .expect("permit");
+    let before = entries(&cs[0]).await;
+    let sem_b = cs[1].semaphore(&name, 1).expect("name");
+    let waiter = tokio::spawn(async move {
+        sem_b
+            .acquire_timeout(GENEROUS)
+            .await
+            .map(|g| g.token().get())
+    });
+    assert!(
+        eventually(GENEROUS, || async {
+            entries(&cs[0]).await.len() > before.len()
+        })
+        .await,
+        "the waiter never queued"
+    );
+    let added: Vec<_> = entries(&cs[0])
+        .await
+        .into_iter()
+        .filter(|p| !before.iter().any(|b| b.entry.name == p.entry.name))
+        .collect();
+    // Curator's order (add the lease, then look) leaves the waiter two entries: its
+    // lease, which is what counts against the permits, and the internal mutex it holds.
+    let target = added
+        .iter()
+        .find(|p| p.entry.kind == dlock::EntryKind::Lease)
+        .or(added.first())
+        .expect("the waiter's entry");
+    assert!(added.len() <= 2, "the waiter's entries: {added:?}");
+    let lock = cs[0].lock_name(&name).expect("name");
+    let q = match target.queue {
+        "" => dlock_core::QueuePath::root(lock),
+        sub => dlock_core::QueuePath::sub(lock, sub),
+    };
+    cs[0]
+        .backend()
+        .remove(&q, &target.entry)
+        .await
+        .expect("delete the waiter's entry from outside");
+    let sem_c = cs[2].semaphore(&name, 1).expect("name");
+    let newcomer = tokio::spawn(async move { sem_c.acquire_timeout(GENEROUS).await });
+    assert!(
+        eventually(GENEROUS, || async {
+            entries(&cs[0]).await.len() > before.len()
+        })
+        .await,
+        "the newcomer never queued"
+    );
+    g.release().await.expect("release");
+    let got = tokio::time::timeout(GENEROUS, waiter)
+        .await
+        .expect("the waiter finished")
+        .expect("waiter task");
+    assert!(
+        matches!(got, Err(dlock::Error::LockLost(_))),
+        "a waiter whose entry was deleted took the permit beside the newcomer: {got:?}"
+    );
+    let mut gc = tokio::time::timeout(GENEROUS, newcomer)
+        .await
+        .expect("the newcomer finished")
+        .expect("newcomer task")
+        .expect("the newcomer gets the permit");
+    gc.release().await.expect("release");
+    assert_eq!(
+        leftovers(&cs[0], &name).await,
+        0,
+        "entries left under {name}"
+    );
+    for c in cs {
+        c.close().await.expect("close");
+    }
+}

@@ -271,6 +271,7 @@ macro_rules! backend_contract {
             abandon_removes_exactly_the_tickets_entry,
             dropped_enqueues_then_abandon_leave_nothing,
             queue_ahead_and_contains_agree_with_queue,
+            still_queued_answers_for_the_moment_of_the_wake,
             close_fires_lost_and_later_calls_fail_typed,
             close_removes_the_sessions_entries,
             wait_changed_wakes_on_a_removal_and_an_addition,

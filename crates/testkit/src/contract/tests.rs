@@ -143,6 +143,51 @@ pub async fn fifo_across_two_sessions_and_wait_gone_wakes_on_removal(connect: Co
     within("close", b.close()).await.expect("close");
 }
 
+/// `still_queued`, asked by a waiter its watch just woke: its own entry, deleted from
+/// outside before the entry ahead of it went, is reported gone; left alone, it is
+/// reported there. (Without the first, the waiter would hold beside whoever queued
+/// after the deletion.)
+pub async fn still_queued_answers_for_the_moment_of_the_wake(connect: Connect) {
+    let a = session(&connect).await;
+    let b = session(&connect).await;
+    let c = session(&connect).await;
+    let q = fresh_queue(&*a, "still");
+    for deleted in [false, true] {
+        let head = add(&*a, &q, EntryKind::Lock, "a enqueues").await.mine;
+        let mine = add(&*b, &q, EntryKind::Lock, "b enqueues").await.mine;
+        let waiter = {
+            let (b, q, head) = (b.clone(), q.clone(), head.clone());
+            tokio::spawn(async move { b.wait_gone_detail(&q, &head).await })
+        };
+        tokio::time::sleep(QUIET).await;
+        if deleted {
+            within("c deletes b's entry", c.remove(&q, &mine))
+                .await
+                .expect("remove from outside");
+        }
+        within("a releases", a.remove(&q, &head))
+            .await
+            .expect("a releases");
+        within("b wakes", waiter)
+            .await
+            .expect("join")
+            .expect("wait_gone_detail");
+        let there = within("still_queued", b.still_queued(&q, &mine))
+            .await
+            .expect("still_queued");
+        assert_eq!(
+            there, !deleted,
+            "still_queued after the wake, b's entry deleted from outside: {deleted}"
+        );
+        within("b releases", b.remove(&q, &mine))
+            .await
+            .expect("b releases");
+    }
+    for s in [a, b, c] {
+        within("close", s.close()).await.expect("close");
+    }
+}
+
 /// `wait_gone` on an entry already removed, by its own session or another, or in a
 /// queue that never existed, returns at once.
 pub async fn wait_gone_returns_at_once_when_already_gone(connect: Connect) {
