@@ -104,6 +104,9 @@ pub(crate) struct Shared {
     /// would fail and cost a round trip and a script run). Advice only: either path is
     /// correct on any queue.
     pub(crate) contended: Mutex<HashMap<String, std::time::Instant>>,
+    /// Entries a remove script's message named live as the new head of their queue
+    /// (`removed head <name>`), not yet asked about by their waiter's `still_queued`.
+    pub(crate) told_live: Mutex<HashSet<String>>,
     /// Wakes the watchdog for an immediate round (after a reconnect).
     pub(crate) wake: Arc<Notify>,
     pub(crate) closed: AtomicBool,
@@ -359,6 +362,18 @@ impl Backend for RedisBackend {
         Ok(ahead
             .iter()
             .any(|e| e.name == entry.name && (!exact || entry.token_matches(e.token))))
+    }
+
+    /// On one master, answered without a request when the message that woke the waiter
+    /// named its entry as the new head (`removed head <name>`: the remove script found
+    /// the entry's key there when it removed the head, so it was live at that moment,
+    /// which is what the question asks). Otherwise, and on Redlock, whose one master's
+    /// message does not speak for a majority, [`Backend::contains`].
+    async fn still_queued(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
+        if self.shared.mode == Mode::Single && self.shared.take_told_live(&entry.name) {
+            return Ok(true);
+        }
+        self.contains(q, entry).await
     }
 
     async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {

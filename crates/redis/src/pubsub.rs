@@ -20,6 +20,9 @@ const GONE_MARGIN: Duration = Duration::from_millis(5);
 /// many waits share one UNSUBSCRIBE. A listener that comes back meanwhile reuses it.
 const UNSUBSCRIBE_BATCH: Duration = Duration::from_millis(20);
 
+/// How many `removed head <name>` notes (`Shared::told_live`) are kept at most.
+const TOLD_LIVE_MAX: usize = 1024;
+
 /// One pub/sub channel some waiters of this client listen on.
 #[derive(Debug)]
 pub(crate) struct Chan {
@@ -44,12 +47,37 @@ impl Shared {
             .map(|c| (c.notify.clone(), c.heard.clone(), c.head.clone()));
         if let Some((n, heard, head)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
-            if payload.as_str().is_some_and(|p| p.ends_with(" head")) {
-                head.store(true, Ordering::SeqCst);
+            if let Some(p) = payload.as_str() {
+                if let Some(rest) = p.strip_prefix("removed head") {
+                    if let Some(next) = rest.strip_prefix(' ') {
+                        self.told_live(next);
+                    }
+                    head.store(true, Ordering::SeqCst);
+                } else if p.ends_with(" head") {
+                    head.store(true, Ordering::SeqCst);
+                }
             }
             heard.store(true, Ordering::SeqCst);
             n.notify_waiters();
         }
+    }
+
+    /// Notes that a remove script found entry `name` live as the new head when it
+    /// removed the head ahead of it (`removed head <name>`), for that waiter's
+    /// `still_queued`. A bounded note, not a cache: whatever is dropped is read instead.
+    fn told_live(&self, name: &str) {
+        let mut told = self.told_live.lock();
+        if told.len() >= TOLD_LIVE_MAX {
+            // Notes of waiters that gave up before they asked: never asked for again.
+            told.clear();
+        }
+        told.insert(name.to_owned());
+    }
+
+    /// Whether a message said `name` was live as the new head of its queue (see
+    /// [`Shared::dispatch`]); the note is used up.
+    pub(crate) fn take_told_live(&self, name: &str) -> bool {
+        self.told_live.lock().remove(name)
     }
 
     /// Waits for a message on either of the waiter's channels (the second may be absent)

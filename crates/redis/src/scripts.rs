@@ -321,7 +321,11 @@ return out
 /// its own (`dlock_core::Gone::Head`: its watcher needs no listing), otherwise as
 /// `removed`. The first two members tell that and whether the queue is now empty, so the
 /// check replaces `tidy`'s `EXISTS`: no command more than before. A member whose entry
-/// key expired still counts as ahead, which only costs its watcher a listing.
+/// key expired still counts as ahead, which only costs its watcher a listing. A head
+/// removal with a second member also names it, `removed head <name>`, when its entry
+/// key is there (one `EXISTS`): that entry was live at the removal, so its waiter, woken
+/// by this message, needs no look-up of its own before it holds
+/// (`RedisBackend::still_queued`).
 const REMOVE: &str = r#"
 if #ARGV == 4 then
   local name = ARGV[4]
@@ -333,7 +337,10 @@ if #ARGV == 4 then
     return n
   end
   local why = 'removed'
-  if m[1] == name and tonumber(m[4]) > tonumber(m[2]) then why = 'removed head' end
+  if m[1] == name and tonumber(m[4]) > tonumber(m[2]) then
+    why = 'removed head'
+    if redis.call('EXISTS', ARGV[1] .. m[3]) == 1 then why = why .. ' ' .. m[3] end
+  end
   local n = drop(ARGV[1], ARGV[2], ARGV[3], name, why)
   if m[1] == nil then redis.call('DEL', KEYS[2], KEYS[3]) end
   return n
