@@ -70,6 +70,10 @@ pub struct EtcdBackend {
     pub(crate) closed: AtomicBool,
     /// The highest cluster revision this client has seen; reads must not go back before it.
     pub(crate) seen_rev: AtomicI64,
+    /// Entries (key, create revision) that a whole-queue watch saw live right behind the
+    /// head when the head went (`waits.rs`), not yet asked about by their waiter's
+    /// `still_queued`.
+    pub(crate) told_live: parking_lot::Mutex<std::collections::HashSet<(String, i64)>>,
     /// This backend, for the background tasks that must not keep it alive (`sweeps.rs`).
     pub(crate) me: std::sync::Weak<EtcdBackend>,
     /// How many sweeps run (`sweeps.rs`).
@@ -314,6 +318,7 @@ impl EtcdBackend {
             local: parking_lot::Mutex::new(Local::default()),
             closed: AtomicBool::new(false),
             seen_rev: AtomicI64::new(0),
+            told_live: parking_lot::Mutex::new(std::collections::HashSet::new()),
             me: me.clone(),
             sweeps: std::sync::atomic::AtomicUsize::new(0),
         })
@@ -525,13 +530,21 @@ impl Backend for EtcdBackend {
         Ok(holds_entry(&resp, &key, entry))
     }
 
-    /// One read of the entry's key, served by any member that has reached every revision
-    /// this client has seen (`fresh_get`), the deletes its watches reported
-    /// included: serializable where that member is up to date, so no quorum round on a
-    /// handoff. A member that has applied the delete the waiter was woken by has applied
-    /// every earlier one, its own entry's included.
+    /// Answered without a request when the waiter's whole-queue watch saw its entry live
+    /// right behind the head at the head's delete (`wait_gone_tracking_once`: the queue
+    /// read and every delete after it, in order, up to that one). Otherwise one read of
+    /// the entry's key, served by any member that has reached every revision this client
+    /// has seen (`fresh_get`), the deletes its watches reported included: serializable
+    /// where that member is up to date, so no quorum round on a handoff. A member that
+    /// has applied the delete the waiter was woken by has applied every earlier one, its
+    /// own entry's included.
     async fn still_queued(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
         let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
+        if let Some(created) = entry.token.and_then(|t| i64::try_from(t.get()).ok()) {
+            if self.told_live.lock().remove(&(key.clone(), created)) {
+                return Ok(true);
+            }
+        }
         let resp = self
             .fresh_get(&key, GetOptions::new().with_keys_only(), 0)
             .await

@@ -40,6 +40,10 @@ const UNSYNCED_WINDOW: Duration = Duration::from_millis(55);
 /// reaches at most this many such watches, and a longer queue costs what it did before.
 pub(crate) const TRACK_AT_MOST: i64 = 8;
 
+/// How many notes of entries seen live behind a departing head are kept at most
+/// (`EtcdBackend::tell_live`).
+const TOLD_LIVE_MAX: usize = 1024;
+
 /// Whether a watch event is news to a waiter whose read answered at revision `read_rev`:
 /// it happened after that read (its key's mod revision, which a delete event carries
 /// too, is above it). An event at or below it is already in the read.
@@ -96,6 +100,9 @@ struct Ahead<'a> {
     /// The other entries queued with a sequence up to that entry's, as of `read_rev` and
     /// every delete since; `None` when they are not tracked (a write among them).
     names: Option<HashSet<String>>,
+    /// The entry right behind it in the read (its name and create revision) while no
+    /// delete of it has been seen: at a head delete, it is live behind the new head.
+    next: Option<(String, i64)>,
 }
 
 impl Ahead<'_> {
@@ -132,8 +139,13 @@ impl Ahead<'_> {
             }
             if kv.key() == self.key.as_bytes() {
                 gone_at = Some(kv.mod_revision());
-            } else if let Some(names) = &mut self.names {
-                names.remove(name);
+            } else {
+                if self.next.as_ref().is_some_and(|(n, _)| n == name) {
+                    self.next = None;
+                }
+                if let Some(names) = &mut self.names {
+                    names.remove(name);
+                }
             }
         }
         gone_at.map(|_| {
@@ -328,6 +340,11 @@ impl EtcdBackend {
             // Its key is not an entry of this queue's layout: nothing to track.
             return Ok(Gone::Unknown);
         };
+        let next = queue
+            .iter()
+            .skip_while(|e| e.name != entry.name)
+            .nth(1)
+            .and_then(|e| Some((e.name.clone(), i64::try_from(e.token?.get()).ok()?)));
         let ahead_of_it = queue
             .iter()
             .filter(|e| e.seq <= seq && e.name != entry.name);
@@ -341,16 +358,36 @@ impl EtcdBackend {
             key,
             read_rev,
             names,
+            next,
         };
-        self.until_gone(
-            key,
-            entry,
-            Feed::Hub(&mut sub),
-            (hub.watch_rev, read_rev, hub.armed_at),
-            |m| ahead.apply(m),
-        )
-        .await
-        .map(|gone| gone.unwrap_or(Gone::Unknown))
+        let gone = self
+            .until_gone(
+                key,
+                entry,
+                Feed::Hub(&mut sub),
+                (hub.watch_rev, read_rev, hub.armed_at),
+                |m| ahead.apply(m),
+            )
+            .await?
+            .unwrap_or(Gone::Unknown);
+        if gone == Gone::Head {
+            if let Some((name, created)) = ahead.next.take() {
+                self.tell_live(format!("{prefix}{name}"), created);
+            }
+        }
+        Ok(gone)
+    }
+
+    /// Notes that entry `key` (created at `created`) was live behind the head when the
+    /// head went, for its waiter's `still_queued`. Bounded: a note of a waiter that gave
+    /// up before it asked is never asked for (a re-created key has another revision),
+    /// and whatever is dropped is read instead.
+    fn tell_live(&self, key: String, created: i64) {
+        let mut told = self.told_live.lock();
+        if told.len() >= TOLD_LIVE_MAX {
+            told.clear();
+        }
+        told.insert((key, created));
     }
 
     /// Joins the client's hub of the queue at `prefix` (`hubs.rs`), arming its watch
