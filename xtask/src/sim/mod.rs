@@ -1,5 +1,6 @@
 //! `cargo xtask sim`: every recipe over the in-memory backend (`dlock_testkit::mem`)
-//! under seeded fault schedules, on virtual time, checked by the chaos suite's checker
+//! under seeded fault schedules (dropped and late replies and watch events, workers cut
+//! off, waiters' entries deleted from outside), on virtual time, checked by the chaos suite's checker
 //! for mutual exclusion, permit bounds, reader/writer rules and token order, and for
 //! entries left behind.
 //!
@@ -25,6 +26,7 @@ pub(crate) fn run(args: &SimArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let mut sections = 0u64;
     let mut faults = 0u64;
+    let mut deleted = 0u64;
     let mut per_recipe = vec![0u64; recipes.len()];
     for i in 0..args.seeds {
         let seed = args.seed.wrapping_add(i);
@@ -37,6 +39,7 @@ pub(crate) fn run(args: &SimArgs) -> anyhow::Result<()> {
         let outcome = rt.block_on(world::run_seed(seed, recipe))?;
         sections += outcome.sections;
         faults += outcome.faults;
+        deleted += outcome.deleted;
         per_recipe[which] += 1;
         if !outcome.violations.is_empty() {
             for v in &outcome.violations {
@@ -54,7 +57,7 @@ pub(crate) fn run(args: &SimArgs) -> anyhow::Result<()> {
         .map(|(r, n)| format!("{} {n}", r.label()))
         .collect();
     println!(
-        "sim: {} seeds from {} ({}): {sections} sections, {faults} partitions, 0 violations, in {:.1?}",
+        "sim: {} seeds from {} ({}): {sections} sections, {faults} partitions, {deleted} waiters' entries deleted from outside, 0 violations, in {:.1?}",
         args.seeds,
         args.seed,
         counts.join(", "),

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::{Client, DynBackend, Error, LockGuard, SessionOptions, TicketSource};
+use dlock::{Client, DynBackend, Entry, Error, LockGuard, SessionOptions, TicketSource};
+use dlock_core::{driver, LockName, NameRules, QueuePath};
 use dlock_testkit::mem::{FaultPlan, MemServer, SessionId};
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
@@ -35,6 +36,8 @@ pub(crate) struct Outcome {
     pub(crate) sections: u64,
     /// Workers cut off from the server.
     pub(crate) faults: u64,
+    /// Waiters' entries deleted from outside.
+    pub(crate) deleted: u64,
     /// What went wrong; empty when the seed passed.
     pub(crate) violations: Vec<String>,
 }
@@ -106,7 +109,8 @@ pub(crate) async fn run_seed(seed: u64, recipe: Recipe) -> anyhow::Result<Outcom
     // Half the seeds run the semaphores as on etcd (one ranked queue), half as on
     // ZooKeeper (Curator's internal mutex); drawn apart from the faults' generator so the
     // faults of a seed stay what they were.
-    server.rank_semaphores(StdRng::seed_from_u64(seed ^ 0x5EED_5EED).gen_bool(0.5));
+    let ranked = StdRng::seed_from_u64(seed ^ 0x5EED_5EED).gen_bool(0.5);
+    server.rank_semaphores(ranked);
     let history = History {
         start: Instant::now(),
         records: Arc::new(Mutex::new(Vec::new())),
@@ -138,6 +142,14 @@ pub(crate) async fn run_seed(seed: u64, recipe: Recipe) -> anyhow::Result<Outcom
         StdRng::seed_from_u64(rng.gen()),
         cut_count.clone(),
     ));
+    // Its own generator too, so the other faults of a seed stay what they were.
+    let deleted = Arc::new(AtomicU64::new(0));
+    let deletes = tokio::spawn(delete_waiters(
+        server.clone(),
+        waiting_queues(&name, recipe, ranked),
+        StdRng::seed_from_u64(seed ^ 0xDE1E_7E0F),
+        deleted.clone(),
+    ));
     let mut violations = Vec::new();
     for t in tasks {
         if let Err(e) = t.await {
@@ -146,6 +158,8 @@ pub(crate) async fn run_seed(seed: u64, recipe: Recipe) -> anyhow::Result<Outcom
     }
     cuts.abort();
     let _ = cuts.await;
+    deletes.abort();
+    let _ = deletes.await;
     let faults = cut_count.load(Ordering::Relaxed);
     // Every worker closed its client; a session cut off before that ends by expiry.
     tokio::time::sleep(SESSION * 2).await;
@@ -188,8 +202,90 @@ pub(crate) async fn run_seed(seed: u64, recipe: Recipe) -> anyhow::Result<Outcom
     Ok(Outcome {
         sections: verdict.sections,
         faults,
+        deleted: deleted.load(Ordering::Relaxed),
         violations,
     })
+}
+
+/// Which entries of a queue are waiting, as the server's own queue shows them.
+#[derive(Debug, Clone, Copy)]
+enum Waiting {
+    /// Those with a conflicting entry ahead ([`driver::decide`]): a mutex, a read/write
+    /// lock, an election, the internal mutex of Curator's semaphore.
+    Blocked,
+    /// Those behind the first `n`: a ranked semaphore's permits.
+    BeyondPermits(usize),
+}
+
+impl Waiting {
+    fn holds(self, queue: &[Entry], i: usize) -> bool {
+        match self {
+            Waiting::Blocked => !matches!(
+                driver::decide(queue, &queue[i].name),
+                driver::Decision::Wait(_)
+            ),
+            Waiting::BeyondPermits(n) => i < n,
+        }
+    }
+}
+
+/// The queues of the lock `name` whose waiters [`delete_waiters`] may delete, and how
+/// it tells them from holders.
+fn waiting_queues(name: &str, recipe: Recipe, ranked: bool) -> Vec<(QueuePath, Waiting)> {
+    let lock =
+        |n: &str| LockName::new(n, NameRules::common()).expect("the simulation's names are valid");
+    let permits = match recipe {
+        Recipe::Semaphore => Some(PERMITS as usize),
+        Recipe::SemaphoreMutex => Some(1),
+        _ => None,
+    };
+    match (recipe, permits) {
+        (Recipe::MultiLock, _) => ["a", "b"]
+            .iter()
+            .map(|part| {
+                (
+                    QueuePath::root(lock(&format!("{name}/{part}"))),
+                    Waiting::Blocked,
+                )
+            })
+            .collect(),
+        (_, Some(n)) if ranked => vec![(
+            QueuePath::sub(lock(name), "permits"),
+            Waiting::BeyondPermits(n),
+        )],
+        // Curator's layout: a lease is only ever a holder's; the internal mutex's
+        // waiters are the ones still queued for a turn.
+        (_, Some(_)) => vec![(QueuePath::sub(lock(name), "locks"), Waiting::Blocked)],
+        _ => vec![(QueuePath::root(lock(name)), Waiting::Blocked)],
+    }
+}
+
+/// Now and then deletes one waiter's entry from outside, as an operator's delete or a
+/// revoked lease would, until aborted; counts the deletions in `count`. Only waiters': a
+/// holder's entry deleted from outside is a lost lock that no client can be told of
+/// before the next contender holds (docs/safety.md), which no lock survives. The pick
+/// and the delete are one atomic step on the server, so the entry is a waiter's at that
+/// moment; its own client must then never hold on it.
+async fn delete_waiters(
+    server: Arc<MemServer>,
+    queues: Vec<(QueuePath, Waiting)>,
+    mut rng: StdRng,
+    count: Arc<AtomicU64>,
+) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(100..2_000))).await;
+        let (q, waiting) = &queues[rng.gen_range(0..queues.len())];
+        let draw: usize = rng.gen();
+        let deleted = server.delete_from_outside(q, |queue| {
+            let waiters: Vec<usize> = (0..queue.len())
+                .filter(|&i| !waiting.holds(queue, i))
+                .collect();
+            (!waiters.is_empty()).then(|| waiters[draw % waiters.len()])
+        });
+        if deleted.is_some() {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Cuts a random worker off (its session stops reaching the server) for a random while,

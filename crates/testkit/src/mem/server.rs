@@ -190,6 +190,23 @@ impl MemServer {
         self.state.lock().revision
     }
 
+    /// A fault made outside the protocol, as an operator's `delete` or a revoked lease
+    /// makes it: deletes the entry of `q` that `choose` picks from the queue as it stands
+    /// (in queue order), in one atomic step with the pick, firing the watches a removal
+    /// fires. Its session goes on and is not told. Returns the entry deleted, if any.
+    pub fn delete_from_outside(
+        &self,
+        q: &QueuePath,
+        choose: impl FnOnce(&[Entry]) -> Option<usize>,
+    ) -> Option<Entry> {
+        let mut st = self.state.lock();
+        st.sweep(Instant::now());
+        let queue = st.list(q);
+        let victim = queue.get(choose(&queue)?)?.clone();
+        st.remove_where(q, |e| e.name == victim.name);
+        Some(victim)
+    }
+
     /// Whether the session is still alive on the server (neither expired nor closed).
     /// Expires it first if its deadline has passed.
     pub fn is_alive(&self, id: SessionId) -> bool {
