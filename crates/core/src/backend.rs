@@ -229,6 +229,27 @@ pub enum Gone {
     Vanished,
 }
 
+/// What a waiter learns when the entry it waited on goes ([`Backend::wait_gone_behind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Woken {
+    /// How the entry went.
+    pub gone: Gone,
+    /// The backend knows that the waiter's own entry was still queued when the watched
+    /// entry went (from the same ordered stream of events that told it so), so the waiter
+    /// needs no [`Backend::still_queued`] before it holds. `false` says only that it does
+    /// not know.
+    pub mine_queued: bool,
+}
+
+impl Woken {
+    /// A wake-up: how the entry went, and whether the waiter's own entry is known to
+    /// have been queued then.
+    pub const fn new(gone: Gone, mine_queued: bool) -> Self {
+        Woken { gone, mine_queued }
+    }
+}
+
 /// The result of [`Backend::enqueue`].
 #[derive(Debug, Clone)]
 pub struct Enqueued {
@@ -418,6 +439,26 @@ pub trait Backend: Send + Sync + 'static {
         async move {
             Backend::wait_gone(self, q, entry).await?;
             Ok(Gone::Unknown)
+        }
+    }
+
+    /// As [`Backend::wait_gone_detail`], for a waiter whose own entry in `q` is `mine`:
+    /// also says whether the backend knows `mine` was still queued when `entry` went
+    /// ([`Woken::mine_queued`]). It must never say so of an entry deleted before `entry`
+    /// went; the contract's `still_queued_answers_for_the_moment_of_the_wake` checks it.
+    ///
+    /// The default waits with [`Backend::wait_gone_detail`] and knows nothing of `mine`,
+    /// which is always correct: the waiter then asks [`Backend::still_queued`].
+    fn wait_gone_behind(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        mine: &Entry,
+    ) -> impl Future<Output = Result<Woken>> + Send {
+        let _ = mine;
+        async move {
+            let gone = Backend::wait_gone_detail(self, q, entry).await?;
+            Ok(Woken::new(gone, false))
         }
     }
 
@@ -639,6 +680,13 @@ pub trait DynBackend: Send + Sync + 'static {
         q: &'a QueuePath,
         entry: &'a Entry,
     ) -> BoxFuture<'a, Result<Gone>>;
+    /// [`Backend::wait_gone_behind`].
+    fn wait_gone_behind<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Woken>>;
     /// [`Backend::wait_changed`].
     fn wait_changed<'a>(&'a self, q: &'a QueuePath, seen: &'a [Entry])
         -> BoxFuture<'a, Result<()>>;
@@ -751,6 +799,14 @@ impl<B: Backend> DynBackend for B {
         entry: &'a Entry,
     ) -> BoxFuture<'a, Result<Gone>> {
         Box::pin(Backend::wait_gone_detail(self, q, entry))
+    }
+    fn wait_gone_behind<'a>(
+        &'a self,
+        q: &'a QueuePath,
+        entry: &'a Entry,
+        mine: &'a Entry,
+    ) -> BoxFuture<'a, Result<Woken>> {
+        Box::pin(Backend::wait_gone_behind(self, q, entry, mine))
     }
     fn wait_changed<'a>(
         &'a self,

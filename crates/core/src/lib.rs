@@ -64,7 +64,7 @@ pub mod token;
 
 pub use backend::{
     lost_margin, Backend, Capability, DynBackend, Enqueued, Gone, Hints, ListedQueue, Position,
-    SessionOptions,
+    SessionOptions, Woken,
 };
 pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dlock_core::{
     Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, Hints, ListedQueue, NameRules,
-    Position, QueuePath, Result, SessionOptions, Ticket,
+    Position, QueuePath, Result, SessionOptions, Ticket, Woken,
 };
 use etcd_client::{
     Certificate, Client, ConnectOptions, GetOptions, GetResponse, Identity, LeaseClient, TlsOptions,
@@ -70,10 +70,6 @@ pub struct EtcdBackend {
     pub(crate) closed: AtomicBool,
     /// The highest cluster revision this client has seen; reads must not go back before it.
     pub(crate) seen_rev: AtomicI64,
-    /// Entries (key, create revision) that a whole-queue watch saw live right behind the
-    /// head when the head went (`waits.rs`), not yet asked about by their waiter's
-    /// `still_queued`.
-    pub(crate) told_live: parking_lot::Mutex<std::collections::HashSet<(String, i64)>>,
     /// This backend, for the background tasks that must not keep it alive (`sweeps.rs`).
     pub(crate) me: std::sync::Weak<EtcdBackend>,
     /// How many sweeps run (`sweeps.rs`).
@@ -318,7 +314,6 @@ impl EtcdBackend {
             local: parking_lot::Mutex::new(Local::default()),
             closed: AtomicBool::new(false),
             seen_rev: AtomicI64::new(0),
-            told_live: parking_lot::Mutex::new(std::collections::HashSet::new()),
             me: me.clone(),
             sweeps: std::sync::atomic::AtomicUsize::new(0),
         })
@@ -530,21 +525,14 @@ impl Backend for EtcdBackend {
         Ok(holds_entry(&resp, &key, entry))
     }
 
-    /// Answered without a request when the waiter's whole-queue watch saw its entry live
-    /// right behind the head at the head's delete (`wait_gone_tracking_once`: the queue
-    /// read and every delete after it, in order, up to that one). Otherwise one read of
-    /// the entry's key, served by any member that has reached every revision this client
-    /// has seen (`fresh_get`), the deletes its watches reported included: serializable
-    /// where that member is up to date, so no quorum round on a handoff. A member that
-    /// has applied the delete the waiter was woken by has applied every earlier one, its
-    /// own entry's included.
+    /// One read of the entry's key, served by any member that has reached every revision
+    /// this client has seen (`fresh_get`), the deletes its watches reported included:
+    /// serializable where that member is up to date, so no quorum round on a handoff. A
+    /// member that has applied the delete the waiter was woken by has applied every
+    /// earlier one, its own entry's included. (A waiter its whole-queue watch woke needs
+    /// none: `wait_gone_behind`.)
     async fn still_queued(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
         let key = format!("{}{}", layout::queue_prefix(&self.namespace, q), entry.name);
-        if let Some(created) = entry.token.and_then(|t| i64::try_from(t.get()).ok()) {
-            if self.told_live.lock().remove(&(key.clone(), created)) {
-                return Ok(true);
-            }
-        }
         let resp = self
             .fresh_get(&key, GetOptions::new().with_keys_only(), 0)
             .await
@@ -574,11 +562,37 @@ impl Backend for EtcdBackend {
         async move {
             let prefix = layout::queue_prefix(&self.namespace, q);
             let key = format!("{prefix}{}", entry.name);
-            let gone = self
-                .retry_watch(&key, || self.wait_gone_tracking_once(&prefix, &key, entry))
+            let woken = self
+                .retry_watch(&key, || {
+                    self.wait_gone_tracking_once(&prefix, &key, entry, None)
+                })
                 .await?;
-            tracing::debug!(?gone, "gone");
-            Ok(gone)
+            tracing::debug!(gone = ?woken.gone, "gone");
+            Ok(woken.gone)
+        }
+        .instrument(span)
+    }
+
+    /// As `wait_gone_detail`, and on a short queue watched whole,
+    /// [`Woken::mine_queued`] when the queue read showed the waiter's own entry and the
+    /// watch's deletes after it, in order up to the one of `entry`, did not include it.
+    fn wait_gone_behind(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        mine: &Entry,
+    ) -> impl Future<Output = Result<Woken>> + Send {
+        let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
+        async move {
+            let prefix = layout::queue_prefix(&self.namespace, q);
+            let key = format!("{prefix}{}", entry.name);
+            let woken = self
+                .retry_watch(&key, || {
+                    self.wait_gone_tracking_once(&prefix, &key, entry, Some(mine))
+                })
+                .await?;
+            tracing::debug!(gone = ?woken.gone, mine_queued = woken.mine_queued, "gone");
+            Ok(woken)
         }
         .instrument(span)
     }

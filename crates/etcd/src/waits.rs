@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{Entry, EntryKind, Error, Gone, Result};
+use dlock_core::{Entry, EntryKind, Error, Gone, Result, Woken};
 use etcd_client::{
     EventType, GetOptions, GetResponse, WatchFilterType, WatchOptions, WatchResponse,
 };
@@ -39,10 +39,6 @@ const UNSYNCED_WINDOW: Duration = Duration::from_millis(55);
 /// Only the first entries of a queue can see it this short, so each change of a queue
 /// reaches at most this many such watches, and a longer queue costs what it did before.
 pub(crate) const TRACK_AT_MOST: i64 = 8;
-
-/// How many notes of entries seen live behind a departing head are kept at most
-/// (`EtcdBackend::tell_live`).
-const TOLD_LIVE_MAX: usize = 1024;
 
 /// Whether a watch event is news to a waiter whose read answered at revision `read_rev`:
 /// it happened after that read (its key's mod revision, which a delete event carries
@@ -100,9 +96,9 @@ struct Ahead<'a> {
     /// The other entries queued with a sequence up to that entry's, as of `read_rev` and
     /// every delete since; `None` when they are not tracked (a write among them).
     names: Option<HashSet<String>>,
-    /// The entry right behind it in the read (its name and create revision) while no
-    /// delete of it has been seen: at a head delete, it is live behind the new head.
-    next: Option<(String, i64)>,
+    /// The waiter's own entry's name, while the read showed it and no delete of it has
+    /// been seen: when the entry waited on goes, it is still queued.
+    mine: Option<String>,
 }
 
 impl Ahead<'_> {
@@ -140,8 +136,8 @@ impl Ahead<'_> {
             if kv.key() == self.key.as_bytes() {
                 gone_at = Some(kv.mod_revision());
             } else {
-                if self.next.as_ref().is_some_and(|(n, _)| n == name) {
-                    self.next = None;
+                if self.mine.as_deref() == Some(name) {
+                    self.mine = None;
                 }
                 if let Some(names) = &mut self.names {
                     names.remove(name);
@@ -286,11 +282,12 @@ impl EtcdBackend {
         prefix: &str,
         key: &str,
         entry: &Entry,
-    ) -> Result<Gone> {
+        mine: Option<&Entry>,
+    ) -> Result<Woken> {
         let one_key = || async {
             self.wait_gone_once(key, entry)
                 .await
-                .map(|()| Gone::Unknown)
+                .map(|()| Woken::new(Gone::Unknown, false))
         };
         if !matches!(entry.kind, EntryKind::Lock | EntryKind::Lease) {
             // A read or write queue (`RwLock`): its readers come and go beside each
@@ -333,18 +330,18 @@ impl EtcdBackend {
             return one_key().await;
         }
         if !holds_entry(&read, key, entry) {
-            return Ok(Gone::Unknown);
+            return Ok(Woken::new(Gone::Unknown, false));
         }
         let queue = layout::queue_from_kvs(prefix, read.kvs().iter().map(raw));
         let Some(seq) = queue.iter().find(|e| e.name == entry.name).map(|e| e.seq) else {
             // Its key is not an entry of this queue's layout: nothing to track.
-            return Ok(Gone::Unknown);
+            return Ok(Woken::new(Gone::Unknown, false));
         };
-        let next = queue
-            .iter()
-            .skip_while(|e| e.name != entry.name)
-            .nth(1)
-            .and_then(|e| Some((e.name.clone(), i64::try_from(e.token?.get()).ok()?)));
+        // The waiter's own entry, where the read shows it (its create revision its
+        // token: a key of the same name created again is another entry).
+        let mine = mine
+            .filter(|m| holds_entry(&read, &format!("{prefix}{}", m.name), m))
+            .map(|m| m.name.clone());
         let ahead_of_it = queue
             .iter()
             .filter(|e| e.seq <= seq && e.name != entry.name);
@@ -358,9 +355,9 @@ impl EtcdBackend {
             key,
             read_rev,
             names,
-            next,
+            mine,
         };
-        let gone = self
+        let seen = self
             .until_gone(
                 key,
                 entry,
@@ -368,26 +365,13 @@ impl EtcdBackend {
                 (hub.watch_rev, read_rev, hub.armed_at),
                 |m| ahead.apply(m),
             )
-            .await?
-            .unwrap_or(Gone::Unknown);
-        if gone == Gone::Head {
-            if let Some((name, created)) = ahead.next.take() {
-                self.tell_live(format!("{prefix}{name}"), created);
-            }
-        }
-        Ok(gone)
-    }
-
-    /// Notes that entry `key` (created at `created`) was live behind the head when the
-    /// head went, for its waiter's `still_queued`. Bounded: a note of a waiter that gave
-    /// up before it asked is never asked for (a re-created key has another revision),
-    /// and whatever is dropped is read instead.
-    fn tell_live(&self, key: String, created: i64) {
-        let mut told = self.told_live.lock();
-        if told.len() >= TOLD_LIVE_MAX {
-            told.clear();
-        }
-        told.insert((key, created));
+            .await?;
+        // Only a delete the feed delivered has every earlier delete before it: one
+        // found by a re-read (`None`) may be ahead of a watch the server left unsynced.
+        Ok(match seen {
+            Some(gone) => Woken::new(gone, ahead.mine.is_some()),
+            None => Woken::new(Gone::Unknown, false),
+        })
     }
 
     /// Joins the client's hub of the queue at `prefix` (`hubs.rs`), arming its watch

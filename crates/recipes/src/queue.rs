@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::driver::{Decision, Snapshot};
-use dlock_core::{DynBackend, Entry, EntryKind, Error, Gone, Position, QueuePath, Result, Ticket};
+use dlock_core::{
+    DynBackend, Entry, EntryKind, Error, Gone, Position, QueuePath, Result, Ticket, Woken,
+};
 use futures::future::BoxFuture;
 use tokio::time::Instant;
 
@@ -204,6 +206,17 @@ pub(crate) fn spawn_remove<B: DynBackend + ?Sized>(backend: Arc<B>, q: QueuePath
     });
 }
 
+/// [`DynBackend::wait_gone_behind`] on owned arguments, so the watch can outlive one
+/// loop turn: a waiter whose own entry is `mine` waits for `entry` to go.
+pub(crate) fn watch_gone_behind<B: DynBackend + ?Sized>(
+    backend: Arc<B>,
+    q: QueuePath,
+    entry: Entry,
+    mine: Entry,
+) -> BoxFuture<'static, Result<Woken>> {
+    Box::pin(async move { backend.wait_gone_behind(&q, &entry, &mine).await })
+}
+
 /// [`DynBackend::wait_gone_detail`] on owned arguments, so the watch can outlive one loop
 /// turn.
 pub(crate) fn watch_gone<B: DynBackend + ?Sized>(
@@ -214,24 +227,28 @@ pub(crate) fn watch_gone<B: DynBackend + ?Sized>(
     Box::pin(async move { backend.wait_gone_detail(&q, &entry).await })
 }
 
-/// `mine`, once the server confirms it is still queued: the last step of a grant made
-/// from a waiter's own view after a watch said an entry ahead went.
+/// `mine`, once it is known to have been queued when the entry ahead went: the last
+/// step of a grant made from a waiter's own view after a watch said that entry went.
+/// `proven` is the watch's own word ([`Woken::mine_queued`]); without it, the server is
+/// asked.
 ///
 /// The view cannot see the waiter's own entry go. Deleted from outside while it waited
 /// (an operator's delete, a revoked lease, a server that lost keys), the entry is no
 /// longer ahead of anyone, so the contender that queued after it takes the lock when
 /// the same entry goes, and without this read both would hold.
 /// [`DynBackend::still_queued`] answers for a moment no earlier than the change the
-/// waiter's watch reported, so an entry it finds was there when the one ahead went. One
-/// read per handoff, on the waiter's side;
+/// waiter's watch reported, so an entry it finds was there when the one ahead went. At
+/// most one read per handoff, on the waiter's side, and none where the watch's ordered
+/// events already showed the entry there;
 /// Curator lists the queue on every wake and etcd's lock reads its own key after its
 /// wait for the same reason. A grant from a listing that named `mine` needs none.
 pub(crate) async fn confirmed<B: DynBackend + ?Sized>(
     backend: &B,
     q: &QueuePath,
     mine: Entry,
+    proven: bool,
 ) -> Result<Entry> {
-    if backend.still_queued(q, &mine).await? {
+    if proven || backend.still_queued(q, &mine).await? {
         Ok(mine)
     } else {
         Err(Error::LockLost(format!(
@@ -266,7 +283,7 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
         let watch_ahead = backend.hints().watch_ahead;
         // The watch on the entry this waiter waits on, kept across a re-listing that
         // names the same entry again, so it is armed once.
-        let mut watch: Option<(String, BoxFuture<'static, Result<Gone>>)> = None;
+        let mut watch: Option<(String, BoxFuture<'static, Result<Woken>>)> = None;
         loop {
             let (blocker, next) = match view.decide(&mine.name) {
                 Decision::Acquired => return Ok(mine),
@@ -289,7 +306,7 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
             tracing::trace!(queue = %q, mine = %mine.name, watching = %blocker.name, next = ?next.as_ref().map(|e| &e.name), "waiting");
             let mut gone = match watch.take() {
                 Some((name, fut)) if name == blocker.name => fut,
-                _ => watch_gone(backend.clone(), q.clone(), blocker.clone()),
+                _ => watch_gone_behind(backend.clone(), q.clone(), blocker.clone(), mine.clone()),
             };
             // Both watches are armed in the same poll, so in one round trip.
             let mut next_gone = match next {
@@ -306,13 +323,14 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
                     // however stale it is (see `Snapshot::without_head`).
                     // Found vanished, it may have gone with mine: only a fresh listing,
                     // which would no longer name mine, can tell.
-                    let granted = match r? {
+                    let woken = r?;
+                    let granted = match woken.gone {
                         Gone::Head => view.without_head(&blocker.name, &mine.name),
                         Gone::Vanished => false,
                         _ => view.without(&blocker.name, &mine.name),
                     };
                     if granted {
-                        return confirmed(backend.as_ref(), q, mine).await;
+                        return confirmed(backend.as_ref(), q, mine, woken.mine_queued).await;
                     }
                 }
                 r = &mut next_gone => {

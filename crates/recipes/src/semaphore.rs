@@ -551,6 +551,8 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             // Whether `view` is a listing not yet acted on: only such a listing is
             // trusted to arm watches from (`permit_next`).
             let mut fresh = true;
+            // Whether the last wake-up showed `mine` still queued (`Woken::mine_queued`).
+            let mut proven = false;
             loop {
                 let next = permit_next(
                     &view,
@@ -563,10 +565,10 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                 let listed = std::mem::replace(&mut fresh, false);
                 match next {
                     // On a listing that named `mine`, granted; on a view a watch
-                    // shortened, granted once the server still has `mine`.
+                    // shortened, granted once `mine` is known to be still queued.
                     PermitNext::Granted if listed => return Ok(mine),
                     PermitNext::Granted => {
-                        return queue::confirmed(backend.as_ref(), &q, mine).await
+                        return queue::confirmed(backend.as_ref(), &q, mine, proven).await
                     }
                     PermitNext::Missing => {
                         return Err(Error::LockLost(format!(
@@ -585,7 +587,12 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                         }
                         for e in arm {
                             watching.insert(e.name.clone());
-                            let gone = queue::watch_gone(backend.clone(), q.clone(), e.clone());
+                            let gone = queue::watch_gone_behind(
+                                backend.clone(),
+                                q.clone(),
+                                e.clone(),
+                                mine.clone(),
+                            );
                             watches.push(async move { (e.name, gone.await) });
                         }
                     }
@@ -598,7 +605,11 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                     e = lost => return Err(e),
                     Some((name, r)) = watches.next() => {
                         watching.remove(&name);
-                        match r? {
+                        let woken = r?;
+                        // Whether this wake-up's events showed `mine` still queued at
+                        // that entry's removal: every earlier removal came before it.
+                        proven = woken.mine_queued;
+                        match woken.gone {
                             // Found missing, not seen removed: it may have gone with
                             // mine, which only a fresh listing can tell.
                             Gone::Vanished => {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use dlock_core::{
     Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, ListedQueue, NameRules, Position,
-    QueuePath, Result, Ticket,
+    QueuePath, Result, Ticket, Woken,
 };
 use fred::prelude::Value;
 use futures::future::{join_all, BoxFuture};
@@ -104,9 +104,6 @@ pub(crate) struct Shared {
     /// would fail and cost a round trip and a script run). Advice only: either path is
     /// correct on any queue.
     pub(crate) contended: Mutex<HashMap<String, std::time::Instant>>,
-    /// Entries a remove script's message named live as the new head of their queue
-    /// (`removed head <name>`), not yet asked about by their waiter's `still_queued`.
-    pub(crate) told_live: Mutex<HashSet<String>>,
     /// Wakes the watchdog for an immediate round (after a reconnect).
     pub(crate) wake: Arc<Notify>,
     pub(crate) closed: AtomicBool,
@@ -147,6 +144,72 @@ impl std::fmt::Debug for RedisBackend {
 }
 
 impl RedisBackend {
+    /// `wait_gone_detail`, and the entry the waking message named behind the removed
+    /// head (`removed head <name>`; one master only).
+    async fn gone_with_next(&self, q: &QueuePath, entry: &Entry) -> Result<(Gone, Option<String>)> {
+        let span = tracing::debug_span!("wait_gone", lock = %q, entry = %entry.name);
+        async move {
+            let s = &self.shared;
+            s.check_open()?;
+            let keys = QueueKeys::new(&self.shared.prefix, q);
+            let key = keys.entry(&entry.name);
+            // Subscribe first, then check on the same connection: a removal between
+            // the two is seen by the check, one after it by the message.
+            let listener = s.listen(&keys.gone_channel(&entry.name), false).await;
+            let mut by_timer = false;
+            loop {
+                let notified = listener.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                s.check_open()?;
+                // On one master the message is the answer: a round trip saved per
+                // handoff. (Redlock: one master's message does not mean a majority
+                // removed it, so it re-checks.)
+                if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
+                    return Ok(if listener.head.load(Ordering::SeqCst) {
+                        (Gone::Head, listener.next.lock().clone())
+                    } else {
+                        (Gone::Unknown, None)
+                    });
+                }
+                let results = s
+                    .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
+                    .await;
+                let mut ttls = s.quorum(results)?;
+                if s.mode == Mode::Single && ttls.iter().all(Option::is_none) {
+                    // No entry key: the entry may be the lock's solo key.
+                    ttls = vec![
+                        s.nodes[0]
+                            .solo_pttl_after_subscribe(&keys.queue, &entry.name)
+                            .await?,
+                    ];
+                }
+                let Some(longest) = ttls.iter().flatten().max().copied() else {
+                    s.count_recheck(by_timer);
+                    // No removal message: the key expired, or the server lost it
+                    // with others (a restart without persistence, a failover to a
+                    // replica that never had it), the waiter's own entry perhaps
+                    // too, so the waiter must list again before it holds.
+                    return Ok(if listener.heard.load(Ordering::SeqCst) {
+                        (Gone::Unknown, None)
+                    } else {
+                        (Gone::Vanished, None)
+                    });
+                };
+                // An expiry nobody publishes (a dead client's entry) is caught when the
+                // key's TTL runs out; anything else (a message lost in a way no
+                // reconnect wake-up covers) within lease/3. A periodic re-check of
+                // every waiter would cost O(waiters) server calls per second.
+                by_timer = s.wait_notified_for(notified, s.gone_recheck(longest)).await;
+                if by_timer {
+                    s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
     /// The lease every entry gets (the session timeout).
     pub fn lease(&self) -> Duration {
         self.shared.lease
@@ -364,18 +427,6 @@ impl Backend for RedisBackend {
             .any(|e| e.name == entry.name && (!exact || entry.token_matches(e.token))))
     }
 
-    /// On one master, answered without a request when the message that woke the waiter
-    /// named its entry as the new head (`removed head <name>`: the remove script found
-    /// the entry's key there when it removed the head, so it was live at that moment,
-    /// which is what the question asks). Otherwise, and on Redlock, whose one master's
-    /// message does not speak for a majority, [`Backend::contains`].
-    async fn still_queued(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
-        if self.shared.mode == Mode::Single && self.shared.take_told_live(&entry.name) {
-            return Ok(true);
-        }
-        self.contains(q, entry).await
-    }
-
     async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {
         self.wait_gone_detail(q, entry).await.map(|_| ())
     }
@@ -387,71 +438,20 @@ impl Backend for RedisBackend {
     /// found missing with no removal message heard is [`Gone::Vanished`]: it expired, or
     /// the server lost it (with the waiter's own entry, perhaps), so the waiter lists
     /// the queue before it may hold.
-    fn wait_gone_detail(
-        &self,
-        q: &QueuePath,
-        entry: &Entry,
-    ) -> impl Future<Output = Result<Gone>> + Send {
-        let span = tracing::debug_span!("wait_gone", lock = %q, entry = %entry.name);
-        async move {
-            let s = &self.shared;
-            s.check_open()?;
-            let keys = QueueKeys::new(&self.shared.prefix, q);
-            let key = keys.entry(&entry.name);
-            // Subscribe first, then check on the same connection: a removal between
-            // the two is seen by the check, one after it by the message.
-            let listener = s.listen(&keys.gone_channel(&entry.name), false).await;
-            let mut by_timer = false;
-            loop {
-                let notified = listener.notify.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                s.check_open()?;
-                // On one master the message is the answer: a round trip saved per
-                // handoff. (Redlock: one master's message does not mean a majority
-                // removed it, so it re-checks.)
-                if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
-                    return Ok(if listener.head.load(Ordering::SeqCst) {
-                        Gone::Head
-                    } else {
-                        Gone::Unknown
-                    });
-                }
-                let results = s
-                    .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
-                    .await;
-                let mut ttls = s.quorum(results)?;
-                if s.mode == Mode::Single && ttls.iter().all(Option::is_none) {
-                    // No entry key: the entry may be the lock's solo key.
-                    ttls = vec![
-                        s.nodes[0]
-                            .solo_pttl_after_subscribe(&keys.queue, &entry.name)
-                            .await?,
-                    ];
-                }
-                let Some(longest) = ttls.iter().flatten().max().copied() else {
-                    s.count_recheck(by_timer);
-                    // No removal message: the key expired, or the server lost it
-                    // with others (a restart without persistence, a failover to a
-                    // replica that never had it), the waiter's own entry perhaps
-                    // too, so the waiter must list again before it holds.
-                    return Ok(if listener.heard.load(Ordering::SeqCst) {
-                        Gone::Unknown
-                    } else {
-                        Gone::Vanished
-                    });
-                };
-                // An expiry nobody publishes (a dead client's entry) is caught when the
-                // key's TTL runs out; anything else (a message lost in a way no
-                // reconnect wake-up covers) within lease/3. A periodic re-check of
-                // every waiter would cost O(waiters) server calls per second.
-                by_timer = s.wait_notified_for(notified, s.gone_recheck(longest)).await;
-                if by_timer {
-                    s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        .instrument(span)
+    async fn wait_gone_detail(&self, q: &QueuePath, entry: &Entry) -> Result<Gone> {
+        self.gone_with_next(q, entry).await.map(|(gone, _)| gone)
+    }
+
+    /// On one master, [`Woken::mine_queued`] when the message that woke the waiter named
+    /// its entry as the one behind the removed head (`removed head <name>`: the remove
+    /// script found that entry's key there when it removed the head). Redlock, whose one
+    /// master's message does not speak for a majority, never says so.
+    async fn wait_gone_behind(&self, q: &QueuePath, entry: &Entry, mine: &Entry) -> Result<Woken> {
+        let (gone, next) = self.gone_with_next(q, entry).await?;
+        Ok(Woken::new(
+            gone,
+            next.as_deref() == Some(mine.name.as_str()),
+        ))
     }
 
     fn wait_changed(

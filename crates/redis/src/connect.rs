@@ -323,7 +323,6 @@ impl RedisBackend {
             sub_ops: tokio::sync::Mutex::new(()),
             seq_hint: Mutex::new(HashMap::new()),
             contended: Mutex::new(HashMap::new()),
-            told_live: Mutex::new(HashSet::new()),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
             removing: tokio::sync::RwLock::new(()),

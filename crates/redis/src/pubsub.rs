@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use fred::prelude::Value;
 use futures::future::join_all;
+use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
@@ -20,9 +21,6 @@ const GONE_MARGIN: Duration = Duration::from_millis(5);
 /// many waits share one UNSUBSCRIBE. A listener that comes back meanwhile reuses it.
 const UNSUBSCRIBE_BATCH: Duration = Duration::from_millis(20);
 
-/// How many `removed head <name>` notes (`Shared::told_live`) are kept at most.
-const TOLD_LIVE_MAX: usize = 1024;
-
 /// One pub/sub channel some waiters of this client listen on.
 #[derive(Debug)]
 pub(crate) struct Chan {
@@ -35,22 +33,28 @@ pub(crate) struct Chan {
     /// The message said the entry went as the head of its queue (`removed head`: see the
     /// remove script). Set before `heard`.
     head: Arc<AtomicBool>,
+    /// The entry the message named behind the removed head, live at that moment
+    /// (`removed head <name>`). Set before `heard`.
+    next: Arc<Mutex<Option<String>>>,
     ready: Arc<tokio::sync::OnceCell<()>>,
 }
 
 impl Shared {
     pub(crate) fn dispatch(&self, channel: &str, payload: &Value) {
-        let chan = self
-            .chans
-            .lock()
-            .get(channel)
-            .map(|c| (c.notify.clone(), c.heard.clone(), c.head.clone()));
-        if let Some((n, heard, head)) = chan {
+        let chan = self.chans.lock().get(channel).map(|c| {
+            (
+                c.notify.clone(),
+                c.heard.clone(),
+                c.head.clone(),
+                c.next.clone(),
+            )
+        });
+        if let Some((n, heard, head, next)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
             if let Some(p) = payload.as_str() {
                 if let Some(rest) = p.strip_prefix("removed head") {
-                    if let Some(next) = rest.strip_prefix(' ') {
-                        self.told_live(next);
+                    if let Some(behind) = rest.strip_prefix(' ') {
+                        *next.lock() = Some(behind.to_owned());
                     }
                     head.store(true, Ordering::SeqCst);
                 } else if p.ends_with(" head") {
@@ -60,24 +64,6 @@ impl Shared {
             heard.store(true, Ordering::SeqCst);
             n.notify_waiters();
         }
-    }
-
-    /// Notes that a remove script found entry `name` live as the new head when it
-    /// removed the head ahead of it (`removed head <name>`), for that waiter's
-    /// `still_queued`. A bounded note, not a cache: whatever is dropped is read instead.
-    fn told_live(&self, name: &str) {
-        let mut told = self.told_live.lock();
-        if told.len() >= TOLD_LIVE_MAX {
-            // Notes of waiters that gave up before they asked: never asked for again.
-            told.clear();
-        }
-        told.insert(name.to_owned());
-    }
-
-    /// Whether a message said `name` was live as the new head of its queue (see
-    /// [`Shared::dispatch`]); the note is used up.
-    pub(crate) fn take_told_live(&self, name: &str) -> bool {
-        self.told_live.lock().remove(name)
     }
 
     /// Waits for a message on either of the waiter's channels (the second may be absent)
@@ -142,13 +128,14 @@ impl Shared {
     /// re-check timer); without, once the SUBSCRIBE is sent, and the caller's next command
     /// on the subscriber connection confirms it ([`Node::pttl_after_subscribe`](crate::node::Node::pttl_after_subscribe)).
     pub(crate) async fn listen(self: &Arc<Self>, channel: &str, confirm: bool) -> Listener {
-        let (notify, heard, head, ready) = {
+        let (notify, heard, head, next, ready) = {
             let mut chans = self.chans.lock();
             let c = chans.entry(channel.to_owned()).or_insert_with(|| Chan {
                 waiters: 0,
                 notify: Arc::new(Notify::new()),
                 heard: Arc::new(AtomicBool::new(false)),
                 head: Arc::new(AtomicBool::new(false)),
+                next: Arc::new(Mutex::new(None)),
                 ready: Arc::new(tokio::sync::OnceCell::new()),
             });
             c.waiters += 1;
@@ -156,6 +143,7 @@ impl Shared {
                 c.notify.clone(),
                 c.heard.clone(),
                 c.head.clone(),
+                c.next.clone(),
                 c.ready.clone(),
             )
         };
@@ -165,6 +153,7 @@ impl Shared {
             notify,
             heard,
             head,
+            next,
         };
         ready
             .get_or_init(|| async {
@@ -264,6 +253,7 @@ pub(crate) struct Listener {
     pub(crate) notify: Arc<Notify>,
     pub(crate) heard: Arc<AtomicBool>,
     pub(crate) head: Arc<AtomicBool>,
+    pub(crate) next: Arc<Mutex<Option<String>>>,
 }
 
 impl Drop for Listener {

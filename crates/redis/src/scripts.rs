@@ -325,7 +325,7 @@ return out
 /// removal with a second member also names it, `removed head <name>`, when its entry
 /// key is there (one `EXISTS`): that entry was live at the removal, so its waiter, woken
 /// by this message, needs no look-up of its own before it holds
-/// (`RedisBackend::still_queued`).
+/// (`RedisBackend::wait_gone_behind`).
 const REMOVE: &str = r#"
 if #ARGV == 4 then
   local name = ARGV[4]

@@ -338,7 +338,6 @@ mod tests {
             sub_ops: tokio::sync::Mutex::new(()),
             seq_hint: Mutex::new(HashMap::new()),
             contended: Mutex::new(HashMap::new()),
-            told_live: Mutex::new(std::collections::HashSet::new()),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
             removing: tokio::sync::RwLock::new(()),

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use dlock_core::{
     Backend, Capability, DynBackend, Enqueued, Entry, EntryKind, Error, Gone, Hints, ListedQueue,
-    NameRules, Position, QueuePath, Result, Ticket,
+    NameRules, Position, QueuePath, Result, Ticket, Woken,
 };
 use futures::future::BoxFuture;
 
@@ -51,6 +51,7 @@ pub enum Call {
     StillQueued,
     WaitGone,
     WaitGoneDetail,
+    WaitGoneBehind,
     WaitChanged,
     Remove,
     Abandon,
@@ -196,6 +197,15 @@ impl<T: Tap> Backend for Tapped<T> {
         entry: &Entry,
     ) -> impl Future<Output = Result<Gone>> + Send {
         through!(self, Call::WaitGoneDetail, |b| b.wait_gone_detail(q, entry))
+    }
+    fn wait_gone_behind(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        mine: &Entry,
+    ) -> impl Future<Output = Result<Woken>> + Send {
+        through!(self, Call::WaitGoneBehind, |b| b
+            .wait_gone_behind(q, entry, mine))
     }
     fn wait_changed(
         &self,

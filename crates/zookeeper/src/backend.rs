@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use dlock_core::entry::sort_queue;
 use dlock_core::{
-    Backend, Capability, Enqueued, Entry, EntryKind, Error, FencingToken, Hints, ListedQueue,
-    NameRules, Position, QueuePath, Result, Ticket,
+    Backend, Capability, Enqueued, Entry, EntryKind, Error, FencingToken, Gone, Hints, ListedQueue,
+    NameRules, Position, QueuePath, Result, Ticket, Woken,
 };
 use futures::future::BoxFuture;
+use futures::FutureExt as _;
 use tracing::Instrument;
 use zookeeper_client as zk;
 
@@ -277,6 +278,76 @@ impl Backend for ZkBackend {
                     _ => {}
                 }
             }
+        })
+        .instrument(span)
+    }
+
+    /// As `wait_gone`, with a data watch on the waiter's own node sent just before the
+    /// one on `entry`, over the same connection: the server answers one session's
+    /// requests in order and sends its watch events in the order of the changes, and the
+    /// client hands each event to its watcher as it reads it. So if the own node was
+    /// deleted before `entry`, its event is already in when `entry`'s arrives, and
+    /// [`Woken::mine_queued`] is said only when it is not and the connection never
+    /// changed from the moment both watches were sent (a reconnect re-arms watches in
+    /// no particular order, and may reach a server that trails the last). One request
+    /// more per wait, none on the handoff.
+    fn wait_gone_behind(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        mine: &Entry,
+    ) -> impl Future<Output = Result<Woken>> + Send {
+        let span = tracing::debug_span!("zk.wait_gone_behind", queue = %q, entry = %entry.name, mine = %mine.name);
+        self.guarded(async move {
+            let client = self.handle()?;
+            let parent = znode(q);
+            let path = format!("{parent}/{}", entry.name);
+            let own_path = format!("{parent}/{}", mine.name);
+            // Any change of the connection's state from here on is seen at the end.
+            let mut states = self.states.clone();
+            let _ = states.state();
+            // Sent in this order when called (zookeeper-client sends at the call).
+            let own = client.get_and_watch_data(&own_path);
+            let mut first = Some(client.get_and_watch_data(&path));
+            let mut own = match own.await {
+                Ok((_, stat, watcher)) if mine.token_matches(czxid_token(stat.czxid)) => {
+                    Some(watcher)
+                }
+                // Gone already (or another node of its name): no proof; the waiter asks.
+                Ok(_) | Err(zk::Error::NoNode) => None,
+                Err(err) if is_connection_loss(&err) => None,
+                Err(err) => return Err(map_err("watching the waiter's own entry", err)),
+            };
+            loop {
+                let armed = match first.take() {
+                    Some(sent) => match sent.await {
+                        Err(err) if is_connection_loss(&err) => {
+                            own = None;
+                            retry(|| client.get_and_watch_data(&path)).await
+                        }
+                        other => other,
+                    },
+                    None => retry(|| client.get_and_watch_data(&path)).await,
+                };
+                // A data watch, not an exists watch (pitfall Z4), as in `wait_gone`.
+                let watcher = match armed {
+                    Ok((_, _, watcher)) => watcher,
+                    Err(zk::Error::NoNode) => break,
+                    Err(err) => return Err(map_err("waiting for an entry to go", err)),
+                };
+                let event = watcher.changed().await;
+                match event.event_type {
+                    zk::EventType::NodeDeleted => break,
+                    zk::EventType::Session => session_event_result(event.session_state)?,
+                    _ => {}
+                }
+            }
+            let same_connection = states.changed().now_or_never().is_none();
+            let mine_queued = same_connection
+                && own
+                    .take()
+                    .is_some_and(|w| Box::pin(w.changed()).now_or_never().is_none());
+            Ok(Woken::new(Gone::Unknown, mine_queued))
         })
         .instrument(span)
     }

@@ -312,6 +312,7 @@ exclusive! {
     etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan,
     etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned,
     redis_waiter_whose_entry_was_wiped_never_grants_itself => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_was_wiped_never_grants_itself,
+    redis_waiter_whose_entry_key_was_deleted_never_holds => crate::support::Kind::Redis, "redis", crate::redis_faults::waiter_whose_entry_key_was_deleted_never_holds,
 }
 
 /// ZooKeeper-only tests: Curator interop, herd counting, faults. `shared` tests run

@@ -81,3 +81,52 @@ pub async fn waiter_whose_entry_was_wiped_never_grants_itself(url: &str) {
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
+
+/// A waiter whose entry *key* alone is deleted from outside (`redis-cli DEL`, its member
+/// left in the queue) never holds: the holder's release finds no key behind the member
+/// and names no entry behind it (`removed head`, not `removed head <name>`), so the
+/// waiter looks its entry up, finds it gone and fails with `LockLost`. (A newcomer would
+/// list the queue and drop the keyless member first; here nobody else lists it.)
+pub async fn waiter_whose_entry_key_was_deleted_never_holds(url: &str) {
+    let name = unique("keygone");
+    let a = client(url).await;
+    // A long session: its watchdog (every lease/3) must not notice the loss first.
+    let b = dlock::connect_with(
+        url,
+        SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
+    )
+    .await
+    .expect("connect");
+    let mut held = a.mutex(&name).expect("name").lock().await.expect("lock");
+    let mb = b.mutex(&name).expect("name");
+    let waiter = tokio::spawn(async move { mb.lock().await.map(|g| g.token().get()) });
+    let queue = format!("dlock:{{{name}}}:q");
+    // Raw reads: a listing through dlock would drop the keyless member itself.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            redis_cli(url, &["ZCARD", &queue]).trim() == "2"
+        })
+        .await,
+        "the waiter queued"
+    );
+    let members = redis_cli(url, &["ZRANGE", &queue, "1", "1"]);
+    let key = format!("dlock:{{{name}}}:e:{}", members.trim());
+    let deleted = redis_cli(url, &["DEL", &key]);
+    assert_eq!(
+        deleted.trim(),
+        "1",
+        "the waiter's entry key {key} was deleted"
+    );
+    held.release().await.expect("release");
+    let woke = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter woke")
+        .expect("join");
+    assert!(
+        matches!(woke, Err(Error::LockLost(_))),
+        "a waiter whose entry key was deleted took the lock: {woke:?}"
+    );
+    assert_eq!(leftovers(&a, &name).await, 0, "nothing is left of the lock");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}

@@ -19,7 +19,7 @@ const GENEROUS: Duration = Duration::from_secs(60);
 pub struct Counting {
     /// `queue()` and `queue_ahead()` calls: re-checks after a wake-up.
     pub queue_calls: AtomicUsize,
-    /// `wait_gone()` and `wait_gone_detail()` calls: watches armed.
+    /// `wait_gone()`, `wait_gone_detail()` and `wait_gone_behind()` calls: watches armed.
     pub waits_begun: AtomicUsize,
     /// Their completions: wake-ups.
     pub waits_done: AtomicUsize,
@@ -42,7 +42,7 @@ impl Tap for Counting {
     fn begin(&self, call: Call) -> Result<()> {
         let counter = match call {
             Call::Queue | Call::QueueAhead => &self.queue_calls,
-            Call::WaitGone | Call::WaitGoneDetail => &self.waits_begun,
+            Call::WaitGone | Call::WaitGoneDetail | Call::WaitGoneBehind => &self.waits_begun,
             Call::WaitChanged => &self.changed_calls,
             _ => return Ok(()),
         };
@@ -51,7 +51,10 @@ impl Tap for Counting {
     }
 
     fn end(&self, call: Call) {
-        if matches!(call, Call::WaitGone | Call::WaitGoneDetail) {
+        if matches!(
+            call,
+            Call::WaitGone | Call::WaitGoneDetail | Call::WaitGoneBehind
+        ) {
             self.waits_done.fetch_add(1, Ordering::SeqCst);
         }
     }

@@ -143,10 +143,10 @@ pub async fn fifo_across_two_sessions_and_wait_gone_wakes_on_removal(connect: Co
     within("close", b.close()).await.expect("close");
 }
 
-/// `still_queued`, asked by a waiter its watch just woke: its own entry, deleted from
-/// outside before the entry ahead of it went, is reported gone; left alone, it is
-/// reported there. (Without the first, the waiter would hold beside whoever queued
-/// after the deletion.)
+/// A waiter woken by `wait_gone_behind`: its own entry, deleted from outside before the
+/// entry ahead of it went, is never said to be queued (`Woken::mine_queued`) and
+/// `still_queued` reports it gone; left alone, `still_queued` reports it there. (Without
+/// the first two, the waiter would hold beside whoever queued after the deletion.)
 pub async fn still_queued_answers_for_the_moment_of_the_wake(connect: Connect) {
     let a = session(&connect).await;
     let b = session(&connect).await;
@@ -156,8 +156,8 @@ pub async fn still_queued_answers_for_the_moment_of_the_wake(connect: Connect) {
         let head = add(&*a, &q, EntryKind::Lock, "a enqueues").await.mine;
         let mine = add(&*b, &q, EntryKind::Lock, "b enqueues").await.mine;
         let waiter = {
-            let (b, q, head) = (b.clone(), q.clone(), head.clone());
-            tokio::spawn(async move { b.wait_gone_detail(&q, &head).await })
+            let (b, q, head, mine) = (b.clone(), q.clone(), head.clone(), mine.clone());
+            tokio::spawn(async move { b.wait_gone_behind(&q, &head, &mine).await })
         };
         tokio::time::sleep(QUIET).await;
         if deleted {
@@ -168,10 +168,14 @@ pub async fn still_queued_answers_for_the_moment_of_the_wake(connect: Connect) {
         within("a releases", a.remove(&q, &head))
             .await
             .expect("a releases");
-        within("b wakes", waiter)
+        let woken = within("b wakes", waiter)
             .await
             .expect("join")
-            .expect("wait_gone_detail");
+            .expect("wait_gone_behind");
+        assert!(
+            !(deleted && woken.mine_queued),
+            "wait_gone_behind said a waiter's entry deleted before the wake was queued"
+        );
         let there = within("still_queued", b.still_queued(&q, &mine))
             .await
             .expect("still_queued");
