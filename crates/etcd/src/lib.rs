@@ -91,10 +91,11 @@
 //! release by the head from a cancelled waiter or an expired lease; except on a short
 //! queue (at most 8 keys), whose waiters watch it whole: from one read of the queue and
 //! every change after it they know whether the predecessor went as the head
-//! ([`dlock_core::Gone::Head`]), and then hold the lock with no queue read either. Every
-//! woken waiter reads its own key once before it holds (`still_queued`, served without a
-//! quorum round by a member that has reached the delete it was told of), so that an
-//! entry deleted from outside while it waited is never taken for a turn. A queue
+//! ([`dlock_core::Gone::Head`]), and then hold the lock with no queue read either. The
+//! same watch shows whether the waiter's own key was deleted from outside while it
+//! waited (`wait_gone_behind`); a waiter woken any other way reads its own key once
+//! before it holds (`still_queued`, served without a quorum round by a member that has
+//! reached the delete it was told of). A queue
 //! change is sent to at most those 8 watches however long the queue grows; behind them,
 //! a waiter watches its predecessor's key alone. A handoff at the front of a queue costs
 //! the holder's delete and one watch event.

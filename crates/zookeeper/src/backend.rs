@@ -343,10 +343,22 @@ impl Backend for ZkBackend {
                 }
             }
             let same_connection = states.changed().now_or_never().is_none();
-            let mine_queued = same_connection
-                && own
-                    .take()
-                    .is_some_and(|w| Box::pin(w.changed()).now_or_never().is_none());
+            let mine_queued = match own.take() {
+                Some(watcher) => {
+                    let mut fired = Box::pin(watcher.changed());
+                    let unfired = fired.as_mut().now_or_never().is_none();
+                    if unfired {
+                        // Left armed until the node goes (its release, or the session's
+                        // end): a watcher dropped unfired costs the server a
+                        // RemoveWatches request, one more per handoff.
+                        tokio::spawn(async move {
+                            fired.await;
+                        });
+                    }
+                    same_connection && unfired
+                }
+                None => false,
+            };
             Ok(Woken::new(Gone::Unknown, mine_queued))
         })
         .instrument(span)
