@@ -155,6 +155,30 @@ fn secure(mut co: ConnectOptions, opts: &SessionOptions) -> Result<ConnectOption
 }
 
 impl EtcdBackend {
+    /// `wait_gone_detail` and `wait_gone_behind`: the wait, retried across broken
+    /// watches, on a short queue watched whole (`wait_gone_tracking_once`).
+    async fn gone_tracking(
+        &self,
+        q: &QueuePath,
+        entry: &Entry,
+        mine: Option<&Entry>,
+    ) -> Result<Woken> {
+        let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
+        async move {
+            let prefix = layout::queue_prefix(&self.namespace, q);
+            let key = format!("{prefix}{}", entry.name);
+            let woken = self
+                .retry_watch(&key, || {
+                    self.wait_gone_tracking_once(&prefix, &key, entry, mine)
+                })
+                .await?;
+            tracing::debug!(gone = ?woken.gone, mine_queued = woken.mine_queued, "gone");
+            Ok(woken)
+        }
+        .instrument(span)
+        .await
+    }
+
     /// Connects to the etcd cluster at `endpoints` (`host:port` or `http://host:port`; the
     /// client spreads requests over all of them and fails over when one dies) and grants
     /// the session's lease.
@@ -553,48 +577,15 @@ impl Backend for EtcdBackend {
     /// As `wait_gone`, and on a short queue watched whole, says whether `entry` went as
     /// the head ([`Gone::Head`]: the woken waiter then needs no listing). See
     /// `wait_gone_tracking_once` in `waits.rs`.
-    fn wait_gone_detail(
-        &self,
-        q: &QueuePath,
-        entry: &Entry,
-    ) -> impl Future<Output = Result<Gone>> + Send {
-        let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
-        async move {
-            let prefix = layout::queue_prefix(&self.namespace, q);
-            let key = format!("{prefix}{}", entry.name);
-            let woken = self
-                .retry_watch(&key, || {
-                    self.wait_gone_tracking_once(&prefix, &key, entry, None)
-                })
-                .await?;
-            tracing::debug!(gone = ?woken.gone, "gone");
-            Ok(woken.gone)
-        }
-        .instrument(span)
+    async fn wait_gone_detail(&self, q: &QueuePath, entry: &Entry) -> Result<Gone> {
+        self.gone_tracking(q, entry, None).await.map(|w| w.gone)
     }
 
     /// As `wait_gone_detail`, and on a short queue watched whole,
     /// [`Woken::mine_queued`] when the queue read showed the waiter's own entry and the
     /// watch's deletes after it, in order up to the one of `entry`, did not include it.
-    fn wait_gone_behind(
-        &self,
-        q: &QueuePath,
-        entry: &Entry,
-        mine: &Entry,
-    ) -> impl Future<Output = Result<Woken>> + Send {
-        let span = tracing::debug_span!("etcd.wait_gone", lock = %q, entry = %entry.name, token = entry.token.map(|t| t.get()).unwrap_or(0));
-        async move {
-            let prefix = layout::queue_prefix(&self.namespace, q);
-            let key = format!("{prefix}{}", entry.name);
-            let woken = self
-                .retry_watch(&key, || {
-                    self.wait_gone_tracking_once(&prefix, &key, entry, Some(mine))
-                })
-                .await?;
-            tracing::debug!(gone = ?woken.gone, mine_queued = woken.mine_queued, "gone");
-            Ok(woken)
-        }
-        .instrument(span)
+    async fn wait_gone_behind(&self, q: &QueuePath, entry: &Entry, mine: &Entry) -> Result<Woken> {
+        self.gone_tracking(q, entry, Some(mine)).await
     }
 
     fn wait_changed(
