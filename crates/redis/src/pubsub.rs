@@ -57,8 +57,6 @@ impl Shared {
                         *next.lock() = Some(behind.to_owned());
                     }
                     head.store(true, Ordering::SeqCst);
-                } else if p.ends_with(" head") {
-                    head.store(true, Ordering::SeqCst);
                 }
             }
             heard.store(true, Ordering::SeqCst);
