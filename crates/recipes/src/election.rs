@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use dlock_core::driver::holders;
 use dlock_core::{
-    decide, Capability, Decision, DynBackend, Entry, EntryKind, Error, FencingToken, LockName,
-    Position, QueuePath, Result,
+    Capability, DynBackend, Entry, EntryKind, Error, FencingToken, LockName, Position, QueuePath,
+    Result,
 };
 use futures::stream::{BoxStream, StreamExt};
 use futures::FutureExt;
@@ -387,36 +387,25 @@ impl<B: DynBackend + ?Sized> Leadership<B> {
         self.guard.is_lost()
     }
 
-    /// Asks the server, in one round trip, whether this leader's entry is still the
-    /// first of the election's queue (with the same token where the listing reports
-    /// tokens), and fails if it is not. [`Leadership::lost`] fires only once the client
-    /// has learned of a loss; call `verify` before committing a leader's effects to
-    /// learn of a loss it has not seen yet.
+    /// Asks the server, in one round trip, whether this leader's entry is still there
+    /// (with the same token where the backend keeps one), and fails if it is not.
+    /// [`Leadership::lost`] fires only once the client has learned of a loss; call
+    /// `verify` before committing a leader's effects to learn of a loss it has not seen
+    /// yet.
+    ///
+    /// An entry that leads leads until it goes: entries only ever join an election
+    /// behind the last one (a larger sequence, revision or score), so the entry's
+    /// presence is the whole question. It is asked as [`LockGuard::verify`] asks it
+    /// ([`dlock_core::DynBackend::contains`]), never from a possibly stale copy: on
+    /// ZooKeeper the read follows a `sync` through the leader, so a follower that trails
+    /// it (or is cut off from it and does not know yet) cannot confirm an entry the
+    /// leader already deleted.
     ///
     /// # Errors
-    /// [`Error::LockLost`] if the lost signal has fired or the entry no longer leads;
-    /// the backend's error if the server could not be asked (unconfirmed, not known
-    /// lost).
+    /// [`Error::LockLost`] if the lost signal has fired or the entry is gone; the
+    /// backend's error if the server could not be asked (unconfirmed, not known lost).
     pub async fn verify(&self) -> Result<()> {
-        let held = self.guard.held();
-        if let Some(reason) = held.lost_reason() {
-            return Err(Error::LockLost(reason));
-        }
-        let ahead = held.backend.queue_ahead(&held.q, &held.entry).await?;
-        if let Some(reason) = held.lost_reason() {
-            return Err(Error::LockLost(reason));
-        }
-        let mine = ahead.iter().find(|e| e.name == held.entry.name);
-        let leads = matches!(decide(&ahead, &held.entry.name), Decision::Acquired)
-            && mine.is_some_and(|e| held.entry.token_matches(e.token));
-        if leads {
-            Ok(())
-        } else {
-            Err(Error::LockLost(format!(
-                "{}: entry {} no longer leads",
-                held.q.lock, held.entry.name
-            )))
-        }
+        self.guard.verify().await
     }
 
     /// Replaces this leader's value without giving up the lead: what

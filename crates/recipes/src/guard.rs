@@ -231,7 +231,10 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
     /// non-reentrant lock, asking again is [`Error::WouldDeadlock`]).
     ///
     /// Only `fut`, and the futures it polls, run inside: a future polled beside it (by
-    /// `join!`, `select!`, ...) does not, nor does a task it spawns. Scopes nest.
+    /// `join!`, `select!`, ...) does not, nor does a task it spawns. Scopes nest: the
+    /// scopes around the returned future are the ones it is first polled in, not the ones
+    /// it was made in, so a scoped future made inside another guard's scope and awaited
+    /// outside it (or handed to another task) does not carry that guard's hold along.
     ///
     /// ```no_run
     /// # async fn f(client: dlock_recipes::Client) -> dlock_core::Result<()> {
@@ -250,11 +253,21 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
     where
         F: Future + 'a,
     {
-        let scope = match &self.held.key {
-            Some(k) if !self.released => Scope::current().with(k.clone(), self.held.clone()),
-            _ => Scope::current(),
+        let hold = match &self.held.key {
+            Some(k) if !self.released => Some((k.clone(), self.held.clone())),
+            _ => None,
         };
-        scope.run(fut)
+        // The surrounding scope is read on the first poll, where the future runs: read
+        // here, it would be the scope of the code that made the future, which may be a
+        // scope the future never runs in (see the doc above).
+        async move {
+            let around = Scope::current();
+            let scope = match hold {
+                Some((k, held)) => around.with(k, held),
+                None => around,
+            };
+            scope.run(fut).await
+        }
     }
 
     /// The hold this guard counts in.

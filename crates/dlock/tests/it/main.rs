@@ -118,6 +118,7 @@ all_backends! {
     mem lost_hold_is_never_reentered_or_downgraded => crate::reentry::lost_hold_is_never_reentered_or_downgraded,
     mem reentered_guards_report_a_lost_hold_on_release => crate::reentry::reentered_guards_report_a_lost_hold_on_release,
     mem non_reentrant_and_upgrade_in_scope_are_typed_errors => crate::reentry::non_reentrant_and_upgrade_in_scope_are_typed_errors,
+    mem a_scoped_future_made_in_a_scope_does_not_carry_its_hold => crate::reentry::a_scoped_future_made_in_a_scope_does_not_carry_its_hold,
     mem timeout_and_try_lock_leave_nothing => crate::recipes::timeout_and_try_lock_leave_nothing,
     mem zero_timeout_takes_a_free_lock => crate::acquire_shape::zero_timeout_takes_a_free_lock_and_fails_at_once_on_a_held_one,
     mem many_permits_are_one_guard => crate::acquire_shape::many_permits_are_one_guard_and_tries_take_all_or_nothing,
@@ -355,4 +356,5 @@ zk_only! {
     shared cli_revoke => crate::zk_revoke::cli_revoke,
     exclusive locks_survive_leader_kill => crate::zk_faults::locks_survive_leader_kill,
     exclusive follower_cut_from_leader_loses_before_the_next_grant => crate::zk_faults::follower_cut_from_leader_loses_before_the_next_grant,
+    exclusive verify_never_confirms_from_a_lagging_follower => crate::zk_faults::verify_never_confirms_from_a_lagging_follower,
 }

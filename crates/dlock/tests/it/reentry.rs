@@ -284,3 +284,51 @@ pub async fn non_reentrant_and_upgrade_in_scope_are_typed_errors(_kind: Kind, ur
     );
     c.close().await.expect("close");
 }
+
+/// A scoped future runs in the scopes it is polled in, not those it was made in: one made
+/// inside guard `a`'s scope and awaited after that scope ended does not re-enter `a`
+/// (before, it carried `a`'s hold along, and code that ran outside every scope of `a`
+/// re-entered it while `a`'s own critical section went on).
+pub async fn a_scoped_future_made_in_a_scope_does_not_carry_its_hold(_kind: Kind, url: &str) {
+    let (na, nb) = (unique("made-a"), unique("made-b"));
+    let c = client(url).await;
+    let ma = c.mutex(&na).expect("name");
+    let mb = c.mutex(&nb).expect("name");
+    let mut ga = ma.lock().await.expect("lock a");
+    let mut gb = mb.lock().await.expect("lock b");
+    // Made inside a's scope, returned unpolled, awaited outside it.
+    let mut escaped = None;
+    ga.scope(async { escaped = Some(gb.scope(ma.try_lock())) })
+        .await;
+    match escaped.expect("made inside the scope").await {
+        Err(Error::WouldBlock) => {}
+        Ok(mut again) => {
+            let t = again.token();
+            again.release().await.expect("release");
+            panic!("a future made in a's scope re-entered a outside it (token {t})");
+        }
+        Err(e) => panic!("try_lock outside a's scope: {e}"),
+    }
+    // The same future polled inside a's scope re-enters: the check above can fail.
+    let mut again = ga
+        .scope(async { gb.scope(ma.try_lock()).await })
+        .await
+        .expect("re-entry inside both scopes");
+    assert_eq!(again.token(), ga.token(), "re-entry reuses a's hold");
+    assert_eq!(
+        ma.hold_count(),
+        0,
+        "outside the scopes nothing is re-entered"
+    );
+    again.release().await.expect("release");
+    gb.release().await.expect("release b");
+    ga.release().await.expect("release a");
+    assert!(
+        eventually(GENEROUS, || async {
+            leftovers(&c, &na).await == 0 && leftovers(&c, &nb).await == 0
+        })
+        .await,
+        "entries left"
+    );
+    c.close().await.expect("close");
+}

@@ -436,3 +436,98 @@ pub async fn follower_cut_from_leader_loses_before_the_next_grant(url: &str) {
     a.close().await.ok();
     b.close().await.ok();
 }
+
+/// `verify` never vouches from a follower's stale view. The holder's session is on a
+/// follower cut off from its leader (it keeps serving reads from what it has until it
+/// notices, syncLimit × tickTime); a client on the leader deletes the holder's entries
+/// (an operator's `delete`): the mutex guard's and the election leader's. Neither
+/// `verify` may then answer `Ok`: each must go through the leader (a `sync`) before it
+/// reads. The follower is first shown to still serve the deleted entries, so the test
+/// cannot pass by a race won. (Before, `Leadership::verify` listed the election from the
+/// follower's copy and confirmed the deleted leader.)
+pub async fn verify_never_confirms_from_a_lagging_follower(url: &str) {
+    let _ = url;
+    let Some(state) = dlock_testkit::require_state() else {
+        return;
+    };
+    if state.servers_of(Server::Zookeeper).count() < 3 {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: a lagging follower needs a 3-node ZooKeeper ensemble"
+        );
+        return;
+    }
+    let leader = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS))
+        .expect("a ZooKeeper leader");
+    let follower = state
+        .servers_of(Server::Zookeeper)
+        .map(|s| s.id)
+        .find(|id| *id != leader)
+        .expect("a follower");
+    let (f, l) = (
+        state.server(Server::Zookeeper, follower).expect("follower"),
+        state.server(Server::Zookeeper, leader).expect("leader"),
+    );
+    let (quorum_port, _) = state.zk_peer_ports(leader);
+    // A session long enough that neither the heartbeat nor the leader ends it while the
+    // follower is cut off: the answer must come from the sync, not from a lost session.
+    let session = Duration::from_secs(20);
+    let (a, _, raw) = zk_client(&f.addr, session).await;
+    let (b, _, _) = zk_client(&l.addr, session).await;
+    let (mutex, election) = (unique("verify-lag-m"), unique("verify-lag-e"));
+    let mut guard = a.mutex(&mutex).expect("name").lock().await.expect("lock");
+    let leading = a
+        .election(&election)
+        .expect("name")
+        .campaign("stale")
+        .await
+        .expect("campaign");
+    guard.verify().await.expect("a live hold verifies");
+    leading.verify().await.expect("a live leadership verifies");
+
+    let ports = dlock_testkit::connections_of(f.pid, quorum_port).expect("follower sockets");
+    assert!(
+        !ports.is_empty(),
+        "follower {follower} has no connection to the leader's quorum port {quorum_port}"
+    );
+    let pairs: Vec<(u16, u16)> = ports.iter().map(|p| (*p, quorum_port)).collect();
+    let cut = dlock_testkit::NetCut::new(&pairs, &[]).expect("cut the follower off");
+    for (name, entry) in [(&mutex, guard.entry()), (&election, leading.entry())] {
+        let q = dlock_core::QueuePath::root(b.lock_name(name).expect("name"));
+        b.backend()
+            .remove(&q, entry)
+            .await
+            .expect("delete the holder's entry through the leader");
+        // Unsynced, straight from the follower's tree.
+        let path = format!("/{name}/{}", entry.name);
+        assert!(
+            matches!(raw.check_stat(&path).await, Ok(Some(_))),
+            "precondition: the cut-off follower should still show {path}"
+        );
+    }
+    // One after the other, the leader's first: a session's requests are answered in
+    // order, so a read sent behind the guard's `sync` would be fresh however it asked.
+    let led = tokio::time::timeout(GENEROUS, leading.verify())
+        .await
+        .expect("the leader's verify answered");
+    let held = tokio::time::timeout(GENEROUS, guard.verify())
+        .await
+        .expect("the guard's verify answered");
+    cut.heal().expect("heal");
+    let _ = writeln!(
+        std::io::stderr(),
+        "verify behind the cut-off follower: guard {held:?}, leader {led:?}"
+    );
+    assert!(
+        matches!(held, Err(Error::LockLost(_))),
+        "a mutex guard whose entry was deleted verified from the follower's copy: {held:?}"
+    );
+    assert!(
+        matches!(led, Err(Error::LockLost(_))),
+        "a leader whose entry was deleted verified from the follower's copy: {led:?}"
+    );
+    let _ = guard.release().await;
+    let _ = leading.resign().await;
+    a.close().await.ok();
+    b.close().await.ok();
+}
