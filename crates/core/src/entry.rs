@@ -159,20 +159,47 @@ pub struct ParsedName {
 ///
 /// Returns `None` for names that are not lock entries (a foreign child, a sub-directory
 /// such as `leases`); such children never take part in the order.
+///
+/// ZooKeeper's sequence is the parent's `cversion`, a signed 32-bit counter of child
+/// creations and deletions: after 2³¹ of them it wraps, and the server names the next
+/// entries `…-2147483648` up to `…-000000001` (`%010d` of a negative int). Such a
+/// sequence is read as its unsigned 32-bit value (2³¹ to 2³² − 1), which continues the
+/// order across the wrap: `lock-2147483647` is followed by `lock--2147483648`, read as
+/// 2³¹. (Curator compares the text after the marker and sorts those names first.) The
+/// second wrap, from 2³² − 1 back to 0, is caught by the ZooKeeper adapter, which
+/// refuses an entry whose queue still holds entries from before it.
 pub fn parse_name(name: &str) -> Option<ParsedName> {
     EntryKind::ALL.iter().find_map(|&kind| {
         let at = name.rfind(kind.marker())?;
         let digits = &name[at + kind.marker().len()..];
-        if digits.is_empty() || digits.len() > 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        let seq = digits.parse().ok()?;
+        let seq = match digits.strip_prefix('-') {
+            Some(neg) => wrapped_seq(neg)?,
+            None => plain_seq(digits)?,
+        };
         Some(ParsedName {
             kind,
             seq,
             protected_id: protected_id(name),
         })
     })
+}
+
+/// Up to 20 decimal digits, nothing else.
+fn plain_seq(digits: &str) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The digits after the `-` of a wrapped ZooKeeper sequence (`-2147483648` to
+/// `-000000001`), as the unsigned 32-bit value of that negative int.
+fn wrapped_seq(digits: &str) -> Option<u64> {
+    let magnitude = plain_seq(digits)?;
+    if !(9..=10).contains(&digits.len()) || magnitude == 0 || magnitude > 1 << 31 {
+        return None;
+    }
+    Some((1 << 32) - magnitude)
 }
 
 /// The uuid of a protected name (`_c_<uuid>-...`), if it has one.
@@ -189,6 +216,16 @@ pub fn protected_id(name: &str) -> Option<String> {
 /// Formats a sequence number as ZooKeeper does: ten digits, zero padded.
 pub fn format_seq(seq: u64) -> String {
     format!("{seq:010}")
+}
+
+/// Formats a ZooKeeper sequence as the server writes it into a name: the inverse of
+/// [`parse_name`]'s reading, so a value from 2³¹ to 2³² − 1 (a wrapped counter) comes
+/// out negative, `%010d` of the signed 32-bit int.
+pub fn format_zk_seq(seq: u64) -> String {
+    match u32::try_from(seq) {
+        Ok(v) => format!("{:010}", v as i32),
+        Err(_) => format_seq(seq),
+    }
 }
 
 /// One contender in a queue, as read from the backend.
@@ -342,7 +379,56 @@ mod tests {
         assert_eq!(q.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![0, 1, 2]);
     }
 
+    /// ZooKeeper's counter wraps from 2147483647 to -2147483648: the order goes on
+    /// across it (the names the server writes, read and written back).
+    #[test]
+    fn a_wrapped_zookeeper_sequence_sorts_after_the_last_positive_one() {
+        let names = [
+            "_c_00000000-0000-4000-8000-000000000000-lock--000000001",
+            "_c_11111111-0000-4000-8000-000000000000-lock--2147483648",
+            "_c_22222222-0000-4000-8000-000000000000-lock-2147483647",
+            "_c_33333333-0000-4000-8000-000000000000-lock--2147483647",
+        ];
+        let mut q: Vec<Entry> = names.into_iter().filter_map(Entry::from_name).collect();
+        assert_eq!(q.len(), 4, "every wrapped name parses");
+        sort_queue(&mut q);
+        let seqs: Vec<u64> = q.iter().map(|e| e.seq).collect();
+        assert_eq!(
+            seqs,
+            vec![(1 << 31) - 1, 1 << 31, (1 << 31) + 1, (1 << 32) - 1]
+        );
+        for e in &q {
+            let tail = &e.name[e.name.rfind("lock-").expect("marker") + 5..];
+            assert_eq!(
+                format_zk_seq(e.seq),
+                tail,
+                "written back as the server wrote it"
+            );
+        }
+        assert_eq!(format_zk_seq(7), "0000000007");
+        for bad in [
+            "lock--0",
+            "lock--2147483649",
+            "lock--00000001",
+            "lock--0000000000",
+            "lock---000000001",
+            "lock--00000000001",
+        ] {
+            assert_eq!(parse_name(bad), None, "{bad}");
+        }
+    }
+
     proptest! {
+        /// Every value ZooKeeper's signed counter takes is read back from the name the
+        /// server makes of it, in the order the counter went.
+        #[test]
+        fn zookeeper_names_round_trip(v in any::<i32>()) {
+            let name = format!("lock-{v:010}");
+            let p = parse_name(&name).expect("parses");
+            prop_assert_eq!(p.seq, u64::from(v as u32));
+            prop_assert_eq!(format_zk_seq(p.seq), format!("{v:010}"));
+        }
+
         #[test]
         fn parse_never_panics(s in "\\PC*") {
             let _ = parse_name(&s);

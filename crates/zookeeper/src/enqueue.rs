@@ -2,7 +2,7 @@
 //! `enqueue_removing`), the lookup by ticket of a create whose reply was lost (Curator's
 //! protected mode), and the queue's parents created as containers on the way.
 
-use dlock_core::entry::{format_seq, sort_queue};
+use dlock_core::entry::{format_zk_seq, sort_queue};
 use dlock_core::{
     Enqueued, Entry, EntryKind, Error, FencingToken, Position, QueuePath, Result, Ticket,
 };
@@ -35,7 +35,7 @@ impl ZkBackend {
             ),
             // Curator's downgrade: a non-sequential node carrying the writer's sequence.
             Position::Beside(writer) => (
-                format!("{}{}", ticket.name_prefix(kind), format_seq(writer.seq)),
+                format!("{}{}", ticket.name_prefix(kind), format_zk_seq(writer.seq)),
                 zk::CreateMode::Ephemeral,
             ),
         };
@@ -316,6 +316,7 @@ fn build_enqueued(
 ) -> Result<Enqueued> {
     let me = entry_with_stat(mine, stat, data)?;
     let mut queue = parse_queue(names);
+    refuse_across_the_wrap(&me, &queue)?;
     match queue.iter_mut().find(|e| e.name == me.name) {
         Some(slot) => *slot = me.clone(),
         None => {
@@ -324,6 +325,41 @@ fn build_enqueued(
         }
     }
     Ok(Enqueued { mine: me, queue })
+}
+
+/// How far above a new entry's sequence an entry of its queue must be to have been made
+/// before the counter wrapped: half the 32-bit space (sequences of one queue's live
+/// entries are never that far apart otherwise).
+const WRAP_DISTANCE: u64 = 1 << 31;
+
+/// Fails the enqueue of `me` if its queue still holds entries made before ZooKeeper's
+/// sequence counter went from 2³² − 1 (read from `-000000001`) back to 0.
+///
+/// The queue is ordered by sequence, so such an entry would sort behind `me` although it
+/// came first: `me`, first by number, would be granted beside the entry that holds.
+/// Refused, `me` is abandoned by its caller and the acquire fails with a backend error,
+/// which the caller may retry; the entries from before the wrap are all behind every
+/// such attempt's view (no new entry ever gets a large sequence again), so they drain,
+/// and once they have, entries are accepted. It happens once per 2³² creations and
+/// deletions under one parent, and only if the parent (a container, deleted by the
+/// server once it has been empty at a check) was never empty in between; the first wrap,
+/// at 2³¹, needs nothing (see `dlock_core::entry::parse_name`).
+fn refuse_across_the_wrap(me: &Entry, queue: &[Entry]) -> Result<()> {
+    match queue
+        .iter()
+        .find(|e| e.seq > me.seq.saturating_add(WRAP_DISTANCE))
+    {
+        Some(older) => Err(Error::backend(
+            "enqueue",
+            format!(
+                "ZooKeeper's sequence counter of this lock wrapped: entry {} was made before \
+                 {} and would sort behind it; retry once the entries made before the wrap \
+                 have gone",
+                older.name, me.name
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The entry this session created as `mine`, with its token (the czxid) and payload.
@@ -379,5 +415,59 @@ mod tests {
         assert_eq!(seqs, vec![1, 2, 3]);
         assert_eq!(done.queue[1].name, mine);
         assert_eq!(done.queue[1].data, b"me");
+    }
+
+    fn stat() -> zk::Stat {
+        zk::Stat {
+            czxid: 42,
+            mzxid: 42,
+            pzxid: 42,
+            ctime: 7,
+            mtime: 7,
+            version: 0,
+            cversion: 0,
+            aversion: 0,
+            ephemeral_owner: 1,
+            data_length: 0,
+            num_children: 0,
+        }
+    }
+
+    /// Across the counter's first wrap (2³¹) the order goes on; across its second (2³²
+    /// back to 0) an entry whose queue still holds older entries is refused, never
+    /// granted ahead of them.
+    #[test]
+    fn an_entry_made_after_the_counter_wrapped_is_refused_while_older_ones_remain() {
+        let (t, other) = (dlock_testkit::ticket(), dlock_testkit::ticket());
+        let lock = |t: &Ticket, seq: &str| format!("{}{seq}", t.name_prefix(EntryKind::Lock));
+
+        // First wrap: 2147483647 holds, the new entry is -2147483648 and queues behind.
+        let mine = lock(&t, "-2147483648");
+        let done = build_enqueued(vec![lock(&other, "2147483647")], mine.clone(), &stat(), b"")
+            .expect("accepted across the first wrap");
+        let order: Vec<&str> = done.queue.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(
+            order,
+            vec![lock(&other, "2147483647").as_str(), mine.as_str()]
+        );
+
+        // Second wrap: -000000001 (2³² − 1) is still there when 0000000000 is made.
+        let older = lock(&other, "-000000001");
+        let err = build_enqueued(vec![older.clone()], lock(&t, "0000000000"), &stat(), b"")
+            .expect_err("refused while an entry from before the wrap remains");
+        let why = std::error::Error::source(&err).map(ToString::to_string);
+        assert!(
+            matches!(&err, Error::Backend { .. })
+                && why.as_deref().is_some_and(|w| w.contains("wrapped")),
+            "{err}: {why:?}"
+        );
+        // Once the older entries are gone, entries are accepted again.
+        build_enqueued(
+            vec![lock(&other, "0000000001")],
+            lock(&t, "0000000002"),
+            &stat(),
+            b"",
+        )
+        .expect("accepted once the older entries went");
     }
 }
