@@ -29,10 +29,16 @@ pub enum Decision<'a> {
 }
 
 /// True if `earlier`, queued ahead of `later`, keeps `later` from holding the lock.
+///
+/// A write and a read of one sequence are a held write and its owner's downgrade read
+/// (only [`crate::Position::Beside`] gives two entries one sequence), so neither keeps
+/// the other out, whichever of the two sorts first (the name decides that, and the
+/// names' uuids are random).
 pub fn conflicts(earlier: &Entry, later: &Entry) -> bool {
     match later.kind {
         EntryKind::Read => earlier.kind.is_exclusive() && earlier.seq != later.seq,
-        EntryKind::Lock | EntryKind::Write | EntryKind::Lease | EntryKind::Candidate => true,
+        EntryKind::Write => !(earlier.kind == EntryKind::Read && earlier.seq == later.seq),
+        EntryKind::Lock | EntryKind::Lease | EntryKind::Candidate => true,
     }
 }
 
@@ -333,6 +339,38 @@ mod tests {
         q.retain(|e| !(e.kind == EntryKind::Write && e.seq == 3));
         assert_eq!(decide(&q, &q[1].name), Decision::Wait(&q[0]));
         assert_eq!(q[0].name, "zz-read-beside");
+    }
+
+    /// A downgraded write holds whether its read sorts after it or before it (status
+    /// output showed it waiting when the read's uuid sorted first).
+    #[test]
+    fn a_downgraded_write_holds_whichever_of_the_two_sorts_first() {
+        for read_name in ["00-read-beside", "zz-read-beside"] {
+            let mut q = vec![entry(EntryKind::Write, 3), entry(EntryKind::Read, 4)];
+            let mut r = entry(EntryKind::Read, 3);
+            r.name = read_name.into();
+            q.push(r);
+            sort_queue(&mut q);
+            let held: Vec<&str> = holders(&q).iter().map(|e| e.name.as_str()).collect();
+            let mut want = vec![
+                read_name,
+                q.iter()
+                    .find(|e| e.kind == EntryKind::Write)
+                    .map(|e| e.name.as_str())
+                    .unwrap_or(""),
+            ];
+            want.sort_unstable();
+            let mut held_sorted = held.clone();
+            held_sorted.sort_unstable();
+            assert_eq!(held_sorted, want, "{read_name}: {held:?}");
+            // The later reader still waits for the write.
+            let later = q
+                .iter()
+                .find(|e| e.seq == 4)
+                .map(|e| e.name.clone())
+                .unwrap_or_default();
+            assert!(matches!(decide(&q, &later), Decision::Wait(e) if e.kind == EntryKind::Write));
+        }
     }
 
     #[test]

@@ -98,7 +98,7 @@ pub(crate) struct Shared {
     /// SUBSCRIBE of the same channel.
     pub(crate) sub_ops: tokio::sync::Mutex<()>,
     /// Highest sequence seen per queue (Redlock proposals).
-    pub(crate) seq_hint: Mutex<HashMap<String, u64>>,
+    pub(crate) seq_hint: crate::redlock::SeqHints,
     /// Queue keys this client last found with another entry, and when: an enqueue on
     /// one of them skips the uncontended fast path for [`CONTENDED_FOR`] (the attempt
     /// would fail and cost a round trip and a script run). Advice only: either path is

@@ -321,7 +321,7 @@ impl RedisBackend {
             chans: Mutex::new(HashMap::new()),
             idle_chans: Mutex::new(Vec::new()),
             sub_ops: tokio::sync::Mutex::new(()),
-            seq_hint: Mutex::new(HashMap::new()),
+            seq_hint: Default::default(),
             contended: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),

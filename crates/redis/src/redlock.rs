@@ -29,6 +29,47 @@ const REDLOCK_MAX_BACKOFF: Duration = Duration::from_millis(25);
 /// How long a Redlock call waits for the remaining masters once a majority answered.
 const STRAGGLER_GRACE: Duration = Duration::from_millis(20);
 
+/// Past this many queues, [`SeqHints`] forgets those not seen for a lease.
+const SEQ_HINTS_KEPT: usize = 1024;
+
+/// The highest Redlock sequence this client has seen per queue: where its next proposal
+/// starts, so that it is not refused for being below what a master already holds.
+///
+/// Advice only: a master refuses a proposal at or below its counter or its queue and
+/// answers with the value to beat, so a forgotten hint costs at most one refused
+/// proposal. A hint not raised for a whole lease is worth nothing more (the masters'
+/// counters are written with the lease as their TTL, and the entries it reflected have
+/// gone or been seen again since), so once the map holds [`SEQ_HINTS_KEPT`] queues
+/// those go: it stays as large as the set of locks used within one lease, not every
+/// lock name the process ever used.
+#[derive(Debug, Default)]
+pub(crate) struct SeqHints(parking_lot::Mutex<std::collections::HashMap<String, (u64, Instant)>>);
+
+impl SeqHints {
+    /// The hint for `queue` (0: none).
+    pub(crate) fn get(&self, queue: &str) -> u64 {
+        self.0.lock().get(queue).map_or(0, |(seq, _)| *seq)
+    }
+
+    /// Raises `queue`'s hint to at least `seq`; `lease` is how long an unraised hint is
+    /// kept once the map is full.
+    pub(crate) fn raise(&self, queue: &str, seq: u64, lease: Duration) {
+        let now = Instant::now();
+        let mut map = self.0.lock();
+        if map.len() >= SEQ_HINTS_KEPT && !map.contains_key(queue) {
+            map.retain(|_, (_, at)| now.duration_since(*at) < lease);
+        }
+        let hint = map.entry(queue.to_owned()).or_insert((0, now));
+        *hint = (hint.0.max(seq), now);
+    }
+
+    /// How many queues have a hint.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.lock().len()
+    }
+}
+
 impl Shared {
     pub(crate) async fn eval_all(
         &self,
@@ -179,9 +220,7 @@ impl Shared {
         let mut q: Vec<Entry> = by_name.into_values().collect();
         dlock_core::entry::sort_queue(&mut q);
         if let Some(max) = q.iter().map(|e| e.seq).max() {
-            let mut hints = self.seq_hint.lock();
-            let h = hints.entry(keys.queue.clone()).or_insert(0);
-            *h = (*h).max(max);
+            self.seq_hint.raise(&keys.queue, max, self.lease);
         }
         q
     }
@@ -333,7 +372,7 @@ impl RedisBackend {
                 (Position::Beside(w), _) => ("beside", w.seq, w.name.as_str()),
                 (Position::Tail, Mode::Single) => ("tail", 0, ""),
                 (Position::Tail, Mode::Redlock) => {
-                    let hint = s.seq_hint.lock().get(&keys.queue).copied().unwrap_or(0);
+                    let hint = s.seq_hint.get(&keys.queue);
                     let spread = 1u64 << attempt.min(5);
                     proposal = proposal.max(hint) + 1 + rng.below(spread);
                     ("cas", proposal, "")
@@ -449,11 +488,7 @@ impl RedisBackend {
                 attempt,
                 proposal, rejected, "redlock: sequence refused, proposing a higher one"
             );
-            {
-                let mut hints = s.seq_hint.lock();
-                let h = hints.entry(keys.queue.clone()).or_insert(0);
-                *h = (*h).max(proposal);
-            }
+            s.seq_hint.raise(&keys.queue, proposal, s.lease);
             if started.elapsed() + s.drift >= s.lease / 3 {
                 break;
             }
@@ -539,5 +574,38 @@ mod refusal_tests {
             decisive_refusal(&[denied(), denied(), denied()], 5, 3),
             Some(Error::PermissionDenied(_))
         ));
+    }
+}
+
+#[cfg(test)]
+mod seq_hint_tests {
+    use super::*;
+
+    /// Hints only rise; once the map is full, the hints not raised for a lease go (it
+    /// grew by one queue per lock name the process ever used), and live ones stay.
+    #[tokio::test(start_paused = true)]
+    async fn hints_rise_and_stale_ones_go_once_full() {
+        let lease = Duration::from_secs(5);
+        let hints = SeqHints::default();
+        hints.raise("q", 7, lease);
+        hints.raise("q", 3, lease);
+        assert_eq!(hints.get("q"), 7, "a hint never falls");
+        assert_eq!(hints.get("other"), 0);
+        for i in 1..SEQ_HINTS_KEPT {
+            hints.raise(&format!("old-{i}"), 1, lease);
+        }
+        assert_eq!(hints.len(), SEQ_HINTS_KEPT);
+        tokio::time::advance(lease).await;
+        hints.raise("q", 8, lease);
+        assert_eq!(hints.len(), SEQ_HINTS_KEPT, "a known queue prunes nothing");
+        hints.raise("new", 2, lease);
+        assert_eq!(hints.len(), 2, "the hints older than a lease went");
+        assert_eq!((hints.get("q"), hints.get("new")), (8, 2));
+        assert_eq!(hints.get("old-1"), 0);
+        // Within a lease, nothing goes: the map is as large as the locks in use.
+        for i in 0..SEQ_HINTS_KEPT {
+            hints.raise(&format!("live-{i}"), 1, lease);
+        }
+        assert_eq!(hints.len(), SEQ_HINTS_KEPT + 2);
     }
 }

@@ -336,7 +336,7 @@ mod tests {
             chans: Mutex::new(HashMap::new()),
             idle_chans: Mutex::new(Vec::new()),
             sub_ops: tokio::sync::Mutex::new(()),
-            seq_hint: Mutex::new(HashMap::new()),
+            seq_hint: Default::default(),
             contended: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
