@@ -277,6 +277,12 @@ impl<B: DynBackend + ?Sized> Client<B> {
     ///
     /// Returns how many holding entries were asked (0 if the lock is free).
     ///
+    /// An election's leader is never asked (it is not a lock holder, and Curator's
+    /// `Revoker` never asks one either): its entry's payload is the leader's value,
+    /// which the message would replace, and a Curator `LeaderLatch` queued behind it
+    /// watches that entry with a one-shot watch that a data change uses up, after which
+    /// it would miss the leader's resignation. To move a leadership, resign it.
+    ///
     /// # Errors
     /// [`Error::InvalidName`]; [`Error::Unsupported`] on a backend without
     /// [`Capability::Revocation`]; a backend error.
@@ -286,10 +292,11 @@ impl<B: DynBackend + ?Sized> Client<B> {
         let lock = self.lock_name(name)?;
         let mut asked = 0;
         // The semaphore's internal lock is held only while acquiring: not a holder.
-        for p in parts
-            .iter()
-            .filter(|p| p.holds && p.queue != crate::semaphore::LOCKS)
-        {
+        for p in parts.iter().filter(|p| {
+            p.holds
+                && p.queue != crate::semaphore::LOCKS
+                && p.entry.kind != dlock_core::EntryKind::Candidate
+        }) {
             let q = QueuePath {
                 lock: lock.clone(),
                 sub: (!p.queue.is_empty()).then_some(p.queue),

@@ -354,6 +354,7 @@ zk_only! {
     shared revoke_between_dlock_clients => crate::zk_revoke::revoke_between_dlock_clients,
     shared revoke_interop_with_curator => crate::zk_revoke::revoke_interop_with_curator,
     shared cli_revoke => crate::zk_revoke::cli_revoke,
+    shared revoke_never_asks_an_election_leader => crate::zk_revoke::revoke_never_asks_an_election_leader,
     exclusive locks_survive_leader_kill => crate::zk_faults::locks_survive_leader_kill,
     exclusive follower_cut_from_leader_loses_before_the_next_grant => crate::zk_faults::follower_cut_from_leader_loses_before_the_next_grant,
     exclusive verify_never_confirms_from_a_lagging_follower => crate::zk_faults::verify_never_confirms_from_a_lagging_follower,

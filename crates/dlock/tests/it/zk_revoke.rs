@@ -191,3 +191,40 @@ pub async fn cli_revoke(url: &str) {
     c.close().await.expect("close");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An election's leader is never asked to release: `revoke` on an election asks nobody,
+/// and the leader's value (its entry's payload) is left as it was. (Before, it was
+/// replaced by `__REVOKE__`, and a Curator `LeaderLatch` behind the leader lost its
+/// one-shot watch on the leader's node to that data change.)
+pub async fn revoke_never_asks_an_election_leader(url: &str) {
+    let name = unique("revoke-elect");
+    let a = client(url).await;
+    let b = client(url).await;
+    let leading = a
+        .election(&name)
+        .expect("name")
+        .campaign("alpha")
+        .await
+        .expect("campaign");
+    assert_eq!(
+        b.revoke(&name).await.expect("revoke"),
+        0,
+        "an election leader was asked to release"
+    );
+    let seen = b
+        .election(&name)
+        .expect("name")
+        .leader()
+        .await
+        .expect("leader")
+        .expect("a leader");
+    assert_eq!(
+        seen.value_str(),
+        Some("alpha"),
+        "the leader's value was overwritten"
+    );
+    leading.verify().await.expect("still leading");
+    leading.resign().await.expect("resign");
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
