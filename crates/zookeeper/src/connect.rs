@@ -4,12 +4,18 @@
 use std::sync::Arc;
 
 use dlock_core::{Error, Result, SessionOptions};
+use futures::FutureExt as _;
 use zookeeper_client as zk;
 
 use crate::backend::{ZkBackend, DEFAULT_SESSION_TIMEOUT};
 use crate::errors::{connect_error, map_err};
 use crate::session::{connection_timeout, watch_session, Shared};
 use crate::ZkOptions;
+
+/// How often `from_client` sends its pair of syncs again when the connection changed
+/// between the two, before it gives up: each retry needs another reconnection within
+/// one pair gap.
+const PROOF_ATTEMPTS: usize = 4;
 
 impl ZkBackend {
     /// Connects to ZooKeeper with the default [`ZkOptions`].
@@ -223,11 +229,32 @@ impl ZkBackend {
         let acls = crate::security::acls_for(users.iter().any(|u| u.scheme() == "digest"));
         // Prove the session live on the leader: two completed syncs a pair gap apart
         // (see `heartbeat`), so the first one's send time starts the lost signal's clock.
+        // Both must go over one connection: a pair across a reconnection proves nothing
+        // (the heartbeat forgets every sync at a change of state for the same reason),
+        // so a pair the connection changed during is sent again.
         let gap = crate::heartbeat::pair_gap(t, zk_opts.tick_time);
-        let first = tokio::time::Instant::now();
-        within(limit, "proving the session", client.sync("/")).await?;
-        tokio::time::sleep_until(first + gap).await;
-        within(limit, "proving the session", client.sync("/")).await?;
+        let mut attempts = 0;
+        let first = loop {
+            let mut states = client.state_watcher();
+            let first = tokio::time::Instant::now();
+            within(limit, "proving the session", client.sync("/")).await?;
+            tokio::time::sleep_until(first + gap).await;
+            within(limit, "proving the session", client.sync("/")).await?;
+            if states.changed().now_or_never().is_none() {
+                break first;
+            }
+            attempts += 1;
+            if attempts == PROOF_ATTEMPTS {
+                return Err(Error::Unreachable(format!(
+                    "the connection to ZooKeeper changed during each of {PROOF_ATTEMPTS} \
+                     attempts to prove the session at the leader"
+                )));
+            }
+            tracing::info!(
+                attempt = attempts,
+                "the connection changed while the session was being proven; proving again"
+            );
+        };
         if zk_opts.tick_time.is_none() {
             tracing::warn!(
                 session_timeout = ?t,

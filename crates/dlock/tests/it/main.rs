@@ -358,4 +358,5 @@ zk_only! {
     exclusive locks_survive_leader_kill => crate::zk_faults::locks_survive_leader_kill,
     exclusive follower_cut_from_leader_loses_before_the_next_grant => crate::zk_faults::follower_cut_from_leader_loses_before_the_next_grant,
     exclusive verify_never_confirms_from_a_lagging_follower => crate::zk_faults::verify_never_confirms_from_a_lagging_follower,
+    exclusive borrowed_session_proof_is_taken_on_one_connection => crate::zk_faults::borrowed_session_proof_is_taken_on_one_connection,
 }

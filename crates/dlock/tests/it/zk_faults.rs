@@ -531,3 +531,87 @@ pub async fn verify_never_confirms_from_a_lagging_follower(url: &str) {
     a.close().await.ok();
     b.close().await.ok();
 }
+
+/// `ZkBackend::from_client` proves an application's session at the leader with two syncs
+/// a pair gap apart on one connection; a pair across a reconnection proves nothing (see
+/// `dlock_zookeeper`'s heartbeat). The session's server is killed and restarted between
+/// the two, so the client reconnects to it with the same session: the pair must be sent
+/// again, and `from_client` returns no earlier than two gaps after it was called. (Before,
+/// it returned after one gap, its lost signal's clock started by a sync whose touch may
+/// never have reached the leader.)
+pub async fn borrowed_session_proof_is_taken_on_one_connection(url: &str) {
+    let _ = url;
+    let Some(mut state) = dlock_testkit::require_state() else {
+        return;
+    };
+    if state.servers_of(Server::Zookeeper).count() < 3 {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: restarting a session's server needs a 3-node ZooKeeper ensemble"
+        );
+        return;
+    }
+    let leader = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS))
+        .expect("a ZooKeeper leader");
+    let follower = state
+        .servers_of(Server::Zookeeper)
+        .map(|s| s.id)
+        .find(|id| *id != leader)
+        .expect("a follower");
+    let addr = state
+        .server(Server::Zookeeper, follower)
+        .expect("follower")
+        .addr
+        .clone();
+    // Only that server: the client reconnects to it once it is back, in the same session.
+    // With no tick time given, the pair gap is half the session: 10 s, long enough for
+    // the server to be back before the second sync is sent.
+    let session = Duration::from_secs(20);
+    let raw = zk::Client::connector()
+        .with_session_timeout(session)
+        .connect(&addr)
+        .await
+        .expect("the application's session");
+    let gap = session / 2;
+    let started = tokio::time::Instant::now();
+    let proving = tokio::spawn(async move {
+        dlock_zookeeper::ZkBackend::from_client(
+            raw,
+            dlock::SessionOptions::default().with_session_timeout(session),
+            dlock_zookeeper::ZkOptions::default(),
+        )
+        .await
+    });
+    // The first sync is answered within this second; the second is sent at `gap`.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut restart = Restart {
+        state: None,
+        id: follower,
+    };
+    state
+        .kill(Server::Zookeeper, follower)
+        .expect("kill the session's server");
+    restart.state = Some(state);
+    tokio::task::block_in_place(|| restart.now());
+    let restarted = started.elapsed();
+    let backend = tokio::time::timeout(GENEROUS, proving)
+        .await
+        .expect("from_client answered")
+        .expect("from_client task")
+        .expect("the session proven");
+    let took = started.elapsed();
+    let _ = writeln!(
+        std::io::stderr(),
+        "from_client: server back after {restarted:?}, proven after {took:?} (gap {gap:?})"
+    );
+    assert!(
+        restarted < gap,
+        "precondition: the server must be back before the second sync ({restarted:?})"
+    );
+    assert!(
+        took >= 2 * gap,
+        "from_client returned {took:?} after it was called, less than two gaps ({gap:?} each): \
+         it took a pair of syncs across the reconnection as a proof"
+    );
+    dlock_core::Backend::close(backend.as_ref()).await.ok();
+}
