@@ -192,12 +192,13 @@ impl ZkBackend {
     /// assumes half the session timeout (safe, but the lost signal then also fires on
     /// leader elections). The lost signal needs a proof that the session is live on the
     /// leader, which takes two `sync`s one pair gap apart (two ticks, at most half the
-    /// session timeout): this call waits that long.
+    /// session timeout) over one connection: this call waits that long, and again if the
+    /// client reconnected in between.
     ///
     /// # Errors
-    /// [`Error::Unreachable`] if the session is not connected, or does not answer within
-    /// `opts.connect_timeout` (plus the pair gap); [`Error::LockLost`] if it has expired
-    /// or was closed.
+    /// [`Error::Unreachable`] if the session is not connected, does not answer within
+    /// `opts.connect_timeout` (plus the pair gap), or reconnected during each of four
+    /// pairs; [`Error::LockLost`] if it has expired or was closed.
     ///
     /// [`Backend::close`]: dlock_core::Backend::close
     pub async fn from_client(
