@@ -165,9 +165,11 @@ pub struct ParsedName {
 /// entries `…-2147483648` up to `…-000000001` (`%010d` of a negative int). Such a
 /// sequence is read as its unsigned 32-bit value (2³¹ to 2³² − 1), which continues the
 /// order across the wrap: `lock-2147483647` is followed by `lock--2147483648`, read as
-/// 2³¹. (Curator compares the text after the marker and sorts those names first.) The
-/// second wrap, from 2³² − 1 back to 0, is caught by the ZooKeeper adapter, which
-/// refuses an entry whose queue still holds entries from before it.
+/// 2³¹. (Curator compares the text after the marker and sorts those names first, so a
+/// queue shared with Curator clients breaks at this first wrap.) The second wrap, from
+/// 2³² − 1 back to 0, is caught by the ZooKeeper adapter, which refuses a new entry
+/// whose queue still holds entries from before it (within the limits its
+/// `refuse_across_the_wrap` gives).
 pub fn parse_name(name: &str) -> Option<ParsedName> {
     EntryKind::ALL.iter().find_map(|&kind| {
         let at = name.rfind(kind.marker())?;
@@ -193,10 +195,11 @@ fn plain_seq(digits: &str) -> Option<u64> {
 }
 
 /// The digits after the `-` of a wrapped ZooKeeper sequence (`-2147483648` to
-/// `-000000001`), as the unsigned 32-bit value of that negative int.
+/// `-000000001`), as the unsigned 32-bit value of that negative int. Only the spelling
+/// the server writes (`%010d`) is read: `-0000000001` is not an entry name.
 fn wrapped_seq(digits: &str) -> Option<u64> {
     let magnitude = plain_seq(digits)?;
-    if !(9..=10).contains(&digits.len()) || magnitude == 0 || magnitude > 1 << 31 {
+    if magnitude == 0 || magnitude > 1 << 31 || format!("{magnitude:09}") != digits {
         return None;
     }
     Some((1 << 32) - magnitude)
@@ -413,6 +416,8 @@ mod tests {
             "lock--0000000000",
             "lock---000000001",
             "lock--00000000001",
+            "lock--0000000001",
+            "lock--0999999999",
         ] {
             assert_eq!(parse_name(bad), None, "{bad}");
         }

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use dlock_core::driver::holders;
 use dlock_core::{
-    Capability, DynBackend, Entry, EntryKind, Error, FencingToken, LockName, Position, QueuePath,
-    Result,
+    decide, Capability, Decision, DynBackend, Entry, EntryKind, Error, FencingToken, LockName,
+    Position, QueuePath, Result,
 };
 use futures::stream::{BoxStream, StreamExt};
 use futures::FutureExt;
@@ -388,24 +388,54 @@ impl<B: DynBackend + ?Sized> Leadership<B> {
     }
 
     /// Asks the server, in one round trip, whether this leader's entry is still there
-    /// (with the same token where the backend keeps one), and fails if it is not.
-    /// [`Leadership::lost`] fires only once the client has learned of a loss; call
-    /// `verify` before committing a leader's effects to learn of a loss it has not seen
-    /// yet.
+    /// (with the same token where the backend keeps one) and still first of the
+    /// election's queue, and fails if not. [`Leadership::lost`] fires only once the
+    /// client has learned of a loss; call `verify` before committing a leader's effects
+    /// to learn of a loss it has not seen yet.
     ///
-    /// An entry that leads leads until it goes: entries only ever join an election
-    /// behind the last one (a larger sequence, revision or score), so the entry's
-    /// presence is the whole question. It is asked as [`LockGuard::verify`] asks it
-    /// ([`dlock_core::DynBackend::contains`]), never from a possibly stale copy: on
-    /// ZooKeeper the read follows a `sync` through the leader, so a follower that trails
-    /// it (or is cut off from it and does not know yet) cannot confirm an entry the
-    /// leader already deleted.
+    /// Two reads, sent together: the entry's presence as [`LockGuard::verify`] asks it
+    /// ([`dlock_core::DynBackend::contains`]), never from a possibly stale copy (on
+    /// ZooKeeper it follows a `sync` through the leader, so a follower that trails the
+    /// leader, or is cut off from it and does not know yet, cannot confirm an entry the
+    /// leader already deleted), and the entries ahead of it, since presence alone does
+    /// not show the lead where an entry can come to sort ahead of a leader (Redlock,
+    /// after a master lost its keys and accepted a lower proposal).
     ///
     /// # Errors
-    /// [`Error::LockLost`] if the lost signal has fired or the entry is gone; the
-    /// backend's error if the server could not be asked (unconfirmed, not known lost).
+    /// [`Error::LockLost`] if the lost signal has fired, the entry is gone or it no
+    /// longer leads; the backend's error if the server could not be asked (unconfirmed,
+    /// not known lost).
     pub async fn verify(&self) -> Result<()> {
-        self.guard.verify().await
+        let held = self.guard.held();
+        if let Some(reason) = held.lost_reason() {
+            return Err(Error::LockLost(reason));
+        }
+        let (present, ahead) = futures::future::join(
+            held.backend.contains(&held.q, &held.entry),
+            held.backend.queue_ahead(&held.q, &held.entry),
+        )
+        .await;
+        let (present, ahead) = (present?, ahead?);
+        if let Some(reason) = held.lost_reason() {
+            return Err(Error::LockLost(reason));
+        }
+        if !present {
+            return Err(Error::LockLost(format!(
+                "{}: entry {} is no longer on the server",
+                held.q.lock, held.entry.name
+            )));
+        }
+        let mine = ahead.iter().find(|e| e.name == held.entry.name);
+        let leads = matches!(decide(&ahead, &held.entry.name), Decision::Acquired)
+            && mine.is_some_and(|e| held.entry.token_matches(e.token));
+        if leads {
+            Ok(())
+        } else {
+            Err(Error::LockLost(format!(
+                "{}: entry {} no longer leads",
+                held.q.lock, held.entry.name
+            )))
+        }
     }
 
     /// Replaces this leader's value without giving up the lead: what

@@ -327,27 +327,32 @@ fn build_enqueued(
     Ok(Enqueued { mine: me, queue })
 }
 
-/// How far above a new entry's sequence an entry of its queue must be to have been made
-/// before the counter wrapped: half the 32-bit space (sequences of one queue's live
-/// entries are never that far apart otherwise).
-const WRAP_DISTANCE: u64 = 1 << 31;
+/// How far above a new entry's sequence another entry of its listing can be and still
+/// have been made after it: the listing is taken right after the create (or, after a lost
+/// reply, once the client has reconnected), and no ZooKeeper makes 2²⁴ (16.7 million)
+/// children in that time. An entry further above was made before the counter wrapped.
+const MADE_SINCE: u64 = 1 << 24;
 
 /// Fails the enqueue of `me` if its queue still holds entries made before ZooKeeper's
 /// sequence counter went from 2³² − 1 (read from `-000000001`) back to 0.
 ///
-/// The queue is ordered by sequence, so such an entry would sort behind `me` although it
-/// came first: `me`, first by number, would be granted beside the entry that holds.
+/// A new entry is the newest of its queue, so every entry numbered above it by more than
+/// [`MADE_SINCE`] is from before the wrap: sorted by number it would sort behind `me`
+/// although it came first, and `me` would be granted beside the entry that holds.
 /// Refused, `me` is abandoned by its caller and the acquire fails with a backend error,
-/// which the caller may retry; the entries from before the wrap are all behind every
-/// such attempt's view (no new entry ever gets a large sequence again), so they drain,
-/// and once they have, entries are accepted. It happens once per 2³² creations and
-/// deletions under one parent, and only if the parent (a container, deleted by the
-/// server once it has been empty at a check) was never empty in between; the first wrap,
-/// at 2³¹, needs nothing (see `dlock_core::entry::parse_name`).
+/// which the caller may retry; no new entry gets a large number again, so the entries
+/// from before the wrap drain, and once they have, entries are accepted. It happens once
+/// per 2³² creations and deletions under one parent, and only if the parent (a
+/// container, deleted by the server once it has been empty at a check) was never empty
+/// in between. Not caught: an entry that lived through 2³² − 2²⁴ creations and deletions
+/// under its parent (its number is then below the new one's again), and a semaphore's
+/// lease, which is created in one `multi` with no listing (`enqueue_removing`). The
+/// first wrap, at 2³¹, needs nothing in a queue of dlock clients only (see
+/// `dlock_core::entry::parse_name`).
 fn refuse_across_the_wrap(me: &Entry, queue: &[Entry]) -> Result<()> {
     match queue
         .iter()
-        .find(|e| e.seq > me.seq.saturating_add(WRAP_DISTANCE))
+        .find(|e| e.seq > me.seq.saturating_add(MADE_SINCE))
     {
         Some(older) => Err(Error::backend(
             "enqueue",
@@ -461,6 +466,14 @@ mod tests {
                 && why.as_deref().is_some_and(|w| w.contains("wrapped")),
             "{err}: {why:?}"
         );
+        // An entry made just after the new one (listed with it) is no sign of a wrap.
+        build_enqueued(
+            vec![lock(&other, "0000000009")],
+            lock(&t, "0000000007"),
+            &stat(),
+            b"",
+        )
+        .expect("a newer entry in the listing is accepted");
         // Once the older entries are gone, entries are accepted again.
         build_enqueued(
             vec![lock(&other, "0000000001")],
