@@ -232,9 +232,10 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
     ///
     /// Only `fut`, and the futures it polls, run inside: a future polled beside it (by
     /// `join!`, `select!`, ...) does not, nor does a task it spawns. Scopes nest: the
-    /// scopes around the returned future are the ones it is first polled in, not the ones
-    /// it was made in, so a scoped future made inside another guard's scope and awaited
-    /// outside it (or handed to another task) does not carry that guard's hold along.
+    /// scopes around the returned future are the ones it is polled in, read at each
+    /// poll, not the ones it was made or first polled in, so a scoped future made (or
+    /// polled once) inside another guard's scope and awaited outside it (or handed to
+    /// another task) does not carry that guard's hold along.
     ///
     /// ```no_run
     /// # async fn f(client: dlock_recipes::Client) -> dlock_core::Result<()> {
@@ -254,20 +255,16 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
         F: Future + 'a,
     {
         let hold = match &self.held.key {
-            Some(k) if !self.released => Some((k.clone(), self.held.clone())),
+            Some(k) if !self.released => {
+                let held: Arc<dyn std::any::Any + Send + Sync> = self.held.clone();
+                Some((k.clone(), held))
+            }
             _ => None,
         };
-        // The surrounding scope is read on the first poll, where the future runs: read
-        // here, it would be the scope of the code that made the future, which may be a
-        // scope the future never runs in (see the doc above).
-        async move {
-            let around = Scope::current();
-            let scope = match hold {
-                Some((k, held)) => around.with(k, held),
-                None => around,
-            };
-            scope.run(fut).await
-        }
+        // The surrounding scopes are read at each poll, where the future runs: read when
+        // it was made (or first polled), they would be the scopes of code the future may
+        // no longer run in (see the doc above).
+        Scope::holding(hold, fut)
     }
 
     /// The hold this guard counts in.

@@ -88,8 +88,28 @@ impl Scope {
 
     /// Runs `fut` inside this scope. Only `fut` and what it polls see it: not a future
     /// polled beside it, not a task it spawns.
+    #[cfg(test)]
     pub(crate) fn run<F: Future>(self, fut: F) -> impl Future<Output = F::Output> {
         SCOPE.scope(self, fut)
+    }
+
+    /// Runs `fut` with `hold` added to the scope it is polled in, read afresh at every
+    /// poll: a future polled inside some scope once and later outside it takes nothing
+    /// of that scope along. Only `fut` and what it polls see the hold: not a future
+    /// polled beside it, not a task it spawns.
+    pub(crate) fn holding<F: Future>(
+        hold: Option<(HoldKey, Arc<dyn Any + Send + Sync>)>,
+        fut: F,
+    ) -> impl Future<Output = F::Output> {
+        let mut fut = Box::pin(fut);
+        std::future::poll_fn(move |cx| {
+            let around = Scope::current();
+            let scope = match &hold {
+                Some((k, held)) => around.with(k.clone(), held.clone()),
+                None => around,
+            };
+            SCOPE.sync_scope(scope, || fut.as_mut().poll(cx))
+        })
     }
 
     /// The innermost hold of `key` the current code runs inside, if any.

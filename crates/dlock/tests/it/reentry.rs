@@ -285,10 +285,11 @@ pub async fn non_reentrant_and_upgrade_in_scope_are_typed_errors(_kind: Kind, ur
     c.close().await.expect("close");
 }
 
-/// A scoped future runs in the scopes it is polled in, not those it was made in: one made
-/// inside guard `a`'s scope and awaited after that scope ended does not re-enter `a`
-/// (before, it carried `a`'s hold along, and code that ran outside every scope of `a`
-/// re-entered it while `a`'s own critical section went on).
+/// A scoped future runs in the scopes it is polled in, not those it was made or first
+/// polled in: one made (or polled once) inside guard `a`'s scope and awaited after that
+/// scope ended does not re-enter `a` (before, it carried `a`'s hold along, and code that
+/// ran outside every scope of `a` re-entered it while `a`'s own critical section went
+/// on).
 pub async fn a_scoped_future_made_in_a_scope_does_not_carry_its_hold(_kind: Kind, url: &str) {
     let (na, nb) = (unique("made-a"), unique("made-b"));
     let c = client(url).await;
@@ -309,7 +310,31 @@ pub async fn a_scoped_future_made_in_a_scope_does_not_carry_its_hold(_kind: Kind
         }
         Err(e) => panic!("try_lock outside a's scope: {e}"),
     }
-    // The same future polled inside a's scope re-enters: the check above can fail.
+    // Polled once inside a's scope (it waits there on a gate), then awaited outside it:
+    // the scope of each poll counts, not the scope of the first.
+    let gate = tokio::sync::Notify::new();
+    let mut polled = Box::pin(gb.scope(async {
+        gate.notified().await;
+        ma.try_lock().await
+    }));
+    ga.scope(async {
+        assert!(
+            futures::poll!(polled.as_mut()).is_pending(),
+            "waits on the gate"
+        );
+    })
+    .await;
+    gate.notify_one();
+    match polled.await {
+        Err(Error::WouldBlock) => {}
+        Ok(mut again) => {
+            let t = again.token();
+            again.release().await.expect("release");
+            panic!("a future first polled in a's scope re-entered a outside it (token {t})");
+        }
+        Err(e) => panic!("try_lock outside a's scope: {e}"),
+    }
+    // The same future polled inside a's scope re-enters: the checks above can fail.
     let mut again = ga
         .scope(async { gb.scope(ma.try_lock()).await })
         .await
