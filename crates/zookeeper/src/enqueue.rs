@@ -401,20 +401,7 @@ mod tests {
             format!("{}0000000003", other.name_prefix(EntryKind::Lock)),
             format!("{}0000000001", other.name_prefix(EntryKind::Lock)),
         ];
-        let stat = zk::Stat {
-            czxid: 42,
-            mzxid: 42,
-            pzxid: 42,
-            ctime: 7,
-            mtime: 7,
-            version: 0,
-            cversion: 0,
-            aversion: 0,
-            ephemeral_owner: 1,
-            data_length: 0,
-            num_children: 0,
-        };
-        let done = build_enqueued(names, mine.clone(), &stat, b"me").expect("built");
+        let done = build_enqueued(names, mine.clone(), &stat(), b"me").expect("built");
         assert_eq!(done.mine.token, Some(FencingToken::new(42)));
         let seqs: Vec<u64> = done.queue.iter().map(|e| e.seq).collect();
         assert_eq!(seqs, vec![1, 2, 3]);

@@ -301,15 +301,7 @@ pub async fn a_scoped_future_made_in_a_scope_does_not_carry_its_hold(_kind: Kind
     let mut escaped = None;
     ga.scope(async { escaped = Some(gb.scope(ma.try_lock())) })
         .await;
-    match escaped.expect("made inside the scope").await {
-        Err(Error::WouldBlock) => {}
-        Ok(mut again) => {
-            let t = again.token();
-            again.release().await.expect("release");
-            panic!("a future made in a's scope re-entered a outside it (token {t})");
-        }
-        Err(e) => panic!("try_lock outside a's scope: {e}"),
-    }
+    waits_outside(escaped.expect("made inside the scope").await, "made").await;
     // Polled once inside a's scope (it waits there on a gate), then awaited outside it:
     // the scope of each poll counts, not the scope of the first.
     let gate = tokio::sync::Notify::new();
@@ -325,15 +317,7 @@ pub async fn a_scoped_future_made_in_a_scope_does_not_carry_its_hold(_kind: Kind
     })
     .await;
     gate.notify_one();
-    match polled.await {
-        Err(Error::WouldBlock) => {}
-        Ok(mut again) => {
-            let t = again.token();
-            again.release().await.expect("release");
-            panic!("a future first polled in a's scope re-entered a outside it (token {t})");
-        }
-        Err(e) => panic!("try_lock outside a's scope: {e}"),
-    }
+    waits_outside(polled.await, "first polled").await;
     // The same future polled inside a's scope re-enters: the checks above can fail.
     let mut again = ga
         .scope(async { gb.scope(ma.try_lock()).await })
@@ -356,4 +340,18 @@ pub async fn a_scoped_future_made_in_a_scope_does_not_carry_its_hold(_kind: Kind
         "entries left"
     );
     c.close().await.expect("close");
+}
+
+/// A `try_lock` of `a` run outside `a`'s scope must find it held (`WouldBlock`); a guard
+/// it got (a re-entry) is released before the test fails.
+async fn waits_outside(got: dlock::Result<dlock::LockGuard>, how: &str) {
+    match got {
+        Err(Error::WouldBlock) => {}
+        Ok(mut again) => {
+            let t = again.token();
+            again.release().await.expect("release");
+            panic!("a future {how} in a's scope re-entered a outside it (token {t})");
+        }
+        Err(e) => panic!("try_lock outside a's scope: {e}"),
+    }
 }

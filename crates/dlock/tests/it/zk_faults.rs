@@ -56,6 +56,40 @@ impl Drop for Restart {
     }
 }
 
+/// The ensemble's leader and one follower; `None` (after saying `what` needs three
+/// nodes) on a smaller ensemble.
+fn leader_and_follower(state: &State, what: &str) -> Option<(u32, u32)> {
+    if state.servers_of(Server::Zookeeper).count() < 3 {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: {what} needs a 3-node ZooKeeper ensemble"
+        );
+        return None;
+    }
+    // testkit probes block; the tests' runtimes have worker threads to spare.
+    let leader = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS))
+        .expect("a ZooKeeper leader");
+    let follower = state
+        .servers_of(Server::Zookeeper)
+        .map(|s| s.id)
+        .find(|id| *id != leader)
+        .expect("a follower");
+    Some((leader, follower))
+}
+
+/// Cuts the follower (`pid`) off from its leader: only its connections to the leader's
+/// quorum port, so the leader and the other follower stay a quorum and every client
+/// still reaches its server.
+fn cut_off(pid: u32, quorum_port: u16) -> dlock_testkit::NetCut {
+    let ports = dlock_testkit::connections_of(pid, quorum_port).expect("follower sockets");
+    assert!(
+        !ports.is_empty(),
+        "the follower has no connection to the leader's quorum port {quorum_port}"
+    );
+    let pairs: Vec<(u16, u16)> = ports.iter().map(|p| (*p, quorum_port)).collect();
+    dlock_testkit::NetCut::new(&pairs, &[]).expect("cut the follower off")
+}
+
 /// Locks held across a leader SIGKILL stay held: the holder's session (connected to
 /// the leader) moves to another server, its lost signals do not fire, its entries stay;
 /// waiters queued before the kill get the locks once the holder releases. The killed
@@ -325,20 +359,9 @@ pub async fn follower_cut_from_leader_loses_before_the_next_grant(url: &str) {
     let Some(state) = dlock_testkit::require_state() else {
         return;
     };
-    if state.servers_of(Server::Zookeeper).count() < 3 {
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: a follower partition needs a 3-node ZooKeeper ensemble"
-        );
+    let Some((leader, follower)) = leader_and_follower(&state, "a follower partition") else {
         return;
-    }
-    let leader = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS))
-        .expect("a ZooKeeper leader");
-    let follower = state
-        .servers_of(Server::Zookeeper)
-        .map(|s| s.id)
-        .find(|id| *id != leader)
-        .expect("a follower");
+    };
     let (f, l) = (
         state.server(Server::Zookeeper, follower).expect("follower"),
         state.server(Server::Zookeeper, leader).expect("leader"),
@@ -374,13 +397,7 @@ pub async fn follower_cut_from_leader_loses_before_the_next_grant(url: &str) {
         eventually(GENEROUS, || async { leftovers(&b, &name).await == 2 }).await,
         "the waiter never queued"
     );
-    let ports = dlock_testkit::connections_of(f.pid, quorum_port).expect("follower sockets");
-    assert!(
-        !ports.is_empty(),
-        "follower {follower} has no connection to the leader's quorum port {quorum_port}"
-    );
-    let pairs: Vec<(u16, u16)> = ports.iter().map(|p| (*p, quorum_port)).collect();
-    let cut = dlock_testkit::NetCut::new(&pairs, &[]).expect("cut the follower off");
+    let cut = cut_off(f.pid, quorum_port);
     let cut_at = tokio::time::Instant::now();
     // Either the holder keeps its session (the follower rejoined in time) and the waiter
     // gets the lock only after the release, or the session went and the holder was told
@@ -450,20 +467,9 @@ pub async fn verify_never_confirms_from_a_lagging_follower(url: &str) {
     let Some(state) = dlock_testkit::require_state() else {
         return;
     };
-    if state.servers_of(Server::Zookeeper).count() < 3 {
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: a lagging follower needs a 3-node ZooKeeper ensemble"
-        );
+    let Some((leader, follower)) = leader_and_follower(&state, "a lagging follower") else {
         return;
-    }
-    let leader = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS))
-        .expect("a ZooKeeper leader");
-    let follower = state
-        .servers_of(Server::Zookeeper)
-        .map(|s| s.id)
-        .find(|id| *id != leader)
-        .expect("a follower");
+    };
     let (f, l) = (
         state.server(Server::Zookeeper, follower).expect("follower"),
         state.server(Server::Zookeeper, leader).expect("leader"),
@@ -485,13 +491,7 @@ pub async fn verify_never_confirms_from_a_lagging_follower(url: &str) {
     guard.verify().await.expect("a live hold verifies");
     leading.verify().await.expect("a live leadership verifies");
 
-    let ports = dlock_testkit::connections_of(f.pid, quorum_port).expect("follower sockets");
-    assert!(
-        !ports.is_empty(),
-        "follower {follower} has no connection to the leader's quorum port {quorum_port}"
-    );
-    let pairs: Vec<(u16, u16)> = ports.iter().map(|p| (*p, quorum_port)).collect();
-    let cut = dlock_testkit::NetCut::new(&pairs, &[]).expect("cut the follower off");
+    let cut = cut_off(f.pid, quorum_port);
     for (name, entry) in [(&mutex, guard.entry()), (&election, leading.entry())] {
         let q = dlock_core::QueuePath::root(b.lock_name(name).expect("name"));
         b.backend()
@@ -544,20 +544,9 @@ pub async fn borrowed_session_proof_is_taken_on_one_connection(url: &str) {
     let Some(mut state) = dlock_testkit::require_state() else {
         return;
     };
-    if state.servers_of(Server::Zookeeper).count() < 3 {
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: restarting a session's server needs a 3-node ZooKeeper ensemble"
-        );
+    let Some((_, follower)) = leader_and_follower(&state, "restarting a session's server") else {
         return;
-    }
-    let leader = tokio::task::block_in_place(|| state.wait_leader(Server::Zookeeper, GENEROUS))
-        .expect("a ZooKeeper leader");
-    let follower = state
-        .servers_of(Server::Zookeeper)
-        .map(|s| s.id)
-        .find(|id| *id != leader)
-        .expect("a follower");
+    };
     let addr = state
         .server(Server::Zookeeper, follower)
         .expect("follower")
