@@ -239,8 +239,9 @@ pub(crate) fn watch_gone<B: DynBackend + ?Sized>(
 /// [`DynBackend::still_queued`] answers for a moment no earlier than the change the
 /// waiter's watch reported, so an entry it finds was there when the one ahead went. At
 /// most one read per handoff, on the waiter's side, and none where the watch's ordered
-/// events already showed the entry there. Curator lists the queue on every wake and etcd's lock reads its own key after its
-/// wait for the same reason. A grant from a listing that named `mine` needs none.
+/// events already showed the entry there. Curator lists the queue on every wake and
+/// etcd's lock reads its own key after its wait for the same reason. A grant from a
+/// listing that named `mine` needs none.
 pub(crate) async fn confirmed<B: DynBackend + ?Sized>(
     backend: &B,
     q: &QueuePath,

@@ -33,12 +33,7 @@ pub(crate) fn redis_cli(url: &str, args: &[&str]) -> String {
 pub async fn waiter_whose_entry_was_wiped_never_grants_itself(url: &str) {
     let name = unique("wiped");
     let a = client(url).await;
-    let b = dlock::connect_with(
-        url,
-        SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
-    )
-    .await
-    .expect("connect");
+    let b = long_session(url).await;
     let _held = a.mutex(&name).expect("name").lock().await.expect("lock");
     let mb = b.mutex(&name).expect("name");
     let waiter = tokio::spawn(async move { mb.lock().await });
@@ -90,13 +85,7 @@ pub async fn waiter_whose_entry_was_wiped_never_grants_itself(url: &str) {
 pub async fn waiter_whose_entry_key_was_deleted_never_holds(url: &str) {
     let name = unique("keygone");
     let a = client(url).await;
-    // A long session: its watchdog (every lease/3) must not notice the loss first.
-    let b = dlock::connect_with(
-        url,
-        SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
-    )
-    .await
-    .expect("connect");
+    let b = long_session(url).await;
     let mut held = a.mutex(&name).expect("name").lock().await.expect("lock");
     let mb = b.mutex(&name).expect("name");
     let waiter = tokio::spawn(async move { mb.lock().await.map(|g| g.token().get()) });
@@ -129,4 +118,15 @@ pub async fn waiter_whose_entry_key_was_deleted_never_holds(url: &str) {
     assert_eq!(leftovers(&a, &name).await, 0, "nothing is left of the lock");
     a.close().await.expect("close");
     b.close().await.expect("close");
+}
+
+/// A client whose session (60 s) is long enough that its watchdog, renewing every
+/// lease/3, does not notice its own entry's loss before the test's waiter does.
+async fn long_session(url: &str) -> dlock::Client {
+    dlock::connect_with(
+        url,
+        SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
+    )
+    .await
+    .expect("connect")
 }
