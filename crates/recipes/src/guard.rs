@@ -9,7 +9,7 @@ use dlock_core::{DynBackend, Entry, Error, FencingToken, LockName, QueuePath, Re
 use futures::future::{BoxFuture, FutureExt, Shared};
 use tracing::Instrument;
 
-use crate::queue::spawn_remove;
+use crate::queue::{spawn_remove, Runtime};
 use crate::reentry::{HoldKey, Recipe, Scope};
 
 /// A hold's lost signal, shared by its guards: the reason, once lost. Awaited through
@@ -41,6 +41,9 @@ pub(crate) struct Held<B: DynBackend + ?Sized> {
     guards: AtomicUsize,
     /// When the hold was granted, for `dlock_hold_seconds`.
     granted_at: std::time::Instant,
+    /// The runtime it was granted on: a guard dropped where none is current still
+    /// removes the entry (see [`Runtime`]).
+    rt: Runtime,
 }
 
 impl<B: DynBackend + ?Sized> Held<B> {
@@ -62,12 +65,24 @@ impl<B: DynBackend + ?Sized> Held<B> {
                 key,
                 guards: AtomicUsize::new(1),
                 granted_at: std::time::Instant::now(),
+                rt: Runtime::current(),
             })),
             Err(e) => {
                 let _ = backend.remove(&q, &entry).await;
                 Err(e)
             }
         }
+    }
+
+    /// Removes the entry in the background, retried while the session lives
+    /// ([`spawn_remove`]), on the runtime current now or else the one it was granted on.
+    fn remove_in_background(&self) {
+        spawn_remove(
+            &self.rt,
+            self.backend.clone(),
+            self.q.clone(),
+            self.entry.clone(),
+        );
     }
 
     /// The granted entry's token and lost signal, or why it cannot be handed out.
@@ -407,7 +422,7 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
             Ok(()) => Ok(()),
             Err(e) => {
                 if !e.is_lost() {
-                    spawn_remove(held.backend.clone(), held.q.clone(), held.entry.clone());
+                    held.remove_in_background();
                 }
                 Err(e)
             }
@@ -499,7 +514,7 @@ struct RemoveOnDrop<B: DynBackend + ?Sized>(Option<Arc<Held<B>>>);
 impl<B: DynBackend + ?Sized> Drop for RemoveOnDrop<B> {
     fn drop(&mut self) {
         if let Some(h) = self.0.take() {
-            spawn_remove(h.backend.clone(), h.q.clone(), h.entry.clone());
+            h.remove_in_background();
         }
     }
 }
@@ -511,11 +526,7 @@ impl<B: DynBackend + ?Sized> Drop for LockGuard<B> {
         }
         self.released = true;
         if self.held.leave() {
-            spawn_remove(
-                self.held.backend.clone(),
-                self.held.q.clone(),
-                self.held.entry.clone(),
-            );
+            self.held.remove_in_background();
         }
     }
 }

@@ -62,6 +62,31 @@ pub(crate) async fn within<T>(
     }
 }
 
+/// The tokio runtime a lock was acquired on, kept by whatever may have to clean up in
+/// `Drop`: guards and acquire futures are `Send`, and one dropped on a thread without a
+/// current runtime (a plain `std::thread`, a rayon worker, the last `Arc` let go there)
+/// must still remove its entry. Without it nothing could be spawned, and the entry would
+/// stay for as long as its session lives: the session is kept alive by the backend's own
+/// tasks, so every other contender would wait for the process to end.
+#[derive(Clone, Debug)]
+pub(crate) struct Runtime(Option<tokio::runtime::Handle>);
+
+impl Runtime {
+    /// The runtime of the calling task, if any.
+    pub(crate) fn current() -> Self {
+        Runtime(tokio::runtime::Handle::try_current().ok())
+    }
+
+    /// Where a clean-up from `Drop` runs: the runtime current at the drop if there is one
+    /// (as before), else the one kept. A runtime that has shut down since drops the task
+    /// unrun, as it would any task spawned on it; its backend's connections went with it.
+    pub(crate) fn for_drop(&self) -> Option<tokio::runtime::Handle> {
+        tokio::runtime::Handle::try_current()
+            .ok()
+            .or_else(|| self.0.clone())
+    }
+}
+
 /// Removes a ticket's entry when dropped while armed. An acquire future that is dropped
 /// at any await point (a `select!`, a timeout, an aborted task) thereby still removes
 /// whatever its enqueue may have created, in the background.
@@ -70,6 +95,8 @@ pub(crate) struct AbandonOnDrop<B: DynBackend + ?Sized> {
     q: QueuePath,
     ticket: Ticket,
     armed: bool,
+    /// The runtime the attempt ran on, for a drop where no runtime is current.
+    rt: Runtime,
 }
 
 impl<B: DynBackend + ?Sized> AbandonOnDrop<B> {
@@ -79,6 +106,7 @@ impl<B: DynBackend + ?Sized> AbandonOnDrop<B> {
             q,
             ticket,
             armed: true,
+            rt: Runtime::current(),
         }
     }
 
@@ -104,7 +132,12 @@ impl<B: DynBackend + ?Sized> AbandonOnDrop<B> {
 impl<B: DynBackend + ?Sized> Drop for AbandonOnDrop<B> {
     fn drop(&mut self) {
         if self.armed {
-            spawn_abandon(self.backend.clone(), self.q.clone(), self.ticket.clone());
+            spawn_abandon(
+                &self.rt,
+                self.backend.clone(),
+                self.q.clone(),
+                self.ticket.clone(),
+            );
         }
     }
 }
@@ -173,8 +206,13 @@ async fn remove_until_done<F>(
 
 /// Background removal of a ticket's entry, retried while the session lives (see
 /// [`remove_until_done`]).
-fn spawn_abandon<B: DynBackend + ?Sized>(backend: Arc<B>, q: QueuePath, ticket: Ticket) {
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+fn spawn_abandon<B: DynBackend + ?Sized>(
+    rt: &Runtime,
+    backend: Arc<B>,
+    q: QueuePath,
+    ticket: Ticket,
+) {
+    let Some(rt) = rt.for_drop() else {
         tracing::warn!(queue = %q, "no tokio runtime to remove an abandoned entry; it goes with the session");
         return;
     };
@@ -191,8 +229,13 @@ fn spawn_abandon<B: DynBackend + ?Sized>(backend: Arc<B>, q: QueuePath, ticket: 
 
 /// Background removal of a held entry (a guard dropped without `release`, or a release
 /// that failed), retried while the session lives (see [`remove_until_done`]).
-pub(crate) fn spawn_remove<B: DynBackend + ?Sized>(backend: Arc<B>, q: QueuePath, entry: Entry) {
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+pub(crate) fn spawn_remove<B: DynBackend + ?Sized>(
+    rt: &Runtime,
+    backend: Arc<B>,
+    q: QueuePath,
+    entry: Entry,
+) {
+    let Some(rt) = rt.for_drop() else {
         tracing::warn!(queue = %q, "no tokio runtime to release a dropped guard; the entry goes with the session");
         return;
     };

@@ -401,6 +401,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                 backend: backend.clone(),
                 q: locks.clone(),
                 entry: Some(inner),
+                rt: queue::Runtime::current(),
             };
             let ticket = self.client.tickets.ticket();
             let cleanup = AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone());
@@ -641,6 +642,8 @@ struct RemoveInner<B: DynBackend + ?Sized> {
     backend: std::sync::Arc<B>,
     q: QueuePath,
     entry: Option<dlock_core::Entry>,
+    /// For a drop where no runtime is current (see [`queue::Runtime`]).
+    rt: queue::Runtime,
 }
 
 impl<B: DynBackend + ?Sized> RemoveInner<B> {
@@ -656,7 +659,7 @@ impl<B: DynBackend + ?Sized> RemoveInner<B> {
 impl<B: DynBackend + ?Sized> Drop for RemoveInner<B> {
     fn drop(&mut self) {
         if let Some(e) = self.entry.take() {
-            queue::spawn_remove(self.backend.clone(), self.q.clone(), e);
+            queue::spawn_remove(&self.rt, self.backend.clone(), self.q.clone(), e);
         }
     }
 }

@@ -134,6 +134,7 @@ all_backends! {
     mem a_permit_waiter_whose_entry_went_is_never_granted => crate::semaphore::a_permit_waiter_whose_entry_went_is_never_granted,
     mem failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
     mem a_dropped_guard_hands_the_lock_on_before_its_session_ends => crate::removal::a_dropped_guard_hands_the_lock_on_before_its_session_ends,
+    mem entries_dropped_off_the_runtime_still_go => crate::removal::entries_dropped_off_the_runtime_still_go,
     mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,

@@ -149,3 +149,53 @@ pub async fn a_dropped_guard_hands_the_lock_on_before_its_session_ends(_kind: Ki
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
+
+/// A waiting acquire and a held guard dropped on a thread with no tokio runtime (both are
+/// `Send`; a plain `std::thread`, a rayon worker or the last `Arc` let go there) still
+/// remove their entries, on the runtime they were made on, long before their 60 s
+/// sessions would end. Before, the clean-up found no runtime to run on, logged a warning
+/// and gave up, and the entries stayed under sessions the backends kept alive: every
+/// other contender waited for the process to end.
+pub async fn entries_dropped_off_the_runtime_still_go(_kind: Kind, url: &str) {
+    let name = unique("offrt");
+    let long = || {
+        client_with(
+            url,
+            dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
+        )
+    };
+    let (a, c) = (long().await, long().await);
+    let b = client(url).await;
+    let held = a.mutex(&name).expect("n").lock().await.expect("lock");
+
+    let m = c.mutex(&name).expect("n");
+    let mut waiting = Box::pin(async move { m.lock().await });
+    tokio::select! {
+        r = &mut waiting => panic!("the waiter got a held lock: {r:?}"),
+        queued = eventually(WITHIN, || async { leftovers(&b, &name).await == 2 }) => {
+            assert!(queued, "the waiter never queued");
+        }
+    }
+    std::thread::spawn(move || drop(waiting))
+        .join()
+        .expect("drop thread");
+    assert!(
+        eventually(WITHIN, || async { leftovers(&b, &name).await == 1 }).await,
+        "the waiter dropped off the runtime left its entry queued"
+    );
+
+    std::thread::spawn(move || drop(held))
+        .join()
+        .expect("drop thread");
+    let mut g = b
+        .mutex(&name)
+        .expect("n")
+        .lock_timeout(WITHIN)
+        .await
+        .expect("the guard dropped off the runtime handed the lock on");
+    g.release().await.expect("release");
+    assert_eq!(leftovers(&b, &name).await, 0);
+    for c in [a, b, c] {
+        c.close().await.expect("close");
+    }
+}
