@@ -552,8 +552,12 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             // Whether `view` is a listing not yet acted on: only such a listing is
             // trusted to arm watches from (`permit_next`).
             let mut fresh = true;
-            // Whether the last wake-up showed `mine` still queued (`Woken::mine_queued`).
-            let mut proven = false;
+            // Whether every wake-up since the last listing showed `mine` still queued
+            // when its entry went (`Woken::mine_queued`). All of them, not the last: the
+            // watches are separate streams, so their wake-ups can arrive in another
+            // order than the removals, and an earlier removal's "still queued" heard
+            // last must not stand for a later removal that came after `mine` went.
+            let mut proven = true;
             loop {
                 let next = permit_next(
                     &view,
@@ -579,7 +583,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                     }
                     PermitNext::Relist => {
                         view = backend.queue_ahead(&q, &mine).await?;
-                        fresh = true;
+                        (fresh, proven) = (true, true);
                         continue;
                     }
                     PermitNext::Wait(arm) => {
@@ -607,15 +611,13 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                     Some((name, r)) = watches.next() => {
                         watching.remove(&name);
                         let woken = r?;
-                        // Whether this wake-up's events showed `mine` still queued at
-                        // that entry's removal: every earlier removal came before it.
-                        proven = woken.mine_queued;
+                        proven &= woken.mine_queued;
                         match woken.gone {
                             // Found missing, not seen removed: it may have gone with
                             // mine, which only a fresh listing can tell.
                             Gone::Vanished => {
                                 view = backend.queue_ahead(&q, &mine).await?;
-                                fresh = true;
+                                (fresh, proven) = (true, true);
                             }
                             _ => view.retain(|e| e.name != name),
                         }

@@ -90,6 +90,15 @@ pub trait Tap: Send + Sync + 'static {
     fn lost(&self, signal: BoxFuture<'static, Error>) -> BoxFuture<'static, Error> {
         signal
     }
+
+    /// Awaited when a `wait_gone_behind` on `gone` has woken, before its wake-up is
+    /// handed to the caller: hold it back to deliver the wake-ups of several watches in
+    /// another order than the server's (as a lagging watch stream or a task not polled
+    /// in between would). The call's [`Tap::end`] is told when the result is handed on.
+    fn hold_wake(&self, gone: &Entry, woken: &Result<Woken>) -> BoxFuture<'static, ()> {
+        let _ = (gone, woken);
+        Box::pin(async {})
+    }
 }
 
 /// A real backend with `T` on every call. See the [module](self) docs.
@@ -204,8 +213,11 @@ impl<T: Tap> Backend for Tapped<T> {
         entry: &Entry,
         mine: &Entry,
     ) -> impl Future<Output = Result<Woken>> + Send {
-        through!(self, Call::WaitGoneBehind, |b| b
-            .wait_gone_behind(q, entry, mine))
+        through!(self, Call::WaitGoneBehind, |b| async move {
+            let woken = b.wait_gone_behind(q, entry, mine).await;
+            self.tap.hold_wake(entry, &woken).await;
+            woken
+        })
     }
     fn wait_changed(
         &self,

@@ -361,3 +361,38 @@ zk_only! {
     exclusive verify_never_confirms_from_a_lagging_follower => crate::zk_faults::verify_never_confirms_from_a_lagging_follower,
     exclusive borrowed_session_proof_is_taken_on_one_connection => crate::zk_faults::borrowed_session_proof_is_taken_on_one_connection,
 }
+
+/// On the backends whose semaphores are ranked: etcd, and mem with its ranking on.
+mod ranked_waiter_hearing_removals_out_of_order_is_not_granted {
+    #[cfg(feature = "etcd")]
+    mod etcd {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn run() {
+            let _cluster = crate::support::cluster_shared().await;
+            if let Some(url) = crate::support::url(crate::support::Kind::Etcd) {
+                crate::semaphore::ranked_waiter_hearing_removals_out_of_order_is_not_granted(
+                    || crate::support::client(&url),
+                )
+                .await;
+            }
+        }
+    }
+
+    mod mem {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn run() {
+            let server = dlock_testkit::mem::MemServer::new();
+            server.rank_semaphores(true);
+            crate::semaphore::ranked_waiter_hearing_removals_out_of_order_is_not_granted(
+                || async {
+                    let backend = server
+                        .connect(dlock::SessionOptions::default())
+                        .await
+                        .expect("connect to the in-memory server");
+                    dlock::Client::new(backend as std::sync::Arc<dyn dlock::DynBackend>)
+                },
+            )
+            .await;
+        }
+    }
+}

@@ -295,3 +295,148 @@ pub async fn a_permit_waiter_whose_entry_went_is_never_granted(_kind: Kind, url:
         c.close().await.expect("close");
     }
 }
+
+/// Holds back the wake-up of a ranked permit waiter's watch on one entry (`held`) until
+/// its watch on another (`opens`) has woken, so the waiter hears of two removals in the
+/// reverse of the server's order.
+#[derive(Default)]
+struct Reorder {
+    held: std::sync::Mutex<Option<String>>,
+    opens: std::sync::Mutex<Option<String>>,
+    gate: std::sync::Arc<tokio::sync::Notify>,
+    /// The held wake-up has arrived (and is waiting at the gate).
+    arrived: std::sync::atomic::AtomicBool,
+    /// `wait_gone_behind` calls made.
+    watches: std::sync::atomic::AtomicUsize,
+}
+
+impl dlock_testkit::tap::Tap for Reorder {
+    fn begin(&self, call: dlock_testkit::tap::Call) -> dlock::Result<()> {
+        if call == dlock_testkit::tap::Call::WaitGoneBehind {
+            self.watches
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    fn hold_wake(
+        &self,
+        gone: &dlock::Entry,
+        _woken: &dlock::Result<dlock_core::Woken>,
+    ) -> futures::future::BoxFuture<'static, ()> {
+        let is = |slot: &std::sync::Mutex<Option<String>>| {
+            slot.lock().expect("tap lock").as_deref() == Some(gone.name.as_str())
+        };
+        if is(&self.held) {
+            self.arrived
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            let gate = self.gate.clone();
+            Box::pin(async move { gate.notified().await })
+        } else {
+            if is(&self.opens) {
+                // `notify_one` keeps a permit if the held wake-up has not reached the
+                // gate yet, so the order holds either way.
+                self.gate.notify_one();
+            }
+            Box::pin(async {})
+        }
+    }
+}
+
+/// A ranked permit waiter (etcd's semaphore, one permit) watches several entries ahead
+/// of it at once, and each wake-up says whether its own entry was still queued when that
+/// entry went. Here the waiter M hears of two removals in the reverse of their order:
+/// W1's (cancelled while M was queued: "still queued") after H's (the holder's release,
+/// which came after M's entry was deleted from outside: "not queued"). M must not take
+/// the permit beside the newcomer N that queued after the deletion. Before, M kept only
+/// the last wake-up's answer ("still queued"), skipped the check of its own entry and
+/// held beside N; a grant without a fresh listing now needs every wake-up since the last
+/// listing to have shown its entry queued. `connect` opens a session of a backend whose
+/// semaphores are ranked.
+pub async fn ranked_waiter_hearing_removals_out_of_order_is_not_granted<F, Fut>(connect: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Client>,
+{
+    use std::sync::atomic::Ordering;
+    let name = unique("semorder");
+    let (h, w1, n) = (connect().await, connect().await, connect().await);
+    let reorder =
+        dlock_testkit::tap::Tapped::new(connect().await.backend().clone(), Reorder::default());
+    assert!(
+        dlock::DynBackend::hints(&*reorder).ranked_semaphore,
+        "this test is for backends whose semaphores are ranked"
+    );
+    let m = Client::new(reorder.clone() as std::sync::Arc<dyn dlock::DynBackend>);
+    let entries = || async { h.participants(&name).await.expect("participants") };
+
+    let mut g = h
+        .semaphore(&name, 1)
+        .expect("name")
+        .acquire()
+        .await
+        .expect("permit");
+    let holder = entries().await[0].entry.name.clone();
+    let sem_w1 = w1.semaphore(&name, 1).expect("name");
+    let w1_task = tokio::spawn(async move { sem_w1.acquire().await.map(|_| ()) });
+    assert!(eventually(GENEROUS, || async { entries().await.len() == 2 }).await);
+    let w1_entry = entries().await[1].entry.name.clone();
+    *reorder.tap().held.lock().expect("tap") = Some(w1_entry);
+    *reorder.tap().opens.lock().expect("tap") = Some(holder);
+
+    let sem_m = m.semaphore(&name, 1).expect("name");
+    let m_task =
+        tokio::spawn(async move { sem_m.acquire_timeout(GENEROUS).await.map(|g| g.token()) });
+    assert!(
+        eventually(GENEROUS, || async {
+            reorder.tap().watches.load(Ordering::SeqCst) >= 2
+        })
+        .await,
+        "M never watched both entries ahead of it"
+    );
+    let m_entry = entries().await[2].clone();
+
+    // W1 leaves while M is queued: M's wake-up for it ("still queued") is held back.
+    w1_task.abort();
+    assert!(
+        eventually(GENEROUS, || async {
+            reorder.tap().arrived.load(Ordering::SeqCst)
+        })
+        .await,
+        "M's watch never heard W1 go"
+    );
+    // M's entry goes from outside; N queues after it.
+    let lock = h.lock_name(&name).expect("name");
+    let q = match m_entry.queue {
+        "" => dlock_core::QueuePath::root(lock),
+        sub => dlock_core::QueuePath::sub(lock, sub),
+    };
+    h.backend()
+        .remove(&q, &m_entry.entry)
+        .await
+        .expect("delete M's entry from outside");
+    let sem_n = n.semaphore(&name, 1).expect("name");
+    let n_task = tokio::spawn(async move { sem_n.acquire_timeout(GENEROUS).await });
+    assert!(eventually(GENEROUS, || async { entries().await.len() == 2 }).await);
+
+    // H gives its permit back: M hears of it ("not queued"), then of W1.
+    g.release().await.expect("release");
+    let mut gn = tokio::time::timeout(GENEROUS, n_task)
+        .await
+        .expect("N finished")
+        .expect("N's task")
+        .expect("N takes the permit");
+    let got = tokio::time::timeout(GENEROUS, m_task)
+        .await
+        .expect("M finished")
+        .expect("M's task");
+    assert!(
+        matches!(got, Err(dlock::Error::LockLost(_))),
+        "M, whose entry was deleted, took the permit beside N: {got:?}"
+    );
+    gn.release().await.expect("release");
+    assert!(eventually(GENEROUS, || async { entries().await.is_empty() }).await);
+    for c in [h, w1, n, m] {
+        c.close().await.expect("close");
+    }
+}
