@@ -106,6 +106,10 @@ pub(crate) struct Shared {
     pub(crate) contended: Mutex<HashMap<String, std::time::Instant>>,
     /// Wakes the watchdog for an immediate round (after a reconnect).
     pub(crate) wake: Arc<Notify>,
+    /// Tells the watchdog that an entry with an early deadline was registered (a reply
+    /// that arrived late): it looks at the deadlines again instead of sleeping on the
+    /// earliest one it knew of.
+    pub(crate) deadlines: Arc<Notify>,
     pub(crate) closed: AtomicBool,
     /// Held (shared) by every `remove` and `abandon` from its check that the backend is
     /// open to its last request; `close` takes it exclusively before it collects the

@@ -324,6 +324,7 @@ impl RedisBackend {
             seq_hint: Default::default(),
             contended: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
+            deadlines: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
             removing: tokio::sync::RwLock::new(()),
             tasks: Mutex::new(Vec::new()),

@@ -41,8 +41,17 @@ pub(crate) struct Live {
 }
 
 impl Shared {
+    /// Files a new entry whose creating request was sent at `sent_at` (its lease runs
+    /// from no earlier), for the watchdog to renew.
+    ///
+    /// A reply can arrive late (retransmissions, a stalled server), at most the command
+    /// timeout after the request, which for a short lease is more than the lease less
+    /// drift and [`dlock_core::lost_margin`]. An entry whose deadline has passed by now is
+    /// declared lost at once, so its grant is refused ([`Shared::lose`]); one whose
+    /// deadline falls before the watchdog's next round wakes it to look again, since it
+    /// sleeps until the earliest deadline it knew of.
     pub(crate) fn register(
-        &self,
+        self: &Arc<Self>,
         keys: &Arc<QueueKeys>,
         name: &str,
         ticket: Option<String>,
@@ -60,6 +69,21 @@ impl Shared {
                 fate: tx,
             },
         );
+        let (deadline, now) = (self.deadline_of(sent_at), Instant::now());
+        if deadline <= now {
+            self.lose(
+                &keys.queue,
+                name,
+                format!(
+                    "the reply that created it came {:?} after the request: past its lease \
+                     ({:?}) less drift and the safety margin",
+                    now - sent_at,
+                    self.lease
+                ),
+            );
+        } else if deadline < now + self.lease / 3 {
+            self.deadlines.notify_one();
+        }
     }
 
     /// Stops renewing an entry and tells its `lost()` futures why.
@@ -261,6 +285,8 @@ pub(crate) async fn watchdog(weak: Weak<Shared>) {
                 tokio::select! {
                     _ = &mut round => break,
                     _ = sleep => {}
+                    // A new entry's deadline may be earlier than `next`.
+                    () = shared.deadlines.notified() => {}
                 }
             }
         }
@@ -271,7 +297,7 @@ pub(crate) async fn watchdog(weak: Weak<Shared>) {
         // right after the round also catches a deadline that passed as the round ended.
         let next_round = round_started + period;
         let mut next_deadline = shared.fire_overdue();
-        let wake = shared.wake.clone();
+        let (wake, deadlines) = (shared.wake.clone(), shared.deadlines.clone());
         // No strong reference while asleep, as before.
         drop(shared);
         // Pinned once: a reconnect's `notify_one` during the round (or this wait) is kept
@@ -283,6 +309,9 @@ pub(crate) async fn watchdog(weak: Weak<Shared>) {
             tokio::select! {
                 _ = &mut notified => break,
                 _ = tokio::time::sleep_until(until) => {}
+                // A new entry's deadline may be earlier than `until` (`register`); a
+                // `notify_one` while no one waits is kept as a permit, so none is missed.
+                () = deadlines.notified() => {}
             }
             if Instant::now() >= next_round {
                 // The round's start checks the deadlines.
@@ -339,6 +368,7 @@ mod tests {
             seq_hint: Default::default(),
             contended: Mutex::new(HashMap::new()),
             wake: Arc::new(Notify::new()),
+            deadlines: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
             removing: tokio::sync::RwLock::new(()),
             tasks: Mutex::new(Vec::new()),
@@ -397,6 +427,64 @@ mod tests {
             deadline - t0,
             fired - t0,
             lease,
+        );
+    }
+    /// An entry whose creating reply came back later than its lease less drift and the
+    /// margin (a short lease, a reply held up by retransmissions) is lost the moment it
+    /// is registered, so its grant is refused; and one whose deadline falls before the
+    /// watchdog's next round, which sleeps until the earliest deadline it knew of, wakes
+    /// it: `lost()` fires at that deadline, not at the next round. Before, neither was
+    /// looked at until the next round, up to lease/3 later, while the server could
+    /// already have expired the entry and let another contender in.
+    #[tokio::test(start_paused = true)]
+    async fn late_replies_are_lost_at_once_or_at_their_deadline() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let lease = Duration::from_secs(1);
+        let shared = unanswering(&addr, lease, Duration::from_secs(1));
+        let keys = Arc::new(QueueKeys::of("", "watchdog-late", None));
+        let fate_of = |name: &str| {
+            shared.live.lock()[&(keys.queue.clone(), name.to_owned())]
+                .fate
+                .subscribe()
+        };
+        let task = tokio::spawn(watchdog(Arc::downgrade(&shared)));
+        // The watchdog's first round has nothing to renew: it sleeps until the next.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+
+        // Past its deadline when the reply came: lost before anyone can be handed it.
+        let sent = Instant::now() - lease;
+        shared.register(&keys, "past", None, sent, false);
+        assert!(
+            !shared
+                .live
+                .lock()
+                .contains_key(&(keys.queue.clone(), "past".to_owned())),
+            "an entry registered past its deadline is still live"
+        );
+
+        // 50 ms before its deadline when the reply came: lost at that deadline.
+        let now = Instant::now();
+        let sent = now + Duration::from_millis(50) - (shared.deadline_of(now) - now);
+        shared.register(&keys, "late", None, sent, false);
+        let mut fate = fate_of("late");
+        let deadline = shared.deadline_of(sent);
+        let settled = tokio::time::timeout(lease, fate.wait_for(Option::is_some))
+            .await
+            .expect("lost() never fired")
+            .expect("fate sender dropped")
+            .clone();
+        let fired = Instant::now();
+        task.abort();
+        shared.nodes[0].abort_tasks();
+        drop(listener);
+        assert!(matches!(settled, Some(Fate::Lost(_))), "{settled:?}");
+        assert!(fired >= deadline, "fired {:?} early", deadline - fired);
+        assert!(
+            fired <= deadline + Duration::from_millis(10),
+            "lost() fired {:?} after the deadline; the watchdog's next round was {:?} away",
+            fired - deadline,
+            lease / 3
         );
     }
 }
