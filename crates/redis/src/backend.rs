@@ -421,14 +421,27 @@ impl Backend for RedisBackend {
 
     /// The entries up to `entry`'s sequence (one `ZRANGEBYSCORE`), searched for its name.
     /// On one master the token is compared too: it is the value the enqueue wrote into
-    /// the entry, so any other value is another entry. Redlock's token is the highest of
-    /// the masters that answered, which can differ between two reads of the same entry.
+    /// the entry, so any other value is another entry. On Redlock the entry counts only
+    /// where a majority of the masters list it: one left on a minority (the others lost
+    /// its keys to an expiry or a restart) holds nothing, since another contender can be
+    /// granted by that majority. Its token is not compared there: Redlock's is the
+    /// highest of the masters that answered, which can differ between two reads.
     async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
-        let ahead = self.queue_ahead(q, entry).await?;
-        let exact = self.shared.mode == Mode::Single;
-        Ok(ahead
+        let s = &self.shared;
+        s.check_open()?;
+        let keys = QueueKeys::new(&s.prefix, q);
+        if s.mode == Mode::Single {
+            let ahead = s.list(&keys, false, Some(entry.seq)).await?;
+            return Ok(ahead
+                .iter()
+                .any(|e| e.name == entry.name && entry.token_matches(e.token)));
+        }
+        let views = s.list_views(&keys, false, Some(entry.seq)).await?;
+        let listed_by = views
             .iter()
-            .any(|e| e.name == entry.name && (!exact || entry.token_matches(e.token))))
+            .filter(|v| v.iter().any(|e| e.name == entry.name))
+            .count();
+        Ok(listed_by >= s.majority)
     }
 
     async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {

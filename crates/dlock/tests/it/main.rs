@@ -396,3 +396,9 @@ mod ranked_waiter_hearing_removals_out_of_order_is_not_granted {
         }
     }
 }
+
+/// Redlock only: its own key deletions touch nothing but its lock's keys, so it runs
+/// beside the others.
+mod redlock_verify_needs_the_entry_on_a_majority {
+    backend_tests!(redlock, crate::support::Kind::Redlock, "redis"; crate::redis_faults::redlock_verify_needs_the_entry_on_a_majority);
+}
