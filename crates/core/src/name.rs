@@ -23,6 +23,7 @@ use crate::error::{Error, NameError};
 pub struct NameRules {
     reserved: Option<&'static str>,
     forbidden: &'static [char],
+    entry_like_refused: bool,
 }
 
 impl NameRules {
@@ -37,6 +38,7 @@ impl NameRules {
         NameRules {
             reserved: None,
             forbidden: &[],
+            entry_like_refused: false,
         }
     }
 
@@ -44,6 +46,17 @@ impl NameRules {
     pub const fn reserving(self, root: &'static str) -> Self {
         NameRules {
             reserved: Some(root),
+            ..self
+        }
+    }
+
+    /// These rules, and no segment of a name may have the form of a queue entry's name
+    /// ([`NameError::EntryLike`]). For a backend whose sub-lock lives inside the lock
+    /// above it (ZooKeeper: `a/lock-0000000001` is a child node of `a`, listed with
+    /// `a`'s entries), where such a segment would be a phantom entry of that lock.
+    pub const fn refusing_entry_like_segments(self) -> Self {
+        NameRules {
+            entry_like_refused: true,
             ..self
         }
     }
@@ -106,6 +119,14 @@ impl LockName {
             .any(|seg| seg.is_empty() || seg == "." || seg == "..")
         {
             return Err(NameError::BadSegment);
+        }
+        if rules.entry_like_refused {
+            if let Some(seg) = trimmed
+                .split('/')
+                .find(|seg| crate::entry::parse_name(seg).is_some())
+            {
+                return Err(NameError::EntryLike(seg.to_owned()));
+            }
         }
         if let Some(root) = rules.reserved {
             if trimmed.split('/').next() == Some(root) {
@@ -205,7 +226,9 @@ mod tests {
     use super::*;
 
     /// Rules shaped like the adapters' (each adapter's own tests check its constant).
-    const ZK: NameRules = NameRules::common().reserving("zookeeper");
+    const ZK: NameRules = NameRules::common()
+        .reserving("zookeeper")
+        .refusing_entry_like_segments();
     const ETCD: NameRules = NameRules::common();
     const REDIS: NameRules = NameRules::common().forbidding(&['{', '}']);
 
@@ -234,6 +257,30 @@ mod tests {
         assert_eq!(bad("a//b", ZK), NameError::BadSegment);
         assert_eq!(bad("a/../b", ZK), NameError::BadSegment);
         assert_eq!(bad("zookeeper/quota", ZK), NameError::Reserved("zookeeper"));
+        // Where a sub-lock lives inside the lock above it (ZooKeeper), a segment that
+        // lock would list as its own entry; elsewhere such a name is fine.
+        for entry_like in [
+            "jobs/lock-99999999999",
+            "jobs/lock-0000000001",
+            "jobs/_c_3f2a6c1e-8d4b-4c5e-9f1a-2b3c4d5e6f70-__READ__0000000007",
+            "app/release-42",
+            "latch-0000000003/x",
+        ] {
+            assert!(
+                matches!(bad(entry_like, ZK), NameError::EntryLike(_)),
+                "{entry_like}"
+            );
+            LockName::new(entry_like, ETCD).unwrap_or_else(|e| panic!("{entry_like}: {e}"));
+        }
+        for fine in [
+            "jobs/lock",
+            "jobs/lock-x",
+            "jobs/locks",
+            "lock-1a",
+            "a/lock-",
+        ] {
+            LockName::new(fine, ZK).unwrap_or_else(|e| panic!("{fine}: {e}"));
+        }
         assert_eq!(bad("a{b}", REDIS), NameError::BadChar('{'));
         assert!(matches!(
             bad(&"x".repeat(2000), ETCD),

@@ -133,10 +133,13 @@
 //! is on the wire once the future was first polled); `abandon` with the same ticket removes
 //! it, since it lists the queue after that create on the same session.
 #![deny(missing_docs)]
-/// The lock-name rules of ZooKeeper: the shared rules, and no name under the reserved
-/// `/zookeeper` tree.
-pub const NAME_RULES: dlock_core::NameRules =
-    dlock_core::NameRules::common().reserving("zookeeper");
+/// The lock-name rules of ZooKeeper: the shared rules, no name under the reserved
+/// `/zookeeper` tree, and no segment with the form of a queue entry's name
+/// (`jobs/lock-0000000001` would be a child node of `jobs`, which `jobs`' queue would
+/// list as an entry nobody removes).
+pub const NAME_RULES: dlock_core::NameRules = dlock_core::NameRules::common()
+    .reserving("zookeeper")
+    .refusing_entry_like_segments();
 
 mod backend;
 mod connect;

@@ -284,7 +284,9 @@ impl Backend for MemBackend {
     /// ZooKeeper's rules: mem keeps ZooKeeper's layout (sequential entries, a value at
     /// the lock's own node), so a name it takes is one ZooKeeper takes too.
     fn name_rules(&self) -> NameRules {
-        NameRules::common().reserving("zookeeper")
+        NameRules::common()
+            .reserving("zookeeper")
+            .refusing_entry_like_segments()
     }
 
     fn session_timeout(&self) -> Duration {
