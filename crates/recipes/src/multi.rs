@@ -241,7 +241,7 @@ impl<B: DynBackend + ?Sized> MultiLock<B> {
                 }
             }
         }
-        Ok(MultiGuard { guards })
+        MultiGuard::granted(guards).await
     }
 
     async fn acquire_part(&self, part: &Part, left: Option<Duration>) -> Result<LockGuard<B>> {
@@ -306,9 +306,27 @@ pub struct MultiGuard<B: DynBackend + ?Sized = dyn DynBackend> {
 }
 
 impl<B: DynBackend + ?Sized> MultiGuard<B> {
-    /// Holds `guards` as one (a multi-lock's parts, or a semaphore's permits).
-    pub(crate) fn new(guards: Vec<LockGuard<B>>) -> Self {
-        MultiGuard { guards }
+    /// Hands out `guards` (a multi-lock's parts, or a semaphore's permits), just acquired one after the other, as one hold, unless a part
+    /// taken earlier was lost while a later one was awaited: each grant checks only its
+    /// own part, and where a loss is per entry (a Redis entry gone from its master) an
+    /// earlier part can be lost while the rest are still held. Then every part is
+    /// released and the acquire fails, as when a part cannot be taken.
+    ///
+    /// # Errors
+    /// [`Error::LockLost`] naming the lost part.
+    pub(crate) async fn granted(guards: Vec<LockGuard<B>>) -> Result<Self> {
+        let Some(lost) = guards.iter().find(|g| g.is_lost()) else {
+            return Ok(MultiGuard { guards });
+        };
+        let e = Error::LockLost(format!(
+            "{} was lost while the other parts were being acquired",
+            lost.name()
+        ));
+        tracing::debug!(error = %e, "multi-lock rolls back");
+        for mut g in guards.into_iter().rev() {
+            let _ = g.release().await;
+        }
+        Err(e)
     }
 
     /// Each part's guard, in acquisition order.

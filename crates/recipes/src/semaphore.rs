@@ -335,7 +335,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                 }
             }
         }
-        Ok(MultiGuard::new(got))
+        MultiGuard::granted(got).await
     }
 
     /// Takes one lease; `key` names the hold for scopes (a semaphore-mutex's), `None`

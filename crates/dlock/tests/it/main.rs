@@ -402,3 +402,9 @@ mod ranked_waiter_hearing_removals_out_of_order_is_not_granted {
 mod redlock_verify_needs_the_entry_on_a_majority {
     backend_tests!(redlock, crate::support::Kind::Redlock, "redis"; crate::redis_faults::redlock_verify_needs_the_entry_on_a_majority);
 }
+
+/// One Redis master: a part's entry lost alone (its key deleted) is a loss of that part
+/// only, which the backends with session-wide losses cannot stage.
+mod multilock_with_a_part_lost_meanwhile_is_not_granted {
+    backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::multilock_with_a_part_lost_meanwhile_is_not_granted);
+}

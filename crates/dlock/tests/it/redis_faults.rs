@@ -178,3 +178,63 @@ pub async fn redlock_verify_needs_the_entry_on_a_majority(_kind: crate::support:
     );
     a.close().await.expect("close");
 }
+
+/// A multi-lock whose first part is lost while it waits for the second (the first's key
+/// deleted on its master, which the watchdog finds within lease/3: a loss of that entry
+/// alone, the session goes on) fails with `LockLost` once the second comes free, and
+/// releases both, instead of handing out a hold one of whose parts another client may
+/// already have. Each grant checks only its own part; before, the multi-lock returned
+/// `Ok` with that part lost.
+pub async fn multilock_with_a_part_lost_meanwhile_is_not_granted(
+    _kind: crate::support::Kind,
+    url: &str,
+) {
+    let (first, second) = (unique("mlfirst"), unique("mlsecond"));
+    let (a, b) = (client(url).await, client(url).await);
+    let mut held = b.mutex(&second).expect("name").lock().await.expect("lock");
+    // Parts are taken in name order: `first` sorts before `second`.
+    let multi = a
+        .multi()
+        .mutex(&first)
+        .expect("name")
+        .mutex(&second)
+        .expect("name");
+    let waiting = tokio::spawn(async move { multi.acquire_timeout(Duration::from_secs(30)).await });
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            leftovers(&b, &first).await == 1 && leftovers(&b, &second).await == 2
+        })
+        .await,
+        "the multi-lock took its first part and queued for the second"
+    );
+    redis_cli(
+        url,
+        &[
+            "EVAL",
+            "for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end return 0",
+            "0",
+            &format!("dlock:{{{first}}}:*"),
+        ],
+    );
+    // A whole lease: the watchdog (every lease/3) has found the first part gone.
+    tokio::time::sleep(crate::support::SESSION_TIMEOUT).await;
+    held.release().await.expect("release");
+    let got = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the multi-lock finished")
+        .expect("task");
+    assert!(
+        matches!(&got, Err(Error::LockLost(why)) if why.contains(&first)),
+        "a multi-lock with a lost part was handed out: {:?}",
+        got.as_ref().map(dlock::MultiGuard::tokens)
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            leftovers(&b, &first).await == 0 && leftovers(&b, &second).await == 0
+        })
+        .await,
+        "the rolled-back parts left entries"
+    );
+    a.close().await.expect("close");
+    b.close().await.expect("close");
+}
