@@ -424,8 +424,12 @@ impl Backend for RedisBackend {
     /// the entry, so any other value is another entry. On Redlock the entry counts only
     /// where a majority of the masters list it: one left on a minority (the others lost
     /// its keys to an expiry or a restart) holds nothing, since another contender can be
-    /// granted by that majority. Its token is not compared there: Redlock's is the
-    /// highest of the masters that answered, which can differ between two reads.
+    /// granted by that majority. It is `false` only once too many masters miss it for a
+    /// majority to be left, and a master slow to answer is waited for rather than
+    /// counted as missing (an entry often sits on a bare majority, and one of those
+    /// masters may be the slow one); when the masters that answered cannot tell, the
+    /// answer is [`Error::Unreachable`]. Its token is not compared there: Redlock's is
+    /// the highest of the masters that answered, which can differ between two reads.
     async fn contains(&self, q: &QueuePath, entry: &Entry) -> Result<bool> {
         let s = &self.shared;
         s.check_open()?;
@@ -436,12 +440,7 @@ impl Backend for RedisBackend {
                 .iter()
                 .any(|e| e.name == entry.name && entry.token_matches(e.token)));
         }
-        let views = s.list_views(&keys, false, Some(entry.seq)).await?;
-        let listed_by = views
-            .iter()
-            .filter(|v| v.iter().any(|e| e.name == entry.name))
-            .count();
-        Ok(listed_by >= s.majority)
+        s.listed_by_majority(&keys, &entry.name, entry.seq).await
     }
 
     async fn wait_gone(&self, q: &QueuePath, entry: &Entry) -> Result<()> {

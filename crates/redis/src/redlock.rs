@@ -91,6 +91,58 @@ impl Shared {
         .await
     }
 
+    /// Whether `name` is listed (scored up to `upto`) on a majority of the masters:
+    /// `true` once a majority lists it, `false` once more than the rest miss it (it can
+    /// no longer be on a majority), asking every master and waiting, unlike
+    /// [`Shared::gather`], for as many as it takes to tell (a slow master that holds the
+    /// entry is waited for, up to the command timeout). [`Error::Unreachable`] when the
+    /// masters that answered cannot tell.
+    pub(crate) async fn listed_by_majority(
+        &self,
+        keys: &QueueKeys,
+        name: &str,
+        upto: u64,
+    ) -> Result<bool> {
+        use futures::StreamExt;
+        let mut args = Self::q_args(keys);
+        args.push(Value::from("0"));
+        args.push(Value::from(upto.to_string()));
+        let k = keys.script_keys();
+        let mut pending: futures::stream::FuturesUnordered<_> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                n.eval(
+                    "listing a queue",
+                    &self.scripts.list,
+                    k.clone(),
+                    args.clone(),
+                )
+            })
+            .collect();
+        let n = self.nodes.len();
+        let (mut listed, mut missing, mut failed) = (0usize, 0usize, Vec::new());
+        while let Some(r) = pending.next().await {
+            match r.and_then(|v| reply::entries(v, false)) {
+                Ok(view) if view.iter().any(|e| e.name == name) => listed += 1,
+                Ok(_) => missing += 1,
+                Err(e) => failed.push(e.to_string()),
+            }
+            if listed >= self.majority {
+                return Ok(true);
+            }
+            if missing > n - self.majority {
+                return Ok(false);
+            }
+        }
+        Err(Error::Unreachable(format!(
+            "entry {name} is listed on {listed} and missing on {missing} of {n} redis masters; \
+             a majority ({}) must answer to tell: {}",
+            self.majority,
+            failed.join("; ")
+        )))
+    }
+
     /// Runs one request per master and collects the answers, in no particular order.
     /// Once a majority has answered, the others get [`STRAGGLER_GRACE`] more and then
     /// count as failed: a dead master would otherwise hold every call for its whole
