@@ -215,9 +215,20 @@ struct ListArgs {
     json: bool,
 }
 
+/// The longest duration a flag takes: a year, as `SessionOptions` takes. Longer ones
+/// (humantime reads up to `u64::MAX` seconds) would overflow the clock arithmetic of
+/// deadlines and retries.
+const MAX_DURATION: Duration = dlock::SessionOptions::MAX_TIMEOUT;
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s)
-        .map_err(|e| format!("{s:?} is not a duration like 500ms, 2s, 1m: {e}"))
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 500ms, 2s, 1m: {e}"))?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{s:?} is longer than a year, the longest duration taken"
+        ));
+    }
+    Ok(d)
 }
 
 const EX_USAGE: u8 = 64;
@@ -242,7 +253,10 @@ fn main() -> ExitCode {
                 .filter(|l| !l.is_empty())
                 .collect::<Vec<_>>()
                 .join(" ");
-            say!("dlock: {}", line.trim_start_matches("error: "));
+            // Clap quotes the offending argument: a URL given where a command was
+            // expected (`--url` forgotten) must not print its password.
+            let line = dlock::BackendUrl::redact_in(line.trim_start_matches("error: "));
+            say!("dlock: {line}");
             return ExitCode::from(EX_USAGE);
         }
     };
@@ -683,7 +697,7 @@ async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
                     "entry": p.entry.name,
                     "sequence": p.entry.seq,
                     "token": p.entry.token.map(|t| t.get()),
-                    "age_ms": p.entry.created_ms.map(|c| now_ms - c),
+                    "age_ms": p.entry.created_ms.map(|c| now_ms.saturating_sub(c)),
                     "owner": String::from_utf8_lossy(&p.entry.data),
                 })
             })
@@ -715,7 +729,7 @@ async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
             let age = p
                 .entry
                 .created_ms
-                .map(|c| format!("{:.1}s", (now_ms - c) as f64 / 1000.0))
+                .map(|c| format!("{:.1}s", now_ms.saturating_sub(c) as f64 / 1000.0))
                 .unwrap_or_else(|| "-".into());
             show!(
                 "{:<7} {:<6} {:<5} {:>10} {:>12} {:>9}  {}",

@@ -81,15 +81,20 @@ impl Default for SessionOptions {
 }
 
 impl SessionOptions {
-    /// Sets the session timeout.
+    /// The longest session or connect timeout the setters take (a year); a longer one is
+    /// taken as this. Durations near `Duration::MAX` would overflow the clock arithmetic
+    /// of deadlines, heartbeats and retries in the adapters.
+    pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+    /// Sets the session timeout (at most [`SessionOptions::MAX_TIMEOUT`]).
     pub fn with_session_timeout(mut self, d: Duration) -> Self {
-        self.session_timeout = Some(d);
+        self.session_timeout = Some(d.min(Self::MAX_TIMEOUT));
         self
     }
 
-    /// Sets the connect timeout.
+    /// Sets the connect timeout (at most [`SessionOptions::MAX_TIMEOUT`]).
     pub fn with_connect_timeout(mut self, d: Duration) -> Self {
-        self.connect_timeout = d;
+        self.connect_timeout = d.min(Self::MAX_TIMEOUT);
         self
     }
 

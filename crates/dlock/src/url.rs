@@ -141,6 +141,14 @@ impl BackendUrl {
             ))
         })?;
         let (userinfo, host_list, tail) = split_authority(rest);
+        if userinfo.is_none() && rest.contains('@') {
+            // An `@` after the authority ended at a `/`, `?` or `#`: most likely a
+            // password with one of those unencoded. Said without quoting any part of it.
+            return Err(bad(
+                "an `@` after the host list: percent-encode a `/`, `?`, `#` or `@` in the \
+                 user or password (%2F, %3F, %23, %40)",
+            ));
+        }
         let mut hosts = Vec::new();
         for h in host_list.split(',') {
             hosts.push(host_port(h).map_err(|r| bad(&r))?);
@@ -255,18 +263,43 @@ impl BackendUrl {
 
     /// `url` with the password of its userinfo replaced by `***`: the form every error,
     /// log line and status output shows.
+    ///
+    /// Text that is not a well-formed URL is hidden generously rather than shown: a
+    /// password with an unencoded `/`, `?` or `#` (which ends the authority early, so the
+    /// `@` after it is not the userinfo's) is still hidden up to the last `@`, and so is
+    /// everything before the last `@` of text without `://`.
     pub fn redact(url: &str) -> String {
         let Some((scheme, rest)) = url.split_once("://") else {
-            return url.to_owned();
+            return match url.rsplit_once('@') {
+                Some((_, after)) => format!("***@{after}"),
+                None => url.to_owned(),
+            };
         };
-        match split_authority(rest) {
-            (Some(userinfo), hosts, tail) => {
-                let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-                let hidden = if userinfo.contains(':') { ":***" } else { "" };
-                format!("{scheme}://{user}{hidden}@{hosts}{tail}")
-            }
-            (None, ..) => url.to_owned(),
-        }
+        let (userinfo, hosts, tail) = match split_authority(rest) {
+            (Some(userinfo), hosts, tail) => (userinfo, hosts, tail),
+            (None, ..) => match rest.rsplit_once('@') {
+                Some((userinfo, after)) => (userinfo, after, ""),
+                None => return url.to_owned(),
+            },
+        };
+        let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+        let hidden = if userinfo.contains(':') { ":***" } else { "" };
+        format!("{scheme}://{user}{hidden}@{hosts}{tail}")
+    }
+
+    /// `text` (an error message, say) with every URL in it redacted ([`Self::redact`]):
+    /// each whitespace-separated word that contains `://` or `@`, quotes around it kept.
+    pub fn redact_in(text: &str) -> String {
+        text.split(' ')
+            .map(|word| {
+                if !(word.contains("://") || word.contains('@')) {
+                    return word.to_owned();
+                }
+                let inner = word.trim_matches(|c| matches!(c, '\'' | '"' | ',' | ':' | '`'));
+                word.replacen(inner, &Self::redact(inner), 1)
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
     }
 }
 
@@ -596,6 +629,20 @@ mod tests {
         assert_eq!(c.password.expose(), "from-env");
         assert!(refused("zk://app@a:1/x").contains(PASSWORD_ENV));
 
+        // A password with an unencoded `/`, `?` or `#` is refused and never shown.
+        for url in [
+            "redis://app:pa/ss@h:6379",
+            "etcds://app:se?cret@h:1",
+            "redis://:hunter#2@h:1",
+            "redis:u:hunter2@h:1",
+        ] {
+            let e = BackendUrl::parse_with(url, || None).expect_err(url);
+            let shown = format!("{e} {e:?}");
+            for secret in ["pa/ss", "se?cret", "hunter"] {
+                assert!(!shown.contains(secret), "{url}: {shown}");
+            }
+        }
+
         // Errors show the URL with the password redacted.
         match BackendUrl::parse_with("redis://app:hunter2@a:1,b:2", || None) {
             Err(e @ Error::InvalidUrl { .. }) => {
@@ -623,6 +670,19 @@ mod tests {
     }
 
     #[test]
+    fn redact_in_hides_the_passwords_of_every_url_in_a_message() {
+        assert_eq!(
+            BackendUrl::redact_in("unrecognized subcommand 'redis://:hunter2@h:1'"),
+            "unrecognized subcommand 'redis://:***@h:1'"
+        );
+        assert_eq!(
+            BackendUrl::redact_in("a value \"zk://u:p/w@a:1/c\" for --url: bad, x"),
+            "a value \"zk://u:***@a:1/c\" for --url: bad, x"
+        );
+        assert_eq!(BackendUrl::redact_in("no url here"), "no url here");
+    }
+
+    #[test]
     fn redact_hides_only_the_password() {
         for (url, shown) in [
             ("redis://a:1", "redis://a:1"),
@@ -631,6 +691,11 @@ mod tests {
             ("zk://u@a:1/c", "zk://u@a:1/c"),
             ("zk://u:p@w@a:1/c", "zk://u:***@a:1/c"),
             ("not a url", "not a url"),
+            // A password with an unencoded `/`, `?` or `#`: hidden all the same.
+            ("redis://app:pa/ss@h:6379", "redis://app:***@h:6379"),
+            ("etcds://app:se?cret@h:1", "etcds://app:***@h:1"),
+            ("redis://:hunter#2@h:1", "redis://:***@h:1"),
+            ("redis:u:hunter2@h:1", "***@h:1"),
         ] {
             assert_eq!(BackendUrl::redact(url), shown);
         }

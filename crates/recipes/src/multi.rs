@@ -217,7 +217,8 @@ impl<B: DynBackend + ?Sized> MultiLock<B> {
         try_only: bool,
     ) -> Result<MultiGuard<B>> {
         let parts = self.ordered_parts()?;
-        let deadline = timeout.map(|d| Instant::now() + d);
+        // A timeout too long for the clock to add waits forever (as `Wait::timeout`).
+        let deadline = timeout.and_then(|d| Instant::now().checked_add(d));
         let mut guards: Vec<LockGuard<B>> = Vec::with_capacity(parts.len());
         for part in &parts {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));

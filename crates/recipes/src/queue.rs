@@ -28,12 +28,15 @@ pub(crate) enum Wait {
 
 impl Wait {
     /// At most `d`; a zero `d` still asks once (a free lock is taken), as tokio's
-    /// `timeout(ZERO, ..)` polls its future once.
+    /// `timeout(ZERO, ..)` polls its future once. A `d` too long for the clock to add
+    /// (`Duration::MAX`, a common way to say "forever") waits forever.
     pub(crate) fn timeout(d: Duration) -> Self {
         if d.is_zero() {
-            Wait::Zero
-        } else {
-            Wait::Until(Instant::now() + d, d)
+            return Wait::Zero;
+        }
+        match Instant::now().checked_add(d) {
+            Some(deadline) => Wait::Until(deadline, d),
+            None => Wait::Forever,
         }
     }
 

@@ -55,6 +55,23 @@ pub async fn zero_timeout_takes_a_free_lock_and_fails_at_once_on_a_held_one(
     let b = client(url).await;
 
     let m = unique("zero-mutex");
+    // `Duration::MAX` ("forever") is too long for the clock to add: it waits forever,
+    // which on a free lock takes it (it panicked on the clock arithmetic before).
+    let mut g = a
+        .mutex(&m)
+        .expect("n")
+        .lock_timeout(Duration::MAX)
+        .await
+        .expect("Duration::MAX takes a free mutex");
+    g.release().await.expect("release");
+    let mut g = a
+        .multi()
+        .mutex(&m)
+        .expect("n")
+        .acquire_timeout(Duration::MAX)
+        .await
+        .expect("Duration::MAX takes a free multi-lock");
+    g.release().await.expect("release");
     let mut g = at_once("mutex", a.mutex(&m).expect("n").lock_timeout(ZERO))
         .await
         .expect("a zero timeout takes a free mutex");
