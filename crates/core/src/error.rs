@@ -22,10 +22,10 @@ pub enum NameError {
     /// A path segment is empty (`a//b`), `.` or `..`.
     #[error("lock name has an empty, `.` or `..` segment")]
     BadSegment,
-    /// A path segment has the form of a queue entry's name (`lock-0000000001`,
-    /// `_c_<uuid>-read-…`): the lock named by the path above it would list it among its
-    /// own entries (on ZooKeeper the sub-lock's node is a child of that lock's node), a
-    /// phantom entry that nobody removes.
+    /// A path segment after the first has the form of a queue entry's name
+    /// (`lock-0000000001`, `release-42`): the lock named by the path above it would list
+    /// it among its own entries (on ZooKeeper the sub-lock's node is a child of that
+    /// lock's node), a phantom entry that nobody removes.
     #[error("lock name segment `{0}` has the form of a queue entry's name, which the lock above it would take for one of its entries")]
     EntryLike(String),
     /// The name starts with a segment the backend reserves (ZooKeeper's `/zookeeper`).

@@ -121,8 +121,10 @@ impl LockName {
             return Err(NameError::BadSegment);
         }
         if rules.entry_like_refused {
+            // The first segment sits under no lock, so it shadows nothing.
             if let Some(seg) = trimmed
                 .split('/')
+                .skip(1)
                 .find(|seg| crate::entry::parse_name(seg).is_some())
             {
                 return Err(NameError::EntryLike(seg.to_owned()));
@@ -264,7 +266,7 @@ mod tests {
             "jobs/lock-0000000001",
             "jobs/_c_3f2a6c1e-8d4b-4c5e-9f1a-2b3c4d5e6f70-__READ__0000000007",
             "app/release-42",
-            "latch-0000000003/x",
+            "latch-0000000003/x/lock-1",
         ] {
             assert!(
                 matches!(bad(entry_like, ZK), NameError::EntryLike(_)),

@@ -49,7 +49,7 @@ impl Shared {
     /// drift and [`dlock_core::lost_margin`]. An entry whose deadline has passed by now is
     /// declared lost at once, so its grant is refused ([`Shared::lose`]); one whose
     /// deadline falls before the watchdog's next round wakes it to look again, since it
-    /// sleeps until the earliest deadline it knew of.
+    /// sleeps until the earliest deadline it knew of, and to renew at once.
     pub(crate) fn register(
         self: &Arc<Self>,
         keys: &Arc<QueueKeys>,
@@ -82,7 +82,10 @@ impl Shared {
                 ),
             );
         } else if deadline < now + self.lease / 3 {
+            // Look at the deadlines again, and renew now: a round that succeeds in time
+            // saves the entry rather than letting it run out before the next one.
             self.deadlines.notify_one();
+            self.wake.notify_one();
         }
     }
 
