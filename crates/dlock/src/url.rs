@@ -153,6 +153,16 @@ impl BackendUrl {
         for h in host_list.split(',') {
             hosts.push(host_port(h).map_err(|r| bad(&r))?);
         }
+        // The `url` crate resolves `.` and `..` (also spelled `%2e`) before the path is
+        // looked at, so `zk://h/app1/..` would quietly mean no chroot and
+        // `redis://h/5/..` database 0: refused as written instead.
+        let raw_path = tail.split(['?', '#']).next().unwrap_or("");
+        if raw_path.split('/').any(|seg| {
+            let seg = percent_decode_str(seg).decode_utf8_lossy();
+            seg == "." || seg == ".."
+        }) {
+            return Err(bad("the path takes no `.` or `..` segments"));
+        }
         // The rest is read by the `url` crate, on the URL with its first host only (it
         // does not take a host list). A non-special scheme keeps the path as written.
         let single = format!(
@@ -388,7 +398,9 @@ fn query(
             "key" => &mut opts.key,
             "server_name" => {
                 any_tls = true;
-                opts.server_name = Some(v);
+                if opts.server_name.replace(v).is_some() {
+                    return Err("query parameter server_name given twice".to_owned());
+                }
                 continue;
             }
             "prefix" if redis => {
@@ -398,14 +410,18 @@ fn query(
                             .to_owned(),
                     );
                 }
-                namespace = Some(v);
+                if namespace.replace(v).is_some() {
+                    return Err("query parameter prefix given twice".to_owned());
+                }
                 continue;
             }
             "namespace" if kind == Kind::Etcd => {
                 if v.chars().any(char::is_control) {
                     return Err("the etcd namespace may not contain control characters".to_owned());
                 }
-                namespace = Some(v);
+                if namespace.replace(v).is_some() {
+                    return Err("query parameter namespace given twice".to_owned());
+                }
                 continue;
             }
             "prefix" | "namespace" => {
@@ -569,6 +585,17 @@ mod tests {
             "rediss://a:1?ca=/x&ca=/y",
             "etcd://:pw@a:1",
             "zk://:pw@a:1",
+            // Dot segments, which the url crate would resolve away.
+            "zk://a:1/app1/..",
+            "zk://a:1/.",
+            "zk://a:1/a/../b",
+            "zk://a:1/a/%2e%2e/b",
+            "redis://a:1/5/..",
+            "etcd://a:1/..",
+            // Each parameter once.
+            "rediss://a:1?server_name=x&server_name=y",
+            "redis://a:1?prefix=a:&prefix=b:",
+            "etcd://a:1?namespace=/a/&namespace=/b/",
         ] {
             refused(u);
         }
