@@ -461,6 +461,14 @@ async fn run_child_revocable(
 async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8, Error> {
     let mut m = client.multi();
     for n in &a.names {
+        // `DLOCK_TOKEN` is `name=token,name=token`: a name with `,` or `=` would make
+        // it ambiguous, and a script could fence with another lock's token.
+        if n.contains([',', '=']) {
+            return Err(Error::InvalidName {
+                name: n.clone(),
+                reason: dlock::NameError::BadChar(if n.contains(',') { ',' } else { '=' }),
+            });
+        }
         m = m.mutex(n)?;
     }
     let wait = a.wait.limit();

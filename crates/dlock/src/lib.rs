@@ -74,7 +74,7 @@ use std::sync::Arc;
 #[doc(inline)]
 pub use dlock_core::{
     Backend, Capability, DynBackend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName,
-    Result, SessionOptions,
+    NameError, Result, SessionOptions,
 };
 pub use dlock_core::{Credentials, Secret, TlsOptions};
 pub use dlock_recipes::{

@@ -125,6 +125,17 @@ pub(crate) fn access_error(e: &fred::error::Error) -> Option<Error> {
     if *e.kind() == ErrorKind::Tls || handshake.iter().any(|w| details.contains(w)) {
         return Some(Error::Tls(format!("redis: {details}")));
     }
+    // The SELECT of the URL's database, refused during the connection's set-up: no
+    // retry can fix it, and it is the caller's URL that is wrong, not the server's reach.
+    if details.contains("DB index is out of range") {
+        return Some(Error::InvalidUrl {
+            url: "redis://host:port/DATABASE".to_owned(),
+            reason: format!(
+                "the server has no such database ({details}): the path of a redis URL is a \
+                 database number below the server's `databases` setting (16 by default)"
+            ),
+        });
+    }
     None
 }
 

@@ -127,6 +127,29 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
         "multi --try on a free lock"
     );
     assert_eq!(code(&["--url", url, "exec", "", "--", "true"]), Some(64));
+    // `multi`'s DLOCK_TOKEN is `name=token,...`: names with `,` or `=` are refused.
+    for odd in ["a,b", "a=1"] {
+        let odd_name = format!("{name}/{odd}");
+        assert_eq!(
+            code(&["--url", url, "multi", &odd_name, "--", "true"]),
+            Some(64),
+            "multi {odd_name}"
+        );
+    }
+    // A huge duration is a usage error, not a panic (exit 101).
+    assert_eq!(
+        code(&[
+            "--url",
+            url,
+            "exec",
+            &name,
+            "--timeout",
+            "18446744073709551615s",
+            "--",
+            "true"
+        ]),
+        Some(64)
+    );
     assert_eq!(
         code(&["--url", url, "exec", "a\u{1}b", "--", "true"]),
         Some(64)

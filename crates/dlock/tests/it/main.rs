@@ -408,3 +408,8 @@ mod redlock_verify_needs_the_entry_on_a_majority {
 mod multilock_with_a_part_lost_meanwhile_is_not_granted {
     backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::multilock_with_a_part_lost_meanwhile_is_not_granted);
 }
+
+/// One Redis master: the URL's database is checked by the server.
+mod a_database_the_server_lacks_is_a_url_error {
+    backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::a_database_the_server_lacks_is_a_url_error);
+}

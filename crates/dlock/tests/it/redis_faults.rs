@@ -259,3 +259,21 @@ pub async fn multilock_with_a_part_lost_meanwhile_is_not_granted(
     a.close().await.expect("close");
     b.close().await.expect("close");
 }
+
+/// A database the server does not have (`redis://host:port/99`; Redis has 16 by
+/// default) is the caller's URL at fault: `InvalidUrl` (the CLI's exit 64), at once, not
+/// `Unreachable` after the connect timeout (exit 69, "retry later"), as before.
+pub async fn a_database_the_server_lacks_is_a_url_error(_kind: crate::support::Kind, url: &str) {
+    let opts = SessionOptions::default().with_connect_timeout(Duration::from_secs(20));
+    let started = std::time::Instant::now();
+    let r = dlock::connect_with(&format!("{url}/99"), opts).await;
+    assert!(
+        matches!(&r, Err(Error::InvalidUrl { reason, .. }) if reason.contains("no such database")),
+        "{:?}",
+        r.map(|_| ())
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "refused only at the connect timeout"
+    );
+}
