@@ -231,28 +231,18 @@ impl Shared {
         detail: bool,
         upto: Option<u64>,
     ) -> Result<Vec<Entry>> {
-        let views = self.list_views(keys, detail, upto).await?;
-        Ok(self.merge(keys, views))
-    }
-
-    /// Each answering master's listing (at least a majority answered), unmerged: see
-    /// [`Shared::list`].
-    pub(crate) async fn list_views(
-        &self,
-        keys: &QueueKeys,
-        detail: bool,
-        upto: Option<u64>,
-    ) -> Result<Vec<Vec<Entry>>> {
         let mut args = Self::q_args(keys);
         args.push(Value::from(if detail { "1" } else { "0" }));
         args.push(Value::from(upto.map(|s| s.to_string()).unwrap_or_default()));
         let results = self
             .eval_all("listing a queue", &self.scripts.list, keys, args)
             .await;
-        self.quorum(results)?
+        let views = self
+            .quorum(results)?
             .into_iter()
             .map(|v| reply::entries(v, detail))
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.merge(keys, views))
     }
 
     /// Merges the masters' views: the union of their live entries, in queue order. On one

@@ -21,6 +21,20 @@ pub(crate) fn redis_cli(url: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Deletes every key of the lock `name` on the server of `url` at once, with nothing
+/// published (as a restart without persistence leaves it); returns how many went.
+fn wipe_lock(url: &str, name: &str) -> String {
+    redis_cli(
+        url,
+        &[
+            "EVAL",
+            "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do n = n + redis.call('DEL', k) end return n",
+            "0",
+            &format!("dlock:{{{name}}}:*"),
+        ],
+    )
+}
+
 /// A waiter whose own entry the server lost never takes the lock from the view it had
 /// before the loss: it lists the queue again, finds its entry gone and fails with
 /// `LockLost`, so it cannot hold beside a newcomer that queued into the emptied lock.
@@ -45,16 +59,7 @@ pub async fn waiter_whose_entry_was_wiped_never_grants_itself(url: &str) {
         "the waiter queued"
     );
 
-    let pattern = format!("dlock:{{{name}}}:*");
-    let wiped = redis_cli(
-        url,
-        &[
-            "EVAL",
-            "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do n = n + redis.call('DEL', k) end return n",
-            "0",
-            &pattern,
-        ],
-    );
+    let wiped = wipe_lock(url, &name);
     assert!(
         wiped.trim().parse::<u32>().is_ok_and(|n| n >= 2),
         "both entries and the queue were deleted: {wiped}"
@@ -151,17 +156,8 @@ pub async fn redlock_verify_needs_the_entry_on_a_majority(_kind: crate::support:
         .split(',')
         .collect();
     assert!(masters.len() >= 3, "Redlock masters: {masters:?}");
-    let pattern = format!("dlock:{{{name}}}:*");
     let wipe = |m: &str| {
-        redis_cli(
-            &format!("redis://{m}"),
-            &[
-                "EVAL",
-                "for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end return 0",
-                "0",
-                &pattern,
-            ],
-        );
+        wipe_lock(&format!("redis://{m}"), &name);
     };
     let majority = masters.len() / 2 + 1;
     // Left on a bare majority, one of which answers late: still held. The late master
@@ -228,15 +224,7 @@ pub async fn multilock_with_a_part_lost_meanwhile_is_not_granted(
         .await,
         "the multi-lock took its first part and queued for the second"
     );
-    redis_cli(
-        url,
-        &[
-            "EVAL",
-            "for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end return 0",
-            "0",
-            &format!("dlock:{{{first}}}:*"),
-        ],
-    );
+    wipe_lock(url, &first);
     // A whole lease: the watchdog (every lease/3) has found the first part gone.
     tokio::time::sleep(crate::support::SESSION_TIMEOUT).await;
     held.release().await.expect("release");
