@@ -170,11 +170,16 @@ impl RedisBackend {
                 // handoff. (Redlock: one master's message does not mean a majority
                 // removed it, so it re-checks.)
                 if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
-                    return Ok(if listener.head.load(Ordering::SeqCst) {
-                        (Gone::Head, listener.next.lock().clone())
-                    } else {
-                        (Gone::Unknown, None)
-                    });
+                    // Unless the primary that sent it may be the one a failover is
+                    // replacing: then the waiter lists the queue (a script, which waits
+                    // for the failover to be followed).
+                    return Ok(
+                        if listener.head.load(Ordering::SeqCst) && !s.nodes[0].fenced() {
+                            (Gone::Head, listener.next.lock().clone())
+                        } else {
+                            (Gone::Unknown, None)
+                        },
+                    );
                 }
                 let results = s
                     .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))

@@ -142,7 +142,12 @@
 //! checks `ROLE`; a `+switch-master` announcement from any Sentinel (a watcher connection
 //! per Sentinel) and a `READONLY` reply (a demoted primary) force a reconnection, so the
 //! commands, the watchdog and the pub/sub wake-ups all move to a promoted replica, also
-//! when the old primary is still up. [`Stats::primary_switches`] counts the switches. The
+//! when the old primary is still up. While a Sentinel reports the client's primary
+//! objectively down (`+odown`), and after a switch until both clients are verified on
+//! the announced primary, every script waits (up to the command timeout, then
+//! `Unreachable`) and a removal message does not grant: nothing done on a primary being
+//! replaced counts, so a renewal there cannot outlive the entry's copy on the promoted
+//! replica. [`Stats::primary_switches`] counts the switches. The
 //! watchdog's round right after the reconnection fires `lost()` for any held entry the
 //! replica never received (replication is asynchronous); a replicated entry keeps its
 //! lock. Tokens stay monotonic across the failover through the clock floor, provided the

@@ -67,6 +67,10 @@ pub(crate) struct Node {
     pub tryagains: AtomicU64,
     /// How many of `watchers` have a confirmed `+switch-master` subscription.
     watching: Arc<tokio::sync::watch::Sender<usize>>,
+    /// Sentinel mode: set while a failover may have replaced the primary this client is
+    /// on, and until both clients are verified on the one the Sentinels announced. Every
+    /// script waits for it to clear ([`Node::pass_fence`]).
+    fence: Arc<tokio::sync::watch::Sender<Option<Fence>>>,
     /// Connection errors of both clients, subscribed before they connect, so that the
     /// connect can tell refused credentials or a failed TLS handshake from a server that
     /// is down (fred retries both the same way).
@@ -248,6 +252,7 @@ impl Node {
                 for (host, port) in hosts {
                     node.watch_sentinel(host, port, &service, tuning, &config, last.clone())?;
                 }
+                node.follow_switches();
                 Ok(node)
             }
             ServerConfig::Clustered { hosts, .. } => {
@@ -291,17 +296,24 @@ impl Node {
         for (host, port) in hosts {
             node.watch_sentinel(host, port, service, tuning, &config, last.clone())?;
         }
+        node.follow_switches();
         Ok(node)
     }
 
-    /// Subscribes to `+switch-master` on one Sentinel and, when it announces a new
-    /// primary for `service`, makes both clients reconnect (through the Sentinels, so to
-    /// the new primary) at once.
+    /// Subscribes to `+switch-master`, `+odown` and `-odown` on one Sentinel and keeps
+    /// the node's fence ([`Fence`]) by what they say about `service`:
+    /// - `+odown` of the primary this client is on closes the fence: the Sentinels may
+    ///   be promoting a replica, and whatever this client does on the old primary from
+    ///   then on (a renewal that extends a hold, a grant) may never reach the new one,
+    ///   which would expire the hold on its own clock and let another client in;
+    /// - `-odown` of that primary opens it again (no failover took place);
+    /// - `+switch-master` keeps it closed until both clients are verified on the
+    ///   announced primary ([`Node::follow_switches`] reconnects them).
     ///
-    /// Without this a client stays on a primary that the Sentinels replaced but that is
-    /// still up (a manual `SENTINEL FAILOVER`, or a primary cut off from the Sentinels):
-    /// it keeps answering as a master until the Sentinels demote it, about 10 s later,
-    /// and meanwhile new clients are sent to the new primary — two holders of one lock.
+    /// Without the switch a client stays on a primary that the Sentinels replaced but
+    /// that is still up (a manual `SENTINEL FAILOVER`, or a primary cut off from the
+    /// Sentinels): it keeps answering as a master until the Sentinels demote it, and
+    /// meanwhile new clients are sent to the new primary — two holders of one lock.
     /// Every Sentinel publishes the switch; `last` keeps the three from reconnecting
     /// three times for one switch. The watcher reaches the Sentinel with `base`'s TLS
     /// settings and credentials.
@@ -343,9 +355,9 @@ impl Node {
             format!("sentinel {host}:{port}"),
         ));
         let mut rx = watcher.message_rx();
-        let (w, client, sub) = (watcher.clone(), self.client.clone(), self.sub.clone());
+        let (w, client) = (watcher.clone(), self.client.clone());
         let (service, switches) = (service.to_owned(), self.switches.clone());
-        let watching = self.watching.clone();
+        let (watching, fence) = (self.watching.clone(), self.fence.clone());
         let task = tokio::spawn(async move {
             use tokio::sync::broadcast::error::RecvError;
             // Subscribe once connected; the managed subscription is renewed after every
@@ -358,7 +370,10 @@ impl Node {
             // it; that gap is far below the seconds a failover takes. (A confirming PING
             // is not used here: on this connection it can be answered by the error of the
             // re-subscription that fred sends at the same moment.)
-            match w.subscribe("+switch-master").await {
+            match w
+                .subscribe(vec!["+switch-master", "+odown", "-odown"])
+                .await
+            {
                 Ok(()) => watching.send_modify(|n| *n += 1),
                 Err(e) => {
                     tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers")
@@ -370,9 +385,45 @@ impl Node {
                     Err(RecvError::Lagged(_)) => continue,
                     Err(RecvError::Closed) => return,
                 };
-                // "<service> <old ip> <old port> <new ip> <new port>"
                 let text = msg.value.as_string().unwrap_or_default();
                 let mut words = text.split(' ');
+                let channel = msg.channel.to_string();
+                if channel != "+switch-master" {
+                    // "master <service> <ip> <port> [#quorum q/n]"
+                    if words.next() != Some("master") || words.next() != Some(service.as_str()) {
+                        continue;
+                    }
+                    let (Some(ip), Some(port)) = (words.next(), words.next()) else {
+                        continue;
+                    };
+                    let down = format!("{ip}:{port}");
+                    if channel == "+odown" {
+                        // Only the primary this client is on (or none: a reconnect could
+                        // land there) concerns it.
+                        let on = connected_to(&client);
+                        if on.as_deref().is_none_or(|on| on == down) {
+                            let closed = fence.send_if_modified(|f| {
+                                f.is_none()
+                                    .then(|| *f = Some(Fence::Down(down.clone())))
+                                    .is_some()
+                            });
+                            if closed {
+                                tracing::warn!(%service, primary = %down, "a Sentinel reports the primary down; holding commands back until it is up again or the failover is followed");
+                            }
+                        }
+                    } else if channel == "-odown" {
+                        let opened = fence.send_if_modified(|f| {
+                            (*f == Some(Fence::Down(down.clone())))
+                                .then(|| *f = None)
+                                .is_some()
+                        });
+                        if opened {
+                            tracing::info!(%service, primary = %down, "the Sentinels see the primary up again; commands go on");
+                        }
+                    }
+                    continue;
+                }
+                // "<service> <old ip> <old port> <new ip> <new port>"
                 if words.next() != Some(service.as_str()) {
                     continue;
                 }
@@ -386,12 +437,113 @@ impl Node {
                 }
                 switches.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(%service, primary = %new_primary, "Sentinel switched the primary; reconnecting");
-                let _ = futures::join!(client.force_reconnection(), sub.force_reconnection());
+                fence.send_modify(|f| {
+                    let generation = match f {
+                        Some(Fence::Switching { generation, .. }) => *generation + 1,
+                        _ => 1,
+                    };
+                    *f = Some(Fence::Switching {
+                        target: new_primary.clone(),
+                        generation,
+                    });
+                });
             }
         });
         self.watcher_tasks.push(task.abort_handle());
         self.watchers.push(watcher);
         Ok(())
+    }
+
+    /// Sentinel mode: the task that follows each `+switch-master` ([`Fence::Switching`]):
+    /// it makes both clients reconnect (fred asks the Sentinels, in the order given, for
+    /// the primary) and opens the fence once both are connected to the announced
+    /// primary. A Sentinel that has not heard of the failover (cut off from the others,
+    /// or slow) names the old primary, which still answers as a master if only the
+    /// Sentinels lost it: then the clients are not where the Sentinels put the primary,
+    /// so the fence stays closed, commands fail as unreachable and holds run out at
+    /// their deadlines, and the reconnect is tried again (every 100 ms, doubling up to
+    /// 2 s) until the clients land on the announced primary or another switch comes.
+    fn follow_switches(&mut self) {
+        let (fence, client, sub) = (self.fence.clone(), self.client.clone(), self.sub.clone());
+        let mut rx = fence.subscribe();
+        let addr = self.addr.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let (target, generation) = loop {
+                    if let Some(Fence::Switching { target, generation }) =
+                        rx.borrow_and_update().clone()
+                    {
+                        break (target, generation);
+                    }
+                    if rx.changed().await.is_err() {
+                        return;
+                    }
+                };
+                let current = |fence: &tokio::sync::watch::Sender<Option<Fence>>| matches!(&*fence.borrow(), Some(Fence::Switching { generation: g, .. }) if *g == generation);
+                let mut pause = Duration::from_millis(100);
+                let mut warned = false;
+                loop {
+                    let _ = futures::join!(client.force_reconnection(), sub.force_reconnection());
+                    if !current(&fence) {
+                        break;
+                    }
+                    let (c, s) = (connected_to(&client), connected_to(&sub));
+                    if c.as_deref() == Some(target.as_str())
+                        && s.as_deref() == Some(target.as_str())
+                    {
+                        let opened = fence.send_if_modified(|f| {
+                            matches!(f, Some(Fence::Switching { generation: g, .. }) if *g == generation)
+                                .then(|| *f = None)
+                                .is_some()
+                        });
+                        if opened {
+                            tracing::info!(service = %addr, primary = %target, "both clients are on the new primary; commands go on");
+                        }
+                        break;
+                    }
+                    if !warned {
+                        warned = true;
+                        tracing::warn!(service = %addr, announced = %target, commands = ?c, subscriber = ?s, "reconnected elsewhere than the primary the Sentinels announced (a Sentinel asked first has not heard of the failover?); commands stay held back, retrying");
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+            }
+        });
+        self.watcher_tasks.push(task.abort_handle());
+    }
+
+    /// Waits, up to the command timeout, while the fence is closed (see [`Fence`]); an
+    /// open fence (always, outside Sentinel mode) costs one read of it.
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`] when it stays closed for the whole timeout.
+    async fn pass_fence(&self, what: &str) -> Result<(), Error> {
+        let why = match &*self.fence.borrow() {
+            None => return Ok(()),
+            Some(f) => f.to_string(),
+        };
+        let mut rx = self.fence.subscribe();
+        let budget = self.cmd.timeout.unwrap_or(Duration::from_secs(5));
+        let opened = matches!(
+            tokio::time::timeout(budget, rx.wait_for(Option::is_none)).await,
+            Ok(Ok(_))
+        );
+        if opened {
+            Ok(())
+        } else {
+            Err(Error::Unreachable(format!(
+                "redis at {} while {what}: {why}",
+                self.addr
+            )))
+        }
+    }
+
+    /// Whether the fence is closed now (see [`Fence`]): a message heard on the
+    /// subscriber may come from a primary the Sentinels are replacing, so it is not
+    /// taken as the answer.
+    pub fn fenced(&self) -> bool {
+        self.fence.borrow().is_some()
     }
 
     /// Builds the subscriber (and, unless `borrowed` is the application's client, the
@@ -465,6 +617,7 @@ impl Node {
             switches: Arc::new(AtomicU64::new(0)),
             tryagains: AtomicU64::new(0),
             watching: Arc::new(tokio::sync::watch::Sender::new(0)),
+            fence: Arc::new(tokio::sync::watch::Sender::new(None)),
             conn_errors,
         })
     }
@@ -600,6 +753,7 @@ impl Node {
         keys: Vec<String>,
         args: Vec<Value>,
     ) -> Result<Value, Error> {
+        self.pass_fence(what).await?;
         self.mid_move_retry(|| self.eval_once(script, &keys, &args))
             .await
             .map_err(|e| self.map_err(what, e))
@@ -981,6 +1135,42 @@ where
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
+}
+
+/// Why a Sentinel-mode node holds its scripts back ([`Node::pass_fence`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Fence {
+    /// A Sentinel reported the primary this client is on (`host:port`) objectively
+    /// down: a failover may be promoting a replica.
+    Down(String),
+    /// The Sentinels switched the primary to `target` (`host:port`); the clients are
+    /// not yet verified on it. `generation` counts switches, so that the reconnect loop
+    /// of an older one stops.
+    Switching { target: String, generation: u64 },
+}
+
+impl std::fmt::Display for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fence::Down(p) => write!(
+                f,
+                "the Sentinels report the primary {p} down; held back until it is up again or the failover is followed"
+            ),
+            Fence::Switching { target, .. } => write!(
+                f,
+                "the Sentinels moved the primary to {target}; this client is not connected to it yet"
+            ),
+        }
+    }
+}
+
+/// The server `client` is connected to, as `host:port`, or `None` while it has no
+/// connection.
+fn connected_to<C: ClientLike>(client: &C) -> Option<String> {
+    client
+        .active_connections()
+        .first()
+        .map(|s| format!("{}:{}", s.host, s.port))
 }
 
 /// Whether a command was refused, unrun, because its slot moved or is being moved, in

@@ -122,11 +122,20 @@ impl Shared {
 
     /// Declares an entry lost and removes whatever is left of it, in the background, so
     /// that a remnant on some master does not make others wait for its expiry.
+    ///
+    /// The removal waits [`dlock_core::lost_margin`] first: `lost()` promises the holder
+    /// that much time before anyone else is granted, and a removal sent at once would
+    /// let the next contender in right after the signal whenever the server is
+    /// reachable again by then (renewals held back through a Sentinel failover, then
+    /// let through: `sentinel_holder_behind_a_stale_sentinel` granted 150 ms after the
+    /// signal, with 200 ms promised).
     fn lose(self: &Arc<Self>, queue_key: &str, name: &str, reason: String) {
         if let Some(keys) = self.settle(queue_key, name, Fate::Lost(reason)) {
             let shared = self.clone();
             let name = name.to_owned();
+            let pause = dlock_core::lost_margin(self.lease);
             tokio::spawn(async move {
+                tokio::time::sleep(pause).await;
                 let _ = shared.remove_names(&keys, &[name]).await;
             });
         }
