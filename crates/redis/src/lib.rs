@@ -143,11 +143,14 @@
 //! per Sentinel) and a `READONLY` reply (a demoted primary) force a reconnection, so the
 //! commands, the watchdog and the pub/sub wake-ups all move to a promoted replica, also
 //! when the old primary is still up. While a Sentinel reports the client's primary
-//! objectively down (`+odown`), and after a switch until both clients are verified on
-//! the announced primary, every script waits (up to the command timeout, then
-//! `Unreachable`) and a removal message does not grant: nothing done on a primary being
-//! replaced counts, so a renewal there cannot outlive the entry's copy on the promoted
-//! replica. [`Stats::primary_switches`] counts the switches. The
+//! objectively down (`+odown`) or fails it over (`+try-failover`), and after a switch
+//! until both clients are verified on the announced primary, every script waits (up to
+//! the command timeout, then `Unreachable`) and a removal message does not grant, so
+//! renewals on a primary being replaced do not outlive the entry's copy on the promoted
+//! replica; what this does not cover (renewals before `+odown`, a fresh connection
+//! through a Sentinel that has not heard of the failover) is in
+//! [safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md).
+//! [`Stats::primary_switches`] counts the switches. The
 //! watchdog's round right after the reconnection fires `lost()` for any held entry the
 //! replica never received (replication is asynchronous); a replicated entry keeps its
 //! lock. Tokens stay monotonic across the failover through the clock floor, provided the

@@ -353,6 +353,7 @@ impl Node {
         self.watcher_tasks.push(resubscribe_on_reconnect(
             &watcher,
             format!("sentinel {host}:{port}"),
+            true,
         ));
         let mut rx = watcher.message_rx();
         let (w, client) = (watcher.clone(), self.client.clone());
@@ -370,13 +371,17 @@ impl Node {
             // it; that gap is far below the seconds a failover takes. (A confirming PING
             // is not used here: on this connection it can be answered by the error of the
             // re-subscription that fred sends at the same moment.)
-            match w
-                .subscribe(vec!["+switch-master", "+odown", "-odown"])
-                .await
-            {
+            // One channel per SUBSCRIBE: a Sentinel's ACL that allows only
+            // `+switch-master` refuses a SUBSCRIBE naming any other channel as a whole.
+            match w.subscribe("+switch-master").await {
                 Ok(()) => watching.send_modify(|n| *n += 1),
                 Err(e) => {
                     tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers")
+                }
+            }
+            for channel in FENCE_CHANNELS {
+                if let Err(e) = w.subscribe(channel).await {
+                    tracing::warn!(sentinel = %format!("{host}:{port}"), %channel, error = %e, "cannot hear this Sentinel's failover starts; a switch is still followed");
                 }
             }
             loop {
@@ -397,19 +402,27 @@ impl Node {
                         continue;
                     };
                     let down = format!("{ip}:{port}");
-                    if channel == "+odown" {
-                        // Only the primary this client is on (or none: a reconnect could
-                        // land there) concerns it.
-                        let on = connected_to(&client);
-                        if on.as_deref().is_none_or(|on| on == down) {
-                            let closed = fence.send_if_modified(|f| {
-                                f.is_none()
-                                    .then(|| *f = Some(Fence::Down(down.clone())))
-                                    .is_some()
-                            });
-                            if closed {
-                                tracing::warn!(%service, primary = %down, "a Sentinel reports the primary down; holding commands back until it is up again or the failover is followed");
-                            }
+                    // Only the primary this client is on (or none: a reconnect could land
+                    // there) concerns it.
+                    let ours = || connected_to(&client).is_none_or(|on| on == down);
+                    if channel == "+odown" && ours() {
+                        let closed = fence.send_if_modified(|f| {
+                            f.is_none()
+                                .then(|| *f = Some(Fence::Down(down.clone())))
+                                .is_some()
+                        });
+                        if closed {
+                            tracing::warn!(%service, primary = %down, "a Sentinel reports the primary down; holding commands back until it is up again or the failover is followed");
+                        }
+                    } else if channel == "+try-failover" && ours() {
+                        // Also a manual `SENTINEL FAILOVER`, which no `+odown` announces.
+                        let closed = fence.send_if_modified(|f| {
+                            matches!(f, None | Some(Fence::Down(_)))
+                                .then(|| *f = Some(Fence::Failover(down.clone())))
+                                .is_some()
+                        });
+                        if closed {
+                            tracing::warn!(%service, primary = %down, "the Sentinels started a failover; holding commands back until it is followed");
                         }
                     } else if channel == "-odown" {
                         let opened = fence.send_if_modified(|f| {
@@ -470,20 +483,58 @@ impl Node {
         let task = tokio::spawn(async move {
             loop {
                 let (target, generation) = loop {
-                    if let Some(Fence::Switching { target, generation }) =
-                        rx.borrow_and_update().clone()
-                    {
-                        break (target, generation);
-                    }
-                    if rx.changed().await.is_err() {
-                        return;
+                    let now = rx.borrow_and_update().clone();
+                    match now {
+                        Some(Fence::Switching { target, generation }) => {
+                            break (target, generation)
+                        }
+                        Some(closed) => {
+                            // A failover start with neither its end nor `-odown` heard
+                            // (a watcher reconnecting at that moment misses them) would
+                            // hold everything back for good: give up after a while.
+                            if let Ok(changed) =
+                                tokio::time::timeout(FENCE_VALVE, rx.changed()).await
+                            {
+                                if changed.is_err() {
+                                    return;
+                                }
+                                continue;
+                            }
+                            let opened = fence.send_if_modified(|f| {
+                                (f.as_ref() == Some(&closed)).then(|| *f = None).is_some()
+                            });
+                            if opened {
+                                tracing::warn!(service = %addr, fence = %closed, "no failover followed within {FENCE_VALVE:?}; commands go on on the primary this client is on");
+                            }
+                        }
+                        None => {
+                            if rx.changed().await.is_err() {
+                                return;
+                            }
+                        }
                     }
                 };
                 let current = |fence: &tokio::sync::watch::Sender<Option<Fence>>| matches!(&*fence.borrow(), Some(Fence::Switching { generation: g, .. }) if *g == generation);
                 let mut pause = Duration::from_millis(100);
                 let mut warned = false;
+                let on = |c: Option<String>| c.as_deref() == Some(target.as_str());
                 loop {
-                    let _ = futures::join!(client.force_reconnection(), sub.force_reconnection());
+                    // Only a client that is not there yet: fred asks the Sentinels in
+                    // the order of the last `SENTINEL SENTINELS` answer, so moving one
+                    // already on the target could send it back to a stale Sentinel.
+                    let (c_on, s_on) = (on(connected_to(&client)), on(connected_to(&sub)));
+                    let _ = futures::join!(
+                        async {
+                            if !c_on {
+                                let _ = client.force_reconnection().await;
+                            }
+                        },
+                        async {
+                            if !s_on {
+                                let _ = sub.force_reconnection().await;
+                            }
+                        }
+                    );
                     if !current(&fence) {
                         break;
                     }
@@ -602,7 +653,7 @@ impl Node {
         };
         // R3: only a SubscriberClient that manages its subscriptions re-subscribes after a
         // reconnect. The handle ends when the client quits.
-        let resubscriber = resubscribe_on_reconnect(&sub, addr.clone());
+        let resubscriber = resubscribe_on_reconnect(&sub, addr.clone(), false);
         Ok(Node {
             addr,
             sharded,
@@ -1137,12 +1188,23 @@ where
     })
 }
 
+/// The Sentinel channels that close the fence, besides `+switch-master`.
+const FENCE_CHANNELS: [&str; 3] = ["+odown", "-odown", "+try-failover"];
+
+/// How long a fence closed by `+odown` or `+try-failover` stays closed when neither
+/// `-odown` nor `+switch-master` comes: a failover takes seconds once it starts
+/// (`down-after-milliseconds` has passed by then), so this is only for a lost message.
+const FENCE_VALVE: Duration = Duration::from_secs(30);
+
 /// Why a Sentinel-mode node holds its scripts back ([`Node::pass_fence`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Fence {
     /// A Sentinel reported the primary this client is on (`host:port`) objectively
-    /// down: a failover may be promoting a replica.
+    /// down: a failover may be promoting a replica. `-odown` opens it.
     Down(String),
+    /// A Sentinel started a failover of that primary (`+try-failover`, also sent for a
+    /// manual `SENTINEL FAILOVER`); only the switch, or [`FENCE_VALVE`], opens it.
+    Failover(String),
     /// The Sentinels switched the primary to `target` (`host:port`); the clients are
     /// not yet verified on it. `generation` counts switches, so that the reconnect loop
     /// of an older one stops.
@@ -1155,6 +1217,10 @@ impl std::fmt::Display for Fence {
             Fence::Down(p) => write!(
                 f,
                 "the Sentinels report the primary {p} down; held back until it is up again or the failover is followed"
+            ),
+            Fence::Failover(p) => write!(
+                f,
+                "the Sentinels are failing over the primary {p}; held back until the failover is followed"
             ),
             Fence::Switching { target, .. } => write!(
                 f,
@@ -1199,12 +1265,20 @@ fn refused_mid_move(e: &fred::error::Error) -> bool {
 /// the client is quitting is routine (a short-lived CLI run quits right after its first
 /// connection) and logged at debug; fred logs it as an error, a second line on the CLI's
 /// one-line stderr. Other failures are warnings: the waiters' re-check timers cover them.
-fn resubscribe_on_reconnect(sub: &SubscriberClient, addr: String) -> tokio::task::AbortHandle {
+///
+/// `one_by_one`: one `SUBSCRIBE` per channel (a Sentinel watcher: an ACL refuses a
+/// `SUBSCRIBE` as a whole when one of its channels is not allowed, and `+switch-master`
+/// must not go down with a refused fence channel).
+fn resubscribe_on_reconnect(
+    sub: &SubscriberClient,
+    addr: String,
+    one_by_one: bool,
+) -> tokio::task::AbortHandle {
     let sub = sub.clone();
     let mut reconnects = sub.reconnect_rx();
     tokio::spawn(async move {
         while reconnects.recv().await.is_ok() {
-            match resubscribe(&sub).await {
+            match resubscribe(&sub, one_by_one).await {
                 Ok(()) => {}
                 Err(e) if *e.kind() == ErrorKind::Canceled => {
                     tracing::debug!(master = %addr, error = %e, "re-subscription cancelled (the client is quitting)");
@@ -1222,9 +1296,19 @@ fn resubscribe_on_reconnect(sub: &SubscriberClient, addr: String) -> tokio::task
 /// `SUBSCRIBE` and `PSUBSCRIBE` even with nothing to subscribe to, and the server's
 /// "wrong number of arguments" error fails the whole call (or, on a connection that is
 /// also running a command of ours, is taken as that command's answer).
-async fn resubscribe(sub: &SubscriberClient) -> fred::prelude::FredResult<()> {
+async fn resubscribe(sub: &SubscriberClient, one_by_one: bool) -> fred::prelude::FredResult<()> {
     let channels = sub.tracked_channels();
-    if !channels.is_empty() {
+    if one_by_one {
+        let mut first_error = None;
+        for channel in channels {
+            if let Err(e) = sub.subscribe(channel).await {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+    } else if !channels.is_empty() {
         sub.subscribe(channels.into_iter().collect::<Vec<_>>())
             .await?;
     }

@@ -224,7 +224,7 @@ pub fn secure_redis_ha_argv(
 /// (`tls-replication yes`), logs in to the data nodes and to the other Sentinels as
 /// [`REDIS_ADMIN_USER`], and has its own ACL users: the administrator, and
 /// [`APP_USER`]/[`NOBODY_USER`] with [`SENTINEL_CLIENT_ACL`] (find the primary, hear
-/// `+switch-master`; nothing else).
+/// `+switch-master` and the failover starts; nothing else).
 pub fn secure_sentinel_conf(
     id: u32,
     primary_port: u16,

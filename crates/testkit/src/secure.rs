@@ -81,10 +81,11 @@ pub const REDIS_APP_ACL: &str = "~dlock:* &dlock:* -@all +@read +@write +@pubsub
 pub const REDIS_NOBODY_ACL: &str = "resetkeys resetchannels -@all +@read +@write +@pubsub +@connection -@dangerous -function +eval +evalsha +eval_ro +evalsha_ro +script|load +script|exists +time +info +role +wait";
 
 /// The ACL rules of [`APP_USER`] and [`NOBODY_USER`] on a secured Sentinel: ask for the
-/// primary and the group, listen for `+switch-master`, and what a client library sends on
-/// connecting. (fred, without its `sentinel-auth` feature, logs in to the Sentinels with
-/// the data nodes' credentials, so the same users exist there.)
-pub const SENTINEL_CLIENT_ACL: &str = "resetchannels &+switch-master -@all +@connection +sentinel|get-master-addr-by-name +sentinel|master +sentinel|replicas +sentinel|sentinels +subscribe +unsubscribe +role +info";
+/// primary and the group, listen for `+switch-master` and the failover starts and ends
+/// that hold a client's commands back (`+odown`, `-odown`, `+try-failover`), and what a
+/// client library sends on connecting. (fred, without its `sentinel-auth` feature, logs
+/// in to the Sentinels with the data nodes' credentials, so the same users exist there.)
+pub const SENTINEL_CLIENT_ACL: &str = "resetchannels &+switch-master &+odown &-odown &+try-failover -@all +@connection +sentinel|get-master-addr-by-name +sentinel|master +sentinel|replicas +sentinel|sentinels +subscribe +unsubscribe +role +info";
 
 /// The ACL rules a client of a Redis Cluster needs beside [`REDIS_APP_ACL`] (or
 /// [`REDIS_NOBODY_ACL`]): `CLUSTER SLOTS`, the slot map fred routes by (read at connect

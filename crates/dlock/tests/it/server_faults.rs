@@ -778,11 +778,22 @@ pub async fn sentinel_holder_behind_a_stale_sentinel(_url: &str) {
         dlock_testkit::NetCut::isolate(s2.pid, &[], &[port(&stale.addr), port(&primary.addr)]),
     ];
     let fault_at = Instant::now();
-    let result = if cuts.iter().all(Result::is_ok) {
+    let (result, promoted) = if cuts.iter().all(Result::is_ok) {
         // Heal only after the check's verdict, whatever it is.
-        Some(tokio::spawn(contest.check(fault_at, Duration::from_secs(15), margin)).await)
+        let result = tokio::spawn(contest.check(fault_at, Duration::from_secs(15), margin)).await;
+        // Not a pass by default: the Sentinels on the cut side did promote the replica
+        // while the cut lasted (asked before healing: the stale one still names the old).
+        let promoted = eventually(Duration::from_secs(10), || async {
+            s1.redis_query(
+                &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", service],
+                Duration::from_secs(1),
+            )
+            .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == replica.addr)
+        })
+        .await;
+        (Some(result), promoted)
     } else {
-        None
+        (None, false)
     };
     let mut healed = Vec::new();
     for cut in cuts {
@@ -798,4 +809,8 @@ pub async fn sentinel_holder_behind_a_stale_sentinel(_url: &str) {
     if let Some(Err(e)) = result {
         std::panic::resume_unwind(e.into_panic());
     }
+    assert!(
+        promoted,
+        "the Sentinels did not promote the replica during the cut"
+    );
 }
