@@ -514,7 +514,7 @@ impl Node {
                         }
                     }
                 };
-                let current = |fence: &tokio::sync::watch::Sender<Option<Fence>>| matches!(&*fence.borrow(), Some(Fence::Switching { generation: g, .. }) if *g == generation);
+                let current = |f: &Option<Fence>| matches!(f, Some(Fence::Switching { generation: g, .. }) if *g == generation);
                 let mut pause = Duration::from_millis(100);
                 let mut warned = false;
                 let on = |c: Option<String>| c.as_deref() == Some(target.as_str());
@@ -535,18 +535,13 @@ impl Node {
                             }
                         }
                     );
-                    if !current(&fence) {
+                    if !current(&fence.borrow()) {
                         break;
                     }
                     let (c, s) = (connected_to(&client), connected_to(&sub));
-                    if c.as_deref() == Some(target.as_str())
-                        && s.as_deref() == Some(target.as_str())
-                    {
-                        let opened = fence.send_if_modified(|f| {
-                            matches!(f, Some(Fence::Switching { generation: g, .. }) if *g == generation)
-                                .then(|| *f = None)
-                                .is_some()
-                        });
+                    if on(c.clone()) && on(s.clone()) {
+                        let opened =
+                            fence.send_if_modified(|f| current(f).then(|| *f = None).is_some());
                         if opened {
                             tracing::info!(service = %addr, primary = %target, "both clients are on the new primary; commands go on");
                         }
