@@ -98,6 +98,22 @@ impl SessionOptions {
         self
     }
 
+    /// The session timeout to run on: [`SessionOptions::session_timeout`], or `default`
+    /// where it is `None`, at most [`SessionOptions::MAX_TIMEOUT`]. Adapters read the
+    /// field through this, so a value set on the public field past what the setter takes
+    /// is clamped the same way instead of overflowing their clock arithmetic.
+    pub fn session_timeout_or(&self, default: Duration) -> Duration {
+        self.session_timeout
+            .unwrap_or(default)
+            .min(Self::MAX_TIMEOUT)
+    }
+
+    /// The connect timeout to run on: [`SessionOptions::connect_timeout`], at most
+    /// [`SessionOptions::MAX_TIMEOUT`] (as [`SessionOptions::session_timeout_or`]).
+    pub fn connect_limit(&self) -> Duration {
+        self.connect_timeout.min(Self::MAX_TIMEOUT)
+    }
+
     /// How long one connection attempt to one server (TCP connect, TLS handshake) may
     /// take within [`SessionOptions::connect_timeout`]: a third of it, and at least a
     /// second unless the connect timeout itself is shorter.
@@ -109,7 +125,8 @@ impl SessionOptions {
     /// attempts; the floor keeps a slow but working TLS handshake from being cut off
     /// again and again.
     pub fn attempt_timeout(&self) -> Duration {
-        (self.connect_timeout / 3).max(self.connect_timeout.min(Duration::from_secs(1)))
+        let limit = self.connect_limit();
+        (limit / 3).max(limit.min(Duration::from_secs(1)))
     }
 
     /// Connects over TLS with these settings.

@@ -206,8 +206,8 @@ impl EtcdBackend {
                 reason: "expected a comma-separated list of host:port etcd endpoints".into(),
             });
         }
-        let ttl = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TTL);
-        let connect_timeout = opts.connect_timeout;
+        let ttl = opts.session_timeout_or(DEFAULT_SESSION_TTL);
+        let connect_timeout = opts.connect_limit();
         let request_timeout = connect_timeout.max(Duration::from_secs(5));
         // HTTP/2 pings find a dead server even on an idle watch or keep-alive stream,
         // which etcd-client would otherwise wait on forever; no more often than etcd
@@ -284,8 +284,8 @@ impl EtcdBackend {
     /// [`Error::Unauthenticated`] or [`Error::PermissionDenied`] if the client's user
     /// may not grant a lease.
     pub async fn from_client(client: Client, opts: SessionOptions) -> Result<Arc<EtcdBackend>> {
-        let ttl = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TTL);
-        let connect_timeout = opts.connect_timeout;
+        let ttl = opts.session_timeout_or(DEFAULT_SESSION_TTL);
+        let connect_timeout = opts.connect_limit();
         let request_timeout = connect_timeout.max(Duration::from_secs(5));
         let mut probe = client.clone();
         let attempt = async {
@@ -317,8 +317,8 @@ impl EtcdBackend {
         opts: &SessionOptions,
         request_timeout: Duration,
     ) -> Arc<EtcdBackend> {
-        let ttl = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TTL);
-        let connect_timeout = opts.connect_timeout;
+        let ttl = opts.session_timeout_or(DEFAULT_SESSION_TTL);
+        let connect_timeout = opts.connect_limit();
         let mut sessions = HashMap::new();
         sessions.insert(session.id(), session.clone());
         Arc::new_cyclic(|me| EtcdBackend {

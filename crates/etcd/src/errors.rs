@@ -105,7 +105,7 @@ pub(crate) async fn diagnose_unreachable(
             .trim_start_matches("https://")
             .trim_start_matches("http://")
             .to_owned();
-        let wait = opts.connect_timeout.min(Duration::from_secs(2));
+        let wait = opts.connect_limit().min(Duration::from_secs(2));
         let diagnosis = tokio::task::spawn_blocking(move || handshake_refusal(&host, &tls, wait));
         if let Ok(Some(e)) = diagnosis.await {
             return e;

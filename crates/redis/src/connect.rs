@@ -280,7 +280,7 @@ impl RedisBackend {
         prefix: String,
     ) -> Result<Arc<RedisBackend>> {
         let majority = nodes.len() / 2 + 1;
-        let deadline = Instant::now() + opts.connect_timeout;
+        let deadline = Instant::now() + opts.connect_limit();
         let results = join_all(nodes.iter().map(|n| n.wait_connected(deadline))).await;
         let connected = results.iter().filter(|r| r.is_ok()).count();
         if connected < majority {
@@ -299,7 +299,7 @@ impl RedisBackend {
                 _ => Error::Unreachable(format!(
                     "only {connected} of {} redis masters connected within {:?}; a majority ({majority}) is needed",
                     nodes.len(),
-                    opts.connect_timeout
+                    opts.connect_limit()
                 )),
             });
         }
@@ -348,7 +348,7 @@ enum Topology<'a> {
 
 /// The lease and key prefix of `opts`, checked.
 fn check_session(what: &str, opts: &SessionOptions) -> Result<(Duration, String)> {
-    let lease = opts.session_timeout.unwrap_or(DEFAULT_LEASE);
+    let lease = opts.session_timeout_or(DEFAULT_LEASE);
     if lease < MIN_LEASE {
         return Err(Error::InvalidUrl {
             url: what.to_owned(),

@@ -51,7 +51,7 @@ impl ZkBackend {
                 reason: "no ZooKeeper host given".into(),
             });
         }
-        let timeout = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TIMEOUT);
+        let timeout = opts.session_timeout_or(DEFAULT_SESSION_TIMEOUT);
         // The leader created the session after this: it lives at least a session timeout
         // from here (the heartbeat's first proof).
         let requested = tokio::time::Instant::now();
@@ -70,10 +70,10 @@ impl ZkBackend {
                 connector.connect(hosts).await
             }
         };
-        let connected = match tokio::time::timeout(opts.connect_timeout, connecting).await {
+        let connected = match tokio::time::timeout(opts.connect_limit(), connecting).await {
             Err(_elapsed) => Err(Error::Unreachable(format!(
                 "no ZooKeeper server of {hosts:?} answered within {:?}",
-                opts.connect_timeout
+                opts.connect_limit()
             ))),
             Ok(Err(err)) => Err(connect_error(connect_string, err)),
             Ok(Ok(client)) => Ok(client),
@@ -153,13 +153,13 @@ impl ZkBackend {
                 })?;
                 let persistent = zk::CreateMode::Persistent.with_acls(acls);
                 let mkdir = client.mkdir(root, &persistent);
-                match tokio::time::timeout(opts.connect_timeout, mkdir).await {
+                match tokio::time::timeout(opts.connect_limit(), mkdir).await {
                     Ok(Ok(())) => {}
                     Ok(Err(err)) => return Err(map_err("creating the chroot", err)),
                     Err(_elapsed) => {
                         return Err(Error::Unreachable(format!(
                             "creating the chroot {root:?} took longer than {:?}",
-                            opts.connect_timeout
+                            opts.connect_limit()
                         )))
                     }
                 }
@@ -220,7 +220,7 @@ impl ZkBackend {
                 )))
             }
         }
-        let limit = opts.connect_timeout;
+        let limit = opts.connect_limit();
         let users = within(
             limit,
             "listing the session's identities",

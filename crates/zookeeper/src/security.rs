@@ -220,7 +220,7 @@ pub(crate) async fn diagnose_unreachable(hosts: &str, opts: &SessionOptions, why
             .unwrap_or_default()
             .trim()
             .to_owned();
-        let wait = opts.connect_timeout.min(Duration::from_secs(2));
+        let wait = opts.connect_limit().min(Duration::from_secs(2));
         let diagnosis = tokio::task::spawn_blocking(move || diagnose_tls(&first, &tls, wait));
         if let Ok(Some(e)) = diagnosis.await {
             return e;

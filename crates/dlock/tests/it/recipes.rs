@@ -4,10 +4,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::Error;
+use dlock::{Error, SessionOptions};
 use futures::FutureExt;
 
-use crate::support::{client, eventually, holder_entry, leftovers, unique, Kind};
+use crate::support::{client, client_with, eventually, holder_entry, leftovers, unique, Kind};
 
 const GENEROUS: Duration = Duration::from_secs(30);
 
@@ -149,6 +149,30 @@ pub async fn bad_input_gives_typed_errors(_kind: Kind, url: &str) {
         "bad input left entries behind"
     );
     c.close().await.expect("close");
+}
+
+/// Timeouts set straight on `SessionOptions`' public fields, past what the setters take
+/// (`Duration::MAX`, "forever"), are taken as the longest allowed: the client connects,
+/// locks and closes instead of panicking on the clock arithmetic of its deadlines.
+pub async fn huge_session_options_are_clamped_not_a_panic(_kind: Kind, url: &str) {
+    let mut opts = SessionOptions::default();
+    opts.session_timeout = Some(Duration::MAX);
+    opts.connect_timeout = Duration::MAX;
+    let c = client_with(url, opts).await;
+    let name = unique("huge-opts");
+    let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");
+    let other = client(url).await;
+    assert!(
+        matches!(
+            other.mutex(&name).expect("name").try_lock().await,
+            Err(Error::WouldBlock)
+        ),
+        "the lock taken with clamped options excludes another client"
+    );
+    g.release().await.expect("release");
+    assert_eq!(leftovers(&c, &name).await, 0, "the release left entries");
+    c.close().await.expect("close");
+    other.close().await.expect("close");
 }
 
 /// Readers share; a writer excludes readers; a queued writer blocks later readers.

@@ -162,7 +162,7 @@ impl MemServer {
     pub async fn connect(self: &Arc<Self>, opts: SessionOptions) -> Result<Arc<MemBackend>> {
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|e| Error::Unreachable(format!("the in-memory server needs tokio: {e}")))?;
-        let timeout = opts.session_timeout.unwrap_or(DEFAULT_SESSION_TIMEOUT);
+        let timeout = opts.session_timeout_or(DEFAULT_SESSION_TIMEOUT);
         let now = Instant::now();
         let id = {
             let mut st = self.state.lock();
