@@ -147,8 +147,10 @@
 //! until both clients are verified on the announced primary, every script waits (up to
 //! the command timeout, then `Unreachable`) and a removal message does not grant, so
 //! renewals on a primary being replaced do not outlive the entry's copy on the promoted
-//! replica; what this does not cover (renewals before `+odown`, a fresh connection
-//! through a Sentinel that has not heard of the failover) is in
+//! replica. Scripts also wait, after connecting and after any reconnection to another
+//! server, until a majority of the Sentinels given name the primary both clients are on,
+//! so a Sentinel that has not heard of a failover cannot send a client to the old
+//! primary; what this does not cover (renewals before `+odown`) is in
 //! [safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md).
 //! [`Stats::primary_switches`] counts the switches. The
 //! watchdog's round right after the reconnection fires `lost()` for any held entry the

@@ -13,6 +13,9 @@ use fred::types::{ConnectHandle, RespVersion};
 use tokio::time::Instant;
 
 use crate::tls::Access;
+
+mod sentinel;
+use sentinel::Fence;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -71,6 +74,13 @@ pub(crate) struct Node {
     /// on, and until both clients are verified on the one the Sentinels announced. Every
     /// script waits for it to clear ([`Node::pass_fence`]).
     fence: Arc<tokio::sync::watch::Sender<Option<Fence>>>,
+    /// Sentinel mode: one plain client per Sentinel given, to ask it for the primary
+    /// ([`Node::check_primary`]). Empty otherwise.
+    askers: Vec<fred::prelude::Client>,
+    /// Sentinel mode: the primary (`host:port`) that a majority of the Sentinels named
+    /// (or a `+switch-master` announced) and both clients were found connected to. A
+    /// script that ran anywhere else does not count ([`Node::check_landed`]).
+    verified: Arc<parking_lot::Mutex<Option<String>>>,
     /// Connection errors of both clients, subscribed before they connect, so that the
     /// connect can tell refused credentials or a failed TLS handshake from a server that
     /// is down (fred retries both the same way).
@@ -248,11 +258,7 @@ impl Node {
                     tuning,
                     Some(client),
                 )?;
-                let last = Arc::new(parking_lot::Mutex::new(None::<String>));
-                for (host, port) in hosts {
-                    node.watch_sentinel(host, port, &service, tuning, &config, last.clone())?;
-                }
-                node.follow_switches();
+                node.watch_sentinels(hosts, &service, tuning, &config)?;
                 Ok(node)
             }
             ServerConfig::Clustered { hosts, .. } => {
@@ -292,304 +298,8 @@ impl Node {
         };
         access.apply(&mut config);
         let mut node = Self::start_with(format!("sentinel {label}"), config.clone(), tuning, None)?;
-        let last = Arc::new(parking_lot::Mutex::new(None::<String>));
-        for (host, port) in hosts {
-            node.watch_sentinel(host, port, service, tuning, &config, last.clone())?;
-        }
-        node.follow_switches();
+        node.watch_sentinels(hosts, service, tuning, &config)?;
         Ok(node)
-    }
-
-    /// Subscribes to `+switch-master`, `+odown` and `-odown` on one Sentinel and keeps
-    /// the node's fence ([`Fence`]) by what they say about `service`:
-    /// - `+odown` of the primary this client is on closes the fence: the Sentinels may
-    ///   be promoting a replica, and whatever this client does on the old primary from
-    ///   then on (a renewal that extends a hold, a grant) may never reach the new one,
-    ///   which would expire the hold on its own clock and let another client in;
-    /// - `-odown` of that primary opens it again (no failover took place);
-    /// - `+switch-master` keeps it closed until both clients are verified on the
-    ///   announced primary ([`Node::follow_switches`] reconnects them).
-    ///
-    /// Without the switch a client stays on a primary that the Sentinels replaced but
-    /// that is still up (a manual `SENTINEL FAILOVER`, or a primary cut off from the
-    /// Sentinels): it keeps answering as a master until the Sentinels demote it, and
-    /// meanwhile new clients are sent to the new primary — two holders of one lock.
-    /// Every Sentinel publishes the switch; `last` keeps the three from reconnecting
-    /// three times for one switch. The watcher reaches the Sentinel with `base`'s TLS
-    /// settings and credentials.
-    fn watch_sentinel(
-        &mut self,
-        host: String,
-        port: u16,
-        service: &str,
-        tuning: Tuning,
-        base: &Config,
-        last: Arc<parking_lot::Mutex<Option<String>>>,
-    ) -> Result<(), Error> {
-        let config = Config {
-            server: ServerConfig::new_centralized(host.clone(), port),
-            fail_fast: false,
-            version: RespVersion::RESP2,
-            ..base.clone()
-        };
-        let mut b = Builder::from_config(config);
-        b.with_connection_config(|c| {
-            c.connection_timeout = tuning.attempt_timeout;
-            c.internal_command_timeout = tuning.command_timeout;
-            c.max_command_attempts = 1;
-        })
-        .set_policy(reconnect_policy());
-        let watcher = b.build_subscriber_client().map_err(|e| {
-            Error::backend(
-                format!("configuring a Sentinel watcher for {host}:{port}"),
-                e,
-            )
-        })?;
-        // fred reports only "failed to connect to all sentinel nodes" on the clients that go
-        // through the Sentinels; the watcher's own errors say why (WRONGPASS, a
-        // certificate), so the connect listens to them too.
-        self.conn_errors.lock().push(watcher.error_rx());
-        self.watcher_tasks.push(watcher.connect().abort_handle());
-        self.watcher_tasks.push(resubscribe_on_reconnect(
-            &watcher,
-            format!("sentinel {host}:{port}"),
-            true,
-        ));
-        let mut rx = watcher.message_rx();
-        let (w, client) = (watcher.clone(), self.client.clone());
-        let (service, switches) = (service.to_owned(), self.switches.clone());
-        let (watching, fence) = (self.watching.clone(), self.fence.clone());
-        let task = tokio::spawn(async move {
-            use tokio::sync::broadcast::error::RecvError;
-            // Subscribe once connected; the managed subscription is renewed after every
-            // reconnection of the watcher.
-            while !w.is_connected() {
-                let _ =
-                    tokio::time::timeout(Duration::from_millis(100), w.wait_for_connect()).await;
-            }
-            // fred reports SUBSCRIBE done once written, not once the Sentinel processed
-            // it; that gap is far below the seconds a failover takes. (A confirming PING
-            // is not used here: on this connection it can be answered by the error of the
-            // re-subscription that fred sends at the same moment.)
-            // One channel per SUBSCRIBE: a Sentinel's ACL that allows only
-            // `+switch-master` refuses a SUBSCRIBE naming any other channel as a whole.
-            match w.subscribe("+switch-master").await {
-                Ok(()) => watching.send_modify(|n| *n += 1),
-                Err(e) => {
-                    tracing::warn!(sentinel = %format!("{host}:{port}"), error = %e, "cannot watch the Sentinel for failovers")
-                }
-            }
-            for channel in FENCE_CHANNELS {
-                if let Err(e) = w.subscribe(channel).await {
-                    tracing::warn!(sentinel = %format!("{host}:{port}"), %channel, error = %e, "cannot hear this Sentinel's failover starts; a switch is still followed");
-                }
-            }
-            loop {
-                let msg = match rx.recv().await {
-                    Ok(m) => m,
-                    Err(RecvError::Lagged(_)) => continue,
-                    Err(RecvError::Closed) => return,
-                };
-                let text = msg.value.as_string().unwrap_or_default();
-                let mut words = text.split(' ');
-                let channel = msg.channel.to_string();
-                if channel != "+switch-master" {
-                    // "master <service> <ip> <port> [#quorum q/n]"
-                    if words.next() != Some("master") || words.next() != Some(service.as_str()) {
-                        continue;
-                    }
-                    let (Some(ip), Some(port)) = (words.next(), words.next()) else {
-                        continue;
-                    };
-                    let down = format!("{ip}:{port}");
-                    // Only the primary this client is on (or none: a reconnect could land
-                    // there) concerns it.
-                    let ours = || connected_to(&client).is_none_or(|on| on == down);
-                    if channel == "+odown" && ours() {
-                        let closed = fence.send_if_modified(|f| {
-                            f.is_none()
-                                .then(|| *f = Some(Fence::Down(down.clone())))
-                                .is_some()
-                        });
-                        if closed {
-                            tracing::warn!(%service, primary = %down, "a Sentinel reports the primary down; holding commands back until it is up again or the failover is followed");
-                        }
-                    } else if channel == "+try-failover" && ours() {
-                        // Also a manual `SENTINEL FAILOVER`, which no `+odown` announces.
-                        let closed = fence.send_if_modified(|f| {
-                            matches!(f, None | Some(Fence::Down(_)))
-                                .then(|| *f = Some(Fence::Failover(down.clone())))
-                                .is_some()
-                        });
-                        if closed {
-                            tracing::warn!(%service, primary = %down, "the Sentinels started a failover; holding commands back until it is followed");
-                        }
-                    } else if channel == "-odown" {
-                        let opened = fence.send_if_modified(|f| {
-                            (*f == Some(Fence::Down(down.clone())))
-                                .then(|| *f = None)
-                                .is_some()
-                        });
-                        if opened {
-                            tracing::info!(%service, primary = %down, "the Sentinels see the primary up again; commands go on");
-                        }
-                    }
-                    continue;
-                }
-                // "<service> <old ip> <old port> <new ip> <new port>"
-                if words.next() != Some(service.as_str()) {
-                    continue;
-                }
-                let new_primary = words.skip(2).collect::<Vec<_>>().join(":");
-                {
-                    let mut seen = last.lock();
-                    if seen.as_deref() == Some(new_primary.as_str()) {
-                        continue;
-                    }
-                    *seen = Some(new_primary.clone());
-                }
-                switches.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(%service, primary = %new_primary, "Sentinel switched the primary; reconnecting");
-                fence.send_modify(|f| {
-                    let generation = match f {
-                        Some(Fence::Switching { generation, .. }) => *generation + 1,
-                        _ => 1,
-                    };
-                    *f = Some(Fence::Switching {
-                        target: new_primary.clone(),
-                        generation,
-                    });
-                });
-            }
-        });
-        self.watcher_tasks.push(task.abort_handle());
-        self.watchers.push(watcher);
-        Ok(())
-    }
-
-    /// Sentinel mode: the task that follows each `+switch-master` ([`Fence::Switching`]):
-    /// it makes both clients reconnect (fred asks the Sentinels, in the order given, for
-    /// the primary) and opens the fence once both are connected to the announced
-    /// primary. A Sentinel that has not heard of the failover (cut off from the others,
-    /// or slow) names the old primary, which still answers as a master if only the
-    /// Sentinels lost it: then the clients are not where the Sentinels put the primary,
-    /// so the fence stays closed, commands fail as unreachable and holds run out at
-    /// their deadlines, and the reconnect is tried again (every 100 ms, doubling up to
-    /// 2 s) until the clients land on the announced primary or another switch comes.
-    fn follow_switches(&mut self) {
-        let (fence, client, sub) = (self.fence.clone(), self.client.clone(), self.sub.clone());
-        let mut rx = fence.subscribe();
-        let addr = self.addr.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let (target, generation) = loop {
-                    let now = rx.borrow_and_update().clone();
-                    match now {
-                        Some(Fence::Switching { target, generation }) => {
-                            break (target, generation)
-                        }
-                        Some(closed) => {
-                            // A failover start with neither its end nor `-odown` heard
-                            // (a watcher reconnecting at that moment misses them) would
-                            // hold everything back for good: give up after a while.
-                            if let Ok(changed) =
-                                tokio::time::timeout(FENCE_VALVE, rx.changed()).await
-                            {
-                                if changed.is_err() {
-                                    return;
-                                }
-                                continue;
-                            }
-                            let opened = fence.send_if_modified(|f| {
-                                (f.as_ref() == Some(&closed)).then(|| *f = None).is_some()
-                            });
-                            if opened {
-                                tracing::warn!(service = %addr, fence = %closed, "no failover followed within {FENCE_VALVE:?}; commands go on on the primary this client is on");
-                            }
-                        }
-                        None => {
-                            if rx.changed().await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                };
-                let current = |f: &Option<Fence>| matches!(f, Some(Fence::Switching { generation: g, .. }) if *g == generation);
-                let mut pause = Duration::from_millis(100);
-                let mut warned = false;
-                let on = |c: Option<String>| c.as_deref() == Some(target.as_str());
-                loop {
-                    // Only a client that is not there yet: fred asks the Sentinels in
-                    // the order of the last `SENTINEL SENTINELS` answer, so moving one
-                    // already on the target could send it back to a stale Sentinel.
-                    let (c_on, s_on) = (on(connected_to(&client)), on(connected_to(&sub)));
-                    let _ = futures::join!(
-                        async {
-                            if !c_on {
-                                let _ = client.force_reconnection().await;
-                            }
-                        },
-                        async {
-                            if !s_on {
-                                let _ = sub.force_reconnection().await;
-                            }
-                        }
-                    );
-                    if !current(&fence.borrow()) {
-                        break;
-                    }
-                    let (c, s) = (connected_to(&client), connected_to(&sub));
-                    if on(c.clone()) && on(s.clone()) {
-                        let opened =
-                            fence.send_if_modified(|f| current(f).then(|| *f = None).is_some());
-                        if opened {
-                            tracing::info!(service = %addr, primary = %target, "both clients are on the new primary; commands go on");
-                        }
-                        break;
-                    }
-                    if !warned {
-                        warned = true;
-                        tracing::warn!(service = %addr, announced = %target, commands = ?c, subscriber = ?s, "reconnected elsewhere than the primary the Sentinels announced (a Sentinel asked first has not heard of the failover?); commands stay held back, retrying");
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
-                }
-            }
-        });
-        self.watcher_tasks.push(task.abort_handle());
-    }
-
-    /// Waits, up to the command timeout, while the fence is closed (see [`Fence`]); an
-    /// open fence (always, outside Sentinel mode) costs one read of it.
-    ///
-    /// # Errors
-    /// [`Error::Unreachable`] when it stays closed for the whole timeout.
-    async fn pass_fence(&self, what: &str) -> Result<(), Error> {
-        let why = match &*self.fence.borrow() {
-            None => return Ok(()),
-            Some(f) => f.to_string(),
-        };
-        let mut rx = self.fence.subscribe();
-        let budget = self.cmd.timeout.unwrap_or(Duration::from_secs(5));
-        let opened = matches!(
-            tokio::time::timeout(budget, rx.wait_for(Option::is_none)).await,
-            Ok(Ok(_))
-        );
-        if opened {
-            Ok(())
-        } else {
-            Err(Error::Unreachable(format!(
-                "redis at {} while {what}: {why}",
-                self.addr
-            )))
-        }
-    }
-
-    /// Whether the fence is closed now (see [`Fence`]): a message heard on the
-    /// subscriber may come from a primary the Sentinels are replacing, so it is not
-    /// taken as the answer.
-    pub fn fenced(&self) -> bool {
-        self.fence.borrow().is_some()
     }
 
     /// Builds the subscriber (and, unless `borrowed` is the application's client, the
@@ -664,6 +374,8 @@ impl Node {
             tryagains: AtomicU64::new(0),
             watching: Arc::new(tokio::sync::watch::Sender::new(0)),
             fence: Arc::new(tokio::sync::watch::Sender::new(None)),
+            askers: Vec::new(),
+            verified: Arc::new(parking_lot::Mutex::new(None)),
             conn_errors,
         })
     }
@@ -690,8 +402,9 @@ impl Node {
         refusal
     }
 
-    /// Waits until both clients are connected and, through Sentinel, one failover watch
-    /// is in force, or `deadline` passes.
+    /// Waits until both clients are connected and, through Sentinel, found on the
+    /// primary a majority of the Sentinels name ([`Node::check_primary`]) with one
+    /// failover watch in force, or `deadline` passes.
     ///
     /// The watch is waited for so that a failover right after connecting is not missed:
     /// every Sentinel announces the switch, so one watch is enough. Without any, the
@@ -702,6 +415,7 @@ impl Node {
         if self.watchers.is_empty() {
             return Ok(());
         }
+        self.wait_checked(deadline).await?;
         let mut watching = self.watching.subscribe();
         let watched = tokio::time::timeout_at(deadline, watching.wait_for(|n| *n > 0));
         if !matches!(watched.await, Ok(Ok(_))) {
@@ -762,7 +476,8 @@ impl Node {
             let _ = futures::join!(
                 client,
                 self.sub.quit(),
-                futures::future::join_all(self.watchers.iter().map(|w| w.quit()))
+                futures::future::join_all(self.watchers.iter().map(|w| w.quit())),
+                futures::future::join_all(self.askers.iter().map(|a| a.quit()))
             );
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), quit).await;
@@ -800,9 +515,11 @@ impl Node {
         args: Vec<Value>,
     ) -> Result<Value, Error> {
         self.pass_fence(what).await?;
-        self.mid_move_retry(|| self.eval_once(script, &keys, &args))
-            .await
-            .map_err(|e| self.map_err(what, e))
+        let ran = self
+            .mid_move_retry(|| self.eval_once(script, &keys, &args))
+            .await;
+        self.check_landed(what)?;
+        ran.map_err(|e| self.map_err(what, e))
     }
 
     /// Runs `attempt` once, and on a cluster again (after 5 ms, doubling up to 100 ms)
@@ -1181,57 +898,6 @@ where
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
-}
-
-/// The Sentinel channels that close the fence, besides `+switch-master`.
-const FENCE_CHANNELS: [&str; 3] = ["+odown", "-odown", "+try-failover"];
-
-/// How long a fence closed by `+odown` or `+try-failover` stays closed when neither
-/// `-odown` nor `+switch-master` comes: a failover takes seconds once it starts
-/// (`down-after-milliseconds` has passed by then), so this is only for a lost message.
-const FENCE_VALVE: Duration = Duration::from_secs(30);
-
-/// Why a Sentinel-mode node holds its scripts back ([`Node::pass_fence`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Fence {
-    /// A Sentinel reported the primary this client is on (`host:port`) objectively
-    /// down: a failover may be promoting a replica. `-odown` opens it.
-    Down(String),
-    /// A Sentinel started a failover of that primary (`+try-failover`, also sent for a
-    /// manual `SENTINEL FAILOVER`); only the switch, or [`FENCE_VALVE`], opens it.
-    Failover(String),
-    /// The Sentinels switched the primary to `target` (`host:port`); the clients are
-    /// not yet verified on it. `generation` counts switches, so that the reconnect loop
-    /// of an older one stops.
-    Switching { target: String, generation: u64 },
-}
-
-impl std::fmt::Display for Fence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Fence::Down(p) => write!(
-                f,
-                "the Sentinels report the primary {p} down; held back until it is up again or the failover is followed"
-            ),
-            Fence::Failover(p) => write!(
-                f,
-                "the Sentinels are failing over the primary {p}; held back until the failover is followed"
-            ),
-            Fence::Switching { target, .. } => write!(
-                f,
-                "the Sentinels moved the primary to {target}; this client is not connected to it yet"
-            ),
-        }
-    }
-}
-
-/// The server `client` is connected to, as `host:port`, or `None` while it has no
-/// connection.
-fn connected_to<C: ClientLike>(client: &C) -> Option<String> {
-    client
-        .active_connections()
-        .first()
-        .map(|s| format!("{}:{}", s.host, s.port))
 }
 
 /// Whether a command was refused, unrun, because its slot moved or is being moved, in

@@ -726,91 +726,200 @@ pub async fn etcd_candidate_key_recreated_during_its_enqueue_is_not_orphaned(_ur
 /// `SENTINEL SENTINELS` answer, not the URL's, so whether a reconnect asks the stale
 /// one first varies by run.)
 pub async fn sentinel_holder_behind_a_stale_sentinel(_url: &str) {
-    let Some(state) = dlock_testkit::require_state() else {
+    let Some(group) = StaleSentinel::find() else {
         return;
     };
-    let sentinels: Vec<_> = state.servers_of(Server::Sentinel).cloned().collect();
-    if sentinels.len() < 3 || state.servers_of(Server::RedisHa).count() < 2 {
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: needs a Sentinel group of three Sentinels, a primary and a replica"
-        );
-        return;
-    }
-    let primary_id = tokio::task::block_in_place(|| state.wait_sentinel_group(GENEROUS))
-        .expect("a whole Sentinel group");
-    let primary = state
-        .servers_of(Server::RedisHa)
-        .find(|s| s.id == primary_id)
-        .cloned()
-        .expect("the primary");
-    let replica = state
-        .servers_of(Server::RedisHa)
-        .find(|s| s.id != primary_id)
-        .cloned()
-        .expect("a replica");
-    let port = |addr: &str| -> u16 {
-        addr.rsplit(':')
-            .next()
-            .and_then(|p| p.parse().ok())
-            .expect("a port")
-    };
-    let (stale, s1, s2) = (&sentinels[2], &sentinels[0], &sentinels[1]);
     let service = dlock_testkit::SENTINEL_SERVICE;
-    let holder_url = format!(
-        "redis+sentinel://{},{},{}/{service}",
-        stale.addr, s1.addr, s2.addr
-    );
-    let waiter_url = format!(
-        "redis+sentinel://{},{},{}/{service}",
-        s1.addr, s2.addr, stale.addr
-    );
+    let holder_url = group.url(&[&group.stale, &group.s1, &group.s2]);
+    let waiter_url = group.url(&[&group.s1, &group.s2, &group.stale]);
     let session = Duration::from_secs(2);
     let margin = (session / 10).max(Duration::from_millis(100));
     let contest = Contest::start(&holder_url, &waiter_url, session).await;
-    let cuts = [
-        dlock_testkit::NetCut::isolate(
-            stale.pid,
-            &[],
-            &[port(&s1.addr), port(&s2.addr), port(&replica.addr)],
-        ),
-        dlock_testkit::NetCut::isolate(s1.pid, &[], &[port(&stale.addr), port(&primary.addr)]),
-        dlock_testkit::NetCut::isolate(s2.pid, &[], &[port(&stale.addr), port(&primary.addr)]),
-    ];
+    let cuts = group.cut();
     let fault_at = Instant::now();
     let (result, promoted) = if cuts.iter().all(Result::is_ok) {
         // Heal only after the check's verdict, whatever it is.
         let result = tokio::spawn(contest.check(fault_at, Duration::from_secs(15), margin)).await;
-        // Not a pass by default: the Sentinels on the cut side did promote the replica
-        // while the cut lasted (asked before healing: the stale one still names the old).
-        let promoted = eventually(Duration::from_secs(10), || async {
-            s1.redis_query(
-                &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", service],
-                Duration::from_secs(1),
-            )
-            .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == replica.addr)
-        })
-        .await;
-        (Some(result), promoted)
+        (Some(result), group.promoted().await)
     } else {
         (None, false)
     };
-    let mut healed = Vec::new();
-    for cut in cuts {
-        healed.push(cut.and_then(|c| c.heal()));
-    }
-    for h in &healed {
-        assert!(h.is_ok(), "cut or heal failed: {h:?}");
-    }
-    // The old primary rejoins as the new one's replica, and the stale Sentinel learns
-    // the new primary, before the next test uses the group.
-    tokio::task::block_in_place(|| state.wait_sentinel_group(GENEROUS))
-        .expect("the Sentinel group is whole again");
+    group.heal(cuts);
     if let Some(Err(e)) = result {
         std::panic::resume_unwind(e.into_panic());
     }
     assert!(
         promoted,
-        "the Sentinels did not promote the replica during the cut"
+        "the Sentinels did not promote the replica of {service} during the cut"
     );
+}
+
+/// Redis Sentinel, after the failover of [`sentinel_holder_behind_a_stale_sentinel`]'s
+/// cut: a holder on the promoted replica, and a client that connects only then, asking
+/// first the Sentinel that never heard of the failover. That Sentinel names the old
+/// primary, which is still up and still answers as a master (the Sentinels that
+/// demoted it cannot reach it), and no `+switch-master` will ever tell the new client:
+/// on the old code it connected there and took the held lock. Now a client's scripts
+/// wait until a majority of the Sentinels given name the primary it is on, so it
+/// either cannot connect in time or finds the lock held.
+pub async fn sentinel_fresh_client_behind_a_stale_sentinel(_url: &str) {
+    let Some(group) = StaleSentinel::find() else {
+        return;
+    };
+    let aware_first = group.url(&[&group.s1, &group.s2, &group.stale]);
+    let stale_first = group.url(&[&group.stale, &group.s1, &group.s2]);
+    let opts = dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(2));
+    let cuts = group.cut();
+    let verdict = if cuts.iter().all(Result::is_ok) && group.promoted().await {
+        let name = unique("sentinel-fresh");
+        let attempt = async {
+            let holder = dlock::connect_with(&aware_first, opts.clone())
+                .await
+                .expect("a client asking the aware Sentinels first connects");
+            let mut held = holder
+                .mutex(&name)
+                .expect("name")
+                .lock_timeout(GENEROUS)
+                .await
+                .expect("the holder takes the lock on the promoted replica");
+            let second = match dlock::connect_with(&stale_first, opts.clone()).await {
+                Ok(c) => {
+                    let r = c.mutex(&name).expect("name").try_lock().await;
+                    let r = r.map(|g| g.token()).map_err(|e| e.to_string());
+                    c.close().await.ok();
+                    r
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            held.release().await.ok();
+            holder.close().await.ok();
+            second
+        };
+        Some(tokio::time::timeout(Duration::from_secs(60), attempt).await)
+    } else {
+        None
+    };
+    group.heal(cuts);
+    let verdict =
+        verdict.expect("the cut was set up and the Sentinels on its side promoted the replica");
+    let second = verdict.expect("the attempts finished within 60 s");
+    assert!(
+        second.is_err(),
+        "a client that asked the stale Sentinel first took a lock held on the new primary (token {second:?}): two holders"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "the late client was refused: {}",
+        second.err().unwrap_or_default()
+    );
+}
+
+/// A Sentinel group of three Sentinels, a primary and a replica, and the cut both
+/// stale-Sentinel tests make: `s1` and `s2` cut off from the primary (they promote the
+/// replica) and from `stale`, which is cut off from them and from the replica (it never
+/// hears of the failover and keeps naming the old primary). Clients reach everything.
+struct StaleSentinel {
+    state: State,
+    primary: dlock_testkit::Server,
+    replica: dlock_testkit::Server,
+    stale: dlock_testkit::Server,
+    s1: dlock_testkit::Server,
+    s2: dlock_testkit::Server,
+}
+
+impl StaleSentinel {
+    /// The group, once whole; `None` (and a SKIPPED line) outside `cargo xtask
+    /// integration` or without three Sentinels and a replica.
+    fn find() -> Option<StaleSentinel> {
+        let state = dlock_testkit::require_state()?;
+        let sentinels: Vec<_> = state.servers_of(Server::Sentinel).cloned().collect();
+        if sentinels.len() < 3 || state.servers_of(Server::RedisHa).count() < 2 {
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: needs a Sentinel group of three Sentinels, a primary and a replica"
+            );
+            return None;
+        }
+        let primary_id = tokio::task::block_in_place(|| state.wait_sentinel_group(GENEROUS))
+            .expect("a whole Sentinel group");
+        let primary = state
+            .servers_of(Server::RedisHa)
+            .find(|s| s.id == primary_id)
+            .cloned()
+            .expect("the primary");
+        let replica = state
+            .servers_of(Server::RedisHa)
+            .find(|s| s.id != primary_id)
+            .cloned()
+            .expect("a replica");
+        let [s1, s2, stale] = [0, 1, 2].map(|i| sentinels[i].clone());
+        Some(StaleSentinel {
+            state,
+            primary,
+            replica,
+            stale,
+            s1,
+            s2,
+        })
+    }
+
+    /// A `redis+sentinel://` URL listing `sentinels` in this order.
+    fn url(&self, sentinels: &[&dlock_testkit::Server]) -> String {
+        let addrs: Vec<&str> = sentinels.iter().map(|s| s.addr.as_str()).collect();
+        format!(
+            "redis+sentinel://{}/{}",
+            addrs.join(","),
+            dlock_testkit::SENTINEL_SERVICE
+        )
+    }
+
+    fn cut(&self) -> [dlock_testkit::Result<dlock_testkit::NetCut>; 3] {
+        let port = |s: &dlock_testkit::Server| -> u16 {
+            s.addr
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .expect("a port")
+        };
+        let (stale, s1, s2) = (&self.stale, &self.s1, &self.s2);
+        [
+            dlock_testkit::NetCut::isolate(
+                stale.pid,
+                &[],
+                &[port(s1), port(s2), port(&self.replica)],
+            ),
+            dlock_testkit::NetCut::isolate(s1.pid, &[], &[port(stale), port(&self.primary)]),
+            dlock_testkit::NetCut::isolate(s2.pid, &[], &[port(stale), port(&self.primary)]),
+        ]
+    }
+
+    /// Whether the Sentinels on the cut side promote the replica within 10 s (asked
+    /// before healing: the stale one still names the old primary).
+    async fn promoted(&self) -> bool {
+        eventually(Duration::from_secs(10), || async {
+            self.s1
+                .redis_query(
+                    &[
+                        "SENTINEL",
+                        "GET-MASTER-ADDR-BY-NAME",
+                        dlock_testkit::SENTINEL_SERVICE,
+                    ],
+                    Duration::from_secs(1),
+                )
+                .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == self.replica.addr)
+        })
+        .await
+    }
+
+    /// Heals `cuts` and waits until the old primary rejoins as the new one's replica
+    /// and the stale Sentinel learns the new primary, before the next test uses the
+    /// group.
+    fn heal(&self, cuts: [dlock_testkit::Result<dlock_testkit::NetCut>; 3]) {
+        let healed: Vec<_> = cuts.into_iter().map(|c| c.and_then(|c| c.heal())).collect();
+        for h in &healed {
+            assert!(h.is_ok(), "cut or heal failed: {h:?}");
+        }
+        tokio::task::block_in_place(|| self.state.wait_sentinel_group(GENEROUS))
+            .expect("the Sentinel group is whole again");
+    }
 }
