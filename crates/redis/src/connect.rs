@@ -73,20 +73,20 @@ impl RedisBackend {
     /// Fencing tokens stay monotonic across a failover as long as the servers' clocks do
     /// (see the crate docs).
     ///
-    /// The first script runs only once a majority of `sentinels` (more than half of
-    /// those given, each asked `SENTINEL GET-MASTER-ADDR-BY-NAME`) name the primary both
-    /// clients are connected to, and the same check follows every reconnection to
-    /// another server: a Sentinel cut off from the others can name an old primary that
-    /// is still up, where this client would take locks others hold on the new one. So
-    /// the client needs a majority of the Sentinels it was given, as the Sentinels
-    /// themselves need one to fail over.
+    /// The first script runs only once more than half of `sentinels` answer `SENTINEL
+    /// MASTER` and the newest configuration among the answers (the highest
+    /// `config-epoch`) names the primary both clients are connected to, and the same
+    /// check follows every reconnection to another server: a Sentinel cut off from the
+    /// others can name an old primary that is still up, where this client would take
+    /// locks others hold on the new one. So the client needs a majority of the Sentinels
+    /// it was given, as the Sentinels themselves need one to fail over.
     ///
     /// # Errors
     /// [`Error::InvalidUrl`] for an empty or repeated Sentinel list, a malformed address,
     /// an empty service name or a lease below [`MIN_LEASE`]; [`Error::Unreachable`] if no
     /// primary accepts a connection within `opts.connect_timeout` (Sentinels down, the
-    /// service unknown to them, or a failover still under way), or no majority of the
-    /// Sentinels names the primary the clients reached by then.
+    /// service unknown to them, or a failover still under way), or fewer than a majority
+    /// of the Sentinels answered by then.
     pub async fn connect_sentinel(
         sentinels: &[String],
         service: &str,

@@ -148,7 +148,8 @@
 //! the command timeout, then `Unreachable`) and a removal message does not grant, so
 //! renewals on a primary being replaced do not outlive the entry's copy on the promoted
 //! replica. Scripts also wait, after connecting and after any reconnection to another
-//! server, until a majority of the Sentinels given name the primary both clients are on,
+//! server, until a majority of the Sentinels given answer and the newest configuration
+//! among their answers (the highest `config-epoch`) names the primary both clients are on,
 //! so a Sentinel that has not heard of a failover cannot send a client to the old
 //! primary; what this does not cover (renewals before `+odown`) is in
 //! [safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md).

@@ -77,7 +77,7 @@ pub(crate) struct Node {
     /// Sentinel mode: one plain client per Sentinel given, to ask it for the primary
     /// ([`Node::check_primary`]). Empty otherwise.
     askers: Vec<fred::prelude::Client>,
-    /// Sentinel mode: the primary (`host:port`) that a majority of the Sentinels named
+    /// Sentinel mode: the primary (`host:port`) the Sentinels' newest configuration named
     /// (or a `+switch-master` announced) and both clients were found connected to. A
     /// script that ran anywhere else does not count ([`Node::check_landed`]).
     verified: Arc<parking_lot::Mutex<Option<String>>>,
@@ -111,6 +111,20 @@ pub(crate) fn reconnect_policy() -> ReconnectPolicy {
     let mut policy = ReconnectPolicy::new_exponential(0, 10, 200, 2);
     policy.set_jitter(10);
     policy
+}
+
+/// A builder of our clients of one server: every command times out after the command
+/// timeout, one attempt per command (pitfall R1), reconnecting by [`reconnect_policy`].
+fn builder(config: Config, tuning: Tuning) -> Builder {
+    let mut b = Builder::from_config(config);
+    b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
+        .with_connection_config(|c| {
+            c.connection_timeout = tuning.attempt_timeout;
+            c.internal_command_timeout = tuning.command_timeout;
+            c.max_command_attempts = 1;
+        })
+        .set_policy(reconnect_policy());
+    b
 }
 
 /// The typed error for a refusal by the server's ACL or TLS, if `e` is one.
@@ -323,17 +337,7 @@ impl Node {
             version: RespVersion::RESP3,
             ..config.clone()
         };
-        let builder = |config: Config| {
-            let mut b = Builder::from_config(config);
-            b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
-                .with_connection_config(|c| {
-                    c.connection_timeout = tuning.attempt_timeout;
-                    c.internal_command_timeout = tuning.command_timeout;
-                    c.max_command_attempts = 1;
-                })
-                .set_policy(reconnect_policy());
-            b
-        };
+        let builder = |config: Config| builder(config, tuning);
         let owns_client = borrowed.is_none();
         let client = match borrowed {
             Some(client) => client,
@@ -403,7 +407,7 @@ impl Node {
     }
 
     /// Waits until both clients are connected and, through Sentinel, found on the
-    /// primary a majority of the Sentinels name ([`Node::check_primary`]) with one
+    /// primary of the Sentinels' newest configuration ([`Node::check_primary`]) with one
     /// failover watch in force, or `deadline` passes.
     ///
     /// The watch is waited for so that a failover right after connecting is not missed:

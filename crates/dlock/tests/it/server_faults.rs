@@ -760,8 +760,9 @@ pub async fn sentinel_holder_behind_a_stale_sentinel(_url: &str) {
 /// primary, which is still up and still answers as a master (the Sentinels that
 /// demoted it cannot reach it), and no `+switch-master` will ever tell the new client:
 /// on the old code it connected there and took the held lock. Now a client's scripts
-/// wait until a majority of the Sentinels given name the primary it is on, so it
-/// either cannot connect in time or finds the lock held.
+/// wait until a majority of the Sentinels given answer and the newest configuration
+/// among them names the primary it is on, so it either cannot connect in time or finds
+/// the lock held.
 pub async fn sentinel_fresh_client_behind_a_stale_sentinel(_url: &str) {
     let Some(group) = StaleSentinel::find() else {
         return;

@@ -9,13 +9,13 @@ use dlock_core::Error;
 use fred::prelude::{Builder, ClientLike, Config, EventInterface, PubsubInterface, ServerConfig};
 use fred::types::RespVersion;
 
-use super::{reconnect_policy, resubscribe_on_reconnect, Node, Tuning};
+use super::{builder, reconnect_policy, resubscribe_on_reconnect, Node, Tuning};
 
 impl Node {
     /// Sentinel mode, however the node was built: a failover watch on every Sentinel
     /// given ([`Node::watch_sentinel`]), the switch follower ([`Node::follow_switches`])
-    /// and the check that the clients are on the primary a majority of the Sentinels
-    /// name ([`Node::check_primary`]), with the fence closed until that check passes.
+    /// and the check that the clients are on the primary of the Sentinels' newest
+    /// configuration ([`Node::check_primary`]), with the fence closed until that check passes.
     pub(super) fn watch_sentinels(
         &mut self,
         hosts: Vec<(String, u16)>,
@@ -45,10 +45,10 @@ impl Node {
     /// announced) takes locks that another client holds on the new primary. So before
     /// its first script, and after every reconnection of either client to another
     /// server than the one last checked, the fence stays closed until a majority of the
-    /// Sentinels given name the primary both clients are on: then it opens. If the
-    /// majority names another server, the switch follower moves the clients there; if
-    /// no majority names one server (most Sentinels unreachable, or a failover under
-    /// way), the Sentinels are asked again every 100 ms, doubling up to 2 s.
+    /// Sentinels given answer and the newest configuration among their answers
+    /// ([`newest_primary`]) names the primary both clients are on: then it opens. If it
+    /// names another server, the switch follower moves the clients there; if fewer than
+    /// a majority answer, they are asked again every 100 ms, doubling up to 2 s.
     fn check_primary(&mut self, service: &str, tuning: Tuning) {
         let a = recheck_on_reconnect(&self.client, "commands", &self.fence, &self.verified);
         let b = recheck_on_reconnect(&self.sub, "subscriber", &self.fence, &self.verified);
@@ -76,11 +76,12 @@ impl Node {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
-                    let named = majority(&askers, &service, needed, tuning.command_timeout).await;
+                    let named =
+                        newest_primary(&askers, &service, needed, tuning.attempt_timeout).await;
                     let Some(primary) = named else {
                         if !warned {
                             warned = true;
-                            tracing::warn!(service = %addr, needed, "no majority of the Sentinels names one primary; commands stay held back, asking again");
+                            tracing::warn!(service = %addr, needed, "fewer than a majority of the Sentinels answered; commands stay held back, asking again");
                         }
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(2));
@@ -94,7 +95,7 @@ impl Node {
                         let opened =
                             fence.send_if_modified(|f| unverified(f).then(|| *f = None).is_some());
                         if opened {
-                            tracing::debug!(service = %addr, %primary, "the Sentinels' majority names the primary both clients are on");
+                            tracing::debug!(service = %addr, %primary, "the Sentinels' newest configuration names the primary both clients are on");
                         }
                     } else {
                         let moved = fence.send_if_modified(|f| {
@@ -108,7 +109,7 @@ impl Node {
                                 .is_some()
                         });
                         if moved {
-                            tracing::warn!(service = %addr, %primary, commands = ?c, subscriber = ?s, "connected elsewhere than the primary a majority of the Sentinels name (the Sentinel asked first has not heard of a failover?); reconnecting");
+                            tracing::warn!(service = %addr, %primary, commands = ?c, subscriber = ?s, "connected elsewhere than the primary of the Sentinels' newest configuration (the Sentinel asked first has not heard of a failover?); reconnecting");
                         }
                     }
                 }
@@ -148,9 +149,9 @@ impl Node {
     /// connecting, or `deadline` passes.
     ///
     /// # Errors
-    /// [`Error::Unreachable`] when the fence is still closed at `deadline` (no majority
-    /// of the Sentinels named the primary the clients reached, or a failover is under
-    /// way).
+    /// [`Error::Unreachable`] when the fence is still closed at `deadline` (fewer than a
+    /// majority of the Sentinels answered, the clients are not yet on the primary they
+    /// name, or a failover is under way).
     pub(super) async fn wait_checked(&self, deadline: tokio::time::Instant) -> Result<(), Error> {
         let mut rx = self.fence.subscribe();
         let opened = tokio::time::timeout_at(deadline, rx.wait_for(Option::is_none)).await;
@@ -298,7 +299,7 @@ impl Node {
                                 .is_some()
                         });
                         if opened {
-                            tracing::info!(%service, primary = %down, "a Sentinel sees the primary up again; commands go on once a majority names it");
+                            tracing::info!(%service, primary = %down, "a Sentinel sees the primary up again; commands go on once the Sentinels' newest configuration names it");
                         }
                     }
                     continue;
@@ -373,7 +374,7 @@ impl Node {
                                     .is_some()
                             });
                             if opened {
-                                tracing::warn!(service = %addr, fence = %closed, "no failover followed within {FENCE_VALVE:?}; commands go on once a majority of the Sentinels names the primary this client is on");
+                                tracing::warn!(service = %addr, fence = %closed, "no failover followed within {FENCE_VALVE:?}; commands go on once the Sentinels' newest configuration names the primary this client is on");
                             }
                         }
                         // Open, or the primary check's to open.
@@ -487,8 +488,8 @@ pub(super) enum Fence {
     /// not yet verified on it. `generation` counts switches, so that the reconnect loop
     /// of an older one stops.
     Switching { target: String, generation: u64 },
-    /// The clients have not been found on the primary that a majority of the Sentinels
-    /// name since they connected or last reconnected to another server
+    /// The clients have not been found on the primary of the Sentinels' newest
+    /// configuration since they connected or last reconnected to another server
     /// ([`Node::check_primary`]).
     Unverified,
 }
@@ -510,7 +511,7 @@ impl std::fmt::Display for Fence {
             ),
             Fence::Unverified => write!(
                 f,
-                "this client is not yet confirmed on the primary a majority of the Sentinels name"
+                "this client is not yet confirmed on the primary of the Sentinels' newest configuration"
             ),
         }
     }
@@ -526,7 +527,7 @@ pub(super) fn connected_to<C: ClientLike>(client: &C) -> Option<String> {
 }
 
 /// A plain client of the Sentinel at `host:port`, with `base`'s TLS settings and
-/// credentials, to ask it for the primary ([`majority`]).
+/// credentials, to ask it for the primary ([`newest_primary`]).
 fn asker(
     host: &str,
     port: u16,
@@ -540,15 +541,7 @@ fn asker(
         database: None,
         ..base.clone()
     };
-    let mut b = Builder::from_config(config);
-    b.with_performance_config(|p| p.default_command_timeout = tuning.command_timeout)
-        .with_connection_config(|c| {
-            c.connection_timeout = tuning.attempt_timeout;
-            c.internal_command_timeout = tuning.command_timeout;
-            c.max_command_attempts = 1;
-        })
-        .set_policy(reconnect_policy());
-    b.build().map_err(|e| {
+    builder(config, tuning).build().map_err(|e| {
         Error::backend(
             format!("configuring a Sentinel client for {host}:{port}"),
             e,
@@ -556,47 +549,49 @@ fn asker(
     })
 }
 
-/// The primary (`host:port`) that at least `needed` of the Sentinels behind `askers`
-/// name for `service`, asked all at once, each for at most `per`; `None` if no server
-/// gets that many answers.
-async fn majority(
+/// The primary (`host:port`) for `service` in the newest configuration (the highest
+/// `config-epoch`) among the Sentinels behind `askers`, asked all at once with
+/// `SENTINEL MASTER`, each for at most `per` (one not connected counts as no answer at
+/// once); `None` unless at least `needed` of them answer.
+///
+/// The newest, not the most named: the Sentinels that did not lead a failover learn of
+/// it from the leader's hello messages (every 2 s), so right after a promotion most of
+/// them may still name the old primary, while a Sentinel cut off from the others keeps
+/// naming it for good. A failover raises the epoch, and the Sentinels themselves let
+/// the higher epoch win.
+async fn newest_primary(
     askers: &[fred::prelude::Client],
     service: &str,
     needed: usize,
     per: Duration,
 ) -> Option<String> {
-    use futures::StreamExt;
-    let mut answers: futures::stream::FuturesUnordered<_> = askers
-        .iter()
-        .map(|a| async move {
-            let asked = a.custom::<Vec<String>, _>(
-                fred::types::CustomCommand::new_static("SENTINEL", None, false),
-                vec!["GET-MASTER-ADDR-BY-NAME", service],
-            );
-            match tokio::time::timeout(per, asked).await {
-                Ok(Ok(v)) if v.len() == 2 => Some(format!("{}:{}", v[0], v[1])),
-                _ => None,
-            }
-        })
-        .collect();
-    let mut votes: Vec<(String, usize)> = Vec::new();
-    while let Some(answer) = answers.next().await {
-        let Some(primary) = answer else { continue };
-        let n = match votes.iter_mut().find(|(p, _)| *p == primary) {
-            Some((_, n)) => {
-                *n += 1;
-                *n
-            }
-            None => {
-                votes.push((primary.clone(), 1));
-                1
-            }
-        };
-        if n >= needed {
-            return Some(primary);
+    let answers = futures::future::join_all(askers.iter().map(|a| async move {
+        if !a.is_connected() {
+            return None;
         }
+        let asked = a.custom::<Vec<String>, _>(
+            fred::types::CustomCommand::new_static("SENTINEL", None, false),
+            vec!["MASTER", service],
+        );
+        let fields = tokio::time::timeout(per, asked).await.ok()?.ok()?;
+        let field = |name: &str| {
+            fields
+                .chunks_exact(2)
+                .find(|kv| kv[0] == name)
+                .map(|kv| kv[1].as_str())
+        };
+        let epoch: u64 = field("config-epoch")?.parse().ok()?;
+        Some((epoch, format!("{}:{}", field("ip")?, field("port")?)))
+    }))
+    .await;
+    let answered: Vec<(u64, String)> = answers.into_iter().flatten().collect();
+    if answered.len() < needed {
+        return None;
     }
-    None
+    answered
+        .into_iter()
+        .max_by_key(|(epoch, _)| *epoch)
+        .map(|(_, primary)| primary)
 }
 
 /// Closes the fence ([`Fence::Unverified`]) whenever `client` reconnects to another
