@@ -150,8 +150,11 @@
 //! replica. Scripts also wait, after connecting and after any reconnection to another
 //! server, until a majority of the Sentinels given answer and the newest configuration
 //! among their answers (the highest `config-epoch`) names the primary both clients are on,
-//! so a Sentinel that has not heard of a failover cannot send a client to the old
-//! primary; what this does not cover (renewals before `+odown`) is in
+//! so a Sentinel that has not heard of a failover does not send a newly connecting client
+//! to the old primary while one that has answers. List the whole Sentinel group: the
+//! majority is of the Sentinels given. What this does not cover (renewals before
+//! `+odown`, a reconnection to the server last checked, a failover no answering
+//! Sentinel has heard of yet) is in
 //! [safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md).
 //! [`Stats::primary_switches`] counts the switches. The
 //! watchdog's round right after the reconnection fires `lost()` for any held entry the

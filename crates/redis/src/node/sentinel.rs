@@ -172,7 +172,8 @@ impl Node {
     ///   be promoting a replica, and whatever this client does on the old primary from
     ///   then on (a renewal that extends a hold, a grant) may never reach the new one,
     ///   which would expire the hold on its own clock and let another client in;
-    /// - `-odown` of that primary opens it again (no failover took place);
+    /// - `-odown` of that primary hands it to the primary check (no failover took
+    ///   place, unless another Sentinel carries one on);
     /// - `+switch-master` keeps it closed until both clients are verified on the
     ///   announced primary ([`Node::follow_switches`] reconnects them).
     ///
@@ -479,10 +480,12 @@ pub(super) const FENCE_VALVE: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Fence {
     /// A Sentinel reported the primary this client is on (`host:port`) objectively
-    /// down: a failover may be promoting a replica. `-odown` opens it.
+    /// down: a failover may be promoting a replica. `-odown` hands it to the primary
+    /// check ([`Fence::Unverified`]).
     Down(String),
     /// A Sentinel started a failover of that primary (`+try-failover`, also sent for a
-    /// manual `SENTINEL FAILOVER`); only the switch, or [`FENCE_VALVE`], opens it.
+    /// manual `SENTINEL FAILOVER`); only the switch opens it, or [`FENCE_VALVE`] hands it
+    /// to the primary check.
     Failover(String),
     /// The Sentinels switched the primary to `target` (`host:port`); the clients are
     /// not yet verified on it. `generation` counts switches, so that the reconnect loop
