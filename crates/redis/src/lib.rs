@@ -147,14 +147,16 @@
 //! until both clients are verified on the announced primary, every script waits (up to
 //! the command timeout, then `Unreachable`) and a removal message does not grant, so
 //! renewals on a primary being replaced do not outlive the entry's copy on the promoted
-//! replica. Scripts also wait, after connecting and after any reconnection to another
-//! server, until a majority of the Sentinels given answer and the newest configuration
-//! among their answers (the highest `config-epoch`) names the primary both clients are on,
-//! so a Sentinel that has not heard of a failover does not send a newly connecting client
-//! to the old primary while one that has answers. List the whole Sentinel group: the
-//! majority is of the Sentinels given. What this does not cover (renewals before
-//! `+odown`, a reconnection to the server last checked, a failover no answering
-//! Sentinel has heard of yet) is in
+//! replica. Scripts also wait, after connecting and after any reconnection of either
+//! client or of a watcher, until a majority of the Sentinels given answer and the
+//! newest configuration among their answers (the highest `config-epoch`) names the
+//! primary both clients are on, without flagging it objectively down or being failed
+//! over; a script counts only if its reply came over the very connection checked (by
+//! `CLIENT ID`), and an open fence's primary is confirmed that way every second. So a
+//! Sentinel that has not heard of a failover does not keep a client on the old primary
+//! while one that has answers. List the whole Sentinel group: the majority is of the
+//! Sentinels given. What this does not cover (renewals before `+odown` or before the
+//! next confirmation, a failover no answering Sentinel has heard of yet) is in
 //! [safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md).
 //! [`Stats::primary_switches`] counts the switches. The
 //! watchdog's round right after the reconnection fires `lost()` for any held entry the

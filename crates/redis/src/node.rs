@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use crate::tls::Access;
 
 mod sentinel;
-use sentinel::Fence;
+use sentinel::{Checked, Fence};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -77,10 +77,18 @@ pub(crate) struct Node {
     /// Sentinel mode: one plain client per Sentinel given, to ask it for the primary
     /// ([`Node::check_primary`]). Empty otherwise.
     askers: Vec<fred::prelude::Client>,
-    /// Sentinel mode: the primary (`host:port`) the Sentinels' newest configuration named
-    /// (or a `+switch-master` announced) and both clients were found connected to. A
-    /// script that ran anywhere else does not count ([`Node::check_landed`]).
-    verified: Arc<parking_lot::Mutex<Option<String>>>,
+    /// Sentinel mode: the primary the Sentinels' newest configuration named (or a
+    /// `+switch-master` announced) and the two connections found on it. A script whose
+    /// reply came over any other connection, even a new one to the same server, does not
+    /// count ([`Node::check_landed`]).
+    verified: Arc<parking_lot::Mutex<Option<Checked>>>,
+    /// Sentinel mode: reconnections of either client or of a Sentinel watcher, counted so
+    /// that the primary check does not open the fence on answers that one of them
+    /// overtook ([`Node::check_primary`]).
+    reconnects: Arc<AtomicU64>,
+    /// Sentinel mode: the last refusal (credentials, permissions) a Sentinel gave the
+    /// primary check, for the connect to report instead of timing out.
+    check_refusal: Arc<parking_lot::Mutex<Option<fred::error::Error>>>,
     /// Connection errors of both clients, subscribed before they connect, so that the
     /// connect can tell refused credentials or a failed TLS handshake from a server that
     /// is down (fred retries both the same way).
@@ -272,7 +280,10 @@ impl Node {
                     tuning,
                     Some(client),
                 )?;
-                node.watch_sentinels(hosts, &service, tuning, &config)?;
+                if let Err(e) = node.watch_sentinels(hosts, &service, tuning, &config) {
+                    node.abort_tasks();
+                    return Err(e);
+                }
                 Ok(node)
             }
             ServerConfig::Clustered { hosts, .. } => {
@@ -312,7 +323,10 @@ impl Node {
         };
         access.apply(&mut config);
         let mut node = Self::start_with(format!("sentinel {label}"), config.clone(), tuning, None)?;
-        node.watch_sentinels(hosts, service, tuning, &config)?;
+        if let Err(e) = node.watch_sentinels(hosts, service, tuning, &config) {
+            node.abort_tasks();
+            return Err(e);
+        }
         Ok(node)
     }
 
@@ -380,6 +394,8 @@ impl Node {
             fence: Arc::new(tokio::sync::watch::Sender::new(None)),
             askers: Vec::new(),
             verified: Arc::new(parking_lot::Mutex::new(None)),
+            reconnects: Arc::new(AtomicU64::new(0)),
+            check_refusal: Arc::new(parking_lot::Mutex::new(None)),
             conn_errors,
         })
     }

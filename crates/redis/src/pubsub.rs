@@ -51,7 +51,13 @@ impl Shared {
         });
         if let Some((n, heard, head, next)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
-            if let Some(p) = payload.as_str() {
+            // A removal message lets a waiter skip its listing (one master only), so
+            // it counts as one only if it came over the subscriber connection checked
+            // on the primary (Sentinel mode: see `Node::fenced`). Judged now, when it
+            // arrives: by the time the waiter reads it, the subscriber may be back on
+            // the checked primary while the message came from elsewhere.
+            let trusted = || self.mode == crate::backend::Mode::Single && !self.nodes[0].fenced();
+            if let Some(p) = payload.as_str().filter(|_| trusted()) {
                 if let Some(rest) = p.strip_prefix("removed head") {
                     if let Some(behind) = rest.strip_prefix(' ') {
                         *next.lock() = Some(behind.to_owned());

@@ -312,6 +312,8 @@ exclusive! {
     zk_holder_cut_off => crate::support::Kind::Zk, "zookeeper", crate::server_faults::zk_holder_cut_off,
     sentinel_holder_behind_a_stale_sentinel => crate::support::Kind::RedisSentinel, "redis", crate::server_faults::sentinel_holder_behind_a_stale_sentinel,
     sentinel_fresh_client_behind_a_stale_sentinel => crate::support::Kind::RedisSentinel, "redis", crate::server_faults::sentinel_fresh_client_behind_a_stale_sentinel,
+    sentinel_reconnect_to_the_old_primary_is_checked => crate::support::Kind::RedisSentinel, "redis", crate::server_faults::sentinel_reconnect_to_the_old_primary_is_checked,
+    sentinel_client_that_missed_the_failover_is_moved => crate::support::Kind::RedisSentinel, "redis", crate::server_faults::sentinel_client_that_missed_the_failover_is_moved,
     etcd_resumed_leader_and_a_lease_kept_alive_elsewhere => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_resumed_leader_and_a_lease_kept_alive_elsewhere,
     etcd_late_enqueue_leaves_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_enqueue_leaves_no_orphan,
     etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan => crate::support::Kind::Etcd, "etcd", crate::server_faults::etcd_late_candidate_enqueue_leaves_one_entry_and_no_orphan,

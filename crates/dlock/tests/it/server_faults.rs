@@ -786,15 +786,20 @@ pub async fn sentinel_fresh_client_behind_a_stale_sentinel(_url: &str) {
             let second = match dlock::connect_with(&stale_first, opts.clone()).await {
                 Ok(c) => {
                     let r = c.mutex(&name).expect("name").try_lock().await;
-                    let r = r.map(|g| g.token()).map_err(|e| e.to_string());
+                    let r = r.map(|g| g.token());
                     c.close().await.ok();
                     r
                 }
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e),
             };
+            // The case needs the old primary up and a master throughout.
+            let old_is_master = group
+                .primary
+                .redis_query(&["ROLE"], Duration::from_secs(2))
+                .is_some_and(|r| r.starts_with("master"));
             held.release().await.ok();
             holder.close().await.ok();
-            second
+            (second, old_is_master)
         };
         Some(tokio::time::timeout(Duration::from_secs(60), attempt).await)
     } else {
@@ -803,16 +808,192 @@ pub async fn sentinel_fresh_client_behind_a_stale_sentinel(_url: &str) {
     group.heal(cuts);
     let verdict =
         verdict.expect("the cut was set up and the Sentinels on its side promoted the replica");
-    let second = verdict.expect("the attempts finished within 60 s");
+    let (second, old_is_master) = verdict.expect("the attempts finished within 60 s");
     assert!(
-        second.is_err(),
-        "a client that asked the stale Sentinel first took a lock held on the new primary (token {second:?}): two holders"
+        old_is_master,
+        "the old primary was no longer a master: the case was not exercised"
+    );
+    let refused = match second {
+        Ok(token) => panic!(
+            "a client that asked the stale Sentinel first took a lock held on the new primary (token {token:?}): two holders"
+        ),
+        Err(e) => e,
+    };
+    // Refused as held (it was moved to the new primary) or as unreachable (it could
+    // not be confirmed in time); anything else is another failure.
+    assert!(
+        matches!(
+            refused,
+            dlock::Error::WouldBlock | dlock::Error::Unreachable(_)
+        ),
+        "refused for another reason: {refused}"
+    );
+    let _ = writeln!(std::io::stderr(), "the late client was refused: {refused}");
+}
+
+/// Redis Sentinel, a client whose connections to the old primary drop during a
+/// failover it never heard of, and come back to that same server: the cut of
+/// [`sentinel_holder_behind_a_stale_sentinel`], with the client's own watches on the
+/// two Sentinels that promote the replica silently cut first (as a network blip that
+/// outlasts the announcement would), and, once a holder took the lock on the promoted
+/// replica, one of those two Sentinels unreachable, so that the client's reconnection
+/// asks the stale Sentinel and lands on the old primary, still up and still a master,
+/// where the lock is free. On the old code a reconnection to the server last checked
+/// was not checked again and the client took the held lock. Now every reconnection
+/// closes the fence until a majority of the Sentinels answer, and their newest
+/// configuration names the promoted replica, so the client is refused.
+pub async fn sentinel_reconnect_to_the_old_primary_is_checked(_url: &str) {
+    missed_failover(true).await;
+}
+
+/// Redis Sentinel, as [`sentinel_reconnect_to_the_old_primary_is_checked`] without the
+/// reconnection: the client's watches on the Sentinels that promote the replica are
+/// cut without a reset, so it hears nothing and stays on the old primary, still up and
+/// still a master, where the lock is free. On the code before the periodic
+/// confirmation the client took the held lock there. Now an open fence's primary is
+/// confirmed with the Sentinels every second, and their newest configuration names the
+/// promoted replica, so the client moves there and is refused.
+pub async fn sentinel_client_that_missed_the_failover_is_moved(_url: &str) {
+    missed_failover(false).await;
+}
+
+/// The two tests above; `blip`: the client's connections to the old primary are
+/// killed (and one aware Sentinel made unreachable, so that they come back there).
+async fn missed_failover(blip: bool) {
+    let Some(group) = StaleSentinel::find() else {
+        return;
+    };
+    let url = group.url(&[&group.s1, &group.s2, &group.stale]);
+    let opts = dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(2));
+    let name = unique("sentinel-reconnect");
+    let late = dlock::connect_with(&url, opts.clone())
+        .await
+        .expect("the client connects while the group is whole");
+    // Its watches on s1 and s2 (in this exclusive test, theirs are the only pub/sub
+    // clients of the Sentinels): cut without a reset, so they never hear the failover.
+    let mut watches = Vec::new();
+    for s in [&group.s1, &group.s2] {
+        let list = s
+            .redis_query(
+                &["CLIENT", "LIST", "TYPE", "pubsub"],
+                Duration::from_secs(2),
+            )
+            .unwrap_or_default();
+        let ports: Vec<u16> = list
+            .lines()
+            .filter_map(|l| l.split(' ').find_map(|f| f.strip_prefix("addr=")))
+            .filter_map(|a| a.rsplit(':').next()?.parse().ok())
+            .collect();
+        assert!(
+            !ports.is_empty(),
+            "no watch of the client on {}: {list}",
+            s.addr
+        );
+        watches.extend(ports.into_iter().map(|p| (p, port_of(s))));
+    }
+    let watch_cut = dlock_testkit::NetCut::new(&watches, &[]);
+    let cuts = group.cut();
+    let mut s2_cut = None;
+    let outcome = if watch_cut.is_ok() && cuts.iter().all(Result::is_ok) && group.promoted().await {
+        let attempt = async {
+            let holder = dlock::connect_with(&url, opts.clone())
+                .await
+                .expect("a client asking the aware Sentinels first connects");
+            let mut held = holder
+                .mutex(&name)
+                .expect("name")
+                .lock_timeout(GENEROUS)
+                .await
+                .expect("the holder takes the lock on the promoted replica");
+            // The client's Sentinel list is the one s1 gave it (s2 and the stale one):
+            // with s2 unreachable, a reconnection asks the stale one, which names the
+            // old primary.
+            if blip {
+                s2_cut = Some(dlock_testkit::NetCut::new(&[], &[port_of(&group.s2)]));
+            }
+            let old_is_master = group
+                .primary
+                .redis_query(&["ROLE"], Duration::from_secs(2))
+                .is_some_and(|r| r.starts_with("master"));
+            for kind in ["normal", "pubsub"].into_iter().filter(|_| blip) {
+                group.primary.redis_query(
+                    &["CLIENT", "KILL", "TYPE", kind, "SKIPME", "yes"],
+                    Duration::from_secs(2),
+                );
+            }
+            let mut took = None;
+            let mut last = None;
+            let until = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < until && took.is_none() {
+                match late.mutex(&name).expect("name").try_lock().await {
+                    Ok(mut g) => {
+                        took = Some(g.token());
+                        g.release().await.ok();
+                    }
+                    Err(e) => last = Some(e),
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let stale_names_old = group
+                .stale
+                .redis_query(
+                    &[
+                        "SENTINEL",
+                        "GET-MASTER-ADDR-BY-NAME",
+                        dlock_testkit::SENTINEL_SERVICE,
+                    ],
+                    Duration::from_secs(2),
+                )
+                .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == group.primary.addr);
+            held.release().await.ok();
+            holder.close().await.ok();
+            (took, last, old_is_master && stale_names_old)
+        };
+        Some(tokio::time::timeout(Duration::from_secs(90), attempt).await)
+    } else {
+        None
+    };
+    late.close().await.ok();
+    if let Some(Ok(c)) = s2_cut {
+        c.heal().expect("heal s2");
+    }
+    if let Ok(c) = watch_cut {
+        c.heal().expect("heal the watches");
+    }
+    group.heal(cuts);
+    let (took, last, exercised) = outcome
+        .expect("the cuts were set up and the Sentinels on their side promoted the replica")
+        .expect("the attempts finished within 90 s");
+    assert!(
+        exercised,
+        "the old primary was not a master named by the stale Sentinel during the attempts: the case was not exercised"
+    );
+    assert!(
+        took.is_none(),
+        "the client left on the old primary took a lock held on the new one (token {took:?}): two holders"
+    );
+    let refused = last.expect("at least one attempt");
+    assert!(
+        matches!(
+            refused,
+            dlock::Error::WouldBlock | dlock::Error::Unreachable(_)
+        ),
+        "refused for another reason: {refused}"
     );
     let _ = writeln!(
         std::io::stderr(),
-        "the late client was refused: {}",
-        second.err().unwrap_or_default()
+        "the client that missed the failover was refused: {refused}"
     );
+}
+
+/// The port of `server`'s `host:port`.
+fn port_of(server: &dlock_testkit::Server) -> u16 {
+    server
+        .addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("a port")
 }
 
 /// A Sentinel group of three Sentinels, a primary and a replica, and the cut both
@@ -875,13 +1056,7 @@ impl StaleSentinel {
     }
 
     fn cut(&self) -> [dlock_testkit::Result<dlock_testkit::NetCut>; 3] {
-        let port = |s: &dlock_testkit::Server| -> u16 {
-            s.addr
-                .rsplit(':')
-                .next()
-                .and_then(|p| p.parse().ok())
-                .expect("a port")
-        };
+        let port = port_of;
         let (stale, s1, s2) = (&self.stale, &self.s1, &self.s2);
         [
             dlock_testkit::NetCut::isolate(

@@ -9,7 +9,7 @@ use dlock_core::Error;
 use fred::prelude::{Builder, ClientLike, Config, EventInterface, PubsubInterface, ServerConfig};
 use fred::types::RespVersion;
 
-use super::{builder, reconnect_policy, resubscribe_on_reconnect, Node, Tuning};
+use super::{access_error, builder, reconnect_policy, resubscribe_on_reconnect, Node, Tuning};
 
 impl Node {
     /// Sentinel mode, however the node was built: a failover watch on every Sentinel
@@ -25,8 +25,16 @@ impl Node {
     ) -> Result<(), Error> {
         self.fence.send_replace(Some(Fence::Unverified));
         let last = Arc::new(parking_lot::Mutex::new(None::<String>));
+        // A Sentinel listed twice would count twice towards the majority.
+        let mut seen = std::collections::HashSet::new();
         for (host, port) in hosts {
-            self.askers.push(asker(&host, port, tuning, config)?);
+            if !seen.insert((host.clone(), port)) {
+                continue;
+            }
+            let asker = asker(&host, port, tuning, config)?;
+            // Refused credentials or a failed handshake show up here, not as answers.
+            self.conn_errors.lock().push(asker.error_rx());
+            self.askers.push(asker);
             self.watch_sentinel(host, port, service, tuning, config, last.clone())?;
         }
         for asker in &self.askers {
@@ -42,20 +50,55 @@ impl Node {
     /// Sentinel cut off from the others names the old primary after a failover, which
     /// still answers as a master while it is cut off from the Sentinels too. A client
     /// that lands there with nothing to tell it (it connected after the switch was
-    /// announced) takes locks that another client holds on the new primary. So before
-    /// its first script, and after every reconnection of either client to another
-    /// server than the one last checked, the fence stays closed until a majority of the
-    /// Sentinels given answer and the newest configuration among their answers
-    /// ([`newest_primary`]) names the primary both clients are on: then it opens. If it
-    /// names another server, the switch follower moves the clients there; if fewer than
-    /// a majority answer, they are asked again every 100 ms, doubling up to 2 s.
+    /// announced, or its watchers were reconnecting then) takes locks that another
+    /// client holds on the new primary. So before its first script, and after every
+    /// reconnection of either client (to any server, the one last checked included: the
+    /// Sentinels may have moved the primary while this client was away) or of a Sentinel
+    /// watcher (it may have missed the switch), the fence stays closed until a majority
+    /// of the Sentinels given answer and the newest configuration among their answers
+    /// ([`newest_primary`]) names the primary both clients are on, with no answer
+    /// reporting that primary objectively down or being failed over: then it opens. If
+    /// it names another server, the switch follower moves the clients there; otherwise
+    /// they are asked again every 100 ms, doubling up to 2 s. A reconnection while the
+    /// Sentinels are being asked voids their answers. While the fence is open they are
+    /// asked again every [`CONFIRM_EVERY`], and an answer that does not confirm the
+    /// primary last checked (fewer than a majority, another server, or this one flagged)
+    /// closes it: a client whose watchers all missed a failover is not told otherwise.
     fn check_primary(&mut self, service: &str, tuning: Tuning) {
-        let a = recheck_on_reconnect(&self.client, "commands", &self.fence, &self.verified);
-        let b = recheck_on_reconnect(&self.sub, "subscriber", &self.fence, &self.verified);
-        self.watcher_tasks
-            .extend([a.abort_handle(), b.abort_handle()]);
-        let (fence, client, sub) = (self.fence.clone(), self.client.clone(), self.sub.clone());
-        let (askers, verified) = (self.askers.clone(), self.verified.clone());
+        let (fence, verified, reconnects) = (
+            self.fence.clone(),
+            self.verified.clone(),
+            self.reconnects.clone(),
+        );
+        let (client, sub) = (self.client.clone(), self.sub.clone());
+        let on_checked = |which: &'static str| {
+            let (client, sub, verified) = (client.clone(), sub.clone(), verified.clone());
+            move || {
+                let checked = verified.lock().clone();
+                match which {
+                    "commands" => checked.is_some_and(|c| c.has_client(connection(&client))),
+                    _ => checked.is_some_and(|c| c.has_sub(connection(&sub))),
+                }
+            }
+        };
+        let rechecks = [
+            recheck_on_reconnect(
+                self.client.reconnect_rx(),
+                "commands".into(),
+                on_checked("commands"),
+                &fence,
+                &reconnects,
+            ),
+            recheck_on_reconnect(
+                self.sub.reconnect_rx(),
+                "subscriber".into(),
+                on_checked("subscriber"),
+                &fence,
+                &reconnects,
+            ),
+        ];
+        self.watcher_tasks.extend(rechecks);
+        let (askers, refusal) = (self.askers.clone(), self.check_refusal.clone());
         let (service, addr) = (service.to_owned(), self.addr.clone());
         let needed = askers.len() / 2 + 1;
         let task = tokio::spawn(async move {
@@ -63,37 +106,84 @@ impl Node {
             let unverified = |f: &Option<Fence>| matches!(f, Some(Fence::Unverified));
             loop {
                 while !unverified(&rx.borrow_and_update()) {
-                    if rx.changed().await.is_err() {
-                        return;
+                    match tokio::time::timeout(CONFIRM_EVERY, rx.changed()).await {
+                        Ok(Ok(())) => continue,
+                        Ok(Err(_)) => return,
+                        Err(_) if fence.borrow().is_some() => continue,
+                        Err(_) => {}
+                    }
+                    // Open for a while: every watcher may have missed a failover
+                    // (cut off without a reset), so ask again.
+                    let named =
+                        newest_primary(&askers, &service, needed, tuning.attempt_timeout).await;
+                    let checked = verified.lock().clone();
+                    let confirmed = match &named {
+                        Named::Primary(p) => checked.is_some_and(|c| c.primary == *p),
+                        // Not a verdict on the primary; a refusal stops the connect.
+                        Named::Refused(_) => true,
+                        Named::TooFew | Named::Failing(_) => false,
+                    };
+                    if !confirmed {
+                        let closed = fence.send_if_modified(|f| {
+                            f.is_none().then(|| *f = Some(Fence::Unverified)).is_some()
+                        });
+                        if closed {
+                            tracing::warn!(service = %addr, why = %named, "the Sentinels no longer confirm the primary this client is on; holding commands back");
+                        }
                     }
                 }
                 let mut pause = Duration::from_millis(100);
                 let mut warned = false;
                 while unverified(&fence.borrow()) {
-                    let (c, s) = (connected_to(&client), connected_to(&sub));
-                    if c.is_none() || s.is_none() {
+                    let before = reconnects.load(Ordering::SeqCst);
+                    if connection(&client).is_none() || connection(&sub).is_none() {
                         // Still (re)connecting: nothing to check yet.
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
                     let named =
                         newest_primary(&askers, &service, needed, tuning.attempt_timeout).await;
-                    let Some(primary) = named else {
-                        if !warned {
-                            warned = true;
-                            tracing::warn!(service = %addr, needed, "fewer than a majority of the Sentinels answered; commands stay held back, asking again");
+                    let primary = match named {
+                        Named::Primary(p) => p,
+                        Named::Refused(e) => {
+                            tracing::warn!(service = %addr, error = %e, "a Sentinel refused the primary check");
+                            *refusal.lock() = Some(e);
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_secs(2));
+                            continue;
                         }
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(2));
-                        continue;
+                        inconclusive => {
+                            if !warned {
+                                warned = true;
+                                tracing::warn!(service = %addr, needed, why = %inconclusive, "the Sentinels' answers do not confirm a primary; commands stay held back, asking again");
+                            }
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_secs(2));
+                            continue;
+                        }
                     };
-                    let (c, s) = (connected_to(&client), connected_to(&sub));
-                    if c.as_deref() == Some(primary.as_str())
-                        && s.as_deref() == Some(primary.as_str())
-                    {
-                        *verified.lock() = Some(primary.clone());
-                        let opened =
-                            fence.send_if_modified(|f| unverified(f).then(|| *f = None).is_some());
+                    let (c, s) = (connection(&client), connection(&sub));
+                    let on = |x: &Option<(String, Option<i64>)>| {
+                        x.as_ref().is_some_and(|(at, _)| *at == primary)
+                    };
+                    if on(&c) && on(&s) {
+                        let checked = Checked {
+                            primary: primary.clone(),
+                            client: c.and_then(|(_, id)| id),
+                            sub: s.and_then(|(_, id)| id),
+                        };
+                        // Under the fence's lock, so that a reconnection handler (which
+                        // counts first, then closes an open fence) either voids this
+                        // check or closes the fence it opens.
+                        let opened = fence.send_if_modified(|f| {
+                            let current =
+                                unverified(f) && reconnects.load(Ordering::SeqCst) == before;
+                            if current {
+                                *verified.lock() = Some(checked.clone());
+                                *f = None;
+                            }
+                            current
+                        });
                         if opened {
                             tracing::debug!(service = %addr, %primary, "the Sentinels' newest configuration names the primary both clients are on");
                         }
@@ -118,19 +208,20 @@ impl Node {
         self.watcher_tasks.push(task.abort_handle());
     }
 
-    /// Sentinel mode: `Err(Unreachable)` unless the command client is connected to the
-    /// primary last checked ([`Node::check_primary`]), so that a script that ran
-    /// anywhere else, on a connection made after the last check, is not counted (a
-    /// renewal or a grant on an old primary would be one nobody else sees). The fence
-    /// is closed then, so the next script waits for the check. Always `Ok` outside
-    /// Sentinel mode.
+    /// Sentinel mode: `Err(Unreachable)` unless the command client's connection is the
+    /// one last checked on the primary ([`Node::check_primary`]), so that a script that
+    /// ran anywhere else, or on a newer connection (even to the same server: the
+    /// Sentinels may have moved the primary while this client was away), is not
+    /// counted: a renewal or a grant on an old primary would be one nobody else sees.
+    /// The fence is closed then, so the next script waits for the check. Always `Ok`
+    /// outside Sentinel mode.
     pub(super) fn check_landed(&self, what: &str) -> Result<(), Error> {
         if self.askers.is_empty() {
             return Ok(());
         }
-        let at = connected_to(&self.client);
+        let at = connection(&self.client);
         let checked = self.verified.lock().clone();
-        if at.is_some() && at == checked {
+        if checked.as_ref().is_some_and(|c| c.has_client(at.clone())) {
             return Ok(());
         }
         if at.is_some() {
@@ -138,10 +229,10 @@ impl Node {
                 .send_if_modified(|f| f.is_none().then(|| *f = Some(Fence::Unverified)).is_some());
         }
         Err(Error::Unreachable(format!(
-            "redis at {} while {what}: the command may have run on {}, not on the primary the Sentinels named ({}); it does not count",
+            "redis at {} while {what}: the command may have run on {}, not on the connection checked on the primary the Sentinels named ({}); it does not count",
             self.addr,
-            at.as_deref().unwrap_or("a connection that dropped"),
-            checked.as_deref().unwrap_or("none checked yet"),
+            at.map_or_else(|| "a connection that dropped".to_owned(), |(a, _)| format!("another connection to {a}")),
+            checked.map_or_else(|| "none checked yet".to_owned(), |c| c.primary),
         )))
     }
 
@@ -154,9 +245,23 @@ impl Node {
     /// name, or a failover is under way).
     pub(super) async fn wait_checked(&self, deadline: tokio::time::Instant) -> Result<(), Error> {
         let mut rx = self.fence.subscribe();
-        let opened = tokio::time::timeout_at(deadline, rx.wait_for(Option::is_none)).await;
-        if matches!(opened, Ok(Ok(_))) {
-            return Ok(());
+        loop {
+            // In slices, to report a refusal (credentials, an ACL without `SENTINEL
+            // MASTER`) as soon as a Sentinel gives one.
+            let slice = (tokio::time::Instant::now() + Duration::from_millis(50)).min(deadline);
+            let opened = tokio::time::timeout_at(slice, rx.wait_for(Option::is_none)).await;
+            if matches!(opened, Ok(Ok(_))) {
+                return Ok(());
+            }
+            if let Some(refusal) = self.refused() {
+                return Err(refusal);
+            }
+            if let Some(typed) = self.check_refusal.lock().as_ref().and_then(access_error) {
+                return Err(typed);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                break;
+            }
         }
         let why = self
             .fence
@@ -216,6 +321,14 @@ impl Node {
         // through the Sentinels; the watcher's own errors say why (WRONGPASS, a
         // certificate), so the connect listens to them too.
         self.conn_errors.lock().push(watcher.error_rx());
+        // A watcher that was away may have missed a switch: check the primary again.
+        self.watcher_tasks.push(recheck_on_reconnect(
+            watcher.reconnect_rx(),
+            format!("watcher of sentinel {host}:{port}"),
+            || false,
+            &self.fence,
+            &self.reconnects,
+        ));
         self.watcher_tasks.push(watcher.connect().abort_handle());
         self.watcher_tasks.push(resubscribe_on_reconnect(
             &watcher,
@@ -344,7 +457,9 @@ impl Node {
     /// Sentinels lost it: then the clients are not where the Sentinels put the primary,
     /// so the fence stays closed, commands fail as unreachable and holds run out at
     /// their deadlines, and the reconnect is tried again (every 100 ms, doubling up to
-    /// 2 s) until the clients land on the announced primary or another switch comes.
+    /// 2 s) until the clients land on the announced primary or another switch comes; after
+    /// [`FENCE_VALVE`] without landing there (that primary may have failed in turn, its
+    /// switch lost) the fence is handed to the primary check.
     pub(super) fn follow_switches(&mut self) {
         let (fence, client, sub) = (self.fence.clone(), self.client.clone(), self.sub.clone());
         let mut rx = fence.subscribe();
@@ -390,6 +505,7 @@ impl Node {
                 let mut pause = Duration::from_millis(100);
                 let mut warned = false;
                 let on = |c: Option<String>| c.as_deref() == Some(target.as_str());
+                let started = tokio::time::Instant::now();
                 loop {
                     // Only a client that is not there yet: fred asks the Sentinels in
                     // the order of the last `SENTINEL SENTINELS` answer, so moving one
@@ -410,16 +526,42 @@ impl Node {
                     if !current(&fence.borrow()) {
                         break;
                     }
-                    let (c, s) = (connected_to(&client), connected_to(&sub));
-                    if on(c.clone()) && on(s.clone()) {
-                        *verified.lock() = Some(target.clone());
-                        let opened =
-                            fence.send_if_modified(|f| current(f).then(|| *f = None).is_some());
+                    let (c, s) = (connection(&client), connection(&sub));
+                    let (c_at, s_at) = (
+                        c.as_ref().map(|(a, _)| a.clone()),
+                        s.as_ref().map(|(a, _)| a.clone()),
+                    );
+                    if on(c_at.clone()) && on(s_at.clone()) {
+                        let checked = Checked {
+                            primary: target.clone(),
+                            client: c.and_then(|(_, id)| id),
+                            sub: s.and_then(|(_, id)| id),
+                        };
+                        let opened = fence.send_if_modified(|f| {
+                            let now = current(f);
+                            if now {
+                                *verified.lock() = Some(checked.clone());
+                                *f = None;
+                            }
+                            now
+                        });
                         if opened {
                             tracing::info!(service = %addr, primary = %target, "both clients are on the new primary; commands go on");
                         }
                         break;
                     }
+                    if started.elapsed() >= FENCE_VALVE {
+                        // The announced primary may have failed in turn with its own
+                        // switch lost: let the check find the newest configuration.
+                        let handed = fence.send_if_modified(|f| {
+                            current(f).then(|| *f = Some(Fence::Unverified)).is_some()
+                        });
+                        if handed {
+                            tracing::warn!(service = %addr, announced = %target, "not on the announced primary after {FENCE_VALVE:?}; asking the Sentinels for their newest configuration");
+                        }
+                        break;
+                    }
+                    let (c, s) = (c_at, s_at);
                     if !warned {
                         warned = true;
                         tracing::warn!(service = %addr, announced = %target, commands = ?c, subscriber = ?s, "reconnected elsewhere than the primary the Sentinels announced (a Sentinel asked first has not heard of the failover?); commands stay held back, retrying");
@@ -461,15 +603,31 @@ impl Node {
     /// Whether the fence is closed now (see [`Fence`]): a message heard on the
     /// subscriber may come from a primary the Sentinels are replacing, so it is not
     /// taken as the answer.
+    ///
+    /// In Sentinel mode the subscriber's connection must also be the one last checked
+    /// on the primary ([`Node::check_primary`]): a newer one, even to the same server,
+    /// may have carried messages from a server the Sentinels replaced.
     pub fn fenced(&self) -> bool {
-        self.fence.borrow().is_some()
+        let closed = self.fence.borrow().is_some();
+        closed
             || (!self.askers.is_empty()
-                && connected_to(&self.sub).as_deref() != self.verified.lock().as_deref())
+                && !self
+                    .verified
+                    .lock()
+                    .as_ref()
+                    .is_some_and(|c| c.has_sub(connection(&self.sub))))
     }
 }
 
 /// The Sentinel channels that close the fence, besides `+switch-master`.
 pub(super) const FENCE_CHANNELS: [&str; 3] = ["+odown", "-odown", "+try-failover"];
+
+/// How often an open fence's primary is confirmed again with the Sentinels
+/// ([`Node::check_primary`]): a client whose watchers all missed a failover (cut off
+/// from the Sentinels that carried it without a reset, so nothing reconnects) learns of
+/// it within this much once most of the Sentinels it reaches know. Each confirmation
+/// costs one `SENTINEL MASTER` per Sentinel.
+pub(super) const CONFIRM_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a fence closed by `+odown` or `+try-failover` stays closed when neither
 /// `-odown` nor `+switch-master` comes: a failover takes seconds once it starts
@@ -492,8 +650,8 @@ pub(super) enum Fence {
     /// of an older one stops.
     Switching { target: String, generation: u64 },
     /// The clients have not been found on the primary of the Sentinels' newest
-    /// configuration since they connected or last reconnected to another server
-    /// ([`Node::check_primary`]).
+    /// configuration since either of them or a watcher last (re)connected, or the last
+    /// confirmation did not find them there ([`Node::check_primary`]).
     Unverified,
 }
 
@@ -552,22 +710,53 @@ fn asker(
     })
 }
 
-/// The primary (`host:port`) for `service` in the newest configuration (the highest
-/// `config-epoch`) among the Sentinels behind `askers`, asked all at once with
-/// `SENTINEL MASTER`, each for at most `per` (one not connected counts as no answer at
-/// once); `None` unless at least `needed` of them answer.
+/// What the Sentinels' answers to the primary check ([`newest_primary`]) say.
+#[derive(Debug)]
+enum Named {
+    /// The primary (`host:port`) of the newest configuration among a majority.
+    Primary(String),
+    /// Fewer than a majority answered.
+    TooFew,
+    /// An answer reports the newest configuration's primary (`host:port`) objectively
+    /// down or being failed over: the leader of that failover may have promoted a
+    /// replica already, unreachable from here, with the others not yet told.
+    Failing(String),
+    /// A Sentinel refused the question (credentials, ACL).
+    Refused(fred::error::Error),
+}
+
+impl std::fmt::Display for Named {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Named::Primary(p) => write!(f, "the primary is {p}"),
+            Named::TooFew => write!(f, "fewer than a majority of the Sentinels answered"),
+            Named::Failing(p) => write!(
+                f,
+                "a Sentinel reports the primary {p} down or being failed over"
+            ),
+            Named::Refused(e) => write!(f, "a Sentinel refused: {e}"),
+        }
+    }
+}
+
+/// The primary for `service` in the newest configuration (the highest `config-epoch`)
+/// among the Sentinels behind `askers`, asked all at once with `SENTINEL MASTER`, each
+/// for at most `per` (one not connected counts as no answer at once); not a primary
+/// unless at least `needed` of them answer and none of those naming it flags it
+/// `o_down` or `failover_in_progress`.
 ///
 /// The newest, not the most named: the Sentinels that did not lead a failover learn of
 /// it from the leader's hello messages (every 2 s), so right after a promotion most of
 /// them may still name the old primary, while a Sentinel cut off from the others keeps
 /// naming it for good. A failover raises the epoch, and the Sentinels themselves let
-/// the higher epoch win.
+/// the higher epoch win. Those that agreed the old primary is down flag it so until
+/// they hear of the promotion, which is why a flagged answer is not taken.
 async fn newest_primary(
     askers: &[fred::prelude::Client],
     service: &str,
     needed: usize,
     per: Duration,
-) -> Option<String> {
+) -> Named {
     let answers = futures::future::join_all(askers.iter().map(|a| async move {
         if !a.is_connected() {
             return None;
@@ -576,7 +765,10 @@ async fn newest_primary(
             fred::types::CustomCommand::new_static("SENTINEL", None, false),
             vec!["MASTER", service],
         );
-        let fields = tokio::time::timeout(per, asked).await.ok()?.ok()?;
+        let fields = match tokio::time::timeout(per, asked).await.ok()? {
+            Ok(fields) => fields,
+            Err(e) => return access_error(&e).map(|_| Err(e)),
+        };
         let field = |name: &str| {
             fields
                 .chunks_exact(2)
@@ -584,40 +776,145 @@ async fn newest_primary(
                 .map(|kv| kv[1].as_str())
         };
         let epoch: u64 = field("config-epoch")?.parse().ok()?;
-        Some((epoch, format!("{}:{}", field("ip")?, field("port")?)))
+        let failing = field("flags")?
+            .split(',')
+            .any(|f| f == "o_down" || f == "failover_in_progress");
+        Some(Ok((
+            epoch,
+            format!("{}:{}", field("ip")?, field("port")?),
+            failing,
+        )))
     }))
     .await;
-    let answered: Vec<(u64, String)> = answers.into_iter().flatten().collect();
-    if answered.len() < needed {
-        return None;
+    let mut answered = Vec::new();
+    for a in answers.into_iter().flatten() {
+        match a {
+            Ok(a) => answered.push(a),
+            Err(e) => return Named::Refused(e),
+        }
     }
-    answered
-        .into_iter()
-        .max_by_key(|(epoch, _)| *epoch)
-        .map(|(_, primary)| primary)
+    pick(&answered, needed)
 }
 
-/// Closes the fence ([`Fence::Unverified`]) whenever `client` reconnects to another
-/// server than the primary last checked ([`Node::check_primary`]).
-fn recheck_on_reconnect<C: EventInterface>(
+/// [`newest_primary`]'s verdict on the answers, each `(config-epoch, host:port,
+/// flagged o_down or failover_in_progress)`.
+fn pick(answered: &[(u64, String, bool)], needed: usize) -> Named {
+    if answered.len() < needed {
+        return Named::TooFew;
+    }
+    let Some((_, primary, _)) = answered.iter().max_by_key(|(epoch, _, _)| *epoch).cloned() else {
+        return Named::TooFew;
+    };
+    if answered
+        .iter()
+        .any(|(_, p, failing)| *p == primary && *failing)
+    {
+        return Named::Failing(primary);
+    }
+    Named::Primary(primary)
+}
+
+/// Sentinel mode: the primary both clients were found on by the primary check or the
+/// switch follower, and their connections there, by the `CLIENT ID` the server gave
+/// each (fred asks it on every connection; `None` if the server refused).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Checked {
+    pub(super) primary: String,
+    pub(super) client: Option<i64>,
+    pub(super) sub: Option<i64>,
+}
+
+impl Checked {
+    /// Whether `conn` ([`connection`]) is the command client's checked connection.
+    pub(super) fn has_client(&self, conn: Option<(String, Option<i64>)>) -> bool {
+        conn.is_some_and(|(at, id)| at == self.primary && id == self.client)
+    }
+
+    /// Whether `conn` ([`connection`]) is the subscriber's checked connection.
+    pub(super) fn has_sub(&self, conn: Option<(String, Option<i64>)>) -> bool {
+        conn.is_some_and(|(at, id)| at == self.primary && id == self.sub)
+    }
+}
+
+/// The server `client` is connected to (`host:port`) and its connection's `CLIENT ID`
+/// there, or `None` while it has no connection or is between two. IDs only grow on a
+/// server, so a new connection to the same server is told from the old one.
+pub(super) fn connection<C: ClientLike + fred::prelude::ClientInterface>(
     client: &C,
-    which: &'static str,
+) -> Option<(String, Option<i64>)> {
+    let before = client.connection_ids();
+    let at = connected_to(client)?;
+    let after = client.connection_ids();
+    (before == after).then(|| (at, after.values().next().copied()))
+}
+
+/// Closes an open fence ([`Fence::Unverified`]) on every reconnection `reconnects`
+/// reports, unless `on_checked` says the connection is the one last checked (the
+/// switch follower's own reconnections, reported after it opened the fence), and
+/// counts it in `count`. A lagging receiver counts as a reconnection, and the task
+/// lives as long as the client (fred's own listener ends on the first lag).
+fn recheck_on_reconnect(
+    mut reconnects: tokio::sync::broadcast::Receiver<fred::types::config::Server>,
+    which: String,
+    on_checked: impl Fn() -> bool + Send + 'static,
     fence: &Arc<tokio::sync::watch::Sender<Option<Fence>>>,
-    verified: &Arc<parking_lot::Mutex<Option<String>>>,
-) -> tokio::task::JoinHandle<fred::prelude::FredResult<()>> {
-    let (fence, verified) = (fence.clone(), verified.clone());
-    client.on_reconnect(move |server| {
-        let (fence, verified) = (fence.clone(), verified.clone());
-        async move {
-            let at = format!("{}:{}", server.host, server.port);
-            if verified.lock().as_deref() != Some(at.as_str()) {
-                let closed = fence
-                    .send_if_modified(|f| f.is_none().then(|| *f = Some(Fence::Unverified)).is_some());
-                if closed {
-                    tracing::info!(client = which, server = %at, "reconnected to a server not checked as the primary; holding commands back until the Sentinels confirm it");
-                }
+    count: &Arc<std::sync::atomic::AtomicU64>,
+) -> tokio::task::AbortHandle {
+    use tokio::sync::broadcast::error::RecvError;
+    let (fence, count) = (fence.clone(), count.clone());
+    tokio::spawn(async move {
+        loop {
+            let at = match reconnects.recv().await {
+                Ok(server) => format!("{}:{}", server.host, server.port),
+                Err(RecvError::Lagged(_)) => "a server (events lagged)".to_owned(),
+                Err(RecvError::Closed) => return,
+            };
+            count.fetch_add(1, Ordering::SeqCst);
+            if on_checked() {
+                continue;
             }
-            Ok(())
+            let closed = fence
+                .send_if_modified(|f| f.is_none().then(|| *f = Some(Fence::Unverified)).is_some());
+            if closed {
+                tracing::info!(client = %which, server = %at, "reconnected; holding commands back until the Sentinels confirm the primary");
+            }
         }
     })
+    .abort_handle()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{pick, Named};
+
+    fn a(epoch: u64, at: &str, flagged: bool) -> (u64, String, bool) {
+        (epoch, at.to_owned(), flagged)
+    }
+
+    #[test]
+    fn the_newest_configuration_wins_over_the_most_named() {
+        let answers = [
+            a(3, "old:1", false),
+            a(3, "old:1", false),
+            a(4, "new:1", false),
+        ];
+        assert!(matches!(pick(&answers, 2), Named::Primary(p) if p == "new:1"));
+    }
+
+    #[test]
+    fn fewer_than_needed_is_no_verdict() {
+        assert!(matches!(pick(&[a(4, "new:1", false)], 2), Named::TooFew));
+        assert!(matches!(pick(&[], 1), Named::TooFew));
+    }
+
+    #[test]
+    fn a_flagged_primary_is_not_confirmed() {
+        // The leader that promoted a replica is not among the answers; the others
+        // flag the old primary down until they hear of the promotion.
+        let answers = [a(3, "old:1", true), a(3, "old:1", false)];
+        assert!(matches!(pick(&answers, 2), Named::Failing(p) if p == "old:1"));
+        // A stale flag on an older configuration's primary does not matter.
+        let answers = [a(3, "old:1", true), a(4, "new:1", false)];
+        assert!(matches!(pick(&answers, 2), Named::Primary(p) if p == "new:1"));
+    }
 }
