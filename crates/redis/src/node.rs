@@ -86,6 +86,10 @@ pub(crate) struct Node {
     /// that the primary check does not open the fence on answers that one of them
     /// overtook ([`Node::check_primary`]).
     reconnects: Arc<AtomicU64>,
+    /// Sentinel mode: reconnections of the Sentinel watchers alone, so that the switch
+    /// follower does not open the fence on a switch a later one (missed while a watcher
+    /// was away) may have overtaken ([`Node::follow_switches`]).
+    watcher_reconnects: Arc<AtomicU64>,
     /// Sentinel mode: the last refusal (credentials, permissions) a Sentinel gave the
     /// primary check, for the connect to report instead of timing out.
     check_refusal: Arc<parking_lot::Mutex<Option<fred::error::Error>>>,
@@ -395,6 +399,7 @@ impl Node {
             askers: Vec::new(),
             verified: Arc::new(parking_lot::Mutex::new(None)),
             reconnects: Arc::new(AtomicU64::new(0)),
+            watcher_reconnects: Arc::new(AtomicU64::new(0)),
             check_refusal: Arc::new(parking_lot::Mutex::new(None)),
             conn_errors,
         })
@@ -535,10 +540,11 @@ impl Node {
         args: Vec<Value>,
     ) -> Result<Value, Error> {
         self.pass_fence(what).await?;
+        let sent_on = self.sending_on();
         let ran = self
             .mid_move_retry(|| self.eval_once(script, &keys, &args))
             .await;
-        self.check_landed(what)?;
+        self.check_landed(what, sent_on)?;
         ran.map_err(|e| self.map_err(what, e))
     }
 

@@ -52,10 +52,13 @@ impl Shared {
         if let Some((n, heard, head, next)) = chan {
             self.counters.messages.fetch_add(1, Ordering::Relaxed);
             // A removal message lets a waiter skip its listing (one master only), so
-            // it counts as one only if it came over the subscriber connection checked
-            // on the primary (Sentinel mode: see `Node::fenced`). Judged now, when it
-            // arrives: by the time the waiter reads it, the subscriber may be back on
-            // the checked primary while the message came from elsewhere.
+            // it counts as one only if the subscriber is on the connection checked on
+            // the primary (Sentinel mode: see `Node::fenced`). Judged here, as fred
+            // hands it over, not when the waiter reads it, by which time the subscriber
+            // may be back on the checked primary while the message came from
+            // elsewhere. (fred queues messages briefly before this; one queued from an
+            // unchecked connection that is checked by the time it is handed over
+            // counts.)
             let trusted = || self.mode == crate::backend::Mode::Single && !self.nodes[0].fenced();
             if let Some(p) = payload.as_str().filter(|_| trusted()) {
                 if let Some(rest) = p.strip_prefix("removed head") {

@@ -851,8 +851,9 @@ pub async fn sentinel_reconnect_to_the_old_primary_is_checked(_url: &str) {
 /// cut without a reset, so it hears nothing and stays on the old primary, still up and
 /// still a master, where the lock is free. On the code before the periodic
 /// confirmation the client took the held lock there. Now an open fence's primary is
-/// confirmed with the Sentinels every second, and their newest configuration names the
-/// promoted replica, so the client moves there and is refused.
+/// confirmed with the Sentinels every second: the ones that replaced it flag it down
+/// (and then name the promoted replica), so the fence closes and the client is moved
+/// there and refused.
 pub async fn sentinel_client_that_missed_the_failover_is_moved(_url: &str) {
     missed_failover(false).await;
 }

@@ -71,30 +71,20 @@ impl Node {
             self.reconnects.clone(),
         );
         let (client, sub) = (self.client.clone(), self.sub.clone());
-        let on_checked = |which: &'static str| {
-            let (client, sub, verified) = (client.clone(), sub.clone(), verified.clone());
-            move || {
-                let checked = verified.lock().clone();
-                match which {
-                    "commands" => checked.is_some_and(|c| c.has_client(connection(&client))),
-                    _ => checked.is_some_and(|c| c.has_sub(connection(&sub))),
-                }
-            }
-        };
         let rechecks = [
             recheck_on_reconnect(
                 self.client.reconnect_rx(),
                 "commands".into(),
-                on_checked("commands"),
+                false,
                 &fence,
-                &reconnects,
+                vec![reconnects.clone()],
             ),
             recheck_on_reconnect(
                 self.sub.reconnect_rx(),
                 "subscriber".into(),
-                on_checked("subscriber"),
+                false,
                 &fence,
-                &reconnects,
+                vec![reconnects.clone()],
             ),
         ];
         self.watcher_tasks.extend(rechecks);
@@ -119,9 +109,7 @@ impl Node {
                     let checked = verified.lock().clone();
                     let confirmed = match &named {
                         Named::Primary(p) => checked.is_some_and(|c| c.primary == *p),
-                        // Not a verdict on the primary; a refusal stops the connect.
-                        Named::Refused(_) => true,
-                        Named::TooFew | Named::Failing(_) => false,
+                        Named::TooFew | Named::Failing(_) | Named::Refused(_) => false,
                     };
                     if !confirmed {
                         let closed = fence.send_if_modified(|f| {
@@ -136,7 +124,8 @@ impl Node {
                 let mut warned = false;
                 while unverified(&fence.borrow()) {
                     let before = reconnects.load(Ordering::SeqCst);
-                    if connection(&client).is_none() || connection(&sub).is_none() {
+                    let (c0, s0) = (connection(&client), connection(&sub));
+                    if c0.is_none() || s0.is_none() {
                         // Still (re)connecting: nothing to check yet.
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
@@ -163,6 +152,11 @@ impl Node {
                         }
                     };
                     let (c, s) = (connection(&client), connection(&sub));
+                    if c != c0 || s != s0 {
+                        // A connection changed while the Sentinels were asked (fred
+                        // reports it only afterwards): their answers may predate it.
+                        continue;
+                    }
                     let on = |x: &Option<(String, Option<i64>)>| {
                         x.as_ref().is_some_and(|(at, _)| *at == primary)
                     };
@@ -208,20 +202,51 @@ impl Node {
         self.watcher_tasks.push(task.abort_handle());
     }
 
-    /// Sentinel mode: `Err(Unreachable)` unless the command client's connection is the
-    /// one last checked on the primary ([`Node::check_primary`]), so that a script that
+    /// Sentinel mode: the command client's connection ([`connection`]) as a script is
+    /// sent, for [`Node::check_landed`]; `None` outside Sentinel mode.
+    pub(super) fn sending_on(&self) -> Option<(String, Option<i64>)> {
+        (!self.askers.is_empty())
+            .then(|| connection(&self.client))
+            .flatten()
+    }
+
+    /// Sentinel mode: `Err(Unreachable)` unless the command client's connection when the
+    /// reply is read is the one it was on when the script was sent (`sent_on`,
+    /// [`Node::sending_on`]) and the one last checked on the primary
+    /// ([`Node::check_primary`]), and no failover is under way then. So a script that
     /// ran anywhere else, or on a newer connection (even to the same server: the
-    /// Sentinels may have moved the primary while this client was away), is not
+    /// Sentinels may have moved the primary while this client was away), or whose reply
+    /// came after a Sentinel reported the primary down, failing over or switched, is not
     /// counted: a renewal or a grant on an old primary would be one nobody else sees.
-    /// The fence is closed then, so the next script waits for the check. Always `Ok`
-    /// outside Sentinel mode.
-    pub(super) fn check_landed(&self, what: &str) -> Result<(), Error> {
+    /// A connection not checked closes the fence, so the next script waits for the
+    /// check. Always `Ok` outside Sentinel mode.
+    ///
+    /// (CLIENT IDs start again at 1 when a server restarts: a restarted primary can
+    /// repeat the checked connection's ID until the reconnection handler closes the
+    /// fence.)
+    pub(super) fn check_landed(
+        &self,
+        what: &str,
+        sent_on: Option<(String, Option<i64>)>,
+    ) -> Result<(), Error> {
         if self.askers.is_empty() {
             return Ok(());
         }
         let at = connection(&self.client);
         let checked = self.verified.lock().clone();
-        if checked.as_ref().is_some_and(|c| c.has_client(at.clone())) {
+        let failover = self
+            .fence
+            .borrow()
+            .as_ref()
+            .filter(|f| !matches!(f, Fence::Unverified))
+            .map(ToString::to_string);
+        if let Some(why) = failover {
+            return Err(Error::Unreachable(format!(
+                "redis at {} while {what}: {why}; a reply that came meanwhile does not count",
+                self.addr
+            )));
+        }
+        if sent_on == at && checked.as_ref().is_some_and(|c| c.has_client(at.clone())) {
             return Ok(());
         }
         if at.is_some() {
@@ -322,12 +347,15 @@ impl Node {
         // certificate), so the connect listens to them too.
         self.conn_errors.lock().push(watcher.error_rx());
         // A watcher that was away may have missed a switch: check the primary again.
+        // (Not on its first connection: the primary check that opens the fence runs
+        // after the Sentinels are asked anyway, and the next confirmation covers a
+        // switch between it and this watcher's subscription.)
         self.watcher_tasks.push(recheck_on_reconnect(
             watcher.reconnect_rx(),
             format!("watcher of sentinel {host}:{port}"),
-            || false,
+            true,
             &self.fence,
-            &self.reconnects,
+            vec![self.reconnects.clone(), self.watcher_reconnects.clone()],
         ));
         self.watcher_tasks.push(watcher.connect().abort_handle());
         self.watcher_tasks.push(resubscribe_on_reconnect(
@@ -464,6 +492,7 @@ impl Node {
         let (fence, client, sub) = (self.fence.clone(), self.client.clone(), self.sub.clone());
         let mut rx = fence.subscribe();
         let (addr, verified) = (self.addr.clone(), self.verified.clone());
+        let watcher_reconnects = self.watcher_reconnects.clone();
         let task = tokio::spawn(async move {
             loop {
                 let (target, generation) = loop {
@@ -506,6 +535,7 @@ impl Node {
                 let mut warned = false;
                 let on = |c: Option<String>| c.as_deref() == Some(target.as_str());
                 let started = tokio::time::Instant::now();
+                let heard = watcher_reconnects.load(Ordering::SeqCst);
                 loop {
                     // Only a client that is not there yet: fred asks the Sentinels in
                     // the order of the last `SENTINEL SENTINELS` answer, so moving one
@@ -537,15 +567,20 @@ impl Node {
                             client: c.and_then(|(_, id)| id),
                             sub: s.and_then(|(_, id)| id),
                         };
+                        // A watcher that was away meanwhile may have missed a later
+                        // switch: then the Sentinels decide ([`Node::check_primary`]).
+                        let missed = watcher_reconnects.load(Ordering::SeqCst) != heard;
                         let opened = fence.send_if_modified(|f| {
                             let now = current(f);
-                            if now {
+                            if now && missed {
+                                *f = Some(Fence::Unverified);
+                            } else if now {
                                 *verified.lock() = Some(checked.clone());
                                 *f = None;
                             }
                             now
                         });
-                        if opened {
+                        if opened && !missed {
                             tracing::info!(service = %addr, primary = %target, "both clients are on the new primary; commands go on");
                         }
                         break;
@@ -721,7 +756,8 @@ enum Named {
     /// down or being failed over: the leader of that failover may have promoted a
     /// replica already, unreachable from here, with the others not yet told.
     Failing(String),
-    /// A Sentinel refused the question (credentials, ACL).
+    /// Fewer than a majority answered, and a Sentinel refused the question
+    /// (credentials, ACL).
     Refused(fred::error::Error),
 }
 
@@ -786,14 +822,20 @@ async fn newest_primary(
         )))
     }))
     .await;
+    // A refusal counts as no answer: it is the verdict only when it is why fewer
+    // than a majority answered.
     let mut answered = Vec::new();
+    let mut refused = None;
     for a in answers.into_iter().flatten() {
         match a {
             Ok(a) => answered.push(a),
-            Err(e) => return Named::Refused(e),
+            Err(e) => refused = refused.or(Some(e)),
         }
     }
-    pick(&answered, needed)
+    match (pick(&answered, needed), refused) {
+        (Named::TooFew, Some(e)) => Named::Refused(e),
+        (named, _) => named,
+    }
 }
 
 /// [`newest_primary`]'s verdict on the answers, each `(config-epoch, host:port,
@@ -816,7 +858,7 @@ fn pick(answered: &[(u64, String, bool)], needed: usize) -> Named {
 
 /// Sentinel mode: the primary both clients were found on by the primary check or the
 /// switch follower, and their connections there, by the `CLIENT ID` the server gave
-/// each (fred asks it on every connection; `None` if the server refused).
+/// each (fred asks it on every connection).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Checked {
     pub(super) primary: String,
@@ -836,9 +878,13 @@ impl Checked {
     }
 }
 
-/// The server `client` is connected to (`host:port`) and its connection's `CLIENT ID`
-/// there, or `None` while it has no connection or is between two. IDs only grow on a
-/// server, so a new connection to the same server is told from the old one.
+/// The server of `client`'s last connection (`host:port`) and that connection's `CLIENT
+/// ID` there, or `None` before its first connection or while it is being replaced. IDs
+/// grow on a server (until it restarts), so a new connection to the same server is told
+/// from the old one. fred keeps a dropped connection listed until the next one is made,
+/// which errs on the safe side: any later connection has another ID. fred lists a
+/// connection only once the server gave its `CLIENT ID`, so Sentinel mode needs an ACL
+/// that allows it (it is in `@connection`).
 pub(super) fn connection<C: ClientLike + fred::prelude::ClientInterface>(
     client: &C,
 ) -> Option<(String, Option<i64>)> {
@@ -849,29 +895,31 @@ pub(super) fn connection<C: ClientLike + fred::prelude::ClientInterface>(
 }
 
 /// Closes an open fence ([`Fence::Unverified`]) on every reconnection `reconnects`
-/// reports, unless `on_checked` says the connection is the one last checked (the
-/// switch follower's own reconnections, reported after it opened the fence), and
-/// counts it in `count`. A lagging receiver counts as a reconnection, and the task
-/// lives as long as the client (fred's own listener ends on the first lag).
+/// reports (but the first connection, with `skip_first`) and counts it in each of
+/// `counts`. A lagging receiver counts as a reconnection, and the task lives as long as
+/// the client (fred's own listener ends on the first lag).
 fn recheck_on_reconnect(
     mut reconnects: tokio::sync::broadcast::Receiver<fred::types::config::Server>,
     which: String,
-    on_checked: impl Fn() -> bool + Send + 'static,
+    skip_first: bool,
     fence: &Arc<tokio::sync::watch::Sender<Option<Fence>>>,
-    count: &Arc<std::sync::atomic::AtomicU64>,
+    counts: Vec<Arc<std::sync::atomic::AtomicU64>>,
 ) -> tokio::task::AbortHandle {
     use tokio::sync::broadcast::error::RecvError;
-    let (fence, count) = (fence.clone(), count.clone());
+    let fence = fence.clone();
     tokio::spawn(async move {
+        let mut first = skip_first;
         loop {
             let at = match reconnects.recv().await {
                 Ok(server) => format!("{}:{}", server.host, server.port),
                 Err(RecvError::Lagged(_)) => "a server (events lagged)".to_owned(),
                 Err(RecvError::Closed) => return,
             };
-            count.fetch_add(1, Ordering::SeqCst);
-            if on_checked() {
+            if std::mem::take(&mut first) {
                 continue;
+            }
+            for c in &counts {
+                c.fetch_add(1, Ordering::SeqCst);
             }
             let closed = fence
                 .send_if_modified(|f| f.is_none().then(|| *f = Some(Fence::Unverified)).is_some());
