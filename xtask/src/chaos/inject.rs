@@ -524,6 +524,98 @@ pub(super) fn inject_server(
             recovered?;
             Ok(under_victim(t))
         }
+        Scenario::SentinelPartition => {
+            // The old primary stays up and a master, and the stale Sentinel names it:
+            // a client left there, or sent there on a (re)connection, takes locks that
+            // others hold on the promoted replica unless it checks with the Sentinels.
+            // Replication is left up, so what the holder did before the promotion
+            // reaches the replica: nothing is lost, and nobody may overlap.
+            let old = cluster.wait_sentinel_group(WAIT)?;
+            let replica = cluster
+                .servers_of(Backend::RedisHa)
+                .find(|s| s.id != old)
+                .context("a replica in the Sentinel group")?
+                .clone();
+            let primary_port = port_of(&cluster.server(Backend::RedisHa, old)?.addr)?;
+            let replica_port = port_of(&replica.addr)?;
+            let sentinels: Vec<(u32, u32, u16)> = cluster
+                .servers_of(Backend::Sentinel)
+                .map(|s| Ok((s.id, s.pid, port_of(&s.addr)?)))
+                .collect::<anyhow::Result<_>>()?;
+            if sentinels.len() < 3 {
+                bail!("sentinel-partition needs three Sentinels");
+            }
+            // The first the clients' URL lists (the state's order): a client that
+            // connects during the cut asks it first and is sent to the old primary.
+            let stale = 0;
+            let aware: Vec<(u32, u32, u16)> = sentinels
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != stale)
+                .map(|(_, s)| *s)
+                .collect();
+            let (stale_id, stale_pid, stale_port) = sentinels[stale];
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            let mut cuts = Vec::new();
+            let mut peers: Vec<u16> = aware.iter().map(|s| s.2).collect();
+            peers.push(replica_port);
+            cuts.push(dlock_testkit::NetCut::isolate(stale_pid, &[], &peers));
+            for (_, pid, _) in &aware {
+                cuts.push(dlock_testkit::NetCut::isolate(
+                    *pid,
+                    &[],
+                    &[stale_port, primary_port],
+                ));
+            }
+            let aware_sentinel = cluster.server(Backend::Sentinel, aware[0].0)?.clone();
+            let promoted = if cuts.iter().all(Result::is_ok) {
+                wait_for(
+                    &format!("Sentinel {} naming node {} the primary", aware[0].0, replica.id),
+                    WAIT,
+                    || {
+                        Ok(aware_sentinel
+                            .redis_query(
+                                &[
+                                    "SENTINEL",
+                                    "GET-MASTER-ADDR-BY-NAME",
+                                    dlock_testkit::SENTINEL_SERVICE,
+                                ],
+                                Duration::from_secs(1),
+                            )
+                            .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == replica.addr))
+                    },
+                )
+                .map(|()| {
+                    eprintln!(
+                        "  cut the primary (node {old}) off from Sentinels {} and {} and Sentinel {stale_id} off from them and the replica under worker {victim}; node {} promoted after {} ms, the old primary still up",
+                        aware[0].0,
+                        aware[1].0,
+                        replica.id,
+                        (now_us() - t) / 1000
+                    );
+                    std::thread::sleep(long);
+                })
+            } else {
+                Err(anyhow::anyhow!("cutting the Sentinels apart failed"))
+            };
+            let mut healed = Ok(());
+            for c in cuts {
+                let h = c.and_then(dlock_testkit::NetCut::heal);
+                if healed.is_ok() {
+                    healed = h.context("healing the Sentinel partition");
+                }
+            }
+            promoted?;
+            healed?;
+            let recovered =
+                wait_all_recovered(groups, u32::MAX, t, "a holder after the Sentinel partition");
+            // The old primary rejoins as the new one's replica, and the stale Sentinel
+            // learns the new primary, before the next fault.
+            cluster.wait_sentinel_group(WAIT)?;
+            recovered?;
+            Ok(server_wide(t))
+        }
         Scenario::ClusterFailover => {
             let slot = lock_slot(anchor)?;
             let master = cluster.redis_cluster_master_of_slot(slot)?;
@@ -687,4 +779,12 @@ fn redis_cli(addr: &str, args: &[&str]) -> anyhow::Result<String> {
         bail!("redis-cli -p {port} {}: {text}", args.join(" "));
     }
     Ok(text)
+}
+
+/// The port of a `host:port` address.
+fn port_of(addr: &str) -> anyhow::Result<u16> {
+    addr.rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no port in {addr:?}"))
 }

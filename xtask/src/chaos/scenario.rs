@@ -22,13 +22,14 @@ pub(crate) enum Scenario {
     ClockJump,
     ReplicaPromotion,
     SentinelFailover,
+    SentinelPartition,
     ClusterFailover,
     MasterKill,
     SlotReshard,
 }
 
 impl Scenario {
-    pub(super) const ALL: [Scenario; 15] = [
+    pub(super) const ALL: [Scenario; 16] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::ClientCut,
@@ -41,6 +42,7 @@ impl Scenario {
         Scenario::ClockJump,
         Scenario::ReplicaPromotion,
         Scenario::SentinelFailover,
+        Scenario::SentinelPartition,
         Scenario::ClusterFailover,
         Scenario::MasterKill,
         Scenario::SlotReshard,
@@ -60,6 +62,7 @@ impl Scenario {
             Scenario::ClockJump => "clock-jump",
             Scenario::ReplicaPromotion => "replica-promotion",
             Scenario::SentinelFailover => "sentinel-failover",
+            Scenario::SentinelPartition => "sentinel-partition",
             Scenario::ClusterFailover => "cluster-failover",
             Scenario::MasterKill => "master-kill",
             Scenario::SlotReshard => "slot-reshard",
@@ -102,6 +105,9 @@ impl Scenario {
             Scenario::SentinelFailover => {
                 "SIGKILL the Sentinel group's primary while a holder is inside; Sentinels promote the replica, clients follow"
             }
+            Scenario::SentinelPartition => {
+                "while a holder is inside, cut the Sentinel group's primary off from two Sentinels, which promote the replica, and the Sentinel the clients list first off from them and the replica, so it keeps naming the old primary, which stays up, a master, reachable by every client; heal after two sessions"
+            }
             Scenario::ClusterFailover => {
                 "CLUSTER FAILOVER on the replica of the lock's master while a holder is inside (a manual failover: the replica catches up first)"
             }
@@ -132,7 +138,7 @@ impl Scenario {
             // The Sentinel group is there for its failover; the holder faults behave as
             // on `redis`, and a proxy in front of the Sentinels would not cut the data
             // connection.
-            Scenario::SentinelFailover => kind == Kind::RedisSentinel,
+            Scenario::SentinelFailover | Scenario::SentinelPartition => kind == Kind::RedisSentinel,
             Scenario::ClusterFailover | Scenario::MasterKill | Scenario::SlotReshard => {
                 kind == Kind::RedisCluster
             }
@@ -188,6 +194,7 @@ impl Scenario {
             | Scenario::ClockJump
             | Scenario::ReplicaPromotion
             | Scenario::SentinelFailover
+            | Scenario::SentinelPartition
             | Scenario::ClusterFailover
             | Scenario::MasterKill
             | Scenario::SlotReshard => 2 * SESSION.as_millis() as u64,
