@@ -151,8 +151,8 @@
 //! client or of a watcher, until a majority of the Sentinels given answer and the
 //! newest configuration among their answers (the highest `config-epoch`) names the
 //! primary both clients are on, without flagging it objectively down or being failed
-//! over; a script counts only if it was sent and answered over the very connection
-//! checked (by `CLIENT ID`) with no failover reported meanwhile, and an open fence's
+//! over; a script counts only if its reply is read on the very connection checked (by
+//! `CLIENT ID`), and an open fence's
 //! primary is confirmed that way every second. So a
 //! Sentinel that has not heard of a failover does not keep a client on the old primary
 //! while one that has answers. List the whole Sentinel group: the majority is of the

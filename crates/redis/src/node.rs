@@ -540,11 +540,10 @@ impl Node {
         args: Vec<Value>,
     ) -> Result<Value, Error> {
         self.pass_fence(what).await?;
-        let sent_on = self.sending_on();
         let ran = self
             .mid_move_retry(|| self.eval_once(script, &keys, &args))
             .await;
-        self.check_landed(what, sent_on)?;
+        self.check_landed(what)?;
         ran.map_err(|e| self.map_err(what, e))
     }
 
