@@ -1,6 +1,5 @@
 //! The `dlock` binary, driven as a user's scripts drive it: real OS processes.
 
-use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -213,22 +212,15 @@ pub async fn cli_exit_codes(kind: Kind, url: &str) {
 /// SIGKILL of the process holding the lock frees it within the session timeout.
 pub async fn cli_sigkill_frees_the_lock(_kind: Kind, url: &str) {
     let name = unique("kill");
-    let mut holder = dlock()
-        .args([
-            "--url",
-            url,
-            "--session-timeout",
-            "2s",
-            "exec",
-            &name,
-            "--",
-            "sleep",
-            "600",
-        ])
-        .stdout(Stdio::null())
-        .process_group(0)
-        .spawn()
-        .expect("spawn holder");
+    let dir = crate::support::tempdir("kill");
+    let pidfile = dir.join("child.pid");
+    // The command records its PID, then becomes `sleep` under that same PID.
+    let mut holder = crate::faults::spawn_exec(
+        &["--url", url, "--session-timeout", "2s", "exec", &name],
+        "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+        &[&pidfile],
+        &dir.join("dlock.err"),
+    );
     let c = client(url).await;
     assert!(
         eventually(Duration::from_secs(30), || async {
@@ -242,13 +234,24 @@ pub async fn cli_sigkill_frees_the_lock(_kind: Kind, url: &str) {
     );
     // SIGKILL the holder's whole process group: dlock and its `sleep` child die at once,
     // as in a machine crash; nothing releases the lock but the session's end.
-    let pgid = holder.id();
+    assert!(
+        eventually(Duration::from_secs(30), || async { pidfile.exists() }).await,
+        "the holder never ran its command"
+    );
+    let child_pid: u32 = std::fs::read_to_string(&pidfile)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    // dlock's command, in a process group of its own, outlives the SIGKILL below.
+    let _command = crate::faults::Orphan::new(child_pid);
+    let pgid = holder.0.id();
     let st = Command::new("kill")
         .args(["-KILL", "--", &format!("-{pgid}")])
         .status()
         .expect("kill");
     assert!(st.success());
-    let _ = holder.wait();
+    let _ = holder.0.wait();
     // Acquired after the holder's session ends: within the session timeout plus slack.
     let mut g = c
         .mutex(&name)
@@ -258,6 +261,7 @@ pub async fn cli_sigkill_frees_the_lock(_kind: Kind, url: &str) {
         .expect("the dead holder's lock freed itself");
     g.release().await.expect("release");
     c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `dlock status` lists holders and waiters in queue order, as text and JSON.

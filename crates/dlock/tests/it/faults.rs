@@ -81,6 +81,34 @@ pub(crate) async fn wait_exit(
     }
 }
 
+/// The command a `dlock` process ran, which `dlock` starts as the leader of a process
+/// group of its own: killing dlock's group (a crash, as the SIGKILL tests do) leaves it
+/// running, so its group is killed when this is dropped, if the process is still the
+/// one recorded (same PID, same start time).
+pub(crate) struct Orphan {
+    pid: u32,
+    start: Option<u64>,
+}
+
+impl Orphan {
+    pub(crate) fn new(pid: u32) -> Self {
+        Orphan {
+            pid,
+            start: start_time(pid),
+        }
+    }
+}
+
+impl Drop for Orphan {
+    fn drop(&mut self) {
+        if self.start.is_some() && start_time(self.pid) == self.start {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.pid)])
+                .status();
+        }
+    }
+}
+
 /// A child this test started as the leader of its own process group; if it still runs
 /// when this is dropped (a failed assertion), the whole group is killed, so no command it
 /// started (a shell polling for a gate file, `sleep 600`) outlives the test.
@@ -725,7 +753,9 @@ pub async fn cli_paused_leader_exits_70(kind: Kind, url: &str) {
 pub async fn cli_killed_leader_is_replaced(kind: Kind, url: &str) {
     let name = unique("killed-leader");
     let dir = tempdir("killed-leader");
-    let (mut leader, _) = spawn_leader(url, &name, "killed", &dir).await;
+    let (mut leader, child_pid) = spawn_leader(url, &name, "killed", &dir).await;
+    // dlock's command outlives the SIGKILL of dlock's group below, as after a crash.
+    let _command = Orphan::new(child_pid);
     let c = client(url).await;
     let election = c.election(&name).expect("name");
     let first = election
