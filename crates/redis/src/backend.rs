@@ -186,12 +186,13 @@ impl RedisBackend {
                     .await;
                 let mut ttls = s.quorum(results)?;
                 if s.mode == Mode::Single && ttls.iter().all(Option::is_none) {
-                    // No entry key: the entry may be the lock's solo key.
-                    ttls = vec![
-                        s.nodes[0]
-                            .solo_pttl_after_subscribe(&keys.queue, &entry.name)
-                            .await?,
-                    ];
+                    // No entry key: the entry may be the lock's solo key, whose release
+                    // publishes nothing; moved into the queue layout, its removal is
+                    // published. The check above was answered after the SUBSCRIBE on
+                    // its connection, so the move, sent after that answer, is in turn
+                    // after the subscription: a removal the move does not see reaches
+                    // the listener.
+                    ttls = vec![s.unsolo(&keys, &entry.name).await?];
                 }
                 let Some(longest) = ttls.iter().flatten().max().copied() else {
                     s.count_recheck(by_timer);
@@ -485,33 +486,19 @@ impl Backend for RedisBackend {
             let s = &self.shared;
             s.check_open()?;
             let keys = QueueKeys::new(&self.shared.prefix, q);
-            // A lock's only entry may be a solo one, whose release is published on its
-            // gone-channel alone (`RELEASE_SOLO`: the queue channel's publish was about
-            // 5 % of the server's work per uncontended lock). Only a listing equal to
-            // `seen` is waited on, so when the caller saw one entry, that entry's
-            // gone-channel is listened on too.
-            let lone_channel = match seen {
-                [only] => Some(keys.gone_channel(&only.name)),
-                _ => None,
-            };
+            let listener = s.listen(&keys.changed, true).await;
+            // A lock's only entry may be a solo one, whose release publishes nothing
+            // (`RELEASE_SOLO`): moved into the queue layout once the listener is in
+            // force, its removal is published on the queue channel.
+            if let ([only], Mode::Single) = (seen, s.mode) {
+                s.unsolo(&keys, &only.name).await?;
+            }
             let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
-            // Both confirmed: the listing below runs on the command connection.
-            let (listener, lone) = tokio::join!(s.listen(&keys.changed, true), async {
-                match &lone_channel {
-                    Some(c) => Some(s.listen(c, true).await),
-                    None => None,
-                }
-            });
             let mut by_timer = false;
             loop {
                 let notified = listener.notify.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                let lone_notified = lone.as_ref().map(|l| l.notify.notified());
-                tokio::pin!(lone_notified);
-                if let Some(n) = lone_notified.as_mut().as_pin_mut() {
-                    n.enable();
-                }
                 s.check_open()?;
                 let now = s.list(&keys, false, None).await?;
                 let same =
@@ -520,9 +507,7 @@ impl Backend for RedisBackend {
                     s.count_recheck(by_timer);
                     return Ok(());
                 }
-                by_timer = s
-                    .wait_notified_either(notified, lone_notified.as_pin_mut())
-                    .await;
+                by_timer = s.wait_notified(notified).await;
                 if by_timer {
                     s.counters.timer_rechecks.fetch_add(1, Ordering::Relaxed);
                 }
@@ -710,6 +695,9 @@ impl Backend for RedisBackend {
             // to a live subscription.
             let changed = s.listen(&keys.data_channel(&entry.name), true).await;
             let gone = s.listen(&keys.gone_channel(&entry.name), true).await;
+            // A solo entry's release publishes nothing (`RELEASE_SOLO`): moved into
+            // the queue layout now that both listeners are in force, its removal is.
+            s.unsolo(&keys, &entry.name).await?;
             let mut by_timer = false;
             loop {
                 let on_change = changed.notify.notified();

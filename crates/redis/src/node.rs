@@ -645,50 +645,6 @@ impl Node {
         }
     }
 
-    /// The time the lock's solo entry `name` (the fast path's one key, `queue_key`: see
-    /// the scripts) has left in ms, or `None` if that key is not `name`'s solo entry.
-    /// Asked on the subscriber connection after the subscription, as
-    /// [`Node::pttl_after_subscribe`] (and on the command connection if that fails).
-    /// Three commands, but only when an entry's own key is missing: a waiter's
-    /// predecessors are in the queue layout (its enqueue moved a solo entry there).
-    pub async fn solo_pttl_after_subscribe(
-        &self,
-        queue_key: &str,
-        name: &str,
-    ) -> Result<Option<i64>, Error> {
-        match self.solo_pttl_on(&self.sub, queue_key, name).await {
-            Ok(t) => Ok(t),
-            Err(e) => {
-                tracing::debug!(master = %self.addr, error = %e, "solo check on the subscriber failed; asking the command connection");
-                let cmd = self.client.with_options(&self.cmd);
-                self.solo_pttl_on(&cmd, queue_key, name)
-                    .await
-                    .map_err(|e| self.map_err("checking an entry", e))
-            }
-        }
-    }
-
-    async fn solo_pttl_on<C: fred::interfaces::KeysInterface + Sync>(
-        &self,
-        c: &C,
-        queue_key: &str,
-        name: &str,
-    ) -> fred::prelude::FredResult<Option<i64>> {
-        let ty: String = c.r#type(queue_key).await?;
-        if ty != "string" {
-            return Ok(None);
-        }
-        let v: Option<Vec<u8>> = c.get(queue_key).await?;
-        let mine = v.is_some_and(|v| {
-            v.len() > name.len() && v.starts_with(name.as_bytes()) && v[name.len()] == b' '
-        });
-        if !mine {
-            return Ok(None);
-        }
-        let n: i64 = c.pttl(queue_key).await?;
-        Ok((n != -2).then_some(n))
-    }
-
     /// Sends SUBSCRIBE for `channel`. It is *not* in force yet: see
     /// [`Node::confirm_subscriptions`] and [`Node::pttl_after_subscribe`].
     ///

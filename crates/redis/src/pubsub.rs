@@ -73,24 +73,13 @@ impl Shared {
         }
     }
 
-    /// Waits for a message on either of the waiter's channels (the second may be absent)
-    /// or the re-check timer; true if the timer ended the wait.
-    pub(crate) async fn wait_notified_either(
+    /// Waits for a message on the waiter's channel or the re-check timer; true if the
+    /// timer ended the wait.
+    pub(crate) async fn wait_notified(
         &self,
         notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
-        also: Option<std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>>,
     ) -> bool {
-        let also = async {
-            match also {
-                Some(n) => n.await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            _ = notified => false,
-            _ = also => false,
-            _ = tokio::time::sleep(self.recheck) => true,
-        }
+        self.wait_notified_for(notified, self.recheck).await
     }
 
     /// Waits for a message on the waiter's channel or the timer given; true if the timer

@@ -307,10 +307,38 @@ impl Shared {
                 "removing an entry",
                 &self.scripts.release_solo,
                 vec![keys.queue.clone()],
-                vec![Value::from(name), Value::from(keys.gone_channel(name))],
+                vec![Value::from(name)],
             )
             .await?;
         Ok(reply.as_i64() != Some(-1))
+    }
+
+    /// Moves `name` into the queue layout if it is the lock's solo entry (one master
+    /// only), and returns its entry key's time left in ms, `None` when it has no entry
+    /// key (gone). A client that watches an entry with no entry of its own calls this
+    /// once it listens on the entry's gone-channel: a solo entry's release
+    /// (`RELEASE_SOLO`) publishes nothing, a queued entry's removal does.
+    pub(crate) async fn unsolo(&self, keys: &QueueKeys, name: &str) -> Result<Option<i64>> {
+        let reply = self.nodes[0]
+            .eval(
+                "checking an entry",
+                &self.scripts.unsolo,
+                vec![keys.queue.clone()],
+                vec![
+                    Value::from(keys.entry_prefix.as_str()),
+                    self.lease_ms.clone(),
+                    Value::from(name),
+                ],
+            )
+            .await?;
+        match reply.as_i64() {
+            Some(-2) => Ok(None),
+            Some(ms) => Ok(Some(ms)),
+            None => Err(Error::backend(
+                "checking an entry",
+                format!("unexpected reply to the solo move: {reply:?}"),
+            )),
+        }
     }
 
     pub(crate) async fn remove_names(&self, keys: &QueueKeys, names: &[String]) -> Result<()> {
@@ -359,7 +387,11 @@ impl RedisBackend {
                 "adding an entry",
                 &s.scripts.acquire_solo,
                 vec![keys.queue.clone()],
-                vec![Value::from(prefix), s.lease_ms.clone(), Value::from(data)],
+                if data.is_empty() {
+                    vec![Value::from(prefix), s.lease_ms.clone()]
+                } else {
+                    vec![Value::from(prefix), s.lease_ms.clone(), Value::from(data)]
+                },
             )
             .await?;
         let Some(token) = reply::solo_token(reply)? else {

@@ -15,15 +15,15 @@
 //! # What each script costs
 //! Every command a script runs is server time on the lock's hot path (and a `calls` count
 //! in `INFO commandstats`), so the scripts run only what the state change needs:
-//! - an uncontended acquire + release is 5 commands in two small scripts of their own
-//!   (`ACQUIRE_SOLO`: TIME and one SET NX PX of the lock's one key; `RELEASE_SOLO`: GET,
-//!   DEL, PUBLISH on its gone channel), where the queue layout took 9 in the general
-//!   scripts. The queue (sorted set, entry keys, counters) is made only when a second
-//!   entry arrives. Measured with callgrind on redis-server 7.0.15: about 82k
-//!   instructions per pair (91k before `RELEASE_SOLO`'s trim, 176k before the fast path)
-//!   against 34k for the `SET NX PX` + compare-and-delete pair of rslock and redis-py;
-//!   most of what is left is the cost of running a script at all, twice, and `TIME` (see
-//!   docs/benchmarks.md, S3);
+//! - an uncontended acquire + release is 4 commands in two small scripts of their own
+//!   (`ACQUIRE_SOLO`: TIME and one SET NX PX of the lock's one key; `RELEASE_SOLO`: GET
+//!   and DEL, publishing nothing), where the queue layout took 9 in the general scripts.
+//!   The queue (sorted set, entry keys, counters) is made only when a second entry
+//!   arrives, or a client watches the entry (`UNSOLO`). Measured with callgrind on
+//!   redis-server 7.0.15: about 75k instructions per pair (83k with `RELEASE_SOLO`'s
+//!   publish, 91k before its first trim, 176k before the fast path) against 34k for the
+//!   `SET NX PX` + compare-and-delete pair of rslock and redis-py; what is left is the
+//!   cost of running a script at all, twice, and `TIME` (see docs/benchmarks.md, S3);
 //! - nothing is published when an entry is added: the queue channel is read only by
 //!   `wait_changed`, whose caller waits for leases to go, never to come;
 //! - a removal tells the waiter watching the entry whether it was the head of the queue
@@ -140,31 +140,32 @@ end
 /// adds the second. The token is the server clock in µs, as the first entry of an empty
 /// queue has always taken (see [`ENQUEUE`]).
 ///
-/// ARGV: name prefix, lease ms, data. Returns the token, or nil if the lock has an entry.
+/// ARGV: name prefix, lease ms, and the data only when there is any (an argument costs
+/// the server about 1k instructions; most locks carry none). Returns the token, or nil
+/// if the lock has an entry.
 const ACQUIRE_SOLO: &str = r#"
 local t = redis.call('TIME')
 local tok = t[1] .. string.sub('00000' .. t[2], -6)
-if redis.call('SET', KEYS[1], ARGV[1] .. tok .. ' ' .. tok .. ' ' .. ARGV[3], 'NX', 'PX', ARGV[2]) then
+if redis.call('SET', KEYS[1], ARGV[1] .. tok .. ' ' .. tok .. ' ' .. (ARGV[3] or ''), 'NX', 'PX', ARGV[2]) then
   return tok
 end
 return false
 "#;
 
-/// The release of an entry [`ACQUIRE_SOLO`] created: it goes with its one key, and its
-/// gone-channel hears of it as from [`REMOVE`] (`removed head`). ARGV: name,
-/// gone-channel. Returns 1 (removed), 0 (not there: `KEYS[1]` is missing or another
-/// entry's solo string) or -1: the lock is in the queue layout now (a second entry
-/// joined), so the client sends [`REMOVE`]. A string that is not a solo entry fails the
-/// script (as `solo` does) and is left alone.
+/// The release of an entry [`ACQUIRE_SOLO`] created: it goes with its one key. ARGV:
+/// name. Returns 1 (removed), 0 (not there: `KEYS[1]` is missing or another entry's
+/// solo string) or -1: the lock is in the queue layout now (a second entry joined, or a
+/// watcher moved it there with [`UNSOLO`]), so the client sends [`REMOVE`]. A string
+/// that is not a solo entry fails the script (as `solo` does) and is left alone.
 ///
-/// Two things cost less than in the other scripts, both measured with callgrind on
-/// redis-server 7.0.15 (instructions per uncontended acquire + release, 91.2k before,
-/// 81.8k after):
-/// - Nothing is published on the queue channel (-4.6k): a solo entry is its queue's
-///   only one, and `wait_changed`, when its caller saw one entry, listens on that
-///   entry's gone-channel too (`RedisBackend::wait_changed`).
-/// - The holder's own value (`<name> <digits> `) is recognised by its prefix first; the
-///   full pattern of a solo value is matched only for someone else's (-2.9k).
+/// Nothing is published: a solo entry has no waiter (a contender's enqueue moves it into
+/// the queue layout first) and no watcher (a client that watches it, with no entry of
+/// its own, moves it there with [`UNSOLO`] once it listens), so a release that finds the
+/// string finds nobody to tell. Measured with callgrind on redis-server 7.0.15, the
+/// steps taken out of this script (per uncontended acquire + release, 91.2k instructions
+/// at first): the queue channel's `PUBLISH` (-4.6k), the full pattern match of the
+/// holder's own value, now recognised by its prefix first (-2.9k), and the gone-channel's
+/// `PUBLISH` with its argument (see docs/benchmarks.md).
 const RELEASE_SOLO: &str = r#"
 local v = redis.pcall('GET', KEYS[1])
 if type(v) == 'table' then return -1 end
@@ -177,8 +178,17 @@ if string.sub(v, 1, n + 1) ~= ARGV[1] .. ' ' or not string.find(v, '^%d+ ', n + 
   return 0
 end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], 'removed head')
 return 1
+"#;
+
+/// A watcher's first step on an entry that may be the lock's solo one, once it listens
+/// on the entry's gone-channel: moves that entry into the queue layout (`unsolo`), whose
+/// removal ([`REMOVE`]) is published, where [`RELEASE_SOLO`] publishes nothing. Any
+/// other entry, solo or queued, is left as it is. ARGV: entry-key prefix, lease ms,
+/// name. Returns the entry key's `PTTL` afterwards (-2: the entry is gone).
+const UNSOLO: &str = r#"
+if solo() == ARGV[3] then unsolo(ARGV[1], ARGV[2]) end
+return redis.call('PTTL', ARGV[1] .. ARGV[3])
 "#;
 
 /// [`REMOVE`]'s first step: a queue whose key holds a solo string (see
@@ -476,6 +486,9 @@ pub(crate) struct Scripts {
     pub acquire_solo: Script,
     /// One master only: the release of a solo entry ([`RELEASE_SOLO`]).
     pub release_solo: Script,
+    /// One master only: a watcher's move of a solo entry into the queue layout
+    /// ([`UNSOLO`]).
+    pub unsolo: Script,
     pub proclaim: Script,
     pub read: Script,
 }
@@ -502,11 +515,8 @@ impl Scripts {
             abandon: with("", ABANDON),
             renew: with("", RENEW),
             acquire_solo: Script::from_lua(ACQUIRE_SOLO),
-            release_solo: Script::from_lua(if sharded {
-                RELEASE_SOLO.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")
-            } else {
-                RELEASE_SOLO.to_owned()
-            }),
+            release_solo: Script::from_lua(RELEASE_SOLO),
+            unsolo: with("", UNSOLO),
             proclaim: with("", PROCLAIM),
             read: with("", READ),
         }
@@ -526,7 +536,6 @@ mod tests {
             (&plain.remove, &sharded.remove),
             (&plain.list, &sharded.list),
             (&plain.abandon, &sharded.abandon),
-            (&plain.release_solo, &sharded.release_solo),
             (&plain.proclaim, &sharded.proclaim),
         ] {
             let (p, s) = (p.lua().expect("source"), s.lua().expect("source"));

@@ -723,12 +723,13 @@ async fn finished_waits_leave_no_subscription_behind() {
 }
 
 /// The uncontended fast path keeps a lock's only entry as one string at the queue's key;
-/// a second entry moves it into the queue layout first. Checks both layouts on the
-/// server, and that nothing a holder, a waiter or an observer relies on changes across
-/// the move: the holder's name, sequence and token; FIFO; `contains`; `wait_gone` of a
-/// solo entry by a client that never queued (it must wait, then wake by message); the
-/// holder's release after the move (`RELEASE_SOLO` says "queued" and `REMOVE` runs);
-/// and no key left once both are gone.
+/// a second entry, or a client that watches it with no entry of its own, moves it into
+/// the queue layout first. Checks both layouts on the server, and that nothing a holder,
+/// a waiter or an observer relies on changes across the move: the holder's name,
+/// sequence and token; FIFO; `contains`; `wait_gone` of a solo entry by a client that
+/// never queued (it moves the entry, must wait, then wakes by message, since a solo
+/// entry's release publishes nothing); the holder's release after the move
+/// (`RELEASE_SOLO` says "queued" and `REMOVE` runs); and no key left once both are gone.
 #[tokio::test]
 async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     init_tracing();
@@ -783,8 +784,8 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     assert_eq!(listed[0].token, first.mine.token);
     assert_eq!(listed[0].data, b"first data");
     assert!(a.contains(&q, &first.mine).await.expect("contains"));
-    // A watch of the solo entry's data (a guard's `revoke_requested`) reads it from the
-    // queue's key: it waits, where a read of the missing entry key would say "gone".
+    // A watch of the solo entry's data (a guard's `revoke_requested`) moves it into the
+    // queue layout, unchanged, and waits: the entry lives and its data is the same.
     let data_watch = tokio::time::timeout(
         Duration::from_millis(300),
         a.wait_data_changed(&q, &first.mine, b"first data"),
@@ -794,17 +795,10 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
         data_watch.is_err(),
         "the data watch returned: {data_watch:?}"
     );
+    assert_eq!(kind(qkey.clone()).await, "zset", "the data watch moved it");
+    assert!(a.contains(&q, &first.mine).await.expect("contains"));
 
-    // 2. A client that never queued watches the solo entry: it must not return while
-    //    the entry is there.
-    let watched = spawn_wait_gone(&observer, &q, &first.mine);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        !watched.is_finished(),
-        "wait_gone returned while the solo entry lives"
-    );
-
-    // 3. A second entry: the first moves into the queue layout, unchanged, ahead of it.
+    // 2. A second entry queues behind it.
     let second = enqueue(b.clone(), b"").await;
     let Decision::Wait(ahead) = decide(&second.queue, &second.mine.name) else {
         panic!("the second waits: {:?}", second.queue);
@@ -831,7 +825,15 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
         .contains(&q, &first.mine)
         .await
         .expect("contains after the move"));
-    assert!(!watched.is_finished(), "wait_gone returned across the move");
+
+    // 3. A client that never queued watches the moved entry: it must not return while
+    //    the entry is there.
+    let watched = spawn_wait_gone(&observer, &q, &first.mine);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !watched.is_finished(),
+        "wait_gone returned while the entry lives"
+    );
 
     // 4. The holder releases after the move: the waiter and the observer wake.
     let waiter = spawn_wait_gone(&b, &q, &first.mine);
@@ -849,24 +851,55 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     b.remove(&q, &again.mine).await.expect("release");
     let solo_again = enqueue(b.clone(), b"").await;
     assert_eq!(kind(qkey.clone()).await, "string");
-    b.remove(&q, &solo_again.mine).await.expect("release");
     assert!(solo_again.mine.token > again.mine.token);
+    // A second arrival moves a solo entry into the queue layout, unchanged, ahead of it.
+    let behind = enqueue(a.clone(), b"").await;
+    assert_eq!(kind(qkey.clone()).await, "zset");
+    let Decision::Wait(ahead) = decide(&behind.queue, &behind.mine.name) else {
+        panic!("the second waits: {:?}", behind.queue);
+    };
+    assert_eq!(
+        (&ahead.name, ahead.seq),
+        (&solo_again.mine.name, solo_again.mine.seq)
+    );
+    assert!(behind.mine.token > solo_again.mine.token);
+    b.remove(&q, &solo_again.mine).await.expect("release");
+    a.remove(&q, &behind.mine).await.expect("release");
 
-    // 5. A solo entry released as such wakes a client that watched it, by message.
-    let third = enqueue(a.clone(), b"").await;
+    // 5. A client that never queued watches a solo entry: its watch moves the entry
+    //    into the queue layout (the release of a solo entry publishes nothing), waits
+    //    while the entry lives, and the holder's release wakes it by message.
+    // (`b`: `a` found the lock contended just now, so it would skip the fast path.)
+    let third = enqueue(b.clone(), b"third").await;
     assert_eq!(kind(qkey.clone()).await, "string");
     assert!(third.mine.token > solo_again.mine.token);
     let before = observer.stats();
     let watched = spawn_wait_gone(&observer, &q, &third.mine);
     assert!(
         eventually(Duration::from_secs(5), || async {
-            observer.stats().subscribes > before.subscribes
+            kind(qkey.clone()).await == "zset"
         })
+        .await,
+        "the watch moved the solo entry into the queue layout"
+    );
+    let third_key = format!("dlock:{{{}}}:e:{}", q.lock, third.mine.name);
+    let v: String = fred::prelude::KeysInterface::get(&insp, &third_key)
         .await
+        .expect("GET entry");
+    let third_token = third.mine.token.expect("a token").get();
+    assert!(
+        v.starts_with(&format!("{third_token} ")) && v.ends_with(" third"),
+        "the moved entry keeps its token and data: {v}"
+    );
+    let listed = a.participants(&q).await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (&listed[0].name, listed[0].token),
+        (&third.mine.name, third.mine.token)
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(!watched.is_finished());
-    a.remove(&q, &third.mine).await.expect("release");
+    b.remove(&q, &third.mine).await.expect("release");
     woken(watched, Duration::from_secs(5), "the observer wakes").await;
     assert!(
         observer.stats().messages > before.messages,
@@ -1081,10 +1114,9 @@ async fn a_malformed_solo_value_is_a_typed_error_and_left_alone() {
     other.close().await.expect("close");
 }
 
-/// A solo entry's release is published on its gone-channel only (`RELEASE_SOLO`), so a
-/// `wait_changed` that saw that one entry listens there too: the release wakes
-/// it by the message, not by the re-check timer. (With the queue channel's publish taken
-/// out of the script and `wait_changed` listening on that channel alone, this waiter was
+/// A solo entry's release publishes nothing (`RELEASE_SOLO`), so a `wait_changed` that
+/// saw that one entry moves it into the queue layout once it listens: the release wakes
+/// it by the message, not by the re-check timer. (Without the move, this waiter was
 /// woken by its timer.)
 #[tokio::test]
 async fn wait_changed_on_a_lone_solo_entry_is_woken_by_its_release() {
@@ -1117,9 +1149,17 @@ async fn wait_changed_on_a_lone_solo_entry_is_woken_by_its_release() {
         .await,
         "the watcher subscribes"
     );
-    // Time to arm the entry's gone channel too. (Were the release to come first, the
-    // waiter's listing would find it, still not by the timer.)
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        eventually(LONG, || async {
+            let kind: String =
+                fred::prelude::ClientLike::custom(&insp, fred::cmd!("TYPE"), vec![queue_key(&q)])
+                    .await
+                    .expect("type");
+            kind == "zset"
+        })
+        .await,
+        "the watcher moved the solo entry into the queue layout"
+    );
     assert!(
         !waiting.is_finished(),
         "wait_changed returned with no change"
