@@ -214,10 +214,9 @@ pub async fn cli_sigkill_frees_the_lock(_kind: Kind, url: &str) {
     let name = unique("kill");
     let dir = crate::support::tempdir("kill");
     let pidfile = dir.join("child.pid");
-    // The command records its PID, then becomes `sleep` under that same PID.
     let mut holder = crate::faults::spawn_exec(
         &["--url", url, "--session-timeout", "2s", "exec", &name],
-        "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+        crate::faults::RECORD_PID_AND_SLEEP,
         &[&pidfile],
         &dir.join("dlock.err"),
     );
@@ -234,15 +233,7 @@ pub async fn cli_sigkill_frees_the_lock(_kind: Kind, url: &str) {
     );
     // SIGKILL the holder's whole process group: dlock and its `sleep` child die at once,
     // as in a machine crash; nothing releases the lock but the session's end.
-    assert!(
-        eventually(Duration::from_secs(30), || async { pidfile.exists() }).await,
-        "the holder never ran its command"
-    );
-    let child_pid: u32 = std::fs::read_to_string(&pidfile)
-        .expect("pid file")
-        .trim()
-        .parse()
-        .expect("pid");
+    let child_pid = crate::faults::recorded_pid(&pidfile).await;
     // dlock's command, in a process group of its own, outlives the SIGKILL below.
     let _command = crate::faults::Orphan::new(child_pid);
     let pgid = holder.0.id();

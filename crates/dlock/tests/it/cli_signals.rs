@@ -18,15 +18,7 @@ fn signal_pid(pid: u32, sig: &str) {
 
 /// The background child's pid and start time, once the command wrote it to `file`.
 async fn background_child(file: &std::path::Path) -> (u32, u64) {
-    assert!(
-        eventually(GENEROUS, || async { file.exists() }).await,
-        "the holder never ran its command"
-    );
-    let pid: u32 = std::fs::read_to_string(file)
-        .expect("pid file")
-        .trim()
-        .parse()
-        .expect("pid");
+    let pid = crate::faults::recorded_pid(file).await;
     (pid, start_time(pid).expect("the background child runs"))
 }
 

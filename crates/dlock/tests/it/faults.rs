@@ -81,6 +81,25 @@ pub(crate) async fn wait_exit(
     }
 }
 
+/// A `sh -c` script for [`spawn_exec`]: the command records its PID in the file `$1`
+/// (written beside it and renamed, so a reader never sees half of it), then becomes
+/// `sleep` under that same PID.
+pub(crate) const RECORD_PID_AND_SLEEP: &str =
+    "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600";
+
+/// The PID a command recorded in `file`, once it has (see [`RECORD_PID_AND_SLEEP`]).
+pub(crate) async fn recorded_pid(file: &Path) -> u32 {
+    assert!(
+        eventually(GENEROUS, || async { file.exists() }).await,
+        "the holder never ran its command"
+    );
+    std::fs::read_to_string(file)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid")
+}
+
 /// The command a `dlock` process ran, which `dlock` starts as the leader of a process
 /// group of its own: killing dlock's group (a crash, as the SIGKILL tests do) leaves it
 /// running, so its group is killed when this is dropped, if the process is still the
@@ -157,20 +176,12 @@ pub async fn cli_paused_holder_exits_70(_kind: Kind, url: &str) {
     // The command records its PID, then becomes `sleep` under that same PID.
     let mut holder = spawn_exec(
         &["--url", url, "--session-timeout", "2s", "exec", &name],
-        "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+        RECORD_PID_AND_SLEEP,
         &[&pidfile],
         &errfile,
     );
     let pgid = holder.0.id();
-    assert!(
-        eventually(GENEROUS, || async { pidfile.exists() }).await,
-        "the holder never ran its command"
-    );
-    let child_pid: u32 = std::fs::read_to_string(&pidfile)
-        .expect("pid file")
-        .trim()
-        .parse()
-        .expect("pid");
+    let child_pid = recorded_pid(&pidfile).await;
     let child_start = start_time(child_pid).expect("the command runs");
     // Connected before the pause, so the only slow thing while paused is the lock.
     let c = client(url).await;
@@ -658,19 +669,11 @@ async fn spawn_leader(url: &str, name: &str, value: &str, dir: &Path) -> (Reap, 
             "--value",
             value,
         ],
-        "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; exec sleep 600",
+        RECORD_PID_AND_SLEEP,
         &[&pidfile],
         &dir.join("dlock.err"),
     );
-    assert!(
-        eventually(GENEROUS, || async { pidfile.exists() }).await,
-        "the leader never ran its command"
-    );
-    let child_pid: u32 = std::fs::read_to_string(&pidfile)
-        .expect("pid file")
-        .trim()
-        .parse()
-        .expect("pid");
+    let child_pid = recorded_pid(&pidfile).await;
     (leader, child_pid)
 }
 
