@@ -616,6 +616,83 @@ pub(super) fn inject_server(
             recovered?;
             Ok(server_wide(t))
         }
+        Scenario::SentinelSplit => {
+            // The primary loses its replica and every Sentinel, not its clients: what a
+            // holder renews or takes there before the Sentinels' +odown closes the
+            // clients' fences never reaches the replica they promote, where the entry
+            // runs out one lease after its last replicated renewal. Replication's
+            // asynchrony, with a window of down-after-milliseconds: not guaranteed.
+            let old = cluster.wait_sentinel_group(WAIT)?;
+            let replica = cluster
+                .servers_of(Backend::RedisHa)
+                .find(|s| s.id != old)
+                .context("a replica in the Sentinel group")?
+                .clone();
+            let primary_port = port_of(&cluster.server(Backend::RedisHa, old)?.addr)?;
+            let sentinels: Vec<(u32, u32)> = cluster
+                .servers_of(Backend::Sentinel)
+                .map(|s| (s.id, s.pid))
+                .collect();
+            let watcher = cluster
+                .server(
+                    Backend::Sentinel,
+                    sentinels.first().context("a Sentinel")?.0,
+                )?
+                .clone();
+            wait_inside("the victim inside its section")?;
+            let t = now_us();
+            let mut cuts = vec![dlock_testkit::NetCut::isolate(
+                replica.pid,
+                &[],
+                &[primary_port],
+            )];
+            for (_, pid) in &sentinels {
+                cuts.push(dlock_testkit::NetCut::isolate(*pid, &[], &[primary_port]));
+            }
+            let promoted = if cuts.iter().all(Result::is_ok) {
+                wait_for(
+                    &format!("Sentinel {} naming node {} the primary", watcher.id, replica.id),
+                    WAIT,
+                    || {
+                        Ok(watcher
+                            .redis_query(
+                                &[
+                                    "SENTINEL",
+                                    "GET-MASTER-ADDR-BY-NAME",
+                                    dlock_testkit::SENTINEL_SERVICE,
+                                ],
+                                Duration::from_secs(1),
+                            )
+                            .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == replica.addr))
+                    },
+                )
+                .map(|()| {
+                    eprintln!(
+                        "  cut the primary (node {old}) off from its replica and every Sentinel under worker {victim}; node {} promoted after {} ms, the old primary still up",
+                        replica.id,
+                        (now_us() - t) / 1000
+                    );
+                    std::thread::sleep(long);
+                })
+            } else {
+                Err(anyhow::anyhow!("cutting the primary off failed"))
+            };
+            let mut healed = Ok(());
+            for c in cuts {
+                let h = c.and_then(dlock_testkit::NetCut::heal);
+                if healed.is_ok() {
+                    healed = h.context("healing the primary's cut");
+                }
+            }
+            promoted?;
+            healed?;
+            let recovered =
+                wait_all_recovered(groups, u32::MAX, t, "a holder after the primary's cut");
+            // The old primary rejoins as the new one's replica before the next fault.
+            cluster.wait_sentinel_group(WAIT)?;
+            recovered?;
+            Ok(server_wide(t))
+        }
         Scenario::ClusterFailover => {
             let slot = lock_slot(anchor)?;
             let master = cluster.redis_cluster_master_of_slot(slot)?;

@@ -23,13 +23,14 @@ pub(crate) enum Scenario {
     ReplicaPromotion,
     SentinelFailover,
     SentinelPartition,
+    SentinelSplit,
     ClusterFailover,
     MasterKill,
     SlotReshard,
 }
 
 impl Scenario {
-    pub(super) const ALL: [Scenario; 16] = [
+    pub(super) const ALL: [Scenario; 17] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::ClientCut,
@@ -43,6 +44,7 @@ impl Scenario {
         Scenario::ReplicaPromotion,
         Scenario::SentinelFailover,
         Scenario::SentinelPartition,
+        Scenario::SentinelSplit,
         Scenario::ClusterFailover,
         Scenario::MasterKill,
         Scenario::SlotReshard,
@@ -63,6 +65,7 @@ impl Scenario {
             Scenario::ReplicaPromotion => "replica-promotion",
             Scenario::SentinelFailover => "sentinel-failover",
             Scenario::SentinelPartition => "sentinel-partition",
+            Scenario::SentinelSplit => "sentinel-split",
             Scenario::ClusterFailover => "cluster-failover",
             Scenario::MasterKill => "master-kill",
             Scenario::SlotReshard => "slot-reshard",
@@ -108,6 +111,9 @@ impl Scenario {
             Scenario::SentinelPartition => {
                 "while a holder is inside, cut the Sentinel group's primary off from two Sentinels, which promote the replica, and the Sentinel the clients list first off from them and the replica, so it keeps naming the old primary, which stays up, a master, reachable by every client; heal after two sessions"
             }
+            Scenario::SentinelSplit => {
+                "while a holder is inside, cut the Sentinel group's primary off from its replica and every Sentinel, which promote the replica; the old primary stays up, a master, reachable by every client, and what is renewed or taken there until the Sentinels' +odown never reaches the promoted replica; heal after two sessions"
+            }
             Scenario::ClusterFailover => {
                 "CLUSTER FAILOVER on the replica of the lock's master while a holder is inside (a manual failover: the replica catches up first)"
             }
@@ -138,7 +144,9 @@ impl Scenario {
             // The Sentinel group is there for its failover; the holder faults behave as
             // on `redis`, and a proxy in front of the Sentinels would not cut the data
             // connection.
-            Scenario::SentinelFailover | Scenario::SentinelPartition => kind == Kind::RedisSentinel,
+            Scenario::SentinelFailover | Scenario::SentinelPartition | Scenario::SentinelSplit => {
+                kind == Kind::RedisSentinel
+            }
             Scenario::ClusterFailover | Scenario::MasterKill | Scenario::SlotReshard => {
                 kind == Kind::RedisCluster
             }
@@ -168,7 +176,8 @@ impl Scenario {
     /// Whether `kind` promises mutual exclusion under this fault. One Redis server
     /// (`redis://`, and `redis+sentinel://` and `redis+cluster://`, whose replication is
     /// asynchronous) does not when it forgets its keys: a restart without persistence, a
-    /// replica promoted before it saw the lock (a Redis Cluster master killed). A manual
+    /// replica promoted before it saw the lock (a Redis Cluster master killed, a Sentinel
+    /// group's primary cut off from its replica while its clients still reach it). A manual
     /// `CLUSTER FAILOVER` and a slot migration lose nothing, so they promise it. Redlock keeps its majority when one master of five restarts. An
     /// etcd server with etcd#15247 (before 3.4.31 / 3.5.13) does not when its leader
     /// pauses past a lease: the resumed old leader revokes leases their clients kept
@@ -179,6 +188,7 @@ impl Scenario {
             | (Scenario::ClockJump, Kind::Redis)
             | (Scenario::ReplicaPromotion, Kind::Redis)
             | (Scenario::SentinelFailover, Kind::RedisSentinel)
+            | (Scenario::SentinelSplit, Kind::RedisSentinel)
             | (Scenario::MasterKill, Kind::RedisCluster) => false,
             (Scenario::LeaderPause, Kind::Etcd) => !etcd_revokes_live_leases(),
             _ => true,
@@ -195,6 +205,7 @@ impl Scenario {
             | Scenario::ReplicaPromotion
             | Scenario::SentinelFailover
             | Scenario::SentinelPartition
+            | Scenario::SentinelSplit
             | Scenario::ClusterFailover
             | Scenario::MasterKill
             | Scenario::SlotReshard => 2 * SESSION.as_millis() as u64,
@@ -399,6 +410,8 @@ mod tests {
         // as with Sentinel; a manual failover and a slot move lose nothing.
         assert!(!Scenario::MasterKill.guaranteed_on(Kind::RedisCluster));
         assert!(!Scenario::SentinelFailover.guaranteed_on(Kind::RedisSentinel));
+        assert!(!Scenario::SentinelSplit.guaranteed_on(Kind::RedisSentinel));
+        assert!(Scenario::SentinelPartition.guaranteed_on(Kind::RedisSentinel));
         assert!(Scenario::ClusterFailover.guaranteed_on(Kind::RedisCluster));
         assert!(Scenario::SlotReshard.guaranteed_on(Kind::RedisCluster));
         assert!(Scenario::HolderPause.guaranteed_on(Kind::RedisCluster));
