@@ -489,10 +489,11 @@ impl Backend for RedisBackend {
             let listener = s.listen(&keys.changed, true).await;
             // A lock's only entry may be a solo one, whose release publishes nothing
             // (`RELEASE_SOLO`): moved into the queue layout once the listener is in
-            // force, its removal is published on the queue channel.
-            if let ([only], Mode::Single) = (seen, s.mode) {
-                s.unsolo(&keys, &only.name).await?;
-            }
+            // force (on every pass), its removal is published on the queue channel.
+            let lone = match (seen, s.mode) {
+                ([only], Mode::Single) => Some(only.name.as_str()),
+                _ => None,
+            };
             let seen: HashSet<&str> = seen.iter().map(|e| e.name.as_str()).collect();
             let mut by_timer = false;
             loop {
@@ -500,6 +501,9 @@ impl Backend for RedisBackend {
                 tokio::pin!(notified);
                 notified.as_mut().enable();
                 s.check_open()?;
+                if let Some(name) = lone {
+                    s.unsolo(&keys, name).await?;
+                }
                 let now = s.list(&keys, false, None).await?;
                 let same =
                     now.len() == seen.len() && now.iter().all(|e| seen.contains(e.name.as_str()));
@@ -695,9 +699,6 @@ impl Backend for RedisBackend {
             // to a live subscription.
             let changed = s.listen(&keys.data_channel(&entry.name), true).await;
             let gone = s.listen(&keys.gone_channel(&entry.name), true).await;
-            // A solo entry's release publishes nothing (`RELEASE_SOLO`): moved into
-            // the queue layout now that both listeners are in force, its removal is.
-            s.unsolo(&keys, &entry.name).await?;
             let mut by_timer = false;
             loop {
                 let on_change = changed.notify.notified();
@@ -706,6 +707,13 @@ impl Backend for RedisBackend {
                 on_change.as_mut().enable();
                 on_gone.as_mut().enable();
                 s.check_open()?;
+                // A solo entry's release publishes nothing (`RELEASE_SOLO`): moved into
+                // the queue layout once both listeners are in force (on every pass), its
+                // removal is. An election candidate is never solo (`try_solo`), so a
+                // leader's observer pays nothing for this.
+                if entry.kind != EntryKind::Candidate {
+                    s.unsolo(&keys, &entry.name).await?;
+                }
                 let now = s.read_entry(&keys, &entry.name).await?;
                 let verdict = match now {
                     None => Some(None),

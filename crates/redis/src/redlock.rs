@@ -317,13 +317,20 @@ impl Shared {
     /// only), and returns its entry key's time left in ms, `None` when it has no entry
     /// key (gone). A client that watches an entry with no entry of its own calls this
     /// once it listens on the entry's gone-channel: a solo entry's release
-    /// (`RELEASE_SOLO`) publishes nothing, a queued entry's removal does.
+    /// (`RELEASE_SOLO`) publishes nothing, a queued entry's removal does. It does so on
+    /// every pass of its wait, not once: a move the server acknowledged can be lost
+    /// with it (a failover to a replica that never saw it).
     pub(crate) async fn unsolo(&self, keys: &QueueKeys, name: &str) -> Result<Option<i64>> {
         let reply = self.nodes[0]
             .eval(
                 "checking an entry",
                 &self.scripts.unsolo,
-                vec![keys.queue.clone()],
+                // All three of the lock's keys, as every PRELUDE script names them: in
+                // a Redis Cluster slot being migrated the sequence key never exists, so
+                // a node refuses the script unrun (`TRYAGAIN`, retried; `ASK`) instead
+                // of running its `DEL` of the solo string and then being refused the
+                // entry key it names only in `ARGV`, which would delete a held entry.
+                keys.script_keys(),
                 vec![
                     Value::from(keys.entry_prefix.as_str()),
                     self.lease_ms.clone(),

@@ -543,6 +543,18 @@ mod tests {
             assert!(s.contains("redis.call('SPUBLISH'"));
             assert!(!s.contains("redis.call('PUBLISH'"));
         }
+        // The uncontended pair publishes nothing at all (a solo entry has no listener),
+        // and a watcher's move publishes sharded on a cluster, as the others do.
+        for script in [
+            &plain.acquire_solo,
+            &plain.release_solo,
+            &sharded.acquire_solo,
+            &sharded.release_solo,
+        ] {
+            assert!(!script.lua().expect("source").contains("PUBLISH"));
+        }
+        let unsolo = sharded.unsolo.lua().expect("source");
+        assert!(!unsolo.contains("redis.call('PUBLISH'"));
         assert_ne!(plain.remove.sha1(), sharded.remove.sha1());
     }
 }

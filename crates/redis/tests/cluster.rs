@@ -817,6 +817,85 @@ async fn slot_migration_under_load_follows_redirections_and_strands_no_waiter() 
     holder.close().await.expect("close");
 }
 
+/// A client that watches a lock's solo entry (the uncontended fast path's one string)
+/// moves it into the queue layout first (`UNSOLO`; here `wait_changed` on a listing of
+/// that one entry, as a semaphore's waiter watches its leases). While the lock's slot is being
+/// migrated and the string is still on the source, that script must be refused unrun
+/// and retried, not run: the holder's entry stays where it is, untouched, until the move
+/// ends; the watcher then moves it on the new master and is woken by its release. (With
+/// `UNSOLO` naming only the queue key, the source ran it, deleted the solo string, and
+/// was then refused the entry key the script builds from its arguments: a held entry
+/// gone, and the watch failed.)
+#[tokio::test]
+async fn a_watch_of_a_solo_entry_in_a_migrating_slot_deletes_nothing() {
+    let Some((nodes, state, _turn)) = shared_cluster().await else {
+        return;
+    };
+    let lease = Duration::from_secs(10);
+    let q = fresh_queue("cluster-unsolo");
+    let qkey = queue_key(&q);
+    let slot = key_slot(&qkey);
+    let home = addr(
+        &state,
+        state.redis_cluster_master_of(&qkey).expect("master"),
+    );
+    let away = other_master(&state, &home);
+    let kind_on = |a: &str| {
+        dlock_testkit::redis_query(a, &["TYPE", &qkey], Duration::from_secs(5))
+            .unwrap_or_default()
+            .trim()
+            .to_owned()
+    };
+    let holder = connect_cluster(&nodes, lease).await;
+    let watcher = connect_cluster(&nodes, lease).await;
+    let held = enqueue_now(&holder, &q).await.mine;
+    assert_eq!(kind_on(&home), "string", "the holder's entry is solo");
+
+    // A semaphore's waiter watches the leases this way: `wait_changed` on a listing of
+    // one entry.
+    let seen = watcher.queue(&q).await.expect("list");
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    let mv = dlock_testkit::SlotMove::begin(slot, &home, &away).expect("begin the move");
+    let watch = {
+        let (w, q) = (watcher.clone(), q.clone());
+        tokio::spawn(async move { w.wait_changed(&q, &seen).await })
+    };
+    // Well inside the command timeout (lease/2) that bounds the watcher's retries.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        kind_on(&home),
+        "string",
+        "the solo entry on the source was left as it was during the move"
+    );
+    assert!(!watch.is_finished(), "the watch returned: {watch:?}");
+    mv.finish(100).expect("finish the move");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            kind_on(&away) == "zset"
+        })
+        .await,
+        "the watcher moved the entry into the queue layout on the new master"
+    );
+    assert!(holder.contains(&q, &held).await.expect("contains"));
+    assert!(
+        !watch.is_finished(),
+        "the watch returned while the entry lives"
+    );
+    holder.remove(&q, &held).await.expect("release");
+    tokio::time::timeout(Duration::from_secs(10), watch)
+        .await
+        .expect("the watcher wakes")
+        .expect("task")
+        .expect("wait_changed");
+    // The slot goes back, so the shared cluster is left as it was found.
+    dlock_testkit::SlotMove::begin(slot, &away, &home)
+        .expect("begin the move back")
+        .finish(100)
+        .expect("move back");
+    holder.close().await.expect("close");
+    watcher.close().await.expect("close");
+}
+
 /// The id of the shared cluster's node at `a`.
 fn addr_id(state: &State, a: &str) -> u32 {
     state

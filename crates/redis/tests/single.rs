@@ -784,7 +784,7 @@ async fn solo_entry_moves_into_the_queue_when_a_second_arrives() {
     assert_eq!(listed[0].token, first.mine.token);
     assert_eq!(listed[0].data, b"first data");
     assert!(a.contains(&q, &first.mine).await.expect("contains"));
-    // A watch of the solo entry's data (a guard's `revoke_requested`) moves it into the
+    // A watch of the solo entry's data (`wait_data_changed`) moves it into the
     // queue layout, unchanged, and waits: the entry lives and its data is the same.
     let data_watch = tokio::time::timeout(
         Duration::from_millis(300),

@@ -136,6 +136,7 @@ impl Node {
                 }
                 let mut pause = Duration::from_millis(100);
                 let mut warned = false;
+                let since = tokio::time::Instant::now();
                 while unverified(&fence.borrow()) {
                     let before = reconnects.load(Ordering::SeqCst);
                     let (c0, s0) = (connection(&client), connection(&sub));
@@ -156,7 +157,12 @@ impl Node {
                             continue;
                         }
                         inconclusive => {
-                            if !warned {
+                            // Not at once: right after connecting, the askers' own
+                            // connections are often still being made (an unconnected
+                            // asker counts as no answer), and a command line tool would
+                            // print the warning on every run; the next tries, 100 ms
+                            // apart and doubling, settle it.
+                            if !warned && since.elapsed() >= INCONCLUSIVE_WARN_AFTER {
                                 warned = true;
                                 tracing::warn!(service = %addr, needed, why = %inconclusive, "the Sentinels' answers do not confirm a primary; commands stay held back, asking again");
                             }
@@ -639,6 +645,10 @@ impl Node {
 
 /// The Sentinel channels that close the fence, besides `+switch-master`.
 pub(super) const FENCE_CHANNELS: [&str; 3] = ["+odown", "-odown", "+try-failover"];
+
+/// How long the primary check may stay inconclusive (too few Sentinels answering, or
+/// answers flagging the primary) before it warns.
+const INCONCLUSIVE_WARN_AFTER: Duration = Duration::from_secs(1);
 
 /// How often an open fence's primary is confirmed again with the Sentinels
 /// ([`Node::check_primary`]): a client whose watchers all missed a failover (cut off
