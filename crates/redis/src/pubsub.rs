@@ -36,7 +36,8 @@ pub(crate) struct Chan {
     /// The entry the message named behind the removed head, live at that moment
     /// (`removed head <name>`). Set before `heard`.
     next: Arc<Mutex<Option<String>>>,
-    ready: Arc<tokio::sync::OnceCell<()>>,
+    /// Set once the channel's SUBSCRIBE went out: `true` if it was also confirmed then.
+    ready: Arc<tokio::sync::OnceCell<bool>>,
 }
 
 impl Shared {
@@ -151,7 +152,7 @@ impl Shared {
             head,
             next,
         };
-        ready
+        let confirmed = *ready
             .get_or_init(|| async {
                 // SUBSCRIBE is sent under the lock (so a late UNSUBSCRIBE of the same
                 // channel never overtakes it) and confirmed outside it: waiters arming
@@ -179,8 +180,22 @@ impl Shared {
                         }
                     }
                 }
+                confirm
             })
             .await;
+        if confirm && !confirmed {
+            // Another waiter subscribed the channel without confirming it (it confirms
+            // with its own next command on the subscriber connection), and this one may
+            // send its first command on the command connection: confirm here, or that
+            // command could overtake the SUBSCRIBE and a message sent between the two
+            // would be missed.
+            let results = self
+                .gather(self.nodes.iter().map(|n| n.confirm_subscriptions()))
+                .await;
+            for e in results.into_iter().filter_map(Result::err) {
+                warn!(%channel, error = %e, "confirming a subscription failed; falling back to the re-check timer");
+            }
+        }
         listener
     }
 
