@@ -569,45 +569,21 @@ pub(super) fn inject_server(
                 ));
             }
             let aware_sentinel = cluster.server(Backend::Sentinel, aware[0].0)?.clone();
-            let promoted = if cuts.iter().all(Result::is_ok) {
-                wait_for(
-                    &format!("Sentinel {} naming node {} the primary", aware[0].0, replica.id),
-                    WAIT,
-                    || {
-                        Ok(aware_sentinel
-                            .redis_query(
-                                &[
-                                    "SENTINEL",
-                                    "GET-MASTER-ADDR-BY-NAME",
-                                    dlock_testkit::SENTINEL_SERVICE,
-                                ],
-                                Duration::from_secs(1),
-                            )
-                            .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == replica.addr))
-                    },
+            let said = |ms| {
+                eprintln!(
+                    "  cut the primary (node {old}) off from Sentinels {} and {} and Sentinel {stale_id} off from them and the replica under worker {victim}; node {} promoted after {ms} ms, the old primary still up",
+                    aware[0].0, aware[1].0, replica.id
                 )
-                .map(|()| {
-                    eprintln!(
-                        "  cut the primary (node {old}) off from Sentinels {} and {} and Sentinel {stale_id} off from them and the replica under worker {victim}; node {} promoted after {} ms, the old primary still up",
-                        aware[0].0,
-                        aware[1].0,
-                        replica.id,
-                        (now_us() - t) / 1000
-                    );
-                    std::thread::sleep(long);
-                })
-            } else {
-                Err(anyhow::anyhow!("cutting the Sentinels apart failed"))
             };
-            let mut healed = Ok(());
-            for c in cuts {
-                let h = c.and_then(dlock_testkit::NetCut::heal);
-                if healed.is_ok() {
-                    healed = h.context("healing the Sentinel partition");
-                }
-            }
-            promoted?;
-            healed?;
+            promote_behind_cuts(
+                cuts,
+                &aware_sentinel,
+                &replica,
+                long,
+                "the Sentinel partition",
+                t,
+                said,
+            )?;
             let recovered =
                 wait_all_recovered(groups, u32::MAX, t, "a holder after the Sentinel partition");
             // The old primary rejoins as the new one's replica, and the stale Sentinel
@@ -649,43 +625,13 @@ pub(super) fn inject_server(
             for (_, pid) in &sentinels {
                 cuts.push(dlock_testkit::NetCut::isolate(*pid, &[], &[primary_port]));
             }
-            let promoted = if cuts.iter().all(Result::is_ok) {
-                wait_for(
-                    &format!("Sentinel {} naming node {} the primary", watcher.id, replica.id),
-                    WAIT,
-                    || {
-                        Ok(watcher
-                            .redis_query(
-                                &[
-                                    "SENTINEL",
-                                    "GET-MASTER-ADDR-BY-NAME",
-                                    dlock_testkit::SENTINEL_SERVICE,
-                                ],
-                                Duration::from_secs(1),
-                            )
-                            .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == replica.addr))
-                    },
+            let said = |ms| {
+                eprintln!(
+                    "  cut the primary (node {old}) off from its replica and every Sentinel under worker {victim}; node {} promoted after {ms} ms, the old primary still up",
+                    replica.id
                 )
-                .map(|()| {
-                    eprintln!(
-                        "  cut the primary (node {old}) off from its replica and every Sentinel under worker {victim}; node {} promoted after {} ms, the old primary still up",
-                        replica.id,
-                        (now_us() - t) / 1000
-                    );
-                    std::thread::sleep(long);
-                })
-            } else {
-                Err(anyhow::anyhow!("cutting the primary off failed"))
             };
-            let mut healed = Ok(());
-            for c in cuts {
-                let h = c.and_then(dlock_testkit::NetCut::heal);
-                if healed.is_ok() {
-                    healed = h.context("healing the primary's cut");
-                }
-            }
-            promoted?;
-            healed?;
+            promote_behind_cuts(cuts, &watcher, &replica, long, "the primary's cut", t, said)?;
             let recovered =
                 wait_all_recovered(groups, u32::MAX, t, "a holder after the primary's cut");
             // The old primary rejoins as the new one's replica before the next fault.
@@ -782,6 +728,56 @@ pub(super) fn inject_server(
 
 /// The Redis Cluster slot of `g`'s lock (of its first part, for a multi-lock): every key
 /// of a lock carries the hash tag `{<name>}`, the queue key is `dlock:{<name>}:q`.
+/// Under the nftables `cuts` (made just before, at `t`): waits until `sentinel` names
+/// `replica` the primary, tells it with `said` (ms since `t`), and keeps the cuts for
+/// `long`; then heals every cut that was made, on every path. Fails if a cut failed (with
+/// its own error), the promotion did not come, or a heal failed.
+fn promote_behind_cuts(
+    cuts: Vec<dlock_testkit::Result<dlock_testkit::NetCut>>,
+    sentinel: &dlock_testkit::Server,
+    replica: &dlock_testkit::Server,
+    long: Duration,
+    what: &str,
+    t: u64,
+    said: impl FnOnce(u64),
+) -> anyhow::Result<()> {
+    let promoted = match cuts.iter().find_map(|c| c.as_ref().err()) {
+        Some(e) => Err(anyhow::anyhow!("making {what}: {e}")),
+        None => wait_for(
+            &format!(
+                "Sentinel {} naming node {} the primary",
+                sentinel.id, replica.id
+            ),
+            WAIT,
+            || {
+                Ok(sentinel
+                    .redis_query(
+                        &[
+                            "SENTINEL",
+                            "GET-MASTER-ADDR-BY-NAME",
+                            dlock_testkit::SENTINEL_SERVICE,
+                        ],
+                        Duration::from_secs(1),
+                    )
+                    .is_some_and(|r| r.lines().collect::<Vec<_>>().join(":") == replica.addr))
+            },
+        )
+        .map(|()| {
+            said((now_us() - t) / 1000);
+            std::thread::sleep(long);
+        }),
+    };
+    let mut healed = Ok(());
+    for c in cuts.into_iter().flatten() {
+        let h = c.heal();
+        if healed.is_ok() {
+            healed = h.with_context(|| format!("healing {what}"));
+        }
+    }
+    promoted?;
+    healed
+}
+
 fn lock_slot(g: &Group) -> anyhow::Result<u16> {
     let name = g
         .recipe
