@@ -535,10 +535,12 @@ impl Backend for RedisBackend {
                 Fate::Released,
             ) {
                 Some(live) => live,
-                None => (Arc::new(QueueKeys::new(&self.shared.prefix, q)), false),
+                None => (Arc::new(QueueKeys::new(&self.shared.prefix, q)), None),
             };
-            if solo && s.release_solo(&keys, &entry.name).await? {
-                return Ok(());
+            if let Some(value) = solo {
+                if s.release_solo(&keys, value).await? {
+                    return Ok(());
+                }
             }
             s.remove_names(&keys, std::slice::from_ref(&entry.name))
                 .await

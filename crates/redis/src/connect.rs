@@ -325,7 +325,7 @@ impl RedisBackend {
             lease_ms: Value::from(lease.as_millis().to_string()),
             recheck: (lease / 3).min(Duration::from_secs(1)),
             drift: lease / 100 + Duration::from_millis(2),
-            scripts: Scripts::new(nodes.iter().any(|n| n.sharded)),
+            scripts: Scripts::new(nodes.iter().any(|n| n.sharded), lease.as_millis()),
             live: Mutex::new(HashMap::new()),
             chans: Mutex::new(HashMap::new()),
             idle_chans: Mutex::new(Vec::new()),

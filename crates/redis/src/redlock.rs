@@ -299,15 +299,16 @@ impl Shared {
         map.insert(queue.to_owned(), std::time::Instant::now());
     }
 
-    /// Releases an entry the fast path created; `false` when a second entry has moved
-    /// it into the queue layout since, and [`Shared::remove_names`] must remove it.
-    pub(crate) async fn release_solo(&self, keys: &QueueKeys, name: &str) -> Result<bool> {
+    /// Releases an entry the fast path created, given the value it wrote; `false` when a
+    /// second entry has moved it into the queue layout since, and
+    /// [`Shared::remove_names`] must remove it.
+    pub(crate) async fn release_solo(&self, keys: &QueueKeys, value: Value) -> Result<bool> {
         let reply = self.nodes[0]
             .eval(
                 "removing an entry",
                 &self.scripts.release_solo,
                 vec![keys.queue.clone()],
-                vec![Value::from(name)],
+                vec![value],
             )
             .await?;
         Ok(reply.as_i64() != Some(-1))
@@ -395,9 +396,9 @@ impl RedisBackend {
                 &s.scripts.acquire_solo,
                 vec![keys.queue.clone()],
                 if data.is_empty() {
-                    vec![Value::from(prefix), s.lease_ms.clone()]
+                    vec![Value::from(prefix)]
                 } else {
-                    vec![Value::from(prefix), s.lease_ms.clone(), Value::from(data)]
+                    vec![Value::from(prefix), Value::from(data)]
                 },
             )
             .await?;
@@ -409,12 +410,23 @@ impl RedisBackend {
             .ok_or_else(|| Error::backend("adding an entry", "solo entry name does not parse"))?;
         mine.token = Some(FencingToken::new(token));
         mine.created_ms = i64::try_from(token / 1000).ok();
+        // The value `ACQUIRE_SOLO` wrote, `<name> <token> <data>`, for `RELEASE_SOLO` to
+        // compare whole: the name is the prefix and the token's digits, as the script
+        // joined them (the token is the server clock in µs, so it has no leading zero
+        // and more than ten digits: `{token:010}` is its plain digits).
+        let token_digits = token.to_string();
+        let mut value = Vec::with_capacity(mine.name.len() + token_digits.len() + data.len() + 2);
+        value.extend_from_slice(mine.name.as_bytes());
+        value.push(b' ');
+        value.extend_from_slice(token_digits.as_bytes());
+        value.push(b' ');
+        value.extend_from_slice(data);
         s.register(
             keys,
             &mine.name,
             Some(ticket.as_str().to_owned()),
             sent_at,
-            true,
+            Some(Value::Bytes(value.into())),
         );
         if s.closed.load(std::sync::atomic::Ordering::SeqCst) {
             // As in the queue path: `close` may have swept the live entries already.
@@ -507,7 +519,7 @@ impl RedisBackend {
                     &mine.name,
                     Some(ticket.as_str().to_owned()),
                     sent_at,
-                    false,
+                    None,
                 );
                 if s.closed.load(std::sync::atomic::Ordering::SeqCst) {
                     // `close` ran while this enqueue was in flight: its sweep of the live

@@ -20,8 +20,9 @@
 //!   and DEL, publishing nothing), where the queue layout took 9 in the general scripts.
 //!   The queue (sorted set, entry keys, counters) is made only when a second entry
 //!   arrives, or a client watches the entry (`UNSOLO`). Measured with callgrind on
-//!   redis-server 7.0.15: about 75k instructions per pair (83k with `RELEASE_SOLO`'s
-//!   publish, 91k before its first trim, 176k before the fast path) against 34k for the
+//!   redis-server 7.0.15: about 67k instructions per pair (75k when `RELEASE_SOLO`
+//!   matched the holder's name and `ACQUIRE_SOLO` took the lease as an argument, 83k
+//!   with the release's publish, 176k before the fast path) against 33.5k for the
 //!   `SET NX PX` + compare-and-delete pair of rslock and redis-py; what is left is the
 //!   cost of running a script at all, twice, and `TIME` (see docs/benchmarks.md, S3);
 //! - nothing is published when an entry is added: the queue channel is read only by
@@ -140,23 +141,38 @@ end
 /// adds the second. The token is the server clock in µs, as the first entry of an empty
 /// queue has always taken (see [`ENQUEUE`]).
 ///
-/// ARGV: name prefix, lease ms, and the data only when there is any (an argument costs
-/// the server about 1k instructions; most locks carry none). Returns the token, or nil
-/// if the lock has an entry.
+/// `LEASE_MS` is replaced by the backend's lease, a constant of the backend, when the
+/// scripts are built ([`Scripts::new`]), so it is not an argument. The microseconds are
+/// padded to six digits only when they need it (one in ten calls): the padding's two
+/// strings were about 1k instructions per acquire.
+///
+/// ARGV: name prefix, and the data only when there is any (most locks carry none).
+/// Returns the token, or nil if the lock has an entry.
 const ACQUIRE_SOLO: &str = r#"
 local t = redis.call('TIME')
-local tok = t[1] .. string.sub('00000' .. t[2], -6)
-if redis.call('SET', KEYS[1], ARGV[1] .. tok .. ' ' .. tok .. ' ' .. (ARGV[3] or ''), 'NX', 'PX', ARGV[2]) then
+local us = t[2]
+if #us < 6 then us = string.sub('00000' .. us, -6) end
+local tok = t[1] .. us
+if redis.call('SET', KEYS[1], ARGV[1] .. tok .. ' ' .. tok .. ' ' .. (ARGV[2] or ''), 'NX', 'PX', 'LEASE_MS') then
   return tok
 end
 return false
 "#;
 
 /// The release of an entry [`ACQUIRE_SOLO`] created: it goes with its one key. ARGV:
-/// name. Returns 1 (removed), 0 (not there: `KEYS[1]` is missing or another entry's
-/// solo string) or -1: the lock is in the queue layout now (a second entry joined, or a
-/// watcher moved it there with [`UNSOLO`]), so the client sends [`REMOVE`]. A string
-/// that is not a solo entry fails the script (as `solo` does) and is left alone.
+/// the entry's whole value as [`ACQUIRE_SOLO`] wrote it, `<name> <token> <data>`, which
+/// the client knows. Returns 1 (removed), 0 (not there: `KEYS[1]` is missing or another
+/// entry's solo string) or -1: the lock is in the queue layout now (a second entry
+/// joined, or a watcher moved it there with [`UNSOLO`]), so the client sends [`REMOVE`].
+/// A string that is not a solo entry fails the script (as `solo` does) and is left alone.
+///
+/// The common case is one comparison of two strings Lua has already interned (rslock's
+/// own release), with no pattern matched and no string built: matching the holder's
+/// name in the value instead cost about 6k instructions per acquire + release. A solo
+/// string is written only by [`ACQUIRE_SOLO`]'s `SET NX` and never changed in place, so
+/// the holder's value is exactly what it sent; a string that differs from it but
+/// carries the holder's name (which no dlock client writes) is still the holder's and
+/// is removed, as it was when the script matched names.
 ///
 /// Nothing is published: a solo entry has no waiter (a contender's enqueue moves it into
 /// the queue layout first) and no watcher (a client that watches it, with no entry of
@@ -164,21 +180,25 @@ return false
 /// string finds nobody to tell. Measured with callgrind on redis-server 7.0.15, the
 /// steps taken out of this script (per uncontended acquire + release, 91.2k instructions
 /// at first): the queue channel's `PUBLISH` (-4.6k), the full pattern match of the
-/// holder's own value, now recognised by its prefix first (-2.9k), and the gone-channel's
-/// `PUBLISH` with its argument (see docs/benchmarks.md).
+/// holder's own value, later the name match (-2.9k, then about -6k), and the
+/// gone-channel's `PUBLISH` with its argument (see docs/benchmarks.md).
 const RELEASE_SOLO: &str = r#"
 local v = redis.pcall('GET', KEYS[1])
+if v == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
 if type(v) == 'table' then return -1 end
 if not v then return 0 end
-local n = #ARGV[1]
-if string.sub(v, 1, n + 1) ~= ARGV[1] .. ' ' or not string.find(v, '^%d+ ', n + 2) then
-  if not string.find(v, '^[^ ]+ %d+ ') then
-    return error('dlock: malformed solo entry at ' .. KEYS[1])
-  end
-  return 0
+if not string.find(v, '^[^ ]+ %d+ ') then
+  return error('dlock: malformed solo entry at ' .. KEYS[1])
 end
-redis.call('DEL', KEYS[1])
-return 1
+local n = string.find(ARGV[1], ' ', 1, true)
+if n and string.sub(v, 1, n) == string.sub(ARGV[1], 1, n) then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
 "#;
 
 /// A watcher's first step on an entry that may be the lock's solo one, once it listens
@@ -499,7 +519,10 @@ impl Scripts {
     /// replicas only, where a plain one is broadcast over the whole cluster bus. Every
     /// channel a script publishes on carries the lock's hash tag, so it is on the
     /// script's own slot, as the server requires of a script's `SPUBLISH`.
-    pub fn new(sharded: bool) -> Self {
+    ///
+    /// `lease_ms` is written into [`ACQUIRE_SOLO`] (digits only, so it cannot change
+    /// the script's meaning): backends with different leases load different scripts.
+    pub fn new(sharded: bool, lease_ms: u128) -> Self {
         let with = |head: &str, body: &str| {
             let lua = format!("{head}{PRELUDE}{body}");
             Script::from_lua(if sharded {
@@ -514,7 +537,7 @@ impl Scripts {
             remove: with(SOLO_REMOVE, REMOVE),
             abandon: with("", ABANDON),
             renew: with("", RENEW),
-            acquire_solo: Script::from_lua(ACQUIRE_SOLO),
+            acquire_solo: Script::from_lua(ACQUIRE_SOLO.replace("LEASE_MS", &lease_ms.to_string())),
             release_solo: Script::from_lua(RELEASE_SOLO),
             unsolo: with("", UNSOLO),
             proclaim: with("", PROCLAIM),
@@ -530,8 +553,8 @@ mod tests {
     /// Every publish of the cluster's scripts is sharded, and the others publish plainly.
     #[test]
     fn cluster_scripts_publish_sharded() {
-        let plain = Scripts::new(false);
-        let sharded = Scripts::new(true);
+        let plain = Scripts::new(false, 30_000);
+        let sharded = Scripts::new(true, 30_000);
         for (p, s) in [
             (&plain.remove, &sharded.remove),
             (&plain.list, &sharded.list),

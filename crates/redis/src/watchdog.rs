@@ -31,9 +31,10 @@ pub(crate) struct Live {
     /// Shared: a renewal round groups entries by queue without copying the key names.
     pub(crate) keys: Arc<QueueKeys>,
     pub(crate) ticket: Option<String>,
-    /// Created by the uncontended fast path as the lock's one key: released with
-    /// `RELEASE_SOLO` (which says when a second entry moved it into the queue layout).
-    pub(crate) solo: bool,
+    /// Created by the uncontended fast path as the lock's one key: the value it wrote
+    /// there, which `RELEASE_SOLO` compares whole (and which says when a second entry
+    /// moved it into the queue layout). `None` for an entry of the queue layout.
+    pub(crate) solo: Option<Value>,
     /// When the last renewal that reached a majority was *sent*: the server's expiry is
     /// later than this plus the lease, so a deadline computed from it is conservative.
     renewed_at: Instant,
@@ -56,7 +57,7 @@ impl Shared {
         name: &str,
         ticket: Option<String>,
         sent_at: Instant,
-        solo: bool,
+        solo: Option<Value>,
     ) {
         let (tx, _) = watch::channel(None);
         self.live.lock().insert(
@@ -95,13 +96,13 @@ impl Shared {
             .map(|(keys, _)| keys)
     }
 
-    /// As [`Shared::settle`], and says whether the entry was created solo.
+    /// As [`Shared::settle`], and gives back the value of an entry created solo.
     pub(crate) fn settle_live(
         &self,
         queue_key: &str,
         name: &str,
         fate: Fate,
-    ) -> Option<(Arc<QueueKeys>, bool)> {
+    ) -> Option<(Arc<QueueKeys>, Option<Value>)> {
         let live = self
             .live
             .lock()
@@ -372,7 +373,7 @@ mod tests {
             lease_ms: Value::from(lease.as_millis().to_string()),
             recheck: (lease / 3).min(Duration::from_secs(1)),
             drift: lease / 100 + Duration::from_millis(2),
-            scripts: Scripts::new(false),
+            scripts: Scripts::new(false, lease.as_millis()),
             live: Mutex::new(HashMap::new()),
             chans: Mutex::new(HashMap::new()),
             idle_chans: Mutex::new(Vec::new()),
@@ -403,7 +404,7 @@ mod tests {
         let shared = unanswering(&addr, lease, Duration::from_secs(5));
         let keys = Arc::new(QueueKeys::of("", "watchdog-test", None));
         let t0 = Instant::now();
-        shared.register(&keys, "e1", None, t0, false);
+        shared.register(&keys, "e1", None, t0, None);
         let mut fate = shared.live.lock()[&(keys.queue.clone(), "e1".to_owned())]
             .fate
             .subscribe();
@@ -466,7 +467,7 @@ mod tests {
 
         // Past its deadline when the reply came: lost before anyone can be handed it.
         let sent = Instant::now() - lease;
-        shared.register(&keys, "past", None, sent, false);
+        shared.register(&keys, "past", None, sent, None);
         assert!(
             !shared
                 .live
@@ -478,7 +479,7 @@ mod tests {
         // 50 ms before its deadline when the reply came: lost at that deadline.
         let now = Instant::now();
         let sent = now + Duration::from_millis(50) - (shared.deadline_of(now) - now);
-        shared.register(&keys, "late", None, sent, false);
+        shared.register(&keys, "late", None, sent, None);
         let mut fate = fate_of("late");
         let deadline = shared.deadline_of(sent);
         let settled = tokio::time::timeout(lease, fate.wait_for(Option::is_some))

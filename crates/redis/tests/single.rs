@@ -1114,6 +1114,81 @@ async fn a_malformed_solo_value_is_a_typed_error_and_left_alone() {
     other.close().await.expect("close");
 }
 
+/// A solo entry's release (`RELEASE_SOLO`) compares the value its acquire wrote, whole:
+/// it removes that value; leaves another entry's solo value in place (the holder's
+/// expired and another client took the lock), answering the release as done; and still
+/// removes a value that carries the holder's name with anything else after it, as the
+/// release did when it matched names (no dlock client writes one, but a key that names
+/// the holder is the holder's).
+#[tokio::test]
+async fn a_solo_release_removes_its_own_value_and_no_other() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "a_solo_release_removes_its_own") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("solo-release");
+    let key = format!("dlock:{{{}}}:q", q.lock);
+    let get = |insp: fred::prelude::Client, key: String| async move {
+        let v: Option<String> = fred::prelude::KeysInterface::get(&insp, key)
+            .await
+            .expect("GET");
+        v
+    };
+
+    // Its own value, with data: removed.
+    let mine = b
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Lock,
+            Position::Tail,
+            b"some data",
+        )
+        .await
+        .expect("enqueue")
+        .mine;
+    let token = mine.token.expect("a token").get();
+    assert_eq!(
+        get(insp.clone(), key.clone()).await,
+        Some(format!("{} {token} some data", mine.name))
+    );
+    b.remove(&q, &mine).await.expect("release");
+    assert_eq!(get(insp.clone(), key.clone()).await, None, "released");
+
+    // Another entry's solo value where its own was: left as it is.
+    let mine = enqueue_lock(&b, &q).await.expect("enqueue").mine;
+    let other = "_c_00000000-0000-0000-0000-000000000000-lock-0000000007 7 ";
+    let _: () = fred::prelude::KeysInterface::set(&insp, &key, other, None, None, false)
+        .await
+        .expect("plant");
+    b.remove(&q, &mine).await.expect("release");
+    assert_eq!(
+        get(insp.clone(), key.clone()).await.as_deref(),
+        Some(other),
+        "another's entry left"
+    );
+    let _: i64 = fred::prelude::KeysInterface::del(&insp, &key)
+        .await
+        .expect("clean up");
+
+    // Its name with another token and data after it: still its own, removed.
+    let mine = enqueue_lock(&b, &q).await.expect("enqueue").mine;
+    let renamed = format!("{} 12 other data", mine.name);
+    let _: () = fred::prelude::KeysInterface::set(&insp, &key, renamed, None, None, false)
+        .await
+        .expect("plant");
+    b.remove(&q, &mine).await.expect("release");
+    assert_eq!(
+        get(insp.clone(), key.clone()).await,
+        None,
+        "removed by name"
+    );
+    assert!(lock_keys(&insp, &q.lock.to_string()).await.is_empty());
+    b.close().await.expect("close");
+}
+
 /// A solo entry's release publishes nothing (`RELEASE_SOLO`), so a `wait_changed` that
 /// saw that one entry moves it into the queue layout once it listens: the release wakes
 /// it by the message, not by the re-check timer. (Without the move, this waiter was
