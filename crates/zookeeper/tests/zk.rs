@@ -127,7 +127,11 @@ async fn beside_read_is_named_by_its_writers_sequence() {
             dlock_core::entry::format_seq(w.mine.seq)
         )
     );
+    // Read by another session, which may be connected to a follower that has not yet
+    // applied `a`'s create: ZooKeeper orders one session's reads after its own writes
+    // only, so `b` syncs the parent first (CI once read `NoNode` here without it).
     let raw = b.client().expect("client");
+    within(raw.sync("/rw")).await.expect("sync");
     let (_, stat) = within(raw.get_data(&format!("/rw/{}", r.mine.name)))
         .await
         .expect("get_data");
