@@ -43,6 +43,7 @@ pub(crate) struct Counters {
     pub(crate) lost: AtomicU64,
     timer_rechecks: AtomicU64,
     pub(crate) missed_wakeups: AtomicU64,
+    pub(crate) solo_mismatches: AtomicU64,
 }
 
 /// A snapshot of a backend's counters.
@@ -74,6 +75,11 @@ pub struct Stats {
     /// On a Redis Cluster: scripts retried after a `TRYAGAIN` (their slot was being
     /// migrated, its keys split between two nodes); 0 elsewhere.
     pub slot_retries: u64,
+    /// Uncontended releases (`RELEASE_SOLO`) that sent the entry's whole value and found
+    /// a different one under the holder's name, removed by the name instead. No dlock
+    /// client changes a solo entry's value, so this stays 0 unless something else wrote
+    /// the lock's key; a release that finds it is correct, only slower.
+    pub solo_mismatches: u64,
 }
 
 pub(crate) struct Shared {
@@ -242,6 +248,7 @@ impl RedisBackend {
             live: self.shared.live.lock().len(),
             timer_rechecks: c.timer_rechecks.load(Ordering::Relaxed),
             missed_wakeups: c.missed_wakeups.load(Ordering::Relaxed),
+            solo_mismatches: c.solo_mismatches.load(Ordering::Relaxed),
             primary_switches: self
                 .shared
                 .nodes

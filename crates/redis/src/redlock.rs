@@ -16,6 +16,7 @@ use tracing::debug;
 use crate::backend::{Mode, RedisBackend, Shared};
 use crate::keys::QueueKeys;
 use crate::reply;
+use crate::watchdog::SoloRelease;
 
 /// At most this many Redlock sequence proposals per enqueue, before it gives up with an
 /// error. Proposals are also bounded in time: no new one once a third of the lease has
@@ -299,19 +300,26 @@ impl Shared {
         map.insert(queue.to_owned(), std::time::Instant::now());
     }
 
-    /// Releases an entry the fast path created, given the value it wrote; `false` when a
-    /// second entry has moved it into the queue layout since, and
+    /// Releases an entry the fast path created, given what its registration kept;
+    /// `true` when done (removed, or not there any more), `false` when a second entry
+    /// or a watcher ([`Shared::unsolo`]) has moved it into the queue layout since, and
     /// [`Shared::remove_names`] must remove it.
-    pub(crate) async fn release_solo(&self, keys: &QueueKeys, value: Value) -> Result<bool> {
+    pub(crate) async fn release_solo(&self, keys: &QueueKeys, solo: SoloRelease) -> Result<bool> {
         let reply = self.nodes[0]
             .eval(
                 "removing an entry",
                 &self.scripts.release_solo,
                 vec![keys.queue.clone()],
-                vec![value],
+                vec![solo.arg],
             )
             .await?;
-        Ok(reply.as_i64() != Some(-1))
+        let reply = reply.as_i64();
+        if reply == Some(2) && solo.whole {
+            self.counters
+                .solo_mismatches
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(reply != Some(-1))
     }
 
     /// Moves `name` into the queue layout if it is the lock's solo entry (one master
@@ -402,31 +410,22 @@ impl RedisBackend {
                 },
             )
             .await?;
-        let Some(token) = reply::solo_token(reply)? else {
+        let Some((token, token_text)) = reply::solo_token(reply)? else {
             s.note_contended(&keys.queue, true);
             return Ok(None);
         };
-        let mut mine = Entry::from_name(format!("{prefix}{token:010}"))
+        // The name and value as the script joined them, from the token's digits as it
+        // returned them (not re-formatted from the number).
+        let mut mine = Entry::from_name(format!("{prefix}{token_text}"))
             .ok_or_else(|| Error::backend("adding an entry", "solo entry name does not parse"))?;
         mine.token = Some(FencingToken::new(token));
         mine.created_ms = i64::try_from(token / 1000).ok();
-        // The value `ACQUIRE_SOLO` wrote, `<name> <token> <data>`, for `RELEASE_SOLO` to
-        // compare whole: the name is the prefix and the token's digits, as the script
-        // joined them (the token is the server clock in µs, so it has no leading zero
-        // and more than ten digits: `{token:010}` is its plain digits).
-        let token_digits = token.to_string();
-        let mut value = Vec::with_capacity(mine.name.len() + token_digits.len() + data.len() + 2);
-        value.extend_from_slice(mine.name.as_bytes());
-        value.push(b' ');
-        value.extend_from_slice(token_digits.as_bytes());
-        value.push(b' ');
-        value.extend_from_slice(data);
         s.register(
             keys,
             &mine.name,
             Some(ticket.as_str().to_owned()),
             sent_at,
-            Some(Value::Bytes(value.into())),
+            Some(SoloRelease::new(&mine.name, &token_text, data)),
         );
         if s.closed.load(std::sync::atomic::Ordering::SeqCst) {
             // As in the queue path: `close` may have swept the live entries already.

@@ -83,14 +83,17 @@ pub(crate) fn enqueue(v: Value) -> Result<Enqueue, Error> {
     }
 }
 
-/// Parses `ACQUIRE_SOLO`'s reply: the token, or `None` (nil) when the lock has an entry.
-pub(crate) fn solo_token(v: Value) -> Result<Option<u64>, Error> {
-    match v {
-        Value::Null => Ok(None),
-        v => number(&v)
-            .map(Some)
-            .ok_or_else(|| malformed("solo acquire reply is not a token")),
+/// Parses `ACQUIRE_SOLO`'s reply: the token as a number and as the decimal digits the
+/// script wrote into the entry's name and value, or `None` (nil) when the lock has an
+/// entry.
+pub(crate) fn solo_token(v: Value) -> Result<Option<(u64, String)>, Error> {
+    if v.is_null() {
+        return Ok(None);
     }
+    v.as_string()
+        .filter(|t| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|t| t.parse().ok().map(|n| Some((n, t))))
+        .ok_or_else(|| malformed("solo acquire reply is not a token"))
 }
 
 /// Parses the renew script's `{0|1, ...}`.
@@ -143,5 +146,24 @@ pub(crate) fn entry_value(v: Value) -> Result<Option<EntryValue>, Error> {
             items[1].as_bytes().map(<[u8]>::to_vec).unwrap_or_default(),
         ))),
         _ => Err(malformed("entry read is neither nil nor {token, data}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The solo acquire's token comes back with the digits the script wrote (the end of
+    /// the entry's name and its value's second field); anything else is a typed error.
+    #[test]
+    fn solo_token_keeps_the_scripts_digits() {
+        assert_eq!(solo_token(Value::Null).expect("nil"), None);
+        assert_eq!(
+            solo_token(Value::from("1795932003520063")).expect("token"),
+            Some((1_795_932_003_520_063, "1795932003520063".to_owned()))
+        );
+        for bad in ["", "12a", "-5", "1 2", "99999999999999999999999"] {
+            assert!(solo_token(Value::from(bad)).is_err(), "{bad:?}");
+        }
     }
 }

@@ -161,10 +161,12 @@ return false
 
 /// The release of an entry [`ACQUIRE_SOLO`] created: it goes with its one key. ARGV:
 /// the entry's whole value as [`ACQUIRE_SOLO`] wrote it, `<name> <token> <data>`, which
-/// the client knows. Returns 1 (removed), 0 (not there: `KEYS[1]` is missing or another
-/// entry's solo string) or -1: the lock is in the queue layout now (a second entry
-/// joined, or a watcher moved it there with [`UNSOLO`]), so the client sends [`REMOVE`].
-/// A string that is not a solo entry fails the script (as `solo` does) and is left alone.
+/// the client knows, or only `<name> ` when the data is long (the client does not send
+/// it back). Returns 1 (removed), 2 (removed, found by the name: the value differed from
+/// the argument), 0 (not there: `KEYS[1]` is missing or another entry's solo string) or
+/// -1: the lock is in the queue layout now (a second entry joined, or a watcher moved
+/// it there with [`UNSOLO`]), so the client sends [`REMOVE`]. A string that is not a
+/// solo entry fails the script (as `solo` does) and is left alone.
 ///
 /// The common case is one comparison of two strings Lua has already interned (rslock's
 /// own release), with no pattern matched and no string built: matching the holder's
@@ -196,7 +198,7 @@ end
 local n = string.find(ARGV[1], ' ', 1, true)
 if n and string.sub(v, 1, n) == string.sub(ARGV[1], 1, n) then
   redis.call('DEL', KEYS[1])
-  return 1
+  return 2
 end
 return 0
 "#;

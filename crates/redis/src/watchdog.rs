@@ -25,16 +25,53 @@ pub(crate) enum Fate {
     Closed,
 }
 
+/// What the release of an entry created solo sends to `RELEASE_SOLO`.
+#[derive(Debug)]
+pub(crate) struct SoloRelease {
+    /// The entry's whole value, `<name> <token> <data>`, or `<name> ` alone when the
+    /// data is longer than [`SoloRelease::WHOLE_UP_TO`] bytes.
+    pub(crate) arg: Value,
+    /// Whether `arg` is the whole value: a release found by the name only is then a
+    /// value that changed on the server ([`crate::Stats::solo_mismatches`]).
+    pub(crate) whole: bool,
+}
+
+impl SoloRelease {
+    /// Data up to this many bytes is sent back whole with the release (one string
+    /// comparison on the server); longer data is not sent twice, and the server finds
+    /// the holder's entry by its name instead (about 6k instructions more).
+    pub(crate) const WHOLE_UP_TO: usize = 256;
+
+    /// The release argument of the solo entry `name` with `token` and `data`, as
+    /// `ACQUIRE_SOLO` wrote it: `token` is the decimal string that script returned.
+    pub(crate) fn new(name: &str, token: &str, data: &[u8]) -> Self {
+        let whole = data.len() <= Self::WHOLE_UP_TO;
+        let mut arg = Vec::with_capacity(name.len() + token.len() + data.len() + 2);
+        arg.extend_from_slice(name.as_bytes());
+        arg.push(b' ');
+        if whole {
+            arg.extend_from_slice(token.as_bytes());
+            arg.push(b' ');
+            arg.extend_from_slice(data);
+        }
+        SoloRelease {
+            arg: Value::Bytes(arg.into()),
+            whole,
+        }
+    }
+}
+
 /// An entry this client created and renews.
 #[derive(Debug)]
 pub(crate) struct Live {
     /// Shared: a renewal round groups entries by queue without copying the key names.
     pub(crate) keys: Arc<QueueKeys>,
     pub(crate) ticket: Option<String>,
-    /// Created by the uncontended fast path as the lock's one key: the value it wrote
-    /// there, which `RELEASE_SOLO` compares whole (and which says when a second entry
-    /// moved it into the queue layout). `None` for an entry of the queue layout.
-    pub(crate) solo: Option<Value>,
+    /// Created by the uncontended fast path as the lock's one key: what its release
+    /// (`RELEASE_SOLO`) sends. It still says so after a second entry or a watcher moved
+    /// the entry into the queue layout (the release then learns that from the server).
+    /// `None` for an entry created in the queue layout.
+    pub(crate) solo: Option<SoloRelease>,
     /// When the last renewal that reached a majority was *sent*: the server's expiry is
     /// later than this plus the lease, so a deadline computed from it is conservative.
     renewed_at: Instant,
@@ -57,7 +94,7 @@ impl Shared {
         name: &str,
         ticket: Option<String>,
         sent_at: Instant,
-        solo: Option<Value>,
+        solo: Option<SoloRelease>,
     ) {
         let (tx, _) = watch::channel(None);
         self.live.lock().insert(
@@ -102,7 +139,7 @@ impl Shared {
         queue_key: &str,
         name: &str,
         fate: Fate,
-    ) -> Option<(Arc<QueueKeys>, Option<Value>)> {
+    ) -> Option<(Arc<QueueKeys>, Option<SoloRelease>)> {
         let live = self
             .live
             .lock()

@@ -1114,12 +1114,15 @@ async fn a_malformed_solo_value_is_a_typed_error_and_left_alone() {
     other.close().await.expect("close");
 }
 
-/// A solo entry's release (`RELEASE_SOLO`) compares the value its acquire wrote, whole:
-/// it removes that value; leaves another entry's solo value in place (the holder's
-/// expired and another client took the lock), answering the release as done; and still
-/// removes a value that carries the holder's name with anything else after it, as the
-/// release did when it matched names (no dlock client writes one, but a key that names
-/// the holder is the holder's).
+/// A solo entry's release (`RELEASE_SOLO`) compares the value its acquire wrote, whole,
+/// with no data, text data and binary data: it removes that value by the comparison
+/// (`Stats::solo_mismatches` stays 0, so the fast path is the one taken); data longer
+/// than the client sends back is removed by the name, not counted as a mismatch; it
+/// leaves another entry's solo value in place (the holder's expired and another client
+/// took the lock), answering the release as done; and it still removes a value that
+/// carries the holder's name with anything else after it, as the release did when it
+/// matched names (no dlock client writes one, but a key that names the holder is the
+/// holder's), counting that one mismatch.
 #[tokio::test]
 async fn a_solo_release_removes_its_own_value_and_no_other() {
     init_tracing();
@@ -1131,50 +1134,67 @@ async fn a_solo_release_removes_its_own_value_and_no_other() {
     let q = fresh_queue("solo-release");
     let key = format!("dlock:{{{}}}:q", q.lock);
     let get = |insp: fred::prelude::Client, key: String| async move {
-        let v: Option<String> = fred::prelude::KeysInterface::get(&insp, key)
+        let v: Option<Vec<u8>> = fred::prelude::KeysInterface::get(&insp, key)
             .await
             .expect("GET");
         v
     };
+    let solo = |insp: fred::prelude::Client, key: String| async move {
+        let t: String = fred::prelude::KeysInterface::r#type(&insp, key)
+            .await
+            .expect("TYPE");
+        assert_eq!(t, "string", "the entry is the lock's solo one");
+    };
+    let acquire = |data: Vec<u8>| {
+        let (b, q) = (b.clone(), q.clone());
+        async move {
+            b.enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                &data,
+            )
+            .await
+            .expect("enqueue")
+            .mine
+        }
+    };
 
-    // Its own value, with data: removed.
-    let mine = b
-        .enqueue(
-            &q,
-            &dlock_testkit::ticket(),
-            EntryKind::Lock,
-            Position::Tail,
-            b"some data",
-        )
-        .await
-        .expect("enqueue")
-        .mine;
-    let token = mine.token.expect("a token").get();
-    assert_eq!(
-        get(insp.clone(), key.clone()).await,
-        Some(format!("{} {token} some data", mine.name))
-    );
-    b.remove(&q, &mine).await.expect("release");
-    assert_eq!(get(insp.clone(), key.clone()).await, None, "released");
+    // Its own value, with no data, text data, binary data and long data: removed.
+    let long = vec![b'x'; 300];
+    for data in [&b""[..], b"some data", b"\xff\x00 \xfe", &long] {
+        let mine = acquire(data.to_vec()).await;
+        let token = mine.token.expect("a token").get();
+        let mut written = format!("{} {token} ", mine.name).into_bytes();
+        written.extend_from_slice(data);
+        assert_eq!(get(insp.clone(), key.clone()).await, Some(written));
+        b.remove(&q, &mine).await.expect("release");
+        assert_eq!(get(insp.clone(), key.clone()).await, None, "released");
+        assert_eq!(b.stats().solo_mismatches, 0, "by the whole value");
+    }
 
     // Another entry's solo value where its own was: left as it is.
-    let mine = enqueue_lock(&b, &q).await.expect("enqueue").mine;
+    let mine = acquire(Vec::new()).await;
+    solo(insp.clone(), key.clone()).await;
     let other = "_c_00000000-0000-0000-0000-000000000000-lock-0000000007 7 ";
     let _: () = fred::prelude::KeysInterface::set(&insp, &key, other, None, None, false)
         .await
         .expect("plant");
     b.remove(&q, &mine).await.expect("release");
     assert_eq!(
-        get(insp.clone(), key.clone()).await.as_deref(),
-        Some(other),
+        get(insp.clone(), key.clone()).await,
+        Some(other.as_bytes().to_vec()),
         "another's entry left"
     );
+    assert_eq!(b.stats().solo_mismatches, 0);
     let _: i64 = fred::prelude::KeysInterface::del(&insp, &key)
         .await
         .expect("clean up");
 
-    // Its name with another token and data after it: still its own, removed.
-    let mine = enqueue_lock(&b, &q).await.expect("enqueue").mine;
+    // Its name with another token and data after it: still its own, removed by name.
+    let mine = acquire(Vec::new()).await;
+    solo(insp.clone(), key.clone()).await;
     let renamed = format!("{} 12 other data", mine.name);
     let _: () = fred::prelude::KeysInterface::set(&insp, &key, renamed, None, None, false)
         .await
@@ -1185,6 +1205,7 @@ async fn a_solo_release_removes_its_own_value_and_no_other() {
         None,
         "removed by name"
     );
+    assert_eq!(b.stats().solo_mismatches, 1, "found by the name");
     assert!(lock_keys(&insp, &q.lock.to_string()).await.is_empty());
     b.close().await.expect("close");
 }
