@@ -153,18 +153,21 @@ impl<B: DynBackend + ?Sized> Held<B> {
         }
     }
 
-    /// Counts one guard released; true if it was the last, so the entry must go.
-    fn leave(&self) -> bool {
-        let last = self.guards.fetch_sub(1, Ordering::AcqRel) == 1;
-        if last {
-            crate::metrics::hold_ended(
-                self.backend.kind(),
-                self.entry.kind.label(),
-                self.granted_at.elapsed(),
-                self.lost_reason().is_some(),
-            );
+    /// Counts one guard released; `Some` if it was the last, so the entry must go,
+    /// saying whether the hold was lost by then (asked once: on Redis each look at the
+    /// backend's lost state builds the queue's key and hashes it with the name).
+    fn leave(&self) -> Option<bool> {
+        if self.guards.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return None;
         }
-        last
+        let lost = self.lost_reason().is_some();
+        crate::metrics::hold_ended(
+            self.backend.kind(),
+            self.entry.kind.label(),
+            self.granted_at.elapsed(),
+            lost,
+        );
+        Some(lost)
     }
 
     /// How many guards of this hold are not yet released.
@@ -393,7 +396,7 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
             )));
         }
         self.released = true;
-        if !self.held.leave() {
+        let Some(was_lost) = self.held.leave() else {
             // Other guards of this hold remain, so the entry stays; but a section that
             // ran while the hold was lost must still hear of it, whichever guard ends it.
             if let Some(reason) = self.held.lost_reason() {
@@ -403,10 +406,9 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
                 )));
             }
             return Ok(());
-        }
+        };
         let held = &self.held;
         let span = tracing::debug_span!("dlock.release", lock = %held.q.lock, token = %held.token);
-        let was_lost = self.is_lost();
         let mut remover = RemoveOnDrop(Some(held.clone()));
         let r = held
             .backend
@@ -525,7 +527,7 @@ impl<B: DynBackend + ?Sized> Drop for LockGuard<B> {
             return;
         }
         self.released = true;
-        if self.held.leave() {
+        if self.held.leave().is_some() {
             self.held.remove_in_background();
         }
     }
