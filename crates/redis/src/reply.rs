@@ -162,7 +162,12 @@ mod tests {
             solo_token(Value::from("1795932003520063")).expect("token"),
             Some((1_795_932_003_520_063, "1795932003520063".to_owned()))
         );
-        for bad in ["", "12a", "-5", "1 2", "99999999999999999999999"] {
+        // An integer reply (a RESP3 server or a future script) is the same token.
+        assert_eq!(
+            solo_token(Value::Integer(1_795_932_003_520_063)).expect("integer"),
+            Some((1_795_932_003_520_063, "1795932003520063".to_owned()))
+        );
+        for bad in ["", "12a", "-5", "1 2", "18446744073709551616"] {
             assert!(solo_token(Value::from(bad)).is_err(), "{bad:?}");
         }
     }

@@ -385,7 +385,7 @@ mod tests {
     use tokio::sync::Notify;
     use tokio::time::Instant;
 
-    use super::{watchdog, Fate};
+    use super::{watchdog, Fate, SoloRelease};
     use crate::backend::{Counters, Mode, Shared};
     use crate::keys::QueueKeys;
     use crate::node::{Node, Tuning};
@@ -536,5 +536,28 @@ mod tests {
             fired - deadline,
             lease / 3
         );
+    }
+
+    /// The solo release's argument is `ACQUIRE_SOLO`'s value, `<name> <token> <data>`,
+    /// for data up to [`SoloRelease::WHOLE_UP_TO`] bytes (spaces and binary included),
+    /// and `<name> ` alone above it, which the script matches by the name.
+    #[test]
+    fn a_solo_release_sends_the_whole_value_up_to_the_limit() {
+        let bytes = |v: &Value| v.as_bytes().expect("bytes").to_vec();
+        let none = SoloRelease::new("_c_x-lock-1795932003520063", "1795932003520063", b"");
+        assert!(none.whole);
+        assert_eq!(
+            bytes(&none.arg),
+            b"_c_x-lock-1795932003520063 1795932003520063 "
+        );
+        let odd = SoloRelease::new("n", "7", b"a b\x00\xff");
+        assert_eq!(bytes(&odd.arg), b"n 7 a b\x00\xff");
+        let at = vec![b'd'; SoloRelease::WHOLE_UP_TO];
+        let at_limit = SoloRelease::new("n", "7", &at);
+        assert!(at_limit.whole);
+        assert_eq!(bytes(&at_limit.arg), [&b"n 7 "[..], &at].concat());
+        let over = SoloRelease::new("n", "7", &[b'd'; SoloRelease::WHOLE_UP_TO + 1]);
+        assert!(!over.whole);
+        assert_eq!(bytes(&over.arg), b"n ");
     }
 }
