@@ -66,6 +66,14 @@ pub struct SessionOptions {
     /// namespace (`?namespace=/app1/`). ZooKeeper has its chroot for that and refuses a
     /// namespace ([`Error::InvalidUrl`]).
     pub namespace: Option<String>,
+    /// Redis with replicas (`redis://`, `redis+sentinel://`; URL `?replicas=1`): a grant
+    /// or a lease renewal counts only once at least this many replicas acknowledged it
+    /// (`WAIT`), so a replica promoted after the primary fails has the holder's entry
+    /// for as long as the holder counts on it. 0 (the default) waits for none: the
+    /// asynchronous replication gap in docs/safety.md. ZooKeeper and etcd acknowledge a
+    /// write only once a quorum has it and refuse this ([`Error::InvalidUrl`]); so do
+    /// Redlock and Redis Cluster, where dlock does not send `WAIT`.
+    pub replicas: u32,
 }
 
 impl Default for SessionOptions {
@@ -76,6 +84,7 @@ impl Default for SessionOptions {
             tls: None,
             credentials: None,
             namespace: None,
+            replicas: 0,
         }
     }
 }
@@ -145,6 +154,29 @@ impl SessionOptions {
     pub fn with_namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = Some(namespace.into());
         self
+    }
+
+    /// Counts a grant or a renewal only once `replicas` replicas acknowledged it (see
+    /// [`SessionOptions::replicas`]).
+    pub fn with_replicas(mut self, replicas: u32) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// For a backend that does not wait for replicas: [`Error::InvalidUrl`], saying
+    /// `why`, when [`SessionOptions::replicas`] asks it to, rather than connect with a
+    /// guarantee the caller asked for and does not get.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] when `replicas` is not 0.
+    pub fn refuse_replicas(&self, why: &str) -> Result<(), Error> {
+        if self.replicas == 0 {
+            return Ok(());
+        }
+        Err(Error::InvalidUrl {
+            url: String::new(),
+            reason: format!("replicas={} is not taken here: {why}", self.replicas),
+        })
     }
 }
 

@@ -34,6 +34,11 @@
 //! A URL whose backend this build leaves out gives [`Error::InvalidUrl`] saying which
 //! feature is missing. [`connect_env`] reads the URL from `DLOCK_URL`.
 //!
+//! The query takes the TLS files (`ca`, `cert`, `key`, `server_name`, on the TLS
+//! schemes), a key prefix on Redis (`prefix`) or namespace on etcd (`namespace`), and,
+//! on `redis://` and `redis+sentinel://`, `replicas=N`: a grant or a renewal counts only
+//! once N replicas acknowledged it ([`SessionOptions::replicas`]).
+//!
 //! # Feature flags
 //! - `zookeeper` (default): the ZooKeeper backend, `dlock-zookeeper`.
 //! - `etcd` (default): the etcd backend, `dlock-etcd`.
@@ -146,8 +151,9 @@ pub async fn connect_env() -> Result<Client> {
 
 /// Connects to the backend named by `url` with the given session settings.
 ///
-/// TLS settings, credentials and a namespace set on `opts` take precedence over the
-/// URL's (its TLS scheme and query, its userinfo, `?prefix=` / `?namespace=`).
+/// TLS settings, credentials, a namespace and replicas set on `opts` take precedence
+/// over the URL's (its TLS scheme and query, its userinfo, `?prefix=` / `?namespace=`,
+/// `?replicas=`).
 ///
 /// # Errors
 /// As [`connect`], and [`Error::Unauthenticated`], [`Error::PermissionDenied`] or
@@ -162,6 +168,9 @@ pub async fn connect_with(url: &str, mut opts: SessionOptions) -> Result<Client>
     }
     if opts.namespace.is_none() {
         opts.namespace = parsed.namespace;
+    }
+    if opts.replicas == 0 {
+        opts.replicas = parsed.replicas;
     }
     let backend = open(url, parsed.servers, opts).await?;
     Ok(Client::new(backend))

@@ -30,6 +30,10 @@ pub struct BackendUrl {
     /// The key prefix of a Redis URL (`?prefix=app1:`) or the key namespace of an etcd
     /// URL (`?namespace=/app1/`); see `SessionOptions::namespace`.
     pub namespace: Option<String>,
+    /// How many replicas must acknowledge a grant or a renewal (`?replicas=1`, on
+    /// `redis://` and `redis+sentinel://` and their TLS forms); 0 when not given. See
+    /// `SessionOptions::replicas`.
+    pub replicas: u32,
 }
 
 /// The servers a URL names, by backend.
@@ -175,7 +179,11 @@ impl BackendUrl {
             return Err(bad("a backend URL takes no #fragment"));
         }
         let credentials = credentials(&parsed, password_env).map_err(|r| bad(&r))?;
-        let (tls, namespace) = query(&parsed, tls, kind).map_err(|r| bad(&r))?;
+        let Query {
+            tls,
+            namespace,
+            replicas,
+        } = query(&parsed, tls, kind).map_err(|r| bad(&r))?;
         let path = Some(parsed.path()).filter(|p| !p.trim_matches('/').is_empty());
         let servers = match kind {
             Kind::Zk => {
@@ -268,6 +276,7 @@ impl BackendUrl {
             tls,
             credentials,
             namespace,
+            replicas,
         })
     }
 
@@ -373,16 +382,20 @@ fn credentials(
     })
 }
 
-/// The query: TLS settings (on a TLS scheme only) and the key namespace (`prefix` on
-/// Redis, `namespace` on etcd).
-fn query(
-    url: &url::Url,
-    tls: bool,
-    kind: Kind,
-) -> Result<(Option<TlsOptions>, Option<String>), String> {
+/// What a URL's query sets.
+struct Query {
+    tls: Option<TlsOptions>,
+    namespace: Option<String>,
+    replicas: u32,
+}
+
+/// The query: TLS settings (on a TLS scheme only), the key namespace (`prefix` on
+/// Redis, `namespace` on etcd) and the replicas a grant waits for (one Redis primary).
+fn query(url: &url::Url, tls: bool, kind: Kind) -> Result<Query, String> {
     let mut opts = TlsOptions::new();
     let mut any_tls = false;
     let mut namespace = None;
+    let mut replicas = None;
     let redis = matches!(
         kind,
         Kind::Redis | Kind::Redlock | Kind::Sentinel | Kind::Cluster
@@ -424,6 +437,21 @@ fn query(
                 }
                 continue;
             }
+            "replicas" if matches!(kind, Kind::Redis | Kind::Sentinel) => {
+                let n = v.parse::<u32>().map_err(|_| {
+                    format!("replicas takes a number of replicas (0 to {}), not {v:?}", u32::MAX)
+                })?;
+                if replicas.replace(n).is_some() {
+                    return Err("query parameter replicas given twice".to_owned());
+                }
+                continue;
+            }
+            "replicas" => {
+                return Err(match kind {
+                    Kind::Zk | Kind::Etcd => "replicas is for Redis: ZooKeeper and etcd answer a write only once a quorum has it".to_owned(),
+                    _ => "replicas is taken by one primary only (redis://, redis+sentinel://): dlock does not wait for replicas on Redlock masters or a Redis Cluster".to_owned(),
+                })
+            }
             "prefix" | "namespace" => {
                 return Err(match kind {
                     Kind::Zk => "ZooKeeper keeps applications apart with a chroot (zk://h:p/app), not a query parameter".to_owned(),
@@ -433,7 +461,7 @@ fn query(
             }
             other => {
                 return Err(format!(
-                    "unknown query parameter {other:?} (known: ca, cert, key, server_name; prefix on Redis, namespace on etcd)"
+                    "unknown query parameter {other:?} (known: ca, cert, key, server_name; prefix and replicas on Redis, namespace on etcd)"
                 ))
             }
         };
@@ -452,7 +480,11 @@ fn query(
     if opts.cert.is_some() != opts.key.is_some() {
         return Err("cert and key go together: give both or neither".to_owned());
     }
-    Ok((tls.then_some(opts), namespace))
+    Ok(Query {
+        tls: tls.then_some(opts),
+        namespace,
+        replicas: replicas.unwrap_or(0),
+    })
 }
 
 #[cfg(test)]
@@ -596,6 +628,15 @@ mod tests {
             "rediss://a:1?server_name=x&server_name=y",
             "redis://a:1?prefix=a:&prefix=b:",
             "etcd://a:1?namespace=/a/&namespace=/b/",
+            "redis://a:1?replicas=1&replicas=2",
+            // Replicas: a count, on one Redis primary only.
+            "redis://a:1?replicas=one",
+            "redis://a:1?replicas=-1",
+            "redis://a:1?replicas=4294967296",
+            "redlock://a:1,b:1,c:1?replicas=1",
+            "redis+cluster://a:1?replicas=1",
+            "etcd://a:1?replicas=1",
+            "zk://a:1?replicas=1",
         ] {
             refused(u);
         }
@@ -694,6 +735,16 @@ mod tests {
             Some("/app1/")
         );
         assert_eq!(ns("etcd://a:1"), None);
+    }
+
+    #[test]
+    fn replicas_on_one_redis_primary() {
+        let r = |url: &str| BackendUrl::parse_with(url, || None).expect(url).replicas;
+        assert_eq!(r("redis://a:1?replicas=2"), 2);
+        assert_eq!(r("rediss://a:1/3?replicas=1&ca=/x"), 1);
+        assert_eq!(r("redis+sentinel://a:1,b:1,c:1/svc?replicas=1"), 1);
+        assert_eq!(r("redis://a:1?replicas=0"), 0);
+        assert_eq!(r("redis://a:1"), 0);
     }
 
     #[test]

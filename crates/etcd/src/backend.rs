@@ -28,6 +28,10 @@ use crate::reads::{header_rev, holds_entry};
 use crate::session::Session;
 use crate::watches::Watches;
 
+/// Why an etcd backend refuses [`SessionOptions::replicas`].
+const ETCD_QUORUM: &str =
+    "etcd answers a write only once a quorum of its members has it, whatever the setting";
+
 /// The session TTL when [`SessionOptions::session_timeout`] is `None`: 60 s, the default
 /// of etcd's Go `concurrency.NewSession` (`etcdctl lock` uses 10 s). A crashed holder
 /// keeps its locks this long.
@@ -206,6 +210,7 @@ impl EtcdBackend {
                 reason: "expected a comma-separated list of host:port etcd endpoints".into(),
             });
         }
+        opts.refuse_replicas(ETCD_QUORUM)?;
         let ttl = opts.session_timeout_or(DEFAULT_SESSION_TTL);
         let connect_timeout = opts.connect_limit();
         let request_timeout = connect_timeout.max(Duration::from_secs(5));
@@ -284,6 +289,7 @@ impl EtcdBackend {
     /// [`Error::Unauthenticated`] or [`Error::PermissionDenied`] if the client's user
     /// may not grant a lease.
     pub async fn from_client(client: Client, opts: SessionOptions) -> Result<Arc<EtcdBackend>> {
+        opts.refuse_replicas(ETCD_QUORUM)?;
         let ttl = opts.session_timeout_or(DEFAULT_SESSION_TTL);
         let connect_timeout = opts.connect_limit();
         let request_timeout = connect_timeout.max(Duration::from_secs(5));

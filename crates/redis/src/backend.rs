@@ -44,6 +44,7 @@ pub(crate) struct Counters {
     timer_rechecks: AtomicU64,
     pub(crate) missed_wakeups: AtomicU64,
     pub(crate) solo_mismatches: AtomicU64,
+    pub(crate) unreplicated: AtomicU64,
 }
 
 /// A snapshot of a backend's counters.
@@ -80,6 +81,10 @@ pub struct Stats {
     /// client changes a solo entry's value, so this stays 0 unless something else wrote
     /// the lock's key; a release that finds it is correct, only slower.
     pub solo_mismatches: u64,
+    /// With [`dlock_core::SessionOptions::replicas`]: grants and renewal rounds that
+    /// did not count because fewer replicas acknowledged them in time (or the
+    /// connection changed before they were asked). 0 without it.
+    pub unreplicated: u64,
 }
 
 pub(crate) struct Shared {
@@ -95,6 +100,11 @@ pub(crate) struct Shared {
     pub(crate) recheck: Duration,
     /// Clock drift allowance (Redlock: 1% of the lease plus 2 ms).
     pub(crate) drift: Duration,
+    /// [`dlock_core::SessionOptions::replicas`]: how many replicas must acknowledge a
+    /// grant or a renewal before it counts (one master only; 0: none).
+    pub(crate) replicas: u32,
+    /// How long a grant or a renewal round waits for them ([`Shared::replicated`]).
+    pub(crate) replica_wait: Duration,
     pub(crate) scripts: Scripts,
     pub(crate) live: Mutex<HashMap<(String, String), Live>>,
     pub(crate) chans: Mutex<HashMap<String, Chan>>,
@@ -249,6 +259,7 @@ impl RedisBackend {
             timer_rechecks: c.timer_rechecks.load(Ordering::Relaxed),
             missed_wakeups: c.missed_wakeups.load(Ordering::Relaxed),
             solo_mismatches: c.solo_mismatches.load(Ordering::Relaxed),
+            unreplicated: c.unreplicated.load(Ordering::Relaxed),
             primary_switches: self
                 .shared
                 .nodes
@@ -318,6 +329,39 @@ impl Shared {
         } else {
             Ok(())
         }
+    }
+
+    /// The connection the writes about to be sent go over, when
+    /// [`Shared::replicated`] will be asked about them (`None` otherwise: nothing to
+    /// look up on the hot path).
+    pub(crate) fn replication_mark(&self) -> Option<(String, Option<i64>)> {
+        (self.replicas > 0)
+            .then(|| self.nodes[0].connection_now())
+            .flatten()
+    }
+
+    /// With [`dlock_core::SessionOptions::replicas`]: `Ok` once that many replicas
+    /// acknowledged every write made since `mark` ([`Shared::replication_mark`]),
+    /// within [`Shared::replica_wait`] ([`crate::node::Node::replicated`]). Always `Ok`
+    /// without it. Only one master takes the setting (see `assemble`).
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`] when they did not: the writes must not count.
+    pub(crate) async fn replicated(
+        &self,
+        what: &str,
+        mark: Option<&(String, Option<i64>)>,
+    ) -> Result<()> {
+        if self.replicas == 0 {
+            return Ok(());
+        }
+        let r = self.nodes[0]
+            .replicated(what, mark, self.replicas, self.replica_wait)
+            .await;
+        if r.is_err() {
+            self.counters.unreplicated.fetch_add(1, Ordering::Relaxed);
+        }
+        r
     }
 
     fn abort_tasks(&self) {

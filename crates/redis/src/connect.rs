@@ -288,6 +288,19 @@ impl RedisBackend {
         lease: Duration,
         prefix: String,
     ) -> Result<Arc<RedisBackend>> {
+        if opts.replicas > 0 && (mode == Mode::Redlock || nodes.iter().any(|n| n.sharded)) {
+            for n in &nodes {
+                n.shutdown().await;
+            }
+            return Err(Error::InvalidUrl {
+                url: what,
+                reason: format!(
+                    "replicas={} is taken by one primary only (redis://, redis+sentinel://): \
+                     dlock does not wait for replicas on Redlock masters or a Redis Cluster",
+                    opts.replicas
+                ),
+            });
+        }
         let majority = nodes.len() / 2 + 1;
         let deadline = Instant::now() + opts.connect_limit();
         let results = join_all(nodes.iter().map(|n| n.wait_connected(deadline))).await;
@@ -325,6 +338,10 @@ impl RedisBackend {
             lease_ms: Value::from(lease.as_millis().to_string()),
             recheck: (lease / 3).min(Duration::from_secs(1)),
             drift: lease / 100 + Duration::from_millis(2),
+            replicas: opts.replicas,
+            // Short: a WAIT holds back every command of the connection meanwhile. A
+            // healthy replica acknowledges within a round trip.
+            replica_wait: (lease / 20).clamp(Duration::from_millis(100), Duration::from_secs(1)),
             scripts: Scripts::new(nodes.iter().any(|n| n.sharded), lease.as_millis()),
             live: Mutex::new(HashMap::new()),
             chans: Mutex::new(HashMap::new()),

@@ -6,7 +6,7 @@ use dlock_core::Error;
 use fred::clients::SubscriberClient;
 use fred::prelude::{
     Builder, ClientLike, Config, ErrorKind, EventInterface, KeysInterface, LuaInterface,
-    PubsubInterface, ReconnectPolicy, ServerConfig, Value,
+    PubsubInterface, ReconnectPolicy, ServerConfig, ServerInterface, Value,
 };
 use fred::types::scripts::Script;
 use fred::types::{ConnectHandle, RespVersion};
@@ -545,6 +545,59 @@ impl Node {
             .await;
         self.check_landed(what)?;
         ran.map_err(|e| self.map_err(what, e))
+    }
+
+    /// The command client's connection right now (its server and `CLIENT ID`), to
+    /// tell later whether replies still come over it ([`Node::replicated`]).
+    pub fn connection_now(&self) -> Option<(String, Option<i64>)> {
+        sentinel::connection(&self.client)
+    }
+
+    /// Waits, at most `timeout`, until `replicas` replicas have every write the command
+    /// connection made so far (`WAIT`): those of the scripts whose replies came before
+    /// this call among them. `since` is that connection as [`Node::connection_now`] saw
+    /// it before those scripts were sent: `WAIT` answers for its own connection's
+    /// writes only, so if the client reconnected in between (or the connection cannot
+    /// be told apart: no `CLIENT ID`), its answer says nothing about them.
+    ///
+    /// `WAIT` holds back every later command of the connection while it waits (the
+    /// server serves a client's commands in order), so `timeout` is kept short.
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`] when fewer replicas acknowledged in time, or the
+    /// connection changed: the writes do not count. As [`Node::eval`] when `WAIT` fails.
+    pub async fn replicated(
+        &self,
+        what: &str,
+        since: Option<&(String, Option<i64>)>,
+        replicas: u32,
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let ms = i64::try_from(timeout.as_millis())
+            .unwrap_or(i64::MAX)
+            .max(1);
+        let acked: i64 = Box::pin(
+            self.client
+                .with_options(&self.cmd)
+                .wait(i64::from(replicas), ms),
+        )
+        .await
+        .map_err(|e| self.map_err(what, e))?;
+        let now = self.connection_now();
+        let same = matches!((since, &now), (Some(a), Some(b)) if a == b && a.1.is_some());
+        if !same {
+            return Err(Error::Unreachable(format!(
+                "redis at {} while {what}: the replicas could not be asked about it (the connection changed, or has no CLIENT ID); it does not count",
+                self.addr
+            )));
+        }
+        if acked < i64::from(replicas) {
+            return Err(Error::Unreachable(format!(
+                "redis at {} while {what}: {acked} of the {replicas} replicas asked acknowledged it within {timeout:?}; it does not count",
+                self.addr
+            )));
+        }
+        Ok(())
     }
 
     /// Runs `attempt` once, and on a cluster again (after 5 ms, doubling up to 100 ms)

@@ -397,6 +397,7 @@ impl RedisBackend {
             return Ok(None);
         }
         let node = &s.nodes[0];
+        let mark = s.replication_mark();
         let sent_at = Instant::now();
         let reply = node
             .eval(
@@ -420,6 +421,13 @@ impl RedisBackend {
             .ok_or_else(|| Error::backend("adding an entry", "solo entry name does not parse"))?;
         mine.token = Some(FencingToken::new(token));
         mine.created_ms = i64::try_from(token / 1000).ok();
+        if let Err(e) = s.replicated("taking a lock", mark.as_ref()).await {
+            // Held on the primary only: a replica promoted now would not have it. Not
+            // counted, so taken back (a removal the replica misses only holds others
+            // back there until the lease ends).
+            let _ = s.remove_names(keys, std::slice::from_ref(&mine.name)).await;
+            return Err(e);
+        }
         s.register(
             keys,
             &mine.name,
@@ -489,6 +497,7 @@ impl RedisBackend {
                 Value::from(p.to_string()),
                 Value::from(writer),
             ]);
+            let mark = s.replication_mark();
             let sent_at = Instant::now();
             let results = s
                 .eval_all("adding an entry", &s.scripts.enqueue, &keys, args)
@@ -510,6 +519,16 @@ impl RedisBackend {
             // time left on its lease (monotonic clock, drift allowance as in the Redis docs).
             let valid = started.elapsed() + s.drift < s.lease;
             if added.len() >= s.majority && valid {
+                if let Err(e) = s.replicated("adding an entry", mark.as_ref()).await {
+                    // As in `try_solo`: an entry a promoted replica would not have is
+                    // not counted, and is taken back.
+                    let mut args = Shared::q_args(&keys);
+                    args.push(Value::from(ticket.protected_prefix()));
+                    let _ = s
+                        .eval_all("abandoning an entry", &s.scripts.abandon, &keys, args)
+                        .await;
+                    return Err(e);
+                }
                 let mut mine = added[0].0.clone();
                 mine.data = data.to_vec();
                 mine.token = added.iter().filter_map(|(m, _)| m.token).max();

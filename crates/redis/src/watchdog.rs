@@ -239,6 +239,7 @@ impl Shared {
         if groups.is_empty() {
             return;
         }
+        let mark = self.replication_mark();
         let sent_at = Instant::now();
         let (groups_ref, lease_ref) = (&groups, &self.lease_ms);
         let jobs = (0..groups.len()).flat_map(|g| (0..self.nodes.len()).map(move |n| (g, n)));
@@ -266,6 +267,10 @@ impl Shared {
             .iter()
             .map(|(_, names)| vec![(0, 0, None); names.len()])
             .collect();
+        // With `replicas`, renewals are credited only once the replicas acknowledged
+        // them, after the round: a renewal a promoted replica does not have would let
+        // the holder count on a lease that the replica ends earlier.
+        let mut credits: Vec<(String, String)> = Vec::new();
         while let Some((g, r)) = pending.next().await {
             let (keys, names) = &groups[g];
             for (i, name) in names.iter().enumerate() {
@@ -275,17 +280,31 @@ impl Shared {
                         t.0 += 1;
                         self.counters.renewals.fetch_add(1, Ordering::Relaxed);
                         if t.0 == self.majority {
-                            if let Some(l) = self
-                                .live
-                                .lock()
-                                .get_mut(&(keys.queue.clone(), name.clone()))
-                            {
+                            let key = (keys.queue.clone(), name.clone());
+                            if self.replicas > 0 {
+                                credits.push(key);
+                            } else if let Some(l) = self.live.lock().get_mut(&key) {
                                 l.renewed_at = l.renewed_at.max(sent_at);
                             }
                         }
                     }
                     Ok(_) => t.1 += 1,
                     Err(e) => t.2 = Some(e.to_string()),
+                }
+            }
+        }
+        if !credits.is_empty() {
+            match self.replicated("renewing entries", mark.as_ref()).await {
+                Ok(()) => {
+                    let mut live = self.live.lock();
+                    for key in &credits {
+                        if let Some(l) = live.get_mut(key) {
+                            l.renewed_at = l.renewed_at.max(sent_at);
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(entries = credits.len(), error = %e, "renewals not acknowledged by the replicas do not count; the entries are lost at their deadlines unless a later round is");
                 }
             }
         }
@@ -410,6 +429,8 @@ mod tests {
             lease_ms: Value::from(lease.as_millis().to_string()),
             recheck: (lease / 3).min(Duration::from_secs(1)),
             drift: lease / 100 + Duration::from_millis(2),
+            replicas: 0,
+            replica_wait: Duration::from_millis(100),
             scripts: Scripts::new(false, lease.as_millis()),
             live: Mutex::new(HashMap::new()),
             chans: Mutex::new(HashMap::new()),

@@ -109,6 +109,48 @@ async fn lock_and_unlock_through_sentinel() {
 /// A Sentinel whose TCP connect hangs, listed first, costs one connection attempt, not
 /// the whole connect timeout: the clients ask the next Sentinel and connect within the
 /// timeout (fred asks the Sentinels one after the other).
+/// `replicas=1` through Sentinel: a grant returns only once the group's replica has the
+/// entry, so the replica the Sentinels would promote has it the moment the holder does
+/// (tests/replicas.rs stops a replica to show what happens when it does not answer).
+#[tokio::test]
+async fn a_grant_through_sentinel_is_on_the_replica_when_it_returns() {
+    init_tracing();
+    let Some(group) = dlock_testkit::require_redis_sentinel() else {
+        return;
+    };
+    let Some(state) = dlock_testkit::require_state() else {
+        return;
+    };
+    let _turn = SERIAL.lock().await;
+    let primary = state
+        .wait_leader(Server::RedisHa, WAIT)
+        .expect("the Sentinels agree on a primary");
+    let replica_addr = state
+        .servers_of(Server::RedisHa)
+        .find(|s| s.id != primary && s.is_running())
+        .expect("a replica")
+        .addr
+        .clone();
+    let (sentinels, service) = sentinels_and_service(&group);
+    let b = RedisBackend::connect_sentinel(&sentinels, &service, opts(LONG).with_replicas(1))
+        .await
+        .expect("connect through the Sentinels");
+    let t = Duration::from_secs(5);
+    for round in 0..20 {
+        let q = fresh_queue("sentinel-replicas");
+        let added = lock(&b, &q).await;
+        let key = format!("dlock:{{{}}}:q", q.lock.as_str());
+        assert_eq!(
+            redis_query(&replica_addr, &["EXISTS", &key], t).as_deref(),
+            Some("1"),
+            "round {round}: the grant returned before the replica had the entry"
+        );
+        b.remove(&q, &added.mine).await.expect("remove");
+    }
+    assert_eq!(b.stats().unreplicated, 0);
+    b.close().await.expect("close");
+}
+
 #[tokio::test]
 async fn a_sentinel_that_stalls_the_handshake_costs_one_attempt() {
     init_tracing();

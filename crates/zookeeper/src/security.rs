@@ -60,6 +60,9 @@ pub(crate) fn configure(
                 .into(),
         });
     }
+    opts.refuse_replicas(
+        "ZooKeeper answers a write only once a quorum of its servers has it, whatever the setting",
+    )?;
     if let Some(c) = &opts.credentials {
         let user = c.user.as_deref().ok_or_else(|| Error::InvalidUrl {
             url: String::new(),

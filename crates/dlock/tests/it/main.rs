@@ -124,6 +124,7 @@ all_backends! {
     mem many_permits_are_one_guard => crate::acquire_shape::many_permits_are_one_guard_and_tries_take_all_or_nothing,
     mem cancelled_acquisitions_leave_nothing => crate::recipes::cancelled_acquisitions_leave_nothing,
     mem bad_input_gives_typed_errors => crate::recipes::bad_input_gives_typed_errors,
+    servers replicas_where_they_mean_something => crate::recipes::replicas_where_they_mean_something,
     mem huge_session_options_are_clamped => crate::recipes::huge_session_options_are_clamped_not_a_panic,
     mem missing_capabilities_fail_at_the_call => crate::recipes::missing_capabilities_fail_at_the_call,
     mem rwlock_readers_share_writers_exclude => crate::recipes::rwlock_readers_share_writers_exclude,

@@ -110,6 +110,58 @@ pub async fn cancelled_acquisitions_leave_nothing(_kind: Kind, url: &str) {
     waiter.close().await.expect("close");
 }
 
+/// `replicas=1` (`SessionOptions::replicas`): one Redis primary waits for its replicas
+/// before a grant counts; every other backend refuses it when connecting, as a URL
+/// error, rather than connect without the guarantee asked for. The shared Sentinel group
+/// has a replica, so a lock through it is granted; the shared single server has none, so
+/// a lock there is refused (`Unreachable`, the replicas named) and leaves nothing behind.
+/// Not on mem: the in-memory backend has no replicas to wait for.
+pub async fn replicas_where_they_mean_something(kind: Kind, url: &str) {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let with = format!("{url}{sep}replicas=1");
+    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
+    let connected = dlock::connect_with(&with, opts.clone()).await;
+    match kind {
+        Kind::RedisSentinel | Kind::Redis => {
+            let c = connected.unwrap_or_else(|e| panic!("{kind:?} takes replicas=1: {e}"));
+            let name = unique("replicas");
+            let got = c.mutex(&name).expect("mutex").lock().await;
+            if kind == Kind::RedisSentinel {
+                let mut g = got.expect("granted: the group's replica acknowledges");
+                g.release().await.expect("release");
+            } else {
+                assert!(
+                    matches!(&got, Err(Error::Unreachable(m)) if m.contains("replicas")),
+                    "a server without replicas cannot grant with replicas=1: {:?}",
+                    got.as_ref().map(dlock::LockGuard::token)
+                );
+            }
+            assert!(
+                eventually(Duration::from_secs(10), || async {
+                    leftovers(&c, &name).await == 0
+                })
+                .await,
+                "replicas=1 left an entry behind"
+            );
+            c.close().await.expect("close");
+        }
+        _ => {
+            assert!(
+                matches!(&connected, Err(Error::InvalidUrl { reason, .. }) if reason.contains("replicas")),
+                "{kind:?} must refuse replicas=1: {:?}",
+                connected.as_ref().map(|_| "connected")
+            );
+            // Set through the options instead of the URL: the same refusal.
+            let direct = dlock::connect_with(url, opts.with_replicas(1)).await;
+            assert!(
+                matches!(&direct, Err(Error::InvalidUrl { reason, .. }) if reason.contains("replicas")),
+                "{kind:?} must refuse SessionOptions::replicas: {:?}",
+                direct.as_ref().map(|_| "connected")
+            );
+        }
+    }
+}
+
 /// Bad input gives typed errors, never a panic, and leaves nothing behind.
 pub async fn bad_input_gives_typed_errors(_kind: Kind, url: &str) {
     let c = client(url).await;

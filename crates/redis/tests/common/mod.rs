@@ -167,10 +167,40 @@ pub struct TestServer {
     pub port: u16,
     dir: PathBuf,
     child: Option<Child>,
+    /// `--replicaof 127.0.0.1 <port>` for a replica ([`TestServer::start_replica_of`]).
+    replica_of: Option<u16>,
 }
 
 impl TestServer {
     pub fn start() -> TestServer {
+        Self::start_with(None)
+    }
+
+    /// A replica of `primary`, once its replication link is up.
+    pub fn start_replica_of(primary: &TestServer) -> TestServer {
+        let r = Self::start_with(Some(primary.port));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let info = dlock_testkit::redis_query(
+                &r.addr(),
+                &["INFO", "replication"],
+                Duration::from_secs(1),
+            )
+            .unwrap_or_default();
+            if info.contains("master_link_status:up") {
+                return r;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the replica on {} did not link to {}: {info}",
+                r.port,
+                primary.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn start_with(replica_of: Option<u16>) -> TestServer {
         let port = {
             let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
             l.local_addr().expect("local addr").port()
@@ -182,6 +212,7 @@ impl TestServer {
             port,
             dir,
             child: None,
+            replica_of,
         };
         s.restart();
         s
@@ -208,6 +239,13 @@ impl TestServer {
                 "--dir",
             ])
             .arg(&self.dir)
+            .args(self.replica_of.iter().flat_map(|p| {
+                [
+                    "--replicaof".to_owned(),
+                    "127.0.0.1".to_owned(),
+                    p.to_string(),
+                ]
+            }))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
