@@ -18,7 +18,15 @@ use futures::FutureExt;
 const LEASE: Duration = Duration::from_secs(2);
 
 async fn connect_replicated(addr: &str, replicas: u32) -> std::sync::Arc<RedisBackend> {
-    RedisBackend::connect(addr, opts(LEASE).with_replicas(replicas))
+    connect_leased(addr, replicas, LEASE).await
+}
+
+async fn connect_leased(
+    addr: &str,
+    replicas: u32,
+    lease: Duration,
+) -> std::sync::Arc<RedisBackend> {
+    RedisBackend::connect(addr, opts(lease).with_replicas(replicas))
         .await
         .expect("connect to the primary")
 }
@@ -152,6 +160,91 @@ async fn renewals_the_replica_misses_do_not_count() {
     trusts.remove(&qt, &et).await.expect("release");
     trusts.close().await.expect("close");
     waits.close().await.expect("close");
+}
+
+/// The failover the setting is for, end to end: the replication link is cut (dropped
+/// packets, so neither end notices) while a holder renews on the primary, then the
+/// primary dies and the replica is promoted. The holder must be told it lost the lock
+/// before its entry ends on the promoted replica, where anyone can take it from then on.
+/// Without the setting the holder counts the renewals only the old primary saw, and is
+/// told up to a renewal period after the entry ended there (this test, run with
+/// `replicas` 0, fails that way).
+#[tokio::test]
+async fn a_replica_promoted_after_a_cut_lets_nobody_in_before_the_holder_is_told() {
+    init_tracing();
+    if endpoint(
+        "DLOCK_TEST_REDIS",
+        "a_replica_promoted_after_a_cut_lets_nobody_in_before_the_holder_is_told",
+    )
+    .is_none()
+    {
+        return;
+    }
+    // Longer than the other tests' lease: the holder is told `lost_margin` (10 % of
+    // it) before the deadline, a margin a loaded test machine must not eat.
+    let lease = LEASE * 3;
+    let mut primary = TestServer::start();
+    let replica = TestServer::start_replica_of(&primary);
+    let a = connect_leased(&primary.addr(), 1, lease).await;
+    let q = fresh_queue("replicas-promotion");
+    let key = queue_key(&q);
+    let held = enqueue_lock(&a, &q).await.expect("granted").mine;
+    let lost = a.lost(&q, &held);
+    let told = tokio::spawn(async move {
+        let reason = lost.await;
+        (Instant::now(), reason)
+    });
+    // A renewal or two count first.
+    tokio::time::sleep(lease / 2).await;
+    let link = dlock_testkit::connections_of(replica.pid(), primary.port)
+        .expect("the replica's connections");
+    assert!(!link.is_empty(), "the replica has no link to its primary");
+    let pairs: Vec<(u16, u16)> = link.iter().map(|&l| (l, primary.port)).collect();
+    let cut = dlock_testkit::NetCut::new(&pairs, &[]).expect("cut the link (root and nft)");
+    // The holder keeps renewing on the primary; none of it reaches the replica.
+    tokio::time::sleep(lease / 2).await;
+    primary.kill();
+    let r_addr = replica.addr();
+    assert_eq!(
+        dlock_testkit::redis_query(&r_addr, &["REPLICAOF", "NO", "ONE"], lease).as_deref(),
+        Some("OK")
+    );
+    let on_new_primary = inspector(&r_addr).await;
+    let deadline = Instant::now() + lease * 5;
+    while key_exists(&on_new_primary, &key).await {
+        assert!(
+            Instant::now() < deadline,
+            "the entry never ended on the new primary"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let open = Instant::now();
+    let (told_at, reason) = tokio::time::timeout(lease * 3, told)
+        .await
+        .expect("lost() fires")
+        .expect("task");
+    eprintln!(
+        "promotion: holder told {:?} before the entry ended on the new primary: {reason}",
+        open.checked_duration_since(told_at)
+    );
+    assert!(
+        told_at <= open,
+        "two holders: the entry ended on the promoted replica {:?} before its holder was told",
+        told_at - open
+    );
+    // Anyone is granted there now.
+    let b = connect(&r_addr, lease).await;
+    let second = enqueue_lock(&b, &q)
+        .await
+        .expect("enqueue on the new primary");
+    assert_eq!(
+        second.queue.len(),
+        1,
+        "the new primary still had the old entry"
+    );
+    drop(cut);
+    b.close().await.expect("close");
+    let _ = tokio::time::timeout(lease, a.close()).await;
 }
 
 #[tokio::test]

@@ -262,6 +262,11 @@ impl TestServer {
         }
     }
 
+    /// This server's PID.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("server running").id()
+    }
+
     /// Sends `signal` (e.g. `STOP`, `CONT`) to this server by PID.
     pub fn signal(&self, signal: &str) {
         let pid = self.child.as_ref().expect("server running").id();
