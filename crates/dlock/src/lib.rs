@@ -151,8 +151,9 @@ pub async fn connect_env() -> Result<Client> {
 
 /// Connects to the backend named by `url` with the given session settings.
 ///
-/// TLS settings, credentials, a namespace and replicas set on `opts` take precedence
-/// over the URL's (its TLS scheme and query, its userinfo, `?prefix=` / `?namespace=`,
+/// TLS settings, credentials and a namespace set on `opts` take precedence over the
+/// URL's (its TLS scheme and query, its userinfo, `?prefix=` / `?namespace=`), and so
+/// do replicas set on `opts` (non-zero: 0 is the default and takes the URL's
 /// `?replicas=`).
 ///
 /// # Errors

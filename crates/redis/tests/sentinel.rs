@@ -106,12 +106,10 @@ async fn lock_and_unlock_through_sentinel() {
     b.close().await.expect("close");
 }
 
-/// A Sentinel whose TCP connect hangs, listed first, costs one connection attempt, not
-/// the whole connect timeout: the clients ask the next Sentinel and connect within the
-/// timeout (fred asks the Sentinels one after the other).
-/// `replicas=1` through Sentinel: a grant returns only once the group's replica has the
-/// entry, so the replica the Sentinels would promote has it the moment the holder does
-/// (tests/replicas.rs stops a replica to show what happens when it does not answer).
+/// `replicas=1` through Sentinel works: grants are granted (the group's replica
+/// acknowledges) and each is on the replica when it returns. Local replication is fast,
+/// so the second would mostly hold without the setting too; what the setting adds is
+/// shown by tests/replicas.rs, which cuts or stops a replica.
 #[tokio::test]
 async fn a_grant_through_sentinel_is_on_the_replica_when_it_returns() {
     init_tracing();
@@ -151,6 +149,9 @@ async fn a_grant_through_sentinel_is_on_the_replica_when_it_returns() {
     b.close().await.expect("close");
 }
 
+/// A Sentinel whose TCP connect hangs, listed first, costs one connection attempt, not
+/// the whole connect timeout: the clients ask the next Sentinel and connect within the
+/// timeout (fred asks the Sentinels one after the other).
 #[tokio::test]
 async fn a_sentinel_that_stalls_the_handshake_costs_one_attempt() {
     init_tracing();

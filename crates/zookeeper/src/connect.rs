@@ -12,6 +12,10 @@ use crate::errors::{connect_error, map_err};
 use crate::session::{connection_timeout, watch_session, Shared};
 use crate::ZkOptions;
 
+/// Why a ZooKeeper backend refuses [`SessionOptions::replicas`].
+pub(crate) const ZK_QUORUM: &str =
+    "ZooKeeper answers a write only once a quorum of its servers has it, whatever the setting";
+
 /// How often `from_client` sends its pair of syncs again when the connection changed
 /// between the two, before it gives up: each retry needs another reconnection within
 /// one pair gap.
@@ -206,6 +210,7 @@ impl ZkBackend {
         opts: SessionOptions,
         zk_opts: ZkOptions,
     ) -> Result<Arc<ZkBackend>> {
+        opts.refuse_replicas(ZK_QUORUM)?;
         let t = client.session_timeout();
         match client.state() {
             zk::SessionState::SyncConnected => {}

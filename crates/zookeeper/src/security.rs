@@ -60,9 +60,7 @@ pub(crate) fn configure(
                 .into(),
         });
     }
-    opts.refuse_replicas(
-        "ZooKeeper answers a write only once a quorum of its servers has it, whatever the setting",
-    )?;
+    opts.refuse_replicas(crate::connect::ZK_QUORUM)?;
     if let Some(c) = &opts.credentials {
         let user = c.user.as_deref().ok_or_else(|| Error::InvalidUrl {
             url: String::new(),

@@ -262,6 +262,7 @@ pub(super) fn inject_server(
     groups: &[Group],
     anchor: &Group,
     vip: Option<&Proxy>,
+    side: &HashMap<u32, Proxy>,
     primary: &mut u32,
     victim: u32,
     rng: &mut StdRng,
@@ -437,28 +438,7 @@ pub(super) fn inject_server(
             let r = if p == 1 { 2 } else { 1 };
             let p_addr = cluster.server(Backend::Redis, p)?.addr.clone();
             let r_addr = cluster.server(Backend::Redis, r)?.addr.clone();
-            // The replica follows the primary through a proxy, so the stream can be cut
-            // for real. A SIGSTOP of the replica would not do: the kernel keeps taking
-            // the stream into the stopped process's socket buffer, and the replica
-            // applies all of it when it resumes, holds included.
-            let link = Proxy::start(
-                p_addr
-                    .parse()
-                    .with_context(|| format!("address {p_addr}"))?,
-            )?;
-            let link_addr = link.addr();
-            redis_cli(&p_addr, &["CONFIG", "SET", "repl-diskless-sync-delay", "0"])?;
-            redis_cli(
-                &r_addr,
-                &[
-                    "REPLICAOF",
-                    &link_addr.ip().to_string(),
-                    &link_addr.port().to_string(),
-                ],
-            )?;
-            wait_for("the replica in sync", WAIT, || {
-                Ok(redis_cli(&r_addr, &["INFO", "replication"])?.contains("master_link_status:up"))
-            })?;
+            let link = replicate_through_link(&p_addr, &r_addr)?;
             // From here the replica sees none of the primary's writes.
             link.cut();
             let stopped = now_us();
@@ -500,6 +480,77 @@ pub(super) fn inject_server(
             // The old primary comes back empty, ready to be the next round's replica.
             cluster.restart(Backend::Redis, p)?;
             recovered?;
+            Ok(under_victim(t))
+        }
+        Scenario::WaitedPromotion => {
+            // `replica-promotion` with clients that wait for the replica (`?replicas=1`):
+            // once the link is cut no grant or renewal counts, so the holder must be told
+            // before its entry ends on the replica, which is then promoted.
+            let vip = vip.context("waited promotion without its proxy")?;
+            let p = *primary;
+            let r = if p == 1 { 2 } else { 1 };
+            let p_addr = cluster.server(Backend::Redis, p)?.addr.clone();
+            let r_addr = cluster.server(Backend::Redis, r)?.addr.clone();
+            let link = replicate_through_link(&p_addr, &r_addr)?;
+            // Cut as the victim's section begins, so that it is still inside (its
+            // sections last two sessions) when the others can take the lock.
+            let armed = now_us();
+            wait_for("the victim entering a section", WAIT, || {
+                Ok(history::sections(&h()?)
+                    .iter()
+                    .any(|s| s.worker == victim && s.start_us > armed && s.end_us.is_none()))
+            })?;
+            link.cut();
+            let t = now_us();
+            // A whole session while the link is cut: the primary extends the holders'
+            // entries (a renewal round every third of it), the replica never sees it,
+            // and its copy of each ends one session after the last renewal it has.
+            std::thread::sleep(SESSION);
+            // The holders' door goes dark with the old primary: they reach no server
+            // until it leads to the promoted one, a session later, so nothing but their
+            // own lease tells them the lock is gone.
+            for door in side.values() {
+                door.cut();
+            }
+            cluster.kill(Backend::Redis, p)?;
+            redis_cli(&r_addr, &["REPLICAOF", "NO", "ONE"])?;
+            drop(link);
+            let killed = now_us();
+            // The promoted node needs a replica before the clients can take anything
+            // there (they wait for one): the old primary comes back at once, empty, as
+            // its replica (the next fault's link, or the round's end, replaces that).
+            redis_cli(&r_addr, &["CONFIG", "SET", "repl-diskless-sync-delay", "0"])?;
+            cluster.restart(Backend::Redis, p)?;
+            let (host, port) = r_addr.rsplit_once(':').context("address")?;
+            redis_cli(&p_addr, &["REPLICAOF", host, port])?;
+            wait_for(
+                "the old primary replicating the promoted node",
+                WAIT,
+                || {
+                    Ok(redis_cli(&p_addr, &["INFO", "replication"])?
+                        .contains("master_link_status:up"))
+                },
+            )?;
+            let r_sock: std::net::SocketAddr = r_addr
+                .parse()
+                .with_context(|| format!("address {r_addr}"))?;
+            // Everyone but the slow workers (the holders) moves, and can take what the
+            // promoted node no longer has; a holder that counted renewals only the old
+            // primary saw still believes it holds: two holders.
+            vip.retarget(r_sock)?;
+            eprintln!(
+                "  cut the replica link under worker {victim}, killed primary (node {p}) {} ms later; promoted node {r}, its replica again {} ms after the kill",
+                (killed - t) / 1000,
+                (now_us() - killed) / 1000
+            );
+            // Past the longest lease a holder can count on, the holders move too.
+            std::thread::sleep(SESSION);
+            for door in side.values() {
+                door.retarget(r_sock)?;
+                door.restore();
+            }
+            *primary = r;
+            wait_all_recovered(groups, victim, t, "another holder on the promoted replica")?;
             Ok(under_victim(t))
         }
         Scenario::SentinelFailover => {
@@ -836,6 +887,56 @@ fn isolate_etcd(cluster: &Cluster, id: u32) -> anyhow::Result<dlock_testkit::Net
         &[cluster.etcd_peer_port(id)],
         &peers,
     )?)
+}
+
+/// `waited-promotion`: Redis node 2 replicates node 1 directly, in sync, before the
+/// round's workers start: clients that wait for a replica grant nothing without one.
+pub(super) fn attach_replica(cluster: &Cluster) -> anyhow::Result<()> {
+    let primary = cluster.server(Backend::Redis, 1)?.addr.clone();
+    let replica = cluster.server(Backend::Redis, 2)?.addr.clone();
+    let (host, port) = primary.rsplit_once(':').context("address")?;
+    redis_cli(&replica, &["REPLICAOF", host, port])?;
+    wait_for("node 2 replicating node 1", WAIT, || {
+        Ok(redis_cli(&replica, &["INFO", "replication"])?.contains("master_link_status:up"))
+    })
+}
+
+/// After a `waited-promotion` round: every Redis node a master again, as the other
+/// rounds expect.
+pub(super) fn detach_replicas(cluster: &Cluster) -> anyhow::Result<()> {
+    for s in cluster.servers_of(Backend::Redis) {
+        if s.is_running() {
+            redis_cli(&s.addr, &["REPLICAOF", "NO", "ONE"])?;
+        }
+    }
+    Ok(())
+}
+
+/// Makes the Redis node at `replica` replicate the one at `primary` through a loopback
+/// proxy, so that the stream can be cut for real, and waits until it is in sync. A
+/// SIGSTOP of the replica would not do: the kernel keeps taking the stream into the
+/// stopped process's socket buffer, and the replica applies all of it when it resumes,
+/// holds included.
+fn replicate_through_link(primary: &str, replica: &str) -> anyhow::Result<Proxy> {
+    let link = Proxy::start(
+        primary
+            .parse()
+            .with_context(|| format!("address {primary}"))?,
+    )?;
+    let link_addr = link.addr();
+    redis_cli(primary, &["CONFIG", "SET", "repl-diskless-sync-delay", "0"])?;
+    redis_cli(
+        replica,
+        &[
+            "REPLICAOF",
+            &link_addr.ip().to_string(),
+            &link_addr.port().to_string(),
+        ],
+    )?;
+    wait_for("the replica in sync", WAIT, || {
+        Ok(redis_cli(replica, &["INFO", "replication"])?.contains("master_link_status:up"))
+    })?;
+    Ok(link)
 }
 
 /// Runs `redis-cli` against `addr` and returns its output; a Redis error is an error.

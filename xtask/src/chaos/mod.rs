@@ -510,7 +510,7 @@ fn run_round(
     // Replica promotion: every client reaches Redis through one address that moves to
     // the promoted replica, as a virtual IP (or Sentinel-aware clients) would.
     let vip = match scenario {
-        Scenario::ReplicaPromotion => {
+        Scenario::ReplicaPromotion | Scenario::WaitedPromotion => {
             let first = addrs.first().context("no Redis node")?;
             Some(Proxy::start(
                 first.parse().with_context(|| format!("address {first}"))?,
@@ -518,22 +518,50 @@ fn run_round(
         }
         _ => None,
     };
+    // Waited promotion: the slow workers (the holders a fault catches inside) reach
+    // Redis through a door of their own that stays on the old primary when the address
+    // everyone else uses moves, so they learn of the promotion only from their lease;
+    // the fault moves it once their lease is over (see `inject_server`).
+    let mut side: HashMap<u32, Proxy> = HashMap::new();
+    if scenario == Scenario::WaitedPromotion {
+        let first = addrs.first().context("no Redis node")?;
+        let upstream: SocketAddr = first.parse().with_context(|| format!("address {first}"))?;
+        for g in &groups {
+            for &(id, slow) in &g.ids {
+                if slow {
+                    side.insert(id, Proxy::start(upstream)?);
+                }
+            }
+        }
+    }
     let mut primary = 1;
+    if scenario == Scenario::WaitedPromotion {
+        inject::attach_replica(cluster)?;
+    }
     let url = match &vip {
         Some(v) => kind.url(&[v.addr().to_string()]),
         None => kind.url(&addrs),
+    };
+    // Clients that count a grant or a renewal only once the replica has it.
+    let url = if scenario == Scenario::WaitedPromotion {
+        format!("{url}?replicas=1")
+    } else {
+        url
     };
 
     let me = std::env::current_exe().context("locating the xtask binary")?;
     let mut workers = Workers(Vec::new());
     for g in &groups {
         for &(id, slow) in &g.ids {
-            let worker_url = match (proxies.get(&id), late.get(&id)) {
-                (Some(ps), _) => {
+            let worker_url = match (proxies.get(&id), late.get(&id), side.get(&id)) {
+                (Some(ps), _, _) => {
                     kind.url(&ps.iter().map(|p| p.addr().to_string()).collect::<Vec<_>>())
                 }
-                (None, Some(l)) => kind.url(&l.addrs()),
-                (None, None) => url.clone(),
+                (None, Some(l), _) => kind.url(&l.addrs()),
+                (None, None, Some(door)) => {
+                    format!("{}?replicas=1", kind.url(&[door.addr().to_string()]))
+                }
+                (None, None, None) => url.clone(),
             };
             let work = if slow {
                 scenario.slow_work_ms()
@@ -634,6 +662,7 @@ fn run_round(
                 &groups,
                 &groups[anchor],
                 vip.as_ref(),
+                &side,
                 &mut primary,
                 victim,
                 &mut rng,
@@ -675,6 +704,9 @@ fn run_round(
     }
     std::fs::write(&stop_path, "").context("writing the stop file")?;
     let killed = workers.finish(WAIT);
+    if scenario == Scenario::WaitedPromotion {
+        inject::detach_replicas(cluster)?;
+    }
     let run_end = now_us();
     drop(proxies);
     drop(late);

@@ -21,6 +21,7 @@ pub(crate) enum Scenario {
     ServerRestart,
     ClockJump,
     ReplicaPromotion,
+    WaitedPromotion,
     SentinelFailover,
     SentinelPartition,
     SentinelSplit,
@@ -30,7 +31,7 @@ pub(crate) enum Scenario {
 }
 
 impl Scenario {
-    pub(super) const ALL: [Scenario; 17] = [
+    pub(super) const ALL: [Scenario; 18] = [
         Scenario::HolderKill,
         Scenario::HolderPause,
         Scenario::ClientCut,
@@ -42,6 +43,7 @@ impl Scenario {
         Scenario::ServerRestart,
         Scenario::ClockJump,
         Scenario::ReplicaPromotion,
+        Scenario::WaitedPromotion,
         Scenario::SentinelFailover,
         Scenario::SentinelPartition,
         Scenario::SentinelSplit,
@@ -63,6 +65,7 @@ impl Scenario {
             Scenario::ServerRestart => "server-restart",
             Scenario::ClockJump => "clock-jump",
             Scenario::ReplicaPromotion => "replica-promotion",
+            Scenario::WaitedPromotion => "waited-promotion",
             Scenario::SentinelFailover => "sentinel-failover",
             Scenario::SentinelPartition => "sentinel-partition",
             Scenario::SentinelSplit => "sentinel-split",
@@ -105,6 +108,9 @@ impl Scenario {
             Scenario::ReplicaPromotion => {
                 "promote a Redis replica that never saw the lock (its replication link cut, then the primary killed)"
             }
+            Scenario::WaitedPromotion => {
+                "clients with ?replicas=1: cut a Redis replica's replication link while a holder is inside, SIGKILL the primary after a renewal the replica missed, promote the replica; the old primary comes back as its replica"
+            }
             Scenario::SentinelFailover => {
                 "SIGKILL the Sentinel group's primary while a holder is inside; Sentinels promote the replica, clients follow"
             }
@@ -140,7 +146,7 @@ impl Scenario {
             Scenario::ServerRestart | Scenario::ClockJump => {
                 matches!(kind, Kind::Redis | Kind::Redlock)
             }
-            Scenario::ReplicaPromotion => kind == Kind::Redis,
+            Scenario::ReplicaPromotion | Scenario::WaitedPromotion => kind == Kind::Redis,
             // The Sentinel group is there for its failover; the holder faults behave as
             // on `redis`, and a proxy in front of the Sentinels would not cut the data
             // connection.
@@ -182,6 +188,9 @@ impl Scenario {
     /// etcd server with etcd#15247 (before 3.4.31 / 3.5.13) does not when its leader
     /// pauses past a lease: the resumed old leader revokes leases their clients kept
     /// alive elsewhere, so a holder's entry goes before its lost signal can fire.
+    /// `waited-promotion` is `replica-promotion` with clients that wait for the replica
+    /// (`?replicas=1`): what the replica did not acknowledge never counted, so it
+    /// promises exclusion.
     pub(super) fn guaranteed_on(self, kind: Kind) -> bool {
         match (self, kind) {
             (Scenario::ServerRestart, Kind::Redis)
@@ -203,6 +212,7 @@ impl Scenario {
             | Scenario::ServerRestart
             | Scenario::ClockJump
             | Scenario::ReplicaPromotion
+            | Scenario::WaitedPromotion
             | Scenario::SentinelFailover
             | Scenario::SentinelPartition
             | Scenario::SentinelSplit
@@ -415,6 +425,12 @@ mod tests {
         assert!(Scenario::ClusterFailover.guaranteed_on(Kind::RedisCluster));
         assert!(Scenario::SlotReshard.guaranteed_on(Kind::RedisCluster));
         assert!(Scenario::HolderPause.guaranteed_on(Kind::RedisCluster));
+        // The same promotion, once with clients that wait for the replica.
+        assert!(!Scenario::ReplicaPromotion.guaranteed_on(Kind::Redis));
+        assert!(Scenario::WaitedPromotion.guaranteed_on(Kind::Redis));
+        assert!(Kind::ALL
+            .into_iter()
+            .all(|k| Scenario::WaitedPromotion.applies_to(k) == (k == Kind::Redis)));
     }
 
     #[test]

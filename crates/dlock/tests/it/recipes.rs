@@ -119,7 +119,9 @@ pub async fn cancelled_acquisitions_leave_nothing(_kind: Kind, url: &str) {
 pub async fn replicas_where_they_mean_something(kind: Kind, url: &str) {
     let sep = if url.contains('?') { '&' } else { '?' };
     let with = format!("{url}{sep}replicas=1");
-    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(10));
+    // A lease far longer than the wait below: an entry gone within it was taken back,
+    // not expired.
+    let opts = SessionOptions::default().with_session_timeout(Duration::from_secs(60));
     let connected = dlock::connect_with(&with, opts.clone()).await;
     match kind {
         Kind::RedisSentinel | Kind::Redis => {
@@ -137,7 +139,7 @@ pub async fn replicas_where_they_mean_something(kind: Kind, url: &str) {
                 );
             }
             assert!(
-                eventually(Duration::from_secs(10), || async {
+                eventually(Duration::from_secs(3), || async {
                     leftovers(&c, &name).await == 0
                 })
                 .await,
