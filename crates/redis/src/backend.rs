@@ -334,10 +334,8 @@ impl Shared {
     /// The connection the writes about to be sent go over, when
     /// [`Shared::replicated`] will be asked about them (`None` otherwise: nothing to
     /// look up on the hot path).
-    pub(crate) fn replication_mark(&self) -> Option<(String, Option<i64>)> {
-        (self.replicas > 0)
-            .then(|| self.nodes[0].connection_now())
-            .flatten()
+    pub(crate) fn replication_mark(&self) -> Option<crate::node::Mark> {
+        (self.replicas > 0).then(|| self.nodes[0].mark())
     }
 
     /// With [`dlock_core::SessionOptions::replicas`]: `Ok` once that many replicas
@@ -350,11 +348,11 @@ impl Shared {
     pub(crate) async fn replicated(
         &self,
         what: &str,
-        mark: Option<&(String, Option<i64>)>,
+        mark: Option<crate::node::Mark>,
     ) -> Result<()> {
-        if self.replicas == 0 {
+        let Some(mark) = mark.filter(|_| self.replicas > 0) else {
             return Ok(());
-        }
+        };
         let r = self.nodes[0]
             .replicated(what, mark, self.replicas, self.replica_wait)
             .await;

@@ -14,6 +14,8 @@ use tokio::time::Instant;
 
 use crate::tls::Access;
 
+#[cfg(test)]
+mod replicated_tests;
 mod sentinel;
 use sentinel::{Checked, Fence};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -97,6 +99,14 @@ pub(crate) struct Node {
     /// connect can tell refused credentials or a failed TLS handshake from a server that
     /// is down (fred retries both the same way).
     conn_errors: parking_lot::Mutex<Vec<ErrorRx>>,
+}
+
+/// The command connection before a write whose replication [`Node::replicated`] asks
+/// about: which connection it was, and a subscription to fred's reconnection
+/// announcements from then on.
+pub(crate) struct Mark {
+    reconnects: tokio::sync::broadcast::Receiver<fred::types::config::Server>,
+    connection: Option<(String, Option<i64>)>,
 }
 
 type ErrorRx =
@@ -547,18 +557,25 @@ impl Node {
         ran.map_err(|e| self.map_err(what, e))
     }
 
-    /// The command client's connection right now (its server and `CLIENT ID`), to
-    /// tell later whether replies still come over it ([`Node::replicated`]).
-    pub fn connection_now(&self) -> Option<(String, Option<i64>)> {
-        sentinel::connection(&self.client)
+    /// The command client's connection right now, to tell later whether replies still
+    /// come over it ([`Node::replicated`]).
+    pub fn mark(&self) -> Mark {
+        Mark {
+            // Subscribed first: a reconnection after this point is either seen here or
+            // already in the connection read below.
+            reconnects: self.client.reconnect_rx(),
+            connection: sentinel::connection(&self.client),
+        }
     }
 
     /// Waits, at most `timeout`, until `replicas` replicas have every write the command
     /// connection made so far (`WAIT`): those of the scripts whose replies came before
-    /// this call among them. `since` is that connection as [`Node::connection_now`] saw
-    /// it before those scripts were sent: `WAIT` answers for its own connection's
-    /// writes only, so if the client reconnected in between (or the connection cannot
-    /// be told apart: no `CLIENT ID`), its answer says nothing about them.
+    /// this call among them. `since` is that connection as [`Node::mark`] saw it before
+    /// those scripts were sent: `WAIT` answers for its own connection's writes only, so
+    /// if the client reconnected in between, its answer says nothing about them. A
+    /// reconnection is told two ways: fred announces it before it sends anything on the
+    /// new connection (so before this `WAIT`), and the connection's server and `CLIENT
+    /// ID` change (a connection without an ID never counts).
     ///
     /// `WAIT` holds back every later command of the connection while it waits (the
     /// server serves a client's commands in order), so `timeout` is kept short.
@@ -569,7 +586,7 @@ impl Node {
     pub async fn replicated(
         &self,
         what: &str,
-        since: Option<&(String, Option<i64>)>,
+        mut since: Mark,
         replicas: u32,
         timeout: Duration,
     ) -> Result<(), Error> {
@@ -583,9 +600,14 @@ impl Node {
         )
         .await
         .map_err(|e| self.map_err(what, e))?;
-        let now = self.connection_now();
-        let same = matches!((since, &now), (Some(a), Some(b)) if a == b && a.1.is_some());
-        if !same {
+        let now = sentinel::connection(&self.client);
+        let announced = !matches!(
+            since.reconnects.try_recv(),
+            Err(tokio::sync::broadcast::error::TryRecvError::Empty)
+        );
+        let same =
+            matches!((&since.connection, &now), (Some(a), Some(b)) if a == b && a.1.is_some());
+        if announced || !same {
             return Err(Error::Unreachable(format!(
                 "redis at {} while {what}: the replicas could not be asked about it (the connection changed, or has no CLIENT ID); it does not count",
                 self.addr

@@ -421,7 +421,7 @@ impl RedisBackend {
             .ok_or_else(|| Error::backend("adding an entry", "solo entry name does not parse"))?;
         mine.token = Some(FencingToken::new(token));
         mine.created_ms = i64::try_from(token / 1000).ok();
-        if let Err(e) = s.replicated("taking a lock", mark.as_ref()).await {
+        if let Err(e) = s.replicated("taking a lock", mark).await {
             // Held on the primary only: a replica promoted now would not have it. Not
             // counted, so taken back (a removal the replica misses only holds others
             // back there until the lease ends).
@@ -519,7 +519,7 @@ impl RedisBackend {
             // time left on its lease (monotonic clock, drift allowance as in the Redis docs).
             let valid = started.elapsed() + s.drift < s.lease;
             if added.len() >= s.majority && valid {
-                if let Err(e) = s.replicated("adding an entry", mark.as_ref()).await {
+                if let Err(e) = s.replicated("adding an entry", mark).await {
                     // As in `try_solo`: an entry a promoted replica would not have is
                     // not counted, and is taken back.
                     let mut args = Shared::q_args(&keys);

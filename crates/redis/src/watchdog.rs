@@ -294,7 +294,7 @@ impl Shared {
             }
         }
         if !credits.is_empty() {
-            match self.replicated("renewing entries", mark.as_ref()).await {
+            match self.replicated("renewing entries", mark).await {
                 Ok(()) => {
                     let mut live = self.live.lock();
                     for key in &credits {
