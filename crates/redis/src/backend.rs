@@ -350,8 +350,16 @@ impl Shared {
         what: &str,
         mark: Option<crate::node::Mark>,
     ) -> Result<()> {
-        let Some(mark) = mark.filter(|_| self.replicas > 0) else {
+        if self.replicas == 0 {
             return Ok(());
+        }
+        let Some(mark) = mark else {
+            // Every caller takes a mark when replicas are asked; without one there is
+            // nothing to tell the connection by, so nothing counts.
+            self.counters.unreplicated.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Unreachable(format!(
+                "{what}: no connection was marked before the write; it does not count"
+            )));
         };
         let r = self.nodes[0]
             .replicated(what, mark, self.replicas, self.replica_wait)

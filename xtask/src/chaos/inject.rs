@@ -901,13 +901,21 @@ pub(super) fn attach_replica(cluster: &Cluster) -> anyhow::Result<()> {
     })
 }
 
-/// After a `waited-promotion` round: every Redis node a master again, as the other
-/// rounds expect.
-pub(super) fn detach_replicas(cluster: &Cluster) -> anyhow::Result<()> {
+/// Before every round on the Redis nodes: each one running and a master, as every
+/// round but `waited-promotion` expects, whatever a round before left (a
+/// `waited-promotion` round leaves a replica behind, and one that failed halfway may
+/// leave its old primary down).
+pub(super) fn reset_redis(cluster: &mut Cluster) -> anyhow::Result<()> {
+    let down: Vec<u32> = cluster
+        .servers_of(Backend::Redis)
+        .filter(|s| !s.is_running())
+        .map(|s| s.id)
+        .collect();
+    for id in down {
+        cluster.restart(Backend::Redis, id)?;
+    }
     for s in cluster.servers_of(Backend::Redis) {
-        if s.is_running() {
-            redis_cli(&s.addr, &["REPLICAOF", "NO", "ONE"])?;
-        }
+        redis_cli(&s.addr, &["REPLICAOF", "NO", "ONE"])?;
     }
     Ok(())
 }

@@ -535,6 +535,9 @@ fn run_round(
         }
     }
     let mut primary = 1;
+    if matches!(kind, Kind::Redis | Kind::Redlock) {
+        inject::reset_redis(cluster)?;
+    }
     if scenario == Scenario::WaitedPromotion {
         inject::attach_replica(cluster)?;
     }
@@ -704,9 +707,6 @@ fn run_round(
     }
     std::fs::write(&stop_path, "").context("writing the stop file")?;
     let killed = workers.finish(WAIT);
-    if scenario == Scenario::WaitedPromotion {
-        inject::detach_replicas(cluster)?;
-    }
     let run_end = now_us();
     drop(proxies);
     drop(late);

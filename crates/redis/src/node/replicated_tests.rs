@@ -144,6 +144,47 @@ async fn a_wait_after_a_reconnection_vouches_for_nothing() {
         matches!(&r, Err(Error::Unreachable(m)) if m.contains("connection changed")),
         "a WAIT on a new connection vouched for a write of the old one: {r:?}"
     );
+
+    // The same, where the new connection has the old one's server and ID (a server
+    // restarted at the same address, or an address moved to another server, can hand
+    // it out again): fred's reconnection announcement alone must refuse it.
+    let mut mark = node.mark();
+    let _: () = node
+        .client
+        .set("k", "x", None, None, false)
+        .await
+        .expect("set");
+    let id: i64 = node.client.client_id().await.expect("CLIENT ID");
+    let killed: Value = killer
+        .custom(
+            fred::types::CustomCommand::new_static("CLIENT", None, false),
+            vec![Value::from("KILL"), Value::from("ID"), Value::from(id)],
+        )
+        .await
+        .expect("CLIENT KILL");
+    assert_eq!(
+        killed,
+        Value::Integer(1),
+        "the node's connection was killed"
+    );
+    let back = Instant::now() + Duration::from_secs(10);
+    while node
+        .client
+        .client_id::<i64>()
+        .await
+        .ok()
+        .is_none_or(|new| new == id)
+    {
+        assert!(Instant::now() < back, "the node did not reconnect");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    mark.connection = super::sentinel::connection(&node.client);
+    assert!(mark.connection.as_ref().is_some_and(|c| c.1.is_some()));
+    let r = node.replicated("a write", mark, 1, wait).await;
+    assert!(
+        matches!(&r, Err(Error::Unreachable(m)) if m.contains("connection changed")),
+        "a WAIT on a new connection with the old one's ID vouched for its write: {r:?}"
+    );
     let _ = killer.quit().await;
     node.shutdown().await;
 }
