@@ -62,6 +62,35 @@ impl Drop for Server {
     }
 }
 
+/// Kills the node's command connection (`CLIENT KILL`, sent by `killer`) and waits
+/// until fred has connected it again.
+async fn reconnect(node: &Node, killer: &fred::prelude::Client) {
+    let id: i64 = node.client.client_id().await.expect("CLIENT ID");
+    let killed: Value = killer
+        .custom(
+            fred::types::CustomCommand::new_static("CLIENT", None, false),
+            vec![Value::from("KILL"), Value::from("ID"), Value::from(id)],
+        )
+        .await
+        .expect("CLIENT KILL");
+    assert_eq!(
+        killed,
+        Value::Integer(1),
+        "the node's connection was killed"
+    );
+    let back = Instant::now() + Duration::from_secs(10);
+    while node
+        .client
+        .client_id::<i64>()
+        .await
+        .ok()
+        .is_none_or(|new| new == id)
+    {
+        assert!(Instant::now() < back, "the node did not reconnect");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_wait_after_a_reconnection_vouches_for_nothing() {
     if std::env::var_os("DLOCK_TEST_REDIS").is_none() {
@@ -109,36 +138,13 @@ async fn a_wait_after_a_reconnection_vouches_for_nothing() {
         .set("k", "w", None, None, false)
         .await
         .expect("set");
-    let id: i64 = node.client.client_id().await.expect("CLIENT ID");
     let killer = fred::prelude::Builder::from_config(
         fred::prelude::Config::from_url(&format!("redis://{addr}")).expect("url"),
     )
     .build()
     .expect("client");
     killer.init().await.expect("connect");
-    let killed: Value = killer
-        .custom(
-            fred::types::CustomCommand::new_static("CLIENT", None, false),
-            vec![Value::from("KILL"), Value::from("ID"), Value::from(id)],
-        )
-        .await
-        .expect("CLIENT KILL");
-    assert_eq!(
-        killed,
-        Value::Integer(1),
-        "the node's connection was killed"
-    );
-    let back = Instant::now() + Duration::from_secs(10);
-    while node
-        .client
-        .client_id::<i64>()
-        .await
-        .ok()
-        .is_none_or(|new| new == id)
-    {
-        assert!(Instant::now() < back, "the node did not reconnect");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    reconnect(&node, &killer).await;
     let r = node.replicated("a write", mark, 1, wait).await;
     assert!(
         matches!(&r, Err(Error::Unreachable(m)) if m.contains("connection changed")),
@@ -154,30 +160,7 @@ async fn a_wait_after_a_reconnection_vouches_for_nothing() {
         .set("k", "x", None, None, false)
         .await
         .expect("set");
-    let id: i64 = node.client.client_id().await.expect("CLIENT ID");
-    let killed: Value = killer
-        .custom(
-            fred::types::CustomCommand::new_static("CLIENT", None, false),
-            vec![Value::from("KILL"), Value::from("ID"), Value::from(id)],
-        )
-        .await
-        .expect("CLIENT KILL");
-    assert_eq!(
-        killed,
-        Value::Integer(1),
-        "the node's connection was killed"
-    );
-    let back = Instant::now() + Duration::from_secs(10);
-    while node
-        .client
-        .client_id::<i64>()
-        .await
-        .ok()
-        .is_none_or(|new| new == id)
-    {
-        assert!(Instant::now() < back, "the node did not reconnect");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    reconnect(&node, &killer).await;
     mark.connection = super::sentinel::connection(&node.client);
     assert!(mark.connection.as_ref().is_some_and(|c| c.1.is_some()));
     let r = node.replicated("a write", mark, 1, wait).await;
