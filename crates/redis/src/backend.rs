@@ -624,11 +624,7 @@ impl Backend for RedisBackend {
             for name in mine {
                 s.settle(&keys.queue, &name, Fate::Released);
             }
-            let mut args = Shared::q_args(&keys);
-            args.push(Value::from(ticket.protected_prefix()));
-            let results = s
-                .eval_all("abandoning an entry", &s.scripts.abandon, &keys, args)
-                .await;
+            let results = s.abandon_ticket(&keys, ticket).await;
             s.quorum(results).map(|_| ())
         }
         .instrument(span)

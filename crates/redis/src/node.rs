@@ -573,9 +573,10 @@ impl Node {
     /// this call among them. `since` is that connection as [`Node::mark`] saw it before
     /// those scripts were sent: `WAIT` answers for its own connection's writes only, so
     /// if the client reconnected in between, its answer says nothing about them. A
-    /// reconnection is told two ways: fred announces it before it sends anything on the
-    /// new connection (so before this `WAIT`), and the connection's server and `CLIENT
-    /// ID` change (a connection without an ID never counts).
+    /// reconnection is told two ways: fred announces it before it sends any of our
+    /// commands on the new connection (so before this `WAIT`; its own set-up commands
+    /// come first), and the connection's server and `CLIENT ID` change (a connection
+    /// without an ID never counts).
     ///
     /// `WAIT` holds back every later command of the connection while it waits (the
     /// server serves a client's commands in order), so `timeout` is kept short.

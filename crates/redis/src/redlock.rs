@@ -72,6 +72,19 @@ impl SeqHints {
 }
 
 impl Shared {
+    /// Removes, on every master, whatever entry `ticket` has in the queue (`ABANDON`):
+    /// the take-back of an enqueue that does not count, and [`dlock_core::Backend::abandon`].
+    pub(crate) async fn abandon_ticket(
+        &self,
+        keys: &QueueKeys,
+        ticket: &Ticket,
+    ) -> Vec<Result<Value>> {
+        let mut args = Shared::q_args(keys);
+        args.push(Value::from(ticket.protected_prefix()));
+        self.eval_all("abandoning an entry", &self.scripts.abandon, keys, args)
+            .await
+    }
+
     pub(crate) async fn eval_all(
         &self,
         what: &str,
@@ -522,11 +535,7 @@ impl RedisBackend {
                 if let Err(e) = s.replicated("adding an entry", mark).await {
                     // As in `try_solo`: an entry a promoted replica would not have is
                     // not counted, and is taken back.
-                    let mut args = Shared::q_args(&keys);
-                    args.push(Value::from(ticket.protected_prefix()));
-                    let _ = s
-                        .eval_all("abandoning an entry", &s.scripts.abandon, &keys, args)
-                        .await;
+                    let _ = s.abandon_ticket(&keys, ticket).await;
                     return Err(e);
                 }
                 let mut mine = added[0].0.clone();
@@ -560,11 +569,7 @@ impl RedisBackend {
             if !added.is_empty() || !failed.is_empty() {
                 // Added on a minority, too late, or maybe added where the reply was lost:
                 // take it back everywhere before proposing again.
-                let mut args = Shared::q_args(&keys);
-                args.push(Value::from(ticket.protected_prefix()));
-                let _ = s
-                    .eval_all("abandoning an entry", &s.scripts.abandon, &keys, args)
-                    .await;
+                let _ = s.abandon_ticket(&keys, ticket).await;
             }
             let n = s.nodes.len();
             if s.mode == Mode::Single {
