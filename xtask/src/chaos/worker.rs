@@ -479,7 +479,18 @@ async fn run_section(
     }
     let params = p.clone();
     let outcome = tokio::task::spawn_blocking(move || work(&params, token, mode)).await;
-    let was_lost = watcher.is_finished() || is_lost();
+    // Decided under the watcher's lock, which is then closed: `abort` does not stop a
+    // watcher already running on another thread, and an `L` it wrote after this point
+    // would land after the hold's `E` (or the next hold's `B`) and end the wrong hold.
+    let was_lost = {
+        let mut logged = logged.lock().unwrap_or_else(PoisonError::into_inner);
+        let was_lost = *logged || is_lost();
+        if !*logged && was_lost {
+            lost(p, "lost signal during the section");
+        }
+        *logged = true;
+        was_lost
+    };
     watcher.abort();
     match outcome {
         Ok(Ok(_)) => {}
