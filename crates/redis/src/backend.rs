@@ -670,6 +670,11 @@ impl Backend for RedisBackend {
     /// [`Error::LockLost`]. A retry after a lost reply writes the same value under the
     /// same guard.
     ///
+    /// With [`dlock_core::SessionOptions::replicas`], the value counts only once that
+    /// many replicas have it (`WAIT`, as a grant): otherwise [`Error::Unreachable`], and
+    /// the value, written on the primary, may be lost with it in a failover (readers
+    /// would then see the leader's previous value).
+    ///
     /// Stricter than the trait asks: an entry that is queued but does not lead is
     /// refused too, so a deposed leader's proclaim writes nothing even while its entry
     /// is still queued.
@@ -706,6 +711,7 @@ impl Backend for RedisBackend {
                 Value::from(data),
                 Value::from(keys.data_prefix.as_str()),
             ]);
+            let mark = s.replication_mark();
             let results = s
                 .eval_all("proclaiming a value", &s.scripts.proclaim, &keys, args)
                 .await;
@@ -713,7 +719,9 @@ impl Backend for RedisBackend {
                 Error::backend("proclaiming a value", "no master answered the proclaim")
             })?;
             match crate::reply::proclaim(reply)? {
-                crate::reply::Proclaim::Done => Ok(()),
+                // With replicas asked, the value counts once they have it: a replica
+                // promoted without it would show readers the leader's older value.
+                crate::reply::Proclaim::Done => s.replicated("proclaiming a value", mark).await,
                 crate::reply::Proclaim::Gone => Err(Error::LockLost(format!(
                     "{q}: entry {} is gone; nothing was written",
                     entry.name

@@ -247,6 +247,71 @@ async fn a_replica_promoted_after_a_cut_lets_nobody_in_before_the_holder_is_told
     let _ = tokio::time::timeout(lease, a.close()).await;
 }
 
+/// A leader's proclaim counts only once the replica has the value: with the replica
+/// stopped it fails with `Unreachable` (the value is on the primary only, and a replica
+/// promoted now would show the leader's older one); running, the replica has the new
+/// value when the proclaim returns.
+#[tokio::test]
+async fn a_proclaim_counts_once_the_replica_has_the_value() {
+    init_tracing();
+    if endpoint(
+        "DLOCK_TEST_REDIS",
+        "a_proclaim_counts_once_the_replica_has_the_value",
+    )
+    .is_none()
+    {
+        return;
+    }
+    let primary = TestServer::start();
+    let replica = TestServer::start_replica_of(&primary);
+    // A lease long enough that the stopped replica costs the renewals nothing here.
+    let b = connect_leased(&primary.addr(), 1, Duration::from_secs(30)).await;
+    let on_replica = inspector(&replica.addr()).await;
+    let q = fresh_queue("replicas-proclaim");
+    let leader = b
+        .enqueue(
+            &q,
+            &dlock_testkit::ticket(),
+            EntryKind::Candidate,
+            Position::Tail,
+            b"v1",
+        )
+        .await
+        .expect("candidate granted with the replica up")
+        .mine;
+    let entry_key = format!("dlock:{{{}}}:e:{}", q.lock.as_str(), leader.name);
+    let value_on_replica = || async {
+        let v: Option<String> = fred::prelude::KeysInterface::get(&on_replica, &entry_key)
+            .await
+            .expect("GET on the replica");
+        v.unwrap_or_default()
+    };
+
+    b.proclaim(&q, &leader, b"v2").await.expect("proclaim");
+    assert!(
+        value_on_replica().await.ends_with(" v2"),
+        "a proclaim returned before the replica had its value: {:?}",
+        value_on_replica().await
+    );
+    let before = b.stats().unreplicated;
+
+    replica.signal("STOP");
+    let refused = b.proclaim(&q, &leader, b"v3").await;
+    assert!(
+        matches!(&refused, Err(Error::Unreachable(m)) if m.contains("replicas")),
+        "a proclaim the replica did not acknowledge: {refused:?}"
+    );
+    assert_eq!(b.stats().unreplicated, before + 1);
+
+    replica.signal("CONT");
+    b.proclaim(&q, &leader, b"v4")
+        .await
+        .expect("proclaim once the replica acknowledges again");
+    assert!(value_on_replica().await.ends_with(" v4"));
+    b.remove(&q, &leader).await.expect("release");
+    b.close().await.expect("close");
+}
+
 #[tokio::test]
 async fn redlock_and_cluster_refuse_replicas() {
     init_tracing();
