@@ -1363,7 +1363,9 @@ async fn waits_on_one_queue_share_a_kept_watch() {
                 let (b, q, holder) = (b.clone(), q.clone(), holder.clone());
                 tokio::spawn(async move { b.wait_gone_detail(&q, &holder).await })
             };
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // Time for the wait's read (a wait that reads after the removal says
+            // Unknown): a second, for a busy machine.
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
             assert!(
                 !waiter.is_finished(),
                 "the wait ended while its entry was there"
@@ -1432,7 +1434,8 @@ async fn a_wait_takes_its_listing_from_an_enqueue_only_when_it_may() {
     let a = connect(&eps).await;
     let b = connect(&eps).await;
     let q = QueuePath::root(unique_name("enqueue-listing"));
-    let settle = || tokio::time::sleep(Duration::from_millis(200));
+    // Time for a spawned wait's read, kept under the kept watch's linger (2 s).
+    let settle = || tokio::time::sleep(Duration::from_millis(500));
     let wait = |gone: Entry| {
         let (b, q) = (b.clone(), q.clone());
         tokio::spawn(async move { b.wait_gone_detail(&q, &gone).await })

@@ -15,6 +15,10 @@ use dlock_zookeeper::ZkBackend;
 /// machine does not.
 const LONG: Duration = Duration::from_secs(60);
 
+/// Held through each test that cuts a follower off: they would pick the same follower,
+/// and one cut (or the re-join it sets off) would pull the other's connection away.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Two sessions under one fresh chroot: `a` on a follower only, `b` on the leader.
 struct Setup {
     a: std::sync::Arc<ZkBackend>,
@@ -97,6 +101,7 @@ fn queue() -> QueuePath {
 /// follower really is stale, so the test cannot pass by a race won.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_behind_a_cut_off_follower_does_not_see_a_deleted_entry() {
+    let _serial = SERIAL.lock().await;
     let Some(s) = setup().await else {
         return;
     };
@@ -153,6 +158,7 @@ async fn verify_behind_a_cut_off_follower_does_not_see_a_deleted_entry() {
 /// tree, finds nothing, and leaves the entry queued forever (until that session ends).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandon_behind_a_cut_off_follower_removes_an_entry_it_had_not_applied() {
+    let _serial = SERIAL.lock().await;
     let Some(s) = setup().await else {
         return;
     };
