@@ -12,6 +12,12 @@
 //!   configures it (one attempt, a command timeout). Beside rslock's W1 (the same two
 //!   commands through redis-rs) it is the floor of what any lock on this client crate
 //!   can reach: what it costs over the raw wire is the client's, not dlock's.
+//! - Redis, dlock's own fast path through fred (`W0d`, and `W3d` with `--workers`
+//!   workers on names of their own, only when `--only` names them): the adapter's two
+//!   uncontended scripts (`ACQUIRE_SOLO`, `RELEASE_SOLO`) sent as `W0f` sends its
+//!   commands, with no recipe and no adapter around them. Beside W1 (and W3) it splits
+//!   dlock's cost into what its protocol on this client crate costs and what its own
+//!   layers add.
 //! - etcd, a semaphore without an internal mutex (`W4r`, only when `--only` names it):
 //!   each worker keeps one key under the semaphore's prefix, created with its lease
 //!   and read back with the whole prefix in one transaction; it holds a permit while
@@ -41,6 +47,10 @@ pub const ETCD_RANKED_WORKLOAD: &str = "W4r-etcd-ranked-semaphore";
 pub const REDIS_WORKLOAD: &str = "W0-redis-setnx-evalsha";
 /// The label of the same commands sent through fred.
 pub const REDIS_FRED_WORKLOAD: &str = "W0f-redis-fred-setnx-evalsha";
+/// The label of dlock's fast-path scripts sent through fred, one worker.
+pub const REDIS_FRED_DLOCK_WORKLOAD: &str = "W0d-redis-fred-dlock-fast-path";
+/// The same with `--workers` workers, each on a key and a client of its own (W3's shape).
+pub const REDIS_FRED_DLOCK_W3_WORKLOAD: &str = "W3d-redis-fred-dlock-fast-path";
 
 /// The compare-and-delete every Redis lock releases with (redis-py's, rslock's).
 const RELEASE_LUA: &str =
@@ -351,21 +361,42 @@ impl Worker for RedisRaw {
     }
 }
 
-/// Redis through fred: one client, the release script loaded once, every command sent
-/// with the options dlock's adapter sends its own with (one attempt, a 5 s timeout).
+/// What [`RedisFred`] sends per acquire + release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FredCommands {
+    /// `SET NX PX` and the compare-and-delete script: rslock's pair (`W0f`).
+    Rslock,
+    /// The adapter's fast-path scripts (`W0d`), as it loads them for a 10 s lease.
+    DlockFastPath,
+}
+
+/// The name prefix a [`FredCommands::DlockFastPath`] entry carries: the adapter's own
+/// form and length (`lock-` and a ticket).
+const FAST_PATH_PREFIX: &str = "lock-_c_0123456789abcdef0123456789abcdef-";
+
+/// Redis through fred: one client, its scripts loaded once, every command sent with the
+/// options dlock's adapter sends its own with (one attempt, a 5 s timeout).
 pub struct RedisFred {
     c: fred::prelude::Client,
     opts: fred::types::config::Options,
     key: String,
+    commands: FredCommands,
+    /// The release script (`Rslock`), or the acquire script (`DlockFastPath`).
     sha: String,
+    /// The fast path's release script.
+    release_sha: String,
 }
 
 impl RedisFred {
-    /// Connects and loads the release script.
+    /// Connects and loads the scripts `commands` sends.
     ///
     /// # Errors
     /// Connect or `SCRIPT LOAD` errors, as text.
-    pub async fn connect(addr: &str, key: &str) -> Result<RedisFred, String> {
+    pub async fn connect(
+        addr: &str,
+        key: &str,
+        commands: FredCommands,
+    ) -> Result<RedisFred, String> {
         use fred::prelude::{ClientLike as _, LuaInterface as _};
         let config = fred::prelude::Config::from_url(&format!("redis://{addr}"))
             .map_err(|e| format!("fred config {addr}: {e}"))?;
@@ -382,10 +413,21 @@ impl RedisFred {
         c.init()
             .await
             .map_err(|e| format!("fred connect {addr}: {e}"))?;
+        let (first, second) = match commands {
+            FredCommands::Rslock => (RELEASE_LUA.to_owned(), String::new()),
+            FredCommands::DlockFastPath => dlock_redis::fast_path_lua(10_000),
+        };
         let sha: String = c
-            .script_load(RELEASE_LUA)
+            .script_load(first)
             .await
             .map_err(|e| format!("fred SCRIPT LOAD: {e}"))?;
+        let release_sha: String = if second.is_empty() {
+            String::new()
+        } else {
+            c.script_load(second)
+                .await
+                .map_err(|e| format!("fred SCRIPT LOAD: {e}"))?
+        };
         let opts = fred::types::config::Options {
             max_attempts: Some(1),
             timeout: Some(timeout),
@@ -395,7 +437,9 @@ impl RedisFred {
             c,
             opts,
             key: key.to_owned(),
+            commands,
             sha,
+            release_sha,
         })
     }
 }
@@ -407,6 +451,29 @@ impl Worker for RedisFred {
         async move {
             let c = self.c.with_options(&self.opts);
             let t = Instant::now();
+            if self.commands == FredCommands::DlockFastPath {
+                let token: Option<String> = c
+                    .evalsha(
+                        self.sha.as_str(),
+                        self.key.as_str(),
+                        fred::types::Value::from(FAST_PATH_PREFIX),
+                    )
+                    .await
+                    .map_err(|e| format!("fast-path acquire: {e}"))?;
+                let d = t.elapsed();
+                let Some(token) = token else {
+                    return Err("the fast-path acquire did not take the free key".into());
+                };
+                let value = format!("{FAST_PATH_PREFIX}{token} {token} ");
+                let n: i64 = c
+                    .evalsha(self.release_sha.as_str(), self.key.as_str(), value)
+                    .await
+                    .map_err(|e| format!("fast-path release: {e}"))?;
+                if n != 1 {
+                    return Err(format!("fast-path release answered {n}"));
+                }
+                return Ok(d);
+            }
             let r: Option<String> = c
                 .set(
                     self.key.as_str(),

@@ -78,8 +78,9 @@ struct Args {
     #[arg(long, default_value = "lockbench")]
     prefix: String,
     /// Only these workloads, comma separated (W0 = the ceilings, W0f = the Redis ceiling
-    /// through fred and W4r = an etcd semaphore without an internal mutex, each only
-    /// when named here, W1..W6, S1, S2, S3).
+    /// through fred, W0d and W3d = the Redis adapter's fast-path scripts through fred
+    /// (one worker; `--workers` workers) and W4r = an etcd semaphore without an internal
+    /// mutex, each only when named here, W1..W6, S1, S2, S3).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
     /// Also run the scale checks S1, S2 and S3.
@@ -128,7 +129,7 @@ impl Args {
         if w == "W6" && self.failovers == 0 {
             return false;
         }
-        if w == "W0f" || w == "W4r" {
+        if matches!(w, "W0f" | "W0d" | "W3d" | "W4r") {
             // Opt-in: not one of the peers' workloads, so the default output keeps its lines.
             return self.only.as_ref().is_some_and(|o| o.iter().any(|x| x == w));
         }
@@ -328,14 +329,57 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
             .await;
         }
         if args.wants("W0f") {
-            let w =
-                ceiling::RedisFred::connect(redis, &format!("{prefix}:ceiling-redis-fred")).await;
+            let w = ceiling::RedisFred::connect(
+                redis,
+                &format!("{prefix}:ceiling-redis-fred"),
+                ceiling::FredCommands::Rslock,
+            )
+            .await;
             run_ceiling(
                 &mut sink,
                 "ceiling-redis-fred",
                 ceiling::REDIS_FRED_WORKLOAD,
                 w,
                 duration,
+            )
+            .await;
+        }
+        if args.wants("W0d") {
+            let w = ceiling::RedisFred::connect(
+                redis,
+                &format!("{prefix}:ceiling-redis-fred-dlock"),
+                ceiling::FredCommands::DlockFastPath,
+            )
+            .await;
+            run_ceiling(
+                &mut sink,
+                "ceiling-redis-fred-dlock",
+                ceiling::REDIS_FRED_DLOCK_WORKLOAD,
+                w,
+                duration,
+            )
+            .await;
+        }
+        if args.wants("W3d") {
+            let mut built = Vec::new();
+            for i in 0..args.workers {
+                built.push(
+                    ceiling::RedisFred::connect(
+                        redis,
+                        &format!("{prefix}:ceiling-redis-fred-dlock-{i}"),
+                        ceiling::FredCommands::DlockFastPath,
+                    )
+                    .await,
+                );
+            }
+            run_one(
+                &mut sink,
+                "ceiling-redis-fred-dlock",
+                ceiling::REDIS_FRED_DLOCK_W3_WORKLOAD,
+                built,
+                duration,
+                None,
+                None,
             )
             .await;
         }

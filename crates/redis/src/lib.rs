@@ -253,6 +253,7 @@ pub use connect::{DEFAULT_LEASE, MIN_LEASE};
 /// The client crate this adapter is built on, so that an application handing its own
 /// client to [`RedisBackend::from_client`] names the same version.
 pub use fred;
+pub use scripts::fast_path_lua;
 
 #[cfg(test)]
 mod name_rule_tests {
