@@ -1,7 +1,7 @@
 //! Connecting: [`RedisBackend::connect`] and its Sentinel, Redlock and URL variants, the
 //! validation of addresses and leases, and the start of the background tasks.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -343,12 +343,12 @@ impl RedisBackend {
             // healthy replica acknowledges within a round trip.
             replica_wait: (lease / 20).clamp(Duration::from_millis(100), Duration::from_secs(1)),
             scripts: Scripts::new(nodes.iter().any(|n| n.sharded), lease.as_millis()),
-            live: Mutex::new(HashMap::new()),
-            chans: Mutex::new(HashMap::new()),
+            live: Mutex::new(crate::backend::FastMap::default()),
+            chans: Mutex::new(crate::backend::FastMap::default()),
             idle_chans: Mutex::new(Vec::new()),
             sub_ops: tokio::sync::Mutex::new(()),
             seq_hint: Default::default(),
-            contended: Mutex::new(HashMap::new()),
+            contended: Mutex::new(crate::backend::FastMap::default()),
             wake: Arc::new(Notify::new()),
             deadlines: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),

@@ -231,9 +231,9 @@ impl Shared {
 
     pub(crate) fn q_args(keys: &QueueKeys) -> Vec<Value> {
         vec![
-            Value::from(keys.entry_prefix.as_str()),
-            Value::from(keys.gone_prefix.as_str()),
-            Value::from(keys.changed.as_str()),
+            Value::from(keys.entry_prefix()),
+            Value::from(keys.gone_prefix()),
+            Value::from(keys.changed()),
         ]
     }
 
@@ -354,7 +354,7 @@ impl Shared {
                 // entry key it names only in `ARGV`, which would delete a held entry.
                 keys.script_keys(),
                 vec![
-                    Value::from(keys.entry_prefix.as_str()),
+                    Value::from(keys.entry_prefix()),
                     self.lease_ms.clone(),
                     Value::from(name),
                 ],

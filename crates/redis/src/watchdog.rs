@@ -140,10 +140,18 @@ impl Shared {
         name: &str,
         fate: Fate,
     ) -> Option<(Arc<QueueKeys>, Option<SoloRelease>)> {
-        let live = self
-            .live
-            .lock()
-            .remove(&(queue_key.to_owned(), name.to_owned()))?;
+        self.settle_filed(&(queue_key.to_owned(), name.to_owned()), fate)
+    }
+
+    /// As [`Shared::settle_live`], for an entry named by the key it is filed under
+    /// (queue key, entry name), when the caller has that key built already.
+    pub(crate) fn settle_filed(
+        &self,
+        filed: &(String, String),
+        fate: Fate,
+    ) -> Option<(Arc<QueueKeys>, Option<SoloRelease>)> {
+        let (queue_key, name) = filed;
+        let live = self.live.lock().remove(filed)?;
         let lost = match &fate {
             Fate::Lost(reason) => Some(reason.clone()),
             _ => None,
@@ -247,7 +255,7 @@ impl Shared {
             .map(|(g, n)| async move {
                 let (keys, names) = &groups_ref[g];
                 let mut args = Vec::with_capacity(names.len() + 2);
-                args.push(Value::from(keys.entry_prefix.as_str()));
+                args.push(Value::from(keys.entry_prefix()));
                 args.push(lease_ref.clone());
                 args.extend(names.iter().map(|n| Value::from(n.as_str())));
                 let r = self.nodes[n]
@@ -394,7 +402,6 @@ pub(crate) async fn watchdog(weak: Weak<Shared>) {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
     use std::time::Duration;
@@ -432,12 +439,12 @@ mod tests {
             replicas: 0,
             replica_wait: Duration::from_millis(100),
             scripts: Scripts::new(false, lease.as_millis()),
-            live: Mutex::new(HashMap::new()),
-            chans: Mutex::new(HashMap::new()),
+            live: Mutex::new(crate::backend::FastMap::default()),
+            chans: Mutex::new(crate::backend::FastMap::default()),
             idle_chans: Mutex::new(Vec::new()),
             sub_ops: tokio::sync::Mutex::new(()),
             seq_hint: Default::default(),
-            contended: Mutex::new(HashMap::new()),
+            contended: Mutex::new(crate::backend::FastMap::default()),
             wake: Arc::new(Notify::new()),
             deadlines: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
