@@ -370,9 +370,9 @@ pub enum FredCommands {
     DlockFastPath,
 }
 
-/// The name prefix a [`FredCommands::DlockFastPath`] entry carries: the adapter's own
-/// form and length (`lock-` and a ticket).
-const FAST_PATH_PREFIX: &str = "lock-_c_0123456789abcdef0123456789abcdef-";
+/// The name prefix a [`FredCommands::DlockFastPath`] entry carries, in the adapter's
+/// form and length (`Ticket::name_prefix`: the protected ticket, then `lock-`).
+const FAST_PATH_PREFIX: &str = "_c_01234567-89ab-cdef-0123-456789abcdef-lock-";
 
 /// Redis through fred: one client, its scripts loaded once, every command sent with the
 /// options dlock's adapter sends its own with (one attempt, a 5 s timeout).

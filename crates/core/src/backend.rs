@@ -66,9 +66,9 @@ pub struct SessionOptions {
     /// namespace (`?namespace=/app1/`). ZooKeeper has its chroot for that and refuses a
     /// namespace ([`Error::InvalidUrl`]).
     pub namespace: Option<String>,
-    /// Redis with replicas (`redis://`, `redis+sentinel://`; URL `?replicas=1`): a grant
-    /// or a lease renewal counts only once at least this many replicas acknowledged it
-    /// (`WAIT`), so a replica promoted after the primary fails has the holder's entry
+    /// Redis with replicas (`redis://`, `redis+sentinel://`; URL `?replicas=1`): a grant,
+    /// a lease renewal or an election leader's proclaim counts only once at least this
+    /// many replicas acknowledged it (`WAIT`), so a replica promoted after the primary fails has the holder's entry
     /// for as long as the holder counts on it. 0 (the default) waits for none: the
     /// asynchronous replication gap in docs/safety.md. ZooKeeper and etcd acknowledge a
     /// write only once a quorum has it and refuse this ([`Error::InvalidUrl`]); so do

@@ -441,7 +441,8 @@ impl<B: DynBackend + ?Sized> Leadership<B> {
     /// Replaces this leader's value without giving up the lead: what
     /// [`Election::leader`] and [`Election::observe`] report from then on. Writes the
     /// entry's payload, then confirms the entry still leads ([`Leadership::verify`]):
-    /// two round trips.
+    /// two round trips (three on Redis with `?replicas=N`, which waits for the replicas
+    /// to have the value).
     ///
     /// # Errors
     /// [`Error::Unsupported`] at once, with nothing written, on a backend without
@@ -451,7 +452,10 @@ impl<B: DynBackend + ?Sized> Leadership<B> {
     /// then, as Go's `Proclaim` guards its put with the key's create revision; on Redis
     /// nothing either, as one script writes only while the entry exists with its token
     /// and leads its queue; on ZooKeeper the value may have been written to the gone
-    /// entry, which nobody reads); a backend error.
+    /// entry, which nobody reads); on Redis with `?replicas=N`, [`Error::Unreachable`]
+    /// when the replicas did not acknowledge the value in time (it is on the primary,
+    /// where observers may already have read it, and may be lost in a failover); a
+    /// backend error.
     ///
     /// On ZooKeeper, a Curator `LeaderLatch` queued right behind this leader misses the
     /// leader's resignation after a proclaim: its watch on the node ahead acts only on

@@ -81,9 +81,9 @@ pub struct Stats {
     /// client changes a solo entry's value, so this stays 0 unless something else wrote
     /// the lock's key; a release that finds it is correct, only slower.
     pub solo_mismatches: u64,
-    /// With [`dlock_core::SessionOptions::replicas`]: grants and renewal rounds that
-    /// did not count because fewer replicas acknowledged them in time (or the
-    /// connection changed before they were asked). 0 without it.
+    /// With [`dlock_core::SessionOptions::replicas`]: grants, renewal rounds and
+    /// proclaims that did not count because fewer replicas acknowledged them in time
+    /// (or the connection changed before they were asked). 0 without it.
     pub unreplicated: u64,
 }
 

@@ -234,6 +234,27 @@ mod tests {
         assert_eq!(parse_queue_key("", "dlock:{x}:qq"), None);
     }
 
+    /// The names built on first use from the queue's key are exactly the ones [`key`]
+    /// builds, whatever the prefix holds (braces, colons, multi-byte characters).
+    #[test]
+    fn lazy_names_are_the_ones_built_in_full() {
+        for prefix in ["", "app1:", "a{b}:", "x}:q:", "é:"] {
+            for sub in [None, Some("leases")] {
+                let k = QueueKeys::of(prefix, "orders/42", sub);
+                let full = |what: &str, sub: Option<&str>, suffix: &str| {
+                    key(prefix, "orders/42", what, sub, suffix)
+                };
+                assert_eq!(k.queue, full("q", sub, ""));
+                assert_eq!(k.seq(), full("seq", sub, ""));
+                assert_eq!(k.token(), full("token", None, ""));
+                assert_eq!(k.entry_prefix(), full("e", sub, ":"));
+                assert_eq!(k.gone_prefix(), full("gone", sub, ":"));
+                assert_eq!(k.changed(), full("chg", sub, ""));
+                assert_eq!(k.data_prefix(), full("data", sub, ":"));
+            }
+        }
+    }
+
     #[test]
     fn keys_share_the_hash_tag() {
         let lock = LockName::new("orders/42", crate::NAME_RULES).expect("valid");

@@ -162,8 +162,8 @@
 //! [`Stats::primary_switches`] counts the switches. The
 //! watchdog's round right after the reconnection fires `lost()` for any held entry the
 //! replica never received (replication is asynchronous); a replicated entry keeps its
-//! lock. With [`dlock_core::SessionOptions::replicas`] (`?replicas=N`), a grant or a
-//! renewal counts only once that many replicas acknowledged it (`WAIT`), so the holder
+//! lock. With [`dlock_core::SessionOptions::replicas`] (`?replicas=N`), a grant, a
+//! renewal or a proclaim counts only once that many replicas acknowledged it (`WAIT`), so the holder
 //! is told before the entry can end on a replica that did. Tokens stay monotonic across the failover through the clock floor, provided the
 //! new primary's clock is not behind the old one's by more than the failover took
 //! ([safety.md](https://github.com/dlock-rs/dlock/blob/main/docs/safety.md)).

@@ -496,14 +496,13 @@ local t, c, d = ent(v)
 return {t, d}
 "#;
 
-/// The scripts, hashed once per backend.
 /// The uncontended fast path's two scripts as Lua source, as [`crate::RedisBackend`]
 /// loads them for a lease of `lease_ms`: the acquire (`KEYS[1]` the lock's key, `ARGV`
 /// the entry's name prefix and its data if any; returns the token, or nil if taken) and
 /// the release (`KEYS[1]`, `ARGV[1]` the value the acquire wrote, `<prefix><token>
 /// <token> <data>`; returns 1 when it removed it). Not for locking: for `dlock-bench`'s
-/// floor of the fast path through fred alone (`--only W0d`), no recipe and no adapter
-/// around it.
+/// floor of the fast path through fred alone (`--only W0d,W3d`), no recipe and no
+/// adapter around it.
 #[doc(hidden)]
 pub fn fast_path_lua(lease_ms: u128) -> (String, String) {
     let s = Scripts::new(false, lease_ms);
@@ -511,6 +510,7 @@ pub fn fast_path_lua(lease_ms: u128) -> (String, String) {
     (lua(&s.acquire_solo), lua(&s.release_solo))
 }
 
+/// The scripts, hashed once per backend.
 #[derive(Debug, Clone)]
 pub(crate) struct Scripts {
     pub enqueue: Script,

@@ -43,6 +43,19 @@ async fn setup() -> Option<Setup> {
         .expect("a follower");
     let f = state.server(Server::Zookeeper, follower).expect("follower");
     let l = state.server(Server::Zookeeper, leader).expect("leader");
+    // A follower another test cut off may still be re-joining: wait until it serves as
+    // a follower again, so its quorum connection is the one `cut` finds.
+    let deadline = std::time::Instant::now() + LONG;
+    while dlock_testkit::zk_mode(&f.addr, Duration::from_secs(2))
+        != Some(dlock_testkit::ZkMode::Follower)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ZooKeeper {} did not serve as a follower within {LONG:?}",
+            f.addr
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let (quorum_port, _) = state.zk_peer_ports(leader);
 
     let chroot = format!("/dlock-it/{}", uuid::Uuid::new_v4());

@@ -480,13 +480,15 @@ async fn run_section(
     let params = p.clone();
     let outcome = tokio::task::spawn_blocking(move || work(&params, token, mode)).await;
     // Decided under the watcher's lock, which is then closed: `abort` does not stop a
-    // watcher already running on another thread, and an `L` it wrote after this point
-    // would land after the hold's `E` (or the next hold's `B`) and end the wrong hold.
+    // watcher already running on another thread, and an `L` it wrote after this
+    // function returned could land after the next hold's `B` and end that hold (or be
+    // written after the caller is gone). A loss found here is logged here, after the
+    // section's `E`, which the checker reads as the hold's end either way.
     let was_lost = {
         let mut logged = logged.lock().unwrap_or_else(PoisonError::into_inner);
         let was_lost = *logged || is_lost();
         if !*logged && was_lost {
-            lost(p, "lost signal during the section");
+            lost(p, "lost signal by the section's end");
         }
         *logged = true;
         was_lost
@@ -569,6 +571,9 @@ mod tests {
             }
             if lost_at.is_some() {
                 assert!(matches!(r, Err(Turn::Broken)), "{records:?}");
+            }
+            if matches!(r, Err(Turn::Broken)) {
+                assert!(lost_at.is_some(), "broken without an L line: {records:?}");
             }
             let _ = std::fs::remove_dir_all(p.history.parent().expect("dir"));
         }
