@@ -108,10 +108,16 @@ pub(crate) async fn run(
     }
 }
 
+/// How long, after SIGKILL, [`terminate`] waits for the group's processes to be gone: a
+/// killed process runs no more of its own code, but is listed as running until the
+/// kernel has torn it down. Bounded, since an orphan's zombie waits for its reaper.
+const KILL_SETTLE: Duration = Duration::from_secs(1);
+
 /// SIGTERM to the whole group; once the group is empty, or `grace` has passed, SIGKILL
 /// to whatever is left of it, and the command reaped (if it was not yet). Returns only
-/// when no process of the group runs any more (or, past the grace, once SIGKILL was sent:
-/// a process in uninterruptible sleep dies when it wakes).
+/// when no process of the group runs any more (or, past the grace, once SIGKILL was sent
+/// and the group emptied or [`KILL_SETTLE`] passed: a process in uninterruptible sleep
+/// dies when it wakes).
 async fn terminate(child: &mut tokio::process::Child, group: Option<u32>, grace: Duration) {
     signal_group(group, libc::SIGTERM);
     let deadline = tokio::time::Instant::now() + grace;
@@ -128,6 +134,10 @@ async fn terminate(child: &mut tokio::process::Child, group: Option<u32>, grace:
         if tokio::time::Instant::now() >= deadline {
             signal_group(group, libc::SIGKILL);
             let _ = child.wait().await;
+            let settle = tokio::time::Instant::now() + KILL_SETTLE;
+            while group_alive(group) && tokio::time::Instant::now() < settle {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             return;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
