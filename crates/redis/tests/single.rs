@@ -1276,9 +1276,10 @@ async fn wait_changed_on_a_lone_solo_entry_is_woken_by_its_release() {
         .expect("wait_changed");
     let after = watcher.stats();
     assert!(after.messages > before.messages, "woken by a message");
+    // A re-check that found nothing (the 1 s timer, if the machine stalled before the
+    // release) is harmless; one that found the change would mean the message missed.
     assert_eq!(
-        (after.missed_wakeups, after.timer_rechecks),
-        (before.missed_wakeups, before.timer_rechecks),
+        after.missed_wakeups, before.missed_wakeups,
         "not found by the re-check timer"
     );
     holder.close().await.expect("close");
