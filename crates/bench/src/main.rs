@@ -328,60 +328,46 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
             )
             .await;
         }
-        if args.wants("W0f") {
-            let w = ceiling::RedisFred::connect(
-                redis,
-                &format!("{prefix}:ceiling-redis-fred"),
-                ceiling::FredCommands::Rslock,
-            )
-            .await;
-            run_ceiling(
-                &mut sink,
+        // The fred workloads: rslock's pair (W0f), the adapter's fast path on one worker
+        // (W0d, W1's shape) and on `--workers` workers (W3d, W3's shape).
+        let fred = [
+            (
+                "W0f",
                 "ceiling-redis-fred",
                 ceiling::REDIS_FRED_WORKLOAD,
-                w,
-                duration,
-            )
-            .await;
-        }
-        if args.wants("W0d") {
-            let w = ceiling::RedisFred::connect(
-                redis,
-                &format!("{prefix}:ceiling-redis-fred-dlock"),
-                ceiling::FredCommands::DlockFastPath,
-            )
-            .await;
-            run_ceiling(
-                &mut sink,
+                ceiling::FredCommands::Rslock,
+                1,
+            ),
+            (
+                "W0d",
                 "ceiling-redis-fred-dlock",
                 ceiling::REDIS_FRED_DLOCK_WORKLOAD,
-                w,
-                duration,
-            )
-            .await;
-        }
-        if args.wants("W3d") {
-            let mut built = Vec::new();
-            for i in 0..args.workers {
-                built.push(
-                    ceiling::RedisFred::connect(
-                        redis,
-                        &format!("{prefix}:ceiling-redis-fred-dlock-{i}"),
-                        ceiling::FredCommands::DlockFastPath,
-                    )
-                    .await,
-                );
-            }
-            run_one(
-                &mut sink,
+                ceiling::FredCommands::DlockFastPath,
+                1,
+            ),
+            (
+                "W3d",
                 "ceiling-redis-fred-dlock",
                 ceiling::REDIS_FRED_DLOCK_W3_WORKLOAD,
-                built,
-                duration,
-                None,
-                None,
-            )
-            .await;
+                ceiling::FredCommands::DlockFastPath,
+                args.workers,
+            ),
+        ];
+        for (flag, peer, workload, commands, workers) in fred {
+            if !args.wants(flag) {
+                continue;
+            }
+            let mut built = Vec::new();
+            for i in 0..workers {
+                // One worker keeps the key name the ceiling always had.
+                let key = if workers == 1 {
+                    format!("{prefix}:{peer}")
+                } else {
+                    format!("{prefix}:{peer}-{i}")
+                };
+                built.push(ceiling::RedisFred::connect(redis, &key, commands).await);
+            }
+            run_one(&mut sink, peer, workload, built, duration, None, None).await;
         }
         if args.wants("S3") {
             run_s3(&mut sink, &args, redis, &prefix).await;

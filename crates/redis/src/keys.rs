@@ -59,15 +59,7 @@ impl QueueKeys {
     fn names(&self) -> &Names {
         self.rest.get_or_init(|| {
             let (head, tail) = (&self.queue[..self.at], &self.queue[self.at + 1..]);
-            let name = |what: &str, tail: &str, suffix: &str| {
-                let mut s =
-                    String::with_capacity(head.len() + what.len() + tail.len() + suffix.len());
-                s.push_str(head);
-                s.push_str(what);
-                s.push_str(tail);
-                s.push_str(suffix);
-                s
-            };
+            let name = |what: &str, tail: &str, suffix: &str| concat(&[head, what, tail, suffix]);
             Names {
                 seq: name("seq", tail, ""),
                 token: name("token", "", ""),
@@ -181,19 +173,16 @@ pub(crate) fn parse_queue_key<'k>(
 
 /// `<prefix>dlock:{<lock>}:<what>[:<sub>]<suffix>`.
 fn key(prefix: &str, lock: &str, what: &str, sub: Option<&str>, suffix: &str) -> String {
-    let sub_len = sub.map_or(0, |s| s.len() + 1);
-    let mut s =
-        String::with_capacity(prefix.len() + 9 + lock.len() + what.len() + sub_len + suffix.len());
-    s.push_str(prefix);
-    s.push_str("dlock:{");
-    s.push_str(lock);
-    s.push_str("}:");
-    s.push_str(what);
-    if let Some(sub) = sub {
-        s.push(':');
-        s.push_str(sub);
+    let (colon, sub) = sub.map_or(("", ""), |s| (":", s));
+    concat(&[prefix, "dlock:{", lock, "}:", what, colon, sub, suffix])
+}
+
+/// `parts` joined by appends into one allocation of the right size.
+fn concat(parts: &[&str]) -> String {
+    let mut s = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        s.push_str(p);
     }
-    s.push_str(suffix);
     s
 }
 
