@@ -540,6 +540,7 @@ mod tests {
             .filter(|r| matches!(r, Record::Lost { .. }))
             .count();
         assert_eq!(lost, 1, "{records:?}");
+        let _ = std::fs::remove_dir_all(p.history.parent().expect("dir"));
     }
 
     /// Whatever order the watcher's first poll (which finds the loss) and the check

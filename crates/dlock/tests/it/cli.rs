@@ -506,6 +506,7 @@ pub async fn cli_elect_and_leader(_kind: Kind, url: &str) {
     let _ = watch.wait();
     let after = leader(&[]);
     assert_eq!(after.status.code(), Some(3), "{after:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The first line of `path`, once the writer has finished it.

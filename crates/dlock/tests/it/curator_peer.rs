@@ -89,8 +89,13 @@ fn connect_args(url: &str) -> (String, Vec<String>, String) {
             flags.push("-Dzookeeper.ssl.trustStore.type=PEM".to_owned());
         }
         if let (Some(cert), Some(key)) = (tls.cert, tls.key) {
-            // Java's PEM key store wants the key and the certificate in one file.
-            let pem = crate::support::tempdir("curator-pem").join("client.pem");
+            // Java's PEM key store wants the key and the certificate in one file. It
+            // holds the private key, so it goes beside the key, in the cluster's own
+            // directory, which goes with the cluster, not in a temp dir left behind.
+            let pem = key.with_file_name(format!(
+                "{}.pem",
+                crate::support::unique("curator-keystore").replace('/', "-")
+            ));
             let both = [
                 std::fs::read(key).expect("key"),
                 std::fs::read(cert).expect("cert"),
