@@ -95,12 +95,12 @@ impl Shared {
         let k = keys.script_keys();
         if let [node] = self.nodes.as_slice() {
             // One master: no copies of the request, no straggler bookkeeping.
-            return vec![node.eval(what, script, k, args).await];
+            return vec![node.eval(what, script, || (k.clone(), args.clone())).await];
         }
         self.gather(
             self.nodes
                 .iter()
-                .map(|n| n.eval(what, script, k.clone(), args.clone())),
+                .map(|n| n.eval(what, script, || (k.clone(), args.clone()))),
         )
         .await
     }
@@ -126,12 +126,9 @@ impl Shared {
             .nodes
             .iter()
             .map(|n| {
-                n.eval(
-                    "listing a queue",
-                    &self.scripts.list,
-                    k.clone(),
-                    args.clone(),
-                )
+                n.eval("listing a queue", &self.scripts.list, || {
+                    (k.clone(), args.clone())
+                })
             })
             .collect();
         let n = self.nodes.len();
@@ -319,12 +316,9 @@ impl Shared {
     /// [`Shared::remove_names`] must remove it.
     pub(crate) async fn release_solo(&self, keys: &QueueKeys, solo: SoloRelease) -> Result<bool> {
         let reply = self.nodes[0]
-            .eval(
-                "removing an entry",
-                &self.scripts.release_solo,
-                vec![keys.queue.clone()],
-                vec![solo.arg],
-            )
+            .eval("removing an entry", &self.scripts.release_solo, || {
+                (vec![keys.queue.clone()], vec![solo.arg.clone()])
+            })
             .await?;
         let reply = reply.as_i64();
         if reply == Some(2) && solo.whole {
@@ -352,12 +346,16 @@ impl Shared {
                 // a node refuses the script unrun (`TRYAGAIN`, retried; `ASK`) instead
                 // of running its `DEL` of the solo string and then being refused the
                 // entry key it names only in `ARGV`, which would delete a held entry.
-                keys.script_keys(),
-                vec![
-                    Value::from(keys.entry_prefix()),
-                    self.lease_ms.clone(),
-                    Value::from(name),
-                ],
+                || {
+                    (
+                        keys.script_keys(),
+                        vec![
+                            Value::from(keys.entry_prefix()),
+                            self.lease_ms.clone(),
+                            Value::from(name),
+                        ],
+                    )
+                },
             )
             .await?;
         match reply.as_i64() {
@@ -413,16 +411,14 @@ impl RedisBackend {
         let mark = s.replication_mark();
         let sent_at = Instant::now();
         let reply = node
-            .eval(
-                "adding an entry",
-                &s.scripts.acquire_solo,
-                vec![keys.queue.clone()],
-                if data.is_empty() {
+            .eval("adding an entry", &s.scripts.acquire_solo, || {
+                let args = if data.is_empty() {
                     vec![Value::from(prefix)]
                 } else {
                     vec![Value::from(prefix), Value::from(data)]
-                },
-            )
+                };
+                (vec![keys.queue.clone()], args)
+            })
             .await?;
         let Some((token, token_text)) = reply::solo_token(reply)? else {
             s.note_contended(&keys.queue, true);
@@ -430,7 +426,8 @@ impl RedisBackend {
         };
         // The name and value as the script joined them, from the token's digits as it
         // returned them (not re-formatted from the number).
-        let mut mine = Entry::from_name(format!("{prefix}{token_text}"))
+        let mut mine = ticket
+            .entry(kind, &token_text)
             .ok_or_else(|| Error::backend("adding an entry", "solo entry name does not parse"))?;
         mine.token = Some(FencingToken::new(token));
         mine.created_ms = i64::try_from(token / 1000).ok();

@@ -259,12 +259,9 @@ impl Shared {
                 args.push(lease_ref.clone());
                 args.extend(names.iter().map(|n| Value::from(n.as_str())));
                 let r = self.nodes[n]
-                    .eval(
-                        "renewing entries",
-                        &self.scripts.renew,
-                        keys.script_keys(),
-                        args,
-                    )
+                    .eval("renewing entries", &self.scripts.renew, || {
+                        (keys.script_keys(), args.clone())
+                    })
                     .await
                     .and_then(|v| reply::renewed(v, names.len()));
                 (g, r)

@@ -1285,3 +1285,75 @@ async fn wait_changed_on_a_lone_solo_entry_is_woken_by_its_release() {
     holder.close().await.expect("close");
     watcher.close().await.expect("close");
 }
+
+/// A server that forgot the scripts (`SCRIPT FLUSH`, as a restart or a failover to a
+/// replica that never loaded them does) answers `NOSCRIPT`; the script is loaded and
+/// the same request sent again, built a second time: the solo acquire's name prefix and
+/// data, and the solo release's whole value, arrive as the first attempt would have
+/// sent them.
+#[tokio::test]
+async fn scripts_the_server_forgot_are_loaded_and_the_request_sent_again() {
+    init_tracing();
+    if endpoint("DLOCK_TEST_REDIS", "scripts_the_server_forgot_are_loaded").is_none() {
+        return;
+    }
+    // A server of its own: flushing the shared one's scripts would send every other
+    // test running against it down this path too.
+    let server = TestServer::start();
+    let b = connect(&server.addr(), LONG).await;
+    let insp = inspector(&server.addr()).await;
+    let flush = || async {
+        let _: String =
+            fred::prelude::ClientLike::custom(&insp, fred::cmd!("SCRIPT"), vec!["FLUSH"])
+                .await
+                .expect("SCRIPT FLUSH");
+    };
+    let q = fresh_queue("noscript");
+    let key = format!("dlock:{{{}}}:q", q.lock);
+    for data in [&b""[..], b"some data"] {
+        flush().await;
+        let mine = b
+            .enqueue(
+                &q,
+                &dlock_testkit::ticket(),
+                EntryKind::Lock,
+                Position::Tail,
+                data,
+            )
+            .await
+            .expect("enqueue after the flush")
+            .mine;
+        let token = mine.token.expect("a token").get();
+        let mut written = format!("{} {token} ", mine.name).into_bytes();
+        written.extend_from_slice(data);
+        let v: Option<Vec<u8>> = fred::prelude::KeysInterface::get(&insp, &key)
+            .await
+            .expect("GET");
+        assert_eq!(
+            v,
+            Some(written),
+            "the solo value as the first attempt sends it"
+        );
+        flush().await;
+        b.remove(&q, &mine).await.expect("release after the flush");
+        let v: Option<Vec<u8>> = fred::prelude::KeysInterface::get(&insp, &key)
+            .await
+            .expect("GET");
+        assert_eq!(v, None, "released by its whole value");
+        assert_eq!(b.stats().solo_mismatches, 0, "matched by the whole value");
+    }
+    // Each of the four requests above met NOSCRIPT and loaded its script again (with
+    // no flush, only the first of each would have: two).
+    let stats: String =
+        fred::prelude::ClientLike::custom(&insp, fred::cmd!("INFO"), vec!["commandstats"])
+            .await
+            .expect("INFO");
+    let loads = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_script|load:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or(0);
+    assert_eq!(loads, 4, "SCRIPT LOAD calls: {stats}");
+    b.close().await.expect("close");
+}
