@@ -7,11 +7,13 @@
 //! - etcd: Put + DeleteRange on one connection; latency = the put.
 //! - Redis: `SET k tok NX PX 10000` + `EVALSHA` of the compare-and-delete script on one
 //!   connection; latency = the SET.
-//! - Redis through fred (`W0f`, only when `--only` names it): the same two commands sent
-//!   by the client crate dlock's Redis adapter is built on, configured as the adapter
-//!   configures it (one attempt, a command timeout). Beside rslock's W1 (the same two
-//!   commands through redis-rs) it is the floor of what any lock on this client crate
-//!   can reach: what it costs over the raw wire is the client's, not dlock's.
+//! - Redis through fred (`W0f`, and `W3f` with `--workers` workers on keys and clients
+//!   of their own, only when `--only` names them): the same two commands sent by the
+//!   client crate dlock's Redis adapter is built on, configured as the adapter
+//!   configures it (one attempt, a command timeout). Beside rslock's W1 and W3 (the
+//!   same two commands through redis-rs) it is the floor of what any lock on this
+//!   client crate can reach: what it costs over the raw wire is the client's, not
+//!   dlock's.
 //! - Redis, dlock's own fast path through fred (`W0d`, and `W3d` with `--workers`
 //!   workers on names of their own, only when `--only` names them): the adapter's two
 //!   uncontended scripts (`ACQUIRE_SOLO`, `RELEASE_SOLO`) sent as `W0f` sends its
@@ -47,6 +49,8 @@ pub const ETCD_RANKED_WORKLOAD: &str = "W4r-etcd-ranked-semaphore";
 pub const REDIS_WORKLOAD: &str = "W0-redis-setnx-evalsha";
 /// The label of the same commands sent through fred.
 pub const REDIS_FRED_WORKLOAD: &str = "W0f-redis-fred-setnx-evalsha";
+/// The same with `--workers` workers, each on a key and a client of its own (W3's shape).
+pub const REDIS_FRED_W3_WORKLOAD: &str = "W3f-redis-fred-setnx-evalsha";
 /// The label of dlock's fast-path scripts sent through fred, one worker.
 pub const REDIS_FRED_DLOCK_WORKLOAD: &str = "W0d-redis-fred-dlock-fast-path";
 /// The same with `--workers` workers, each on a key and a client of its own (W3's shape).

@@ -77,10 +77,10 @@ struct Args {
     /// Prefix of every lock name and key, so runs do not meet.
     #[arg(long, default_value = "lockbench")]
     prefix: String,
-    /// Only these workloads, comma separated (W0 = the ceilings, W0f = the Redis ceiling
-    /// through fred, W0d and W3d = the Redis adapter's fast-path scripts through fred
-    /// (one worker; `--workers` workers) and W4r = an etcd semaphore without an internal
-    /// mutex, each only when named here, W1..W6, S1, S2, S3).
+    /// Only these workloads, comma separated (W0 = the ceilings, W0f and W3f = the Redis
+    /// ceiling through fred, W0d and W3d = the Redis adapter's fast-path scripts through
+    /// fred (each on one worker; `--workers` workers) and W4r = an etcd semaphore
+    /// without an internal mutex, each only when named here, W1..W6, S1, S2, S3).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
     /// Also run the scale checks S1, S2 and S3.
@@ -129,7 +129,7 @@ impl Args {
         if w == "W6" && self.failovers == 0 {
             return false;
         }
-        if matches!(w, "W0f" | "W0d" | "W3d" | "W4r") {
+        if matches!(w, "W0f" | "W3f" | "W0d" | "W3d" | "W4r") {
             // Opt-in: not one of the peers' workloads, so the default output keeps its lines.
             return self.only.as_ref().is_some_and(|o| o.iter().any(|x| x == w));
         }
@@ -328,8 +328,8 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
             )
             .await;
         }
-        // The fred workloads: rslock's pair (W0f), the adapter's fast path on one worker
-        // (W0d, W1's shape) and on `--workers` workers (W3d, W3's shape).
+        // The fred workloads: rslock's pair and the adapter's fast path, each on one
+        // worker (W0f, W0d: W1's shape) and on `--workers` workers (W3f, W3d: W3's).
         let fred = [
             (
                 "W0f",
@@ -337,6 +337,13 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
                 ceiling::REDIS_FRED_WORKLOAD,
                 ceiling::FredCommands::Rslock,
                 1,
+            ),
+            (
+                "W3f",
+                "ceiling-redis-fred",
+                ceiling::REDIS_FRED_W3_WORKLOAD,
+                ceiling::FredCommands::Rslock,
+                args.workers,
             ),
             (
                 "W0d",
@@ -864,5 +871,25 @@ async fn run_s2_apart(sink: &mut Sink, args: &Args, t: &Target) {
             W,
             &format!("the S2 process printed no result ({})", out.status),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The floors and prototypes are not the peers' workloads: a default run (the
+    /// output outside scripts read) never prints them, and `--only` runs each named one.
+    #[test]
+    fn opt_in_workloads_run_only_when_named() {
+        let opt_in = ["W0f", "W3f", "W0d", "W3d", "W4r"];
+        let default = Args::parse_from(["dlock-bench"]);
+        for w in opt_in {
+            assert!(!default.wants(w), "{w} ran by default");
+        }
+        assert!(default.wants("W1") && default.wants("W3"));
+        let named = Args::parse_from(["dlock-bench", "--only", "W3f,W3"]);
+        assert!(named.wants("W3f") && named.wants("W3"));
+        assert!(!named.wants("W0f") && !named.wants("W3d") && !named.wants("W1"));
     }
 }
