@@ -11,8 +11,8 @@
 //!   of their own, only when `--only` names them): the same two commands sent by the
 //!   client crate dlock's Redis adapter is built on, configured as the adapter
 //!   configures it (one attempt, a command timeout). Beside rslock's W1 and W3 (the
-//!   same two commands through redis-rs) it is the floor of what any lock on this
-//!   client crate can reach: what it costs over the raw wire is the client's, not
+//!   same two commands through redis-rs) they are the floor of what any lock on this
+//!   client crate can reach: what they cost over the raw wire is the client's, not
 //!   dlock's.
 //! - Redis, dlock's own fast path through fred (`W0d`, and `W3d` with `--workers`
 //!   workers on names of their own, only when `--only` names them): the adapter's two

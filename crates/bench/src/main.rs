@@ -77,10 +77,11 @@ struct Args {
     /// Prefix of every lock name and key, so runs do not meet.
     #[arg(long, default_value = "lockbench")]
     prefix: String,
-    /// Only these workloads, comma separated (W0 = the ceilings, W0f and W3f = the Redis
+    /// Only these workloads, comma separated (W0 = the ceilings; W0f and W3f = the Redis
     /// ceiling through fred, W0d and W3d = the Redis adapter's fast-path scripts through
-    /// fred (each on one worker; `--workers` workers) and W4r = an etcd semaphore
-    /// without an internal mutex, each only when named here, W1..W6, S1, S2, S3).
+    /// fred, the W0s on one worker and the W3s on `--workers` workers; W4r = an etcd
+    /// semaphore without an internal mutex; these five only when named here; W1..W6,
+    /// S1, S2, S3).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
     /// Also run the scale checks S1, S2 and S3.

@@ -94,7 +94,8 @@ impl Shared {
     ) -> Vec<Result<Value>> {
         let k = keys.script_keys();
         if let [node] = self.nodes.as_slice() {
-            // One master: no copies of the request, no straggler bookkeeping.
+            // One master: no straggler bookkeeping (the request is copied once per
+            // command sent, as for each master below).
             return vec![node.eval(what, script, || (k.clone(), args.clone())).await];
         }
         self.gather(
@@ -404,6 +405,9 @@ impl RedisBackend {
         if s.mode != Mode::Single || !matches!(at, Position::Tail) || kind == EntryKind::Candidate {
             return Ok(None);
         }
+        // The script writes `prefix` and the entry is built from the ticket and kind
+        // (`Ticket::entry`): they must name the same entry.
+        debug_assert_eq!(prefix, ticket.name_prefix(kind));
         if s.seen_contended(&keys.queue) {
             return Ok(None);
         }

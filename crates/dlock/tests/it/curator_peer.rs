@@ -89,19 +89,23 @@ fn connect_args(url: &str) -> (String, Vec<String>, String) {
             flags.push("-Dzookeeper.ssl.trustStore.type=PEM".to_owned());
         }
         if let (Some(cert), Some(key)) = (tls.cert, tls.key) {
-            // Java's PEM key store wants the key and the certificate in one file. It
-            // holds the private key, so it goes beside the key, in the cluster's own
-            // directory, which goes with the cluster, not in a temp dir left behind.
-            let pem = key.with_file_name(format!(
-                "{}.pem",
-                crate::support::unique("curator-keystore").replace('/', "-")
-            ));
-            let both = [
-                std::fs::read(key).expect("key"),
-                std::fs::read(cert).expect("cert"),
-            ]
-            .concat();
-            std::fs::write(&pem, both).expect("writing the PEM key store");
+            // Java's PEM key store wants the key and the certificate in one file. The
+            // testkit's PKI writes one beside the client key (`client.pem`, in the
+            // cluster's directory, which goes with it); for a key from elsewhere one is
+            // made in a temp dir.
+            let beside = key.with_file_name("client.pem");
+            let pem = if beside.exists() {
+                beside
+            } else {
+                let pem = crate::support::tempdir("curator-pem").join("client.pem");
+                let both = [
+                    std::fs::read(key).expect("key"),
+                    std::fs::read(cert).expect("cert"),
+                ]
+                .concat();
+                std::fs::write(&pem, both).expect("writing the PEM key store");
+                pem
+            };
             flags.push(format!(
                 "-Dzookeeper.ssl.keyStore.location={}",
                 pem.display()
