@@ -548,14 +548,27 @@ pub trait Backend: Send + Sync + 'static {
     /// expire the session, computed from when the request that last proved the session
     /// alive was *sent* (the server renewed it after that).
     ///
-    /// Once the client knows the entry is lost (or closed, or released), every lost
+    /// Once the client knows the entry is lost (or its session closed), every lost
     /// future made from then on completes at its first poll, and the client never
-    /// forgets a loss: the recipes learn synchronously whether a hold is lost by polling
-    /// a fresh one once (`is_lost`, re-entry, `verify`).
+    /// forgets a loss: the recipes learn synchronously whether a hold is lost by asking
+    /// [`Backend::lost_now`] (`is_lost`, the grant, re-entry, release, `verify`).
     ///
     /// Unlike the other methods it returns a boxed `'static` future: the signal outlives
     /// the call that asked for it (a guard keeps it while it holds).
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;
+
+    /// What a lost future of `entry` made now would complete with at its first poll:
+    /// `Some(reason)` once the client knows the entry is lost or its session closed (on
+    /// backends whose signal is per entry, such as Redis, also once it was released),
+    /// `None` while it would wait. The recipes ask it at every grant, re-entry and
+    /// release, without keeping a signal.
+    ///
+    /// The default polls a fresh [`Backend::lost`] future once, which is exactly that; a
+    /// backend whose registry answers without building the future overrides it, and
+    /// must answer the same (the contract suite checks both agree).
+    fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error> {
+        futures::FutureExt::now_or_never(self.lost(q, entry))
+    }
 
     /// Reads the small value stored at the queue `q` itself (not in one of its entries),
     /// or `None` if none is set. The recipes use it for the semaphore's shared permit
@@ -750,6 +763,8 @@ pub trait DynBackend: Send + Sync + 'static {
     fn abandon<'a>(&'a self, q: &'a QueuePath, ticket: &'a Ticket) -> BoxFuture<'a, Result<()>>;
     /// [`Backend::lost`].
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error>;
+    /// [`Backend::lost_now`].
+    fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error>;
     /// [`Backend::read_value`].
     fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>>;
     /// [`Backend::set_data`].
@@ -877,6 +892,9 @@ impl<B: Backend> DynBackend for B {
     }
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
         Backend::lost(self, q, entry)
+    }
+    fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error> {
+        Backend::lost_now(self, q, entry)
     }
     fn read_value<'a>(&'a self, q: &'a QueuePath) -> BoxFuture<'a, Result<Option<Vec<u8>>>> {
         Box::pin(Backend::read_value(self, q))

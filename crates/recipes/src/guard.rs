@@ -13,8 +13,12 @@ use crate::queue::{spawn_remove, Runtime};
 use crate::reentry::{HoldKey, Recipe, Scope};
 
 /// A hold's lost signal, shared by its guards: the reason, once lost. Awaited through
-/// [`LockGuard::lost`]; polled to peek only at the grant, before any other clone of it
-/// exists (see [`Held::lost_reason`]).
+/// [`LockGuard::lost`]; never polled to peek (the grant, re-entries and the release ask
+/// [`dlock_core::Backend::lost_now`]: see [`Held::lost_reason`]).
+///
+/// Made at the grant, not at the first [`LockGuard::lost`]: a lost future made after
+/// the loss still completes at once, but some backends (Redis) forget the reason with
+/// the entry and would give a generic one.
 ///
 /// The backend's boxed future mapped in place, not boxed again: one allocation less per
 /// hold.
@@ -59,12 +63,15 @@ impl<B: DynBackend + ?Sized> Held<B> {
         key: Option<HoldKey>,
     ) -> Result<Arc<Self>> {
         match Self::check(&backend, &q, &entry) {
-            Ok((token, lost)) => Ok(Arc::new(Held {
+            Ok(token) => Ok(Arc::new(Held {
+                lost: backend
+                    .lost(&q, &entry)
+                    .map(reason as fn(Error) -> String)
+                    .shared(),
                 backend,
                 q,
                 entry,
                 token,
-                lost,
                 key,
                 guards: AtomicUsize::new(1),
                 granted_at: std::time::Instant::now(),
@@ -88,48 +95,42 @@ impl<B: DynBackend + ?Sized> Held<B> {
         );
     }
 
-    /// The granted entry's token and lost signal, or why it cannot be handed out.
-    fn check(backend: &Arc<B>, q: &QueuePath, entry: &Entry) -> Result<(FencingToken, LostSignal)> {
+    /// The granted entry's token, or why it cannot be handed out.
+    fn check(backend: &Arc<B>, q: &QueuePath, entry: &Entry) -> Result<FencingToken> {
         let token = entry.token.ok_or_else(|| {
             Error::backend(
                 format!("acquire {q}"),
                 format!("the {} backend gave no fencing token", backend.kind()),
             )
         })?;
-        let lost = backend
-            .lost(q, entry)
-            .map(reason as fn(Error) -> String)
-            .shared();
         // A grant can reach the client after its session ended: a reply held up by a
         // partition arrives once the server has already expired the session and its
-        // entry, and let the next contender in. A hold whose lost signal has fired by now
-        // is never handed out.
-        if let Some(reason) = lost.clone().now_or_never() {
+        // entry, and let the next contender in. A hold whose loss the client knows by
+        // now is never handed out.
+        if let Some(lost) = backend.lost_now(q, entry) {
             return Err(Error::LockLost(format!(
-                "{q}: the session was lost before the grant of {} reached this client: {reason}",
-                entry.name
+                "{q}: the session was lost before the grant of {} reached this client: {}",
+                entry.name,
+                reason(lost)
             )));
         }
-        Ok((token, lost))
+        Ok(token)
     }
 
     /// The lost signal's reason, if the backend knows the hold is lost.
     ///
-    /// Once the shared signal has completed it answers; before that, a fresh lost future
-    /// of the backend is polled once (a loss the client knows completes it at its first
-    /// poll, by [`dlock_core::Backend::lost`]'s contract). Polling the shared signal
-    /// instead would not do: a `Shared` answers `Pending`, without looking, to every
-    /// clone but the one being polled, so a peek made while another task is inside that
-    /// poll (a thread preempted there for as long as the scheduler likes) would miss a
-    /// known loss, and a lost hold would be reported held or re-entered.
+    /// Once the shared signal has completed it answers; before that,
+    /// the backend is asked ([`dlock_core::Backend::lost_now`]: what a fresh lost future
+    /// would complete with at its first poll). Polling the shared signal instead would
+    /// not do: a `Shared` answers `Pending`, without looking, to every clone but the one
+    /// being polled, so a peek made while another task is inside that poll (a thread
+    /// preempted there for as long as the scheduler likes) would miss a known loss, and
+    /// a lost hold would be reported held or re-entered.
     pub(crate) fn lost_reason(&self) -> Option<String> {
         if let Some(why) = self.lost.peek() {
             return Some(why.clone());
         }
-        self.backend
-            .lost(&self.q, &self.entry)
-            .now_or_never()
-            .map(reason)
+        self.backend.lost_now(&self.q, &self.entry).map(reason)
     }
 
     /// Counts one more guard of this hold (a re-entry).

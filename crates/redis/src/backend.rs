@@ -652,24 +652,34 @@ impl Backend for RedisBackend {
         let closed = self.shared.closed.load(Ordering::SeqCst);
         Box::pin(async move {
             let Some(mut rx) = rx else {
-                if closed {
-                    return Error::Closed;
-                }
-                return Error::LockLost(format!(
-                    "entry {name} is not live on this client (removed, expired or never created)"
-                ));
+                return not_live(closed, &name);
             };
-            let fate = rx.wait_for(Option::is_some).await.map(|f| f.clone());
-            match fate {
-                Ok(f) => match f {
-                    Some(Fate::Lost(reason)) => Error::LockLost(reason),
-                    Some(Fate::Closed) => Error::Closed,
-                    Some(Fate::Released) | None => {
-                        Error::NotHeld(format!("entry {name} was released by this client"))
-                    }
-                },
-                Err(_) => Error::NotHeld(format!("entry {name} was released by this client")),
-            }
+            // The sender gone without a fate (`Err`) is a release, as `None` is.
+            let fate = rx
+                .wait_for(Option::is_some)
+                .await
+                .ok()
+                .and_then(|f| f.clone());
+            fate_error(fate.as_ref(), &name)
+        })
+    }
+
+    /// As the lost future made now answers at its first poll, from the registry of live
+    /// entries, without a subscription or a boxed future (asked at every grant and
+    /// release).
+    fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error> {
+        let key = (
+            QueueKeys::queue_key(&self.shared.prefix, q),
+            entry.name.clone(),
+        );
+        let fate = match self.shared.live.lock().get(&key) {
+            None => None,
+            Some(l) => Some(l.fate.borrow().clone()?),
+        };
+        let closed = self.shared.closed.load(Ordering::SeqCst);
+        Some(match fate {
+            None => not_live(closed, &entry.name),
+            Some(f) => fate_error(Some(&f), &entry.name),
         })
     }
 
@@ -890,5 +900,27 @@ impl Backend for RedisBackend {
     async fn close(&self) -> Result<()> {
         self.shared.close().await;
         Ok(())
+    }
+}
+
+/// A lost future's answer for an entry this client does not have among its live ones.
+fn not_live(closed: bool, name: &str) -> Error {
+    if closed {
+        return Error::Closed;
+    }
+    Error::LockLost(format!(
+        "entry {name} is not live on this client (removed, expired or never created)"
+    ))
+}
+
+/// A lost future's answer once its entry's fate is known (`None`: its registration went
+/// without one, which only a release does).
+fn fate_error(fate: Option<&Fate>, name: &str) -> Error {
+    match fate {
+        Some(Fate::Lost(reason)) => Error::LockLost(reason.clone()),
+        Some(Fate::Closed) => Error::Closed,
+        Some(Fate::Released) | None => {
+            Error::NotHeld(format!("entry {name} was released by this client"))
+        }
     }
 }

@@ -388,6 +388,7 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
     let q = fresh_queue("stall");
     let e = enqueue_lock(&b, &q).await.expect("enqueue").mine;
     let lost = b.lost(&q, &e);
+    assert!(b.lost_now(&q, &e).is_none(), "held: lost_now says nothing");
     let insp = inspector(&server.addr()).await;
     // The lock's only entry: its one key (the queue's).
     let key = format!("dlock:{{{}}}:q", q.lock);
@@ -401,6 +402,16 @@ async fn a_stalled_server_fires_lost_after_one_lease() {
     assert!(
         matches!(&reason, Error::LockLost(r) if r.contains("no successful renewal")),
         "{reason:?}"
+    );
+    // Known lost from then on, without a lost future (the reason went with the entry's
+    // registration; a lost future made now gives the same answer).
+    let now = b.lost_now(&q, &e);
+    assert!(matches!(&now, Some(Error::LockLost(_))), "{now:?}");
+    let fresh = b.lost(&q, &e).now_or_never();
+    assert_eq!(
+        now.map(|e| e.to_string()),
+        fresh.map(|e| e.to_string()),
+        "lost_now answers as a lost future made now"
     );
     // The entry is not renewed after it was given up: it expires on the server.
     assert!(

@@ -604,11 +604,18 @@ pub async fn queue_ahead_and_contains_agree_with_queue(connect: Connect) {
 /// `close` fires `lost` of the session's entries with an error that counts as lost, is
 /// idempotent, and a later `enqueue` fails with [`Error::Closed`] (reads may still be
 /// answered: etcd's `queue` after `close` lists the queue); a lost future made after
-/// `close` completes at its first poll.
+/// `close` completes at its first poll. `lost_now` answers as a lost future made then
+/// does at its first poll: nothing while held, the reason once closed.
 pub async fn close_fires_lost_and_later_calls_fail_typed(connect: Connect) {
     let a = session(&connect).await;
     let q = fresh_queue(&*a, "closed");
     let e = add(&*a, &q, EntryKind::Lock, "enqueue").await;
+    assert!(
+        a.lost(&q, &e.mine).now_or_never().is_none(),
+        "held: not lost"
+    );
+    let now = a.lost_now(&q, &e.mine);
+    assert!(now.is_none(), "lost_now of a held entry gave {now:?}");
     let lost = a.lost(&q, &e.mine);
     within("close", a.close()).await.expect("close");
     within("close again", a.close())
@@ -625,12 +632,17 @@ pub async fn close_fires_lost_and_later_calls_fail_typed(connect: Connect) {
         matches!(later, Err(Error::Closed)),
         "enqueue after close gave {later:?}"
     );
-    // The recipes peek at a loss by polling a fresh lost future once.
+    // The recipes peek at a loss with `lost_now`, which answers as a fresh lost future
+    // does at its first poll.
     let err = a
         .lost(&q, &e.mine)
         .now_or_never()
         .expect("a lost future made after close completes at its first poll");
     assert!(err.is_lost(), "lost() of a closed session gave {err:?}");
+    let now = a
+        .lost_now(&q, &e.mine)
+        .expect("lost_now after close gives the reason");
+    assert!(now.is_lost(), "lost_now of a closed session gave {now:?}");
 }
 
 /// `close` removes every entry of the session at once (not after a session timeout),
