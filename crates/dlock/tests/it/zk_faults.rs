@@ -230,31 +230,40 @@ pub async fn guard_lost_fires_on_session_expiry(url: &str) {
     let other = client(url).await;
     let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");
     let lost = g.lost();
+    tokio::pin!(lost);
     assert!(!g.is_lost());
     // The server closes the session's other connection when one attaches, and the
     // backend's client reconnects at once, which closes the twin's: the two can take the
     // session from each other until the twin's attach times out (seen on a loaded
-    // machine). A later attempt gets through.
-    let mut twin = None;
-    for attempt in 1..=5 {
+    // machine), or the twin's close finds its connection already gone and the session
+    // lives on with the backend's client (seen on a fresh server, both in about 1 run
+    // in 8 of the ZooKeeper crate's own test of this). A later attempt gets through.
+    let mut fired = None;
+    for attempt in 1..=8 {
         match zk::Client::connector()
             .with_session(raw.session().clone())
             .connect(zk_hosts(url))
             .await
         {
-            Ok(t) => {
-                twin = Some(t);
-                break;
+            Ok(twin) => drop(twin),
+            Err(zk::Error::Timeout) => {
+                eprintln!("attach {attempt} timed out; again");
+                continue;
             }
-            Err(zk::Error::Timeout) => eprintln!("attach {attempt} timed out; again"),
             Err(e) => panic!("attach to the session: {e}"),
         }
+        // A close that reached the session is seen well within the session timeout
+        // and its margin.
+        match tokio::time::timeout(SESSION_TIMEOUT * 3, &mut lost).await {
+            Ok(e) => {
+                fired = Some(e);
+                break;
+            }
+            Err(_) => eprintln!("the session outlived the twin's close {attempt}; again"),
+        }
     }
-    drop(twin.expect("attach to the session in 5 tries"));
     drop(raw);
-    let e = tokio::time::timeout(GENEROUS, lost)
-        .await
-        .expect("the lost signal fired");
+    let e = fired.expect("the lost signal fired within 8 closes of the session");
     assert!(matches!(e, Error::LockLost(_)), "{e:?}");
     assert!(g.is_lost());
     let mut go = other
