@@ -368,6 +368,14 @@ impl EtcdBackend {
         self.watches.armed()
     }
 
+    /// The session whose lease `entry` was created with, or the current one for an
+    /// entry without a lease in its name: the one whose end is the entry's loss.
+    fn entry_session(&self, entry: &Entry) -> Arc<Session> {
+        layout::lease_of(entry)
+            .and_then(|id| self.sessions.lock().get(&id).cloned())
+            .unwrap_or_else(|| self.session.lock().clone())
+    }
+
     /// The session of lease `id`, if this client had one.
     pub(crate) fn session_of(&self, id: i64) -> Option<Arc<Session>> {
         self.sessions.lock().get(&id).cloned()
@@ -686,10 +694,14 @@ impl Backend for EtcdBackend {
     }
 
     fn lost(&self, _q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
-        let session = layout::lease_of(entry)
-            .and_then(|id| self.sessions.lock().get(&id).cloned())
-            .unwrap_or_else(|| self.session.lock().clone());
-        Box::pin(session.lost())
+        Box::pin(self.entry_session(entry).lost())
+    }
+
+    /// The entry's session's state, read directly: a lost future's first poll may
+    /// answer `Pending` to a task whose tokio budget is spent, even for a loss already
+    /// known.
+    fn lost_now(&self, _q: &QueuePath, entry: &Entry) -> Option<Error> {
+        self.entry_session(entry).lost_now()
     }
 
     /// The session's lease, asked for its time to live: proves the server answers and

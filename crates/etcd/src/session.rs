@@ -122,6 +122,13 @@ impl Session {
         self.state.borrow().to_error()
     }
 
+    /// What [`Session::lost`] made now would complete with, read directly (its first
+    /// poll may answer `Pending` to a task whose tokio budget is spent).
+    pub(crate) fn lost_now(&self) -> Option<Error> {
+        let state = self.state.borrow();
+        (*state != State::Alive).then(|| state.to_error())
+    }
+
     /// Completes with the reason once the session is no longer alive.
     pub(crate) fn lost(&self) -> impl std::future::Future<Output = Error> + Send + 'static {
         let mut rx = self.state.subscribe();

@@ -62,12 +62,15 @@ impl<B: DynBackend + ?Sized> Held<B> {
         entry: Entry,
         key: Option<HoldKey>,
     ) -> Result<Arc<Self>> {
+        // The signal is made before the check: on Redis a loss in between would
+        // otherwise leave it only the generic reason of an entry no longer registered.
+        let lost = backend
+            .lost(&q, &entry)
+            .map(reason as fn(Error) -> String)
+            .shared();
         match Self::check(&backend, &q, &entry) {
             Ok(token) => Ok(Arc::new(Held {
-                lost: backend
-                    .lost(&q, &entry)
-                    .map(reason as fn(Error) -> String)
-                    .shared(),
+                lost,
                 backend,
                 q,
                 entry,
@@ -160,14 +163,13 @@ impl<B: DynBackend + ?Sized> Held<B> {
         }
     }
 
-    /// Counts one guard released; `Some` if it was the last, so the entry must go,
-    /// saying whether the hold was lost by then (asked once: on Redis each look at the
-    /// backend's lost state builds the queue's key and hashes it with the name).
-    fn leave(&self) -> Option<bool> {
+    /// Counts one guard released; `Some(lost)` if it was the last, so the entry must go.
+    /// `lost` is whether the hold was lost by then, looked at by the caller before the
+    /// count drops (see [`LockGuard::release`]), and goes to `dlock_holds_lost_total`.
+    fn leave(&self, lost: bool) -> Option<bool> {
         if self.guards.fetch_sub(1, Ordering::AcqRel) != 1 {
             return None;
         }
-        let lost = self.lost_reason().is_some();
         crate::metrics::hold_ended(
             self.backend.kind(),
             self.entry.kind.label(),
@@ -403,10 +405,14 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
             )));
         }
         self.released = true;
-        let Some(was_lost) = self.held.leave() else {
+        // Looked at while this guard still counts: once it no longer does, another
+        // guard's release may remove the entry, which a backend with a per-entry signal
+        // (Redis) would then report as lost.
+        let lost = self.held.lost_reason();
+        let Some(was_lost) = self.held.leave(lost.is_some()) else {
             // Other guards of this hold remain, so the entry stays; but a section that
             // ran while the hold was lost must still hear of it, whichever guard ends it.
-            if let Some(reason) = self.held.lost_reason() {
+            if let Some(reason) = lost {
                 return Err(Error::LockLost(format!(
                     "{} had been lost before it was released: {reason}",
                     self.held.q.lock
@@ -534,7 +540,7 @@ impl<B: DynBackend + ?Sized> Drop for LockGuard<B> {
             return;
         }
         self.released = true;
-        if self.held.leave().is_some() {
+        if self.held.leave(self.held.lost_reason().is_some()).is_some() {
             self.held.remove_in_background();
         }
     }

@@ -235,6 +235,11 @@ impl<T: Tap> Backend for Tapped<T> {
     fn lost(&self, q: &QueuePath, entry: &Entry) -> BoxFuture<'static, Error> {
         self.tap.lost(self.inner.lost(q, entry))
     }
+    /// The inner backend's answer: a look, not a signal handed out, so [`Tap::lost`]
+    /// does not see it.
+    fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error> {
+        self.inner.lost_now(q, entry)
+    }
     fn read_value(&self, q: &QueuePath) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {
         through!(self, Call::ReadValue, |b| b.read_value(q))
     }

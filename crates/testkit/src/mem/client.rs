@@ -400,6 +400,13 @@ impl Backend for MemBackend {
         })
     }
 
+    /// The session's health, read directly (a lost future's first poll may answer
+    /// `Pending` to a task whose tokio budget is spent).
+    fn lost_now(&self, _q: &QueuePath, _entry: &Entry) -> Option<Error> {
+        let health = self.link.health.borrow();
+        (*health != Health::Live).then(|| health.lost_error())
+    }
+
     fn lost(&self, _q: &QueuePath, _entry: &Entry) -> BoxFuture<'static, Error> {
         let mut rx = self.link.health.subscribe();
         Box::pin(async move {
