@@ -98,6 +98,22 @@ pub async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
         .unwrap_or_else(|_| panic!("{what}: did not finish within {LONG:?}"))
 }
 
+/// Spends the current task's tokio budget, as a task that has just read many ready
+/// messages has: until it yields, every tokio resource's poll answers `Pending`. Fails
+/// the test if the budget never ran out.
+pub fn spend_task_budget() {
+    use futures::FutureExt as _;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..1000 {
+        tx.send(i).expect("send");
+    }
+    let mut read = 0;
+    while rx.recv().now_or_never().is_some() {
+        read += 1;
+    }
+    assert!(read < 1000, "the budget never ran out ({read} read)");
+}
+
 /// Opens one session with the default options, failing the test if it cannot.
 pub async fn session(connect: &Connect) -> Arc<dyn DynBackend> {
     session_with(connect, SessionOptions::default()).await
