@@ -27,6 +27,8 @@ pub struct Client<B: DynBackend + ?Sized = dyn DynBackend> {
     pub(crate) id: ClientId,
     pub(crate) data: Arc<[u8]>,
     pub(crate) tickets: TicketSource,
+    /// The runtime the client was made on, where clean-ups left by drops run.
+    pub(crate) rt: queue::Runtime,
 }
 
 impl<B: DynBackend + ?Sized> Clone for Client<B> {
@@ -36,6 +38,7 @@ impl<B: DynBackend + ?Sized> Clone for Client<B> {
             id: self.id,
             data: self.data.clone(),
             tickets: self.tickets.clone(),
+            rt: self.rt.clone(),
         }
     }
 }
@@ -79,6 +82,11 @@ impl Client<dyn DynBackend> {
 
 impl<B: DynBackend + ?Sized> Client<B> {
     /// A client over an already connected backend.
+    ///
+    /// Made inside a tokio runtime, it keeps that runtime for the clean-ups a drop
+    /// leaves (a guard or an acquire future dropped without being awaited to the end):
+    /// make it on the runtime that keeps the backend's session alive, as
+    /// `dlock::connect` does.
     pub fn new(backend: Arc<B>) -> Self {
         let data = owner_data();
         Client {
@@ -86,6 +94,7 @@ impl<B: DynBackend + ?Sized> Client<B> {
             id: ClientId::next(),
             data: Arc::from(data.into_bytes()),
             tickets: TicketSource::os(),
+            rt: queue::Runtime::current(),
         }
     }
 
@@ -95,6 +104,12 @@ impl<B: DynBackend + ?Sized> Client<B> {
     pub fn with_tickets(mut self, tickets: TicketSource) -> Self {
         self.tickets = tickets;
         self
+    }
+
+    /// Where the clean-ups of a lock taken now run if a drop leaves any: the runtime this
+    /// client was made on, or the current one for a client made outside any runtime.
+    pub(crate) fn cleanup_runtime(&self) -> queue::Runtime {
+        self.rt.or_current()
     }
 
     /// The backend this client runs on.
@@ -400,10 +415,11 @@ impl<B: DynBackend + ?Sized> Client<B> {
         };
         let ticket = self.tickets.ticket();
         let result = async {
-            let entry = queue::acquire(&self.backend, &q, ticket, kind, at, data, wait)
+            let rt = self.cleanup_runtime();
+            let entry = queue::acquire(&self.backend, &q, ticket, kind, at, data, wait, &rt)
                 .instrument(span.clone())
                 .await?;
-            Held::grant(self.backend.clone(), q, entry, Some(key)).await
+            Held::grant(self.backend.clone(), q, entry, Some(key), rt).await
         }
         .await;
         crate::metrics::acquire(self.backend.kind(), kind.label(), asked.elapsed(), &result);

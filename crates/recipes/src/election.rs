@@ -169,6 +169,7 @@ impl<B: DynBackend + ?Sized> Election<B> {
         let asked = tokio::time::Instant::now();
         let ticket = self.client.tickets.ticket();
         let result = async {
+            let rt = self.client.cleanup_runtime();
             let entry = queue::acquire(
                 backend,
                 &q,
@@ -177,11 +178,12 @@ impl<B: DynBackend + ?Sized> Election<B> {
                 Position::Tail,
                 value,
                 wait,
+                &rt,
             )
             .instrument(span.clone())
             .await?;
             // No reentry key: an election is never re-entered.
-            Held::grant(backend.clone(), q.clone(), entry, None).await
+            Held::grant(backend.clone(), q.clone(), entry, None, rt).await
         }
         .await;
         crate::metrics::acquire(backend.kind(), "election", asked.elapsed(), &result);

@@ -6,31 +6,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use dlock_core::{DynBackend, Entry, Error, FencingToken, LockName, QueuePath, Result};
-use futures::future::{BoxFuture, FutureExt, Shared};
+use futures::future::FutureExt;
 use tracing::Instrument;
 
-use crate::queue::{spawn_remove, Runtime};
+use crate::queue::{lost_signal, spawn_remove, Ending, LostSignal, Runtime};
 use crate::reentry::{HoldKey, Recipe, Scope};
-
-/// A hold's lost signal, shared by its guards: the reason, once lost. Awaited through
-/// [`LockGuard::lost`]; never polled to peek (the grant, re-entries and the release ask
-/// [`dlock_core::Backend::lost_now`]: see [`Held::lost_reason`]).
-///
-/// Made at the grant, not at the first [`LockGuard::lost`]: a lost future made after
-/// the loss still completes at once, but some backends (Redis) forget the reason with
-/// the entry and would give a generic one.
-///
-/// The backend's boxed future mapped in place, not boxed again: one allocation less per
-/// hold.
-type LostSignal = Shared<futures::future::Map<BoxFuture<'static, Error>, fn(Error) -> String>>;
-
-/// The reason a lost future gave, as the guard reports it.
-fn reason(e: Error) -> String {
-    match e {
-        Error::LockLost(msg) => msg,
-        other => other.to_string(),
-    }
-}
 
 /// One entry that holds a lock, shared by every guard of that hold (the first one and
 /// its re-entries).
@@ -48,8 +28,8 @@ pub(crate) struct Held<B: DynBackend + ?Sized> {
     guards: AtomicUsize,
     /// When the hold was granted, for `dlock_hold_seconds`.
     granted_at: std::time::Instant,
-    /// The runtime it was granted on: a guard dropped where none is current still
-    /// removes the entry (see [`Runtime`]).
+    /// Where a removal left by a dropped guard runs: the client's runtime (see
+    /// [`Runtime`]).
     rt: Runtime,
 }
 
@@ -61,13 +41,11 @@ impl<B: DynBackend + ?Sized> Held<B> {
         q: QueuePath,
         entry: Entry,
         key: Option<HoldKey>,
+        rt: Runtime,
     ) -> Result<Arc<Self>> {
         // The signal is made before the check: on Redis a loss in between would
         // otherwise leave it only the generic reason of an entry no longer registered.
-        let lost = backend
-            .lost(&q, &entry)
-            .map(reason as fn(Error) -> String)
-            .shared();
+        let lost = lost_signal(backend.lost(&q, &entry));
         match Self::check(&backend, &q, &entry) {
             Ok(token) => Ok(Arc::new(Held {
                 lost,
@@ -78,7 +56,7 @@ impl<B: DynBackend + ?Sized> Held<B> {
                 key,
                 guards: AtomicUsize::new(1),
                 granted_at: std::time::Instant::now(),
-                rt: Runtime::current(),
+                rt,
             })),
             Err(e) => {
                 let _ = backend.remove(&q, &entry).await;
@@ -88,13 +66,15 @@ impl<B: DynBackend + ?Sized> Held<B> {
     }
 
     /// Removes the entry in the background, retried while the session lives
-    /// ([`spawn_remove`]), on the runtime current now or else the one it was granted on.
+    /// ([`spawn_remove`], until the hold's own lost signal, made at the grant, says the
+    /// session ended), on the client's runtime ([`Runtime`]).
     fn remove_in_background(&self) {
         spawn_remove(
             &self.rt,
             self.backend.clone(),
             self.q.clone(),
             self.entry.clone(),
+            self.lost.clone(),
         );
     }
 
@@ -114,7 +94,7 @@ impl<B: DynBackend + ?Sized> Held<B> {
             return Err(Error::LockLost(format!(
                 "{q}: the session was lost before the grant of {} reached this client: {}",
                 entry.name,
-                reason(lost)
+                Ending::of(lost).reason
             )));
         }
         Ok(token)
@@ -131,9 +111,11 @@ impl<B: DynBackend + ?Sized> Held<B> {
     /// a lost hold would be reported held or re-entered.
     pub(crate) fn lost_reason(&self) -> Option<String> {
         if let Some(why) = self.lost.peek() {
-            return Some(why.clone());
+            return Some(why.reason.clone());
         }
-        self.backend.lost_now(&self.q, &self.entry).map(reason)
+        self.backend
+            .lost_now(&self.q, &self.entry)
+            .map(|e| Ending::of(e).reason)
     }
 
     /// Counts one more guard of this hold (a re-entry).
@@ -188,7 +170,9 @@ impl<B: DynBackend + ?Sized> Held<B> {
 /// Holds a lock (or one semaphore permit) until [`LockGuard::release`] is awaited or the
 /// guard is dropped.
 ///
-/// Dropping the guard releases in the background (on the current tokio runtime); await
+/// Dropping the guard releases in the background, retried while the session lives, on
+/// the tokio runtime its [`crate::Client`] was made on (wherever the drop happens: a
+/// thread with no runtime, a short-lived runtime that would never run the task); await
 /// [`LockGuard::release`] instead to learn whether the release reached the server.
 ///
 /// # Reentrancy
@@ -331,7 +315,7 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
     ///
     /// Never completes while the lock is held. Cancel-safe: dropping it loses nothing.
     pub fn lost(&self) -> impl Future<Output = Error> + Send + 'static {
-        self.held.lost.clone().map(Error::LockLost)
+        self.held.lost.clone().map(|e| Error::LockLost(e.reason))
     }
 
     /// True once the client knows this hold is lost: [`LockGuard::lost`] has completed,
@@ -344,18 +328,28 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
     /// Asks the server whether this hold's entry is still there, and fails if it is not.
     ///
     /// [`LockGuard::lost`] fires only once the client has learned of a loss, and a loss
-    /// can go unseen for a while: a pause past the session, or an entry deleted on the
-    /// server, is noticed at the next keep-alive. Call `verify` when a critical section
+    /// can go unseen for a while: a pause past the session is noticed at the next
+    /// keep-alive, and an entry deleted on the server by someone else at the next lease
+    /// renewal on Redis, but not at all on ZooKeeper and etcd, whose lost signal is the
+    /// session's (only `verify` sees it there). Call `verify` when a critical section
     /// ends and before its effects are committed, to learn whether it may have overlapped
     /// another holder's. Costs one read ([`dlock_core::DynBackend::contains`]): of the
     /// entry itself on ZooKeeper and etcd, of the entries up to it on Redis; never of
     /// the waiters queued behind it.
     ///
     /// # Errors
+    /// - [`Error::NotHeld`] if this guard was released (its hold may live on in other
+    ///   guards, but this one no longer holds it);
     /// - [`Error::LockLost`] if the lost signal has fired, or the entry is gone;
     /// - the backend's error if the server could not be asked (the hold is then
     ///   unconfirmed, not known lost).
     pub async fn verify(&self) -> Result<()> {
+        if self.released {
+            return Err(Error::NotHeld(format!(
+                "{} was already released by this guard",
+                self.held.q.lock
+            )));
+        }
         let held = &self.held;
         if let Some(reason) = held.lost_reason() {
             return Err(Error::LockLost(reason));

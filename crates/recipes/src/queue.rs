@@ -9,7 +9,7 @@ use dlock_core::driver::{Decision, Snapshot};
 use dlock_core::{
     DynBackend, Entry, EntryKind, Error, Gone, Position, QueuePath, Result, Ticket, Woken,
 };
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, FutureExt as _, Map, Shared};
 use tokio::time::Instant;
 
 /// How long an acquire may wait.
@@ -65,28 +65,57 @@ pub(crate) async fn within<T>(
     }
 }
 
-/// The tokio runtime a lock was acquired on, kept by whatever may have to clean up in
-/// `Drop`: guards and acquire futures are `Send`, and one dropped on a thread without a
-/// current runtime (a plain `std::thread`, a rayon worker, the last `Arc` let go there)
-/// must still remove its entry. Without it nothing could be spawned, and the entry would
-/// stay for as long as its session lives: the session is kept alive by the backend's own
-/// tasks, so every other contender would wait for the process to end.
-#[derive(Clone, Debug)]
+/// Where the clean-ups a drop leaves behind run: the tokio runtime the client was made on.
+///
+/// Guards and acquire futures are `Send`, and a `Drop` cannot await, so a removal left
+/// by one is spawned as a task. It must run where the client's session is kept alive,
+/// which is not always where the drop happens:
+/// - a plain `std::thread` or a rayon worker has no runtime at all;
+/// - a short-lived runtime (a synchronous wrapper that runs `block_on` on a runtime of
+///   its own per call) is current at the drop but runs no task spawned on it once its
+///   `block_on` returns, and discards them when dropped.
+///
+/// Either way the entry would stay for as long as the session lives (the backend's own
+/// tasks keep the session alive), and every other contender would wait for the process
+/// to end. A client made outside any runtime keeps the runtime its lock was taken on.
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Runtime(Option<tokio::runtime::Handle>);
 
 impl Runtime {
-    /// The runtime of the calling task, if any.
+    /// The runtime of the calling code, if any.
     pub(crate) fn current() -> Self {
         Runtime(tokio::runtime::Handle::try_current().ok())
     }
 
-    /// Where a clean-up from `Drop` runs: the runtime current at the drop if there is one
-    /// (as before), else the one kept. A runtime that has shut down since drops the task
-    /// unrun, as it would any task spawned on it; its backend's connections went with it.
-    pub(crate) fn for_drop(&self) -> Option<tokio::runtime::Handle> {
-        tokio::runtime::Handle::try_current()
-            .ok()
-            .or_else(|| self.0.clone())
+    /// This runtime, or the current one if this is none (a client made outside any
+    /// runtime).
+    pub(crate) fn or_current(&self) -> Self {
+        match self.0 {
+            Some(_) => self.clone(),
+            None => Self::current(),
+        }
+    }
+
+    /// Spawns the task `make` builds on this runtime; if there is none, or it has shut
+    /// down (tokio then drops the task unrun, at once), on the runtime current now.
+    /// False when neither took it.
+    pub(crate) fn spawn<F>(&self, make: impl Fn() -> F) -> bool
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        if let Some(kept) = &self.0 {
+            // A task bound to a runtime that has shut down is cancelled inside `spawn`,
+            // so its handle is finished on return. (A live runtime's worker may also
+            // have run it to the end already: the second attempt is then one more
+            // idempotent removal.)
+            if !kept.spawn(make()).is_finished() {
+                return true;
+            }
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(now) => !now.spawn(make()).is_finished(),
+            Err(_) => false,
+        }
     }
 }
 
@@ -98,18 +127,18 @@ pub(crate) struct AbandonOnDrop<B: DynBackend + ?Sized> {
     q: QueuePath,
     ticket: Ticket,
     armed: bool,
-    /// The runtime the attempt ran on, for a drop where no runtime is current.
+    /// Where a removal left by a drop runs (see [`Runtime`]).
     rt: Runtime,
 }
 
 impl<B: DynBackend + ?Sized> AbandonOnDrop<B> {
-    pub(crate) fn new(backend: Arc<B>, q: QueuePath, ticket: Ticket) -> Self {
+    pub(crate) fn new(backend: Arc<B>, q: QueuePath, ticket: Ticket, rt: Runtime) -> Self {
         AbandonOnDrop {
             backend,
             q,
             ticket,
             armed: true,
-            rt: Runtime::current(),
+            rt,
         }
     }
 
@@ -165,7 +194,7 @@ async fn remove_until_done<F>(
     q: &QueuePath,
     what: &str,
     mut op: F,
-    ended: BoxFuture<'static, Error>,
+    ended: impl std::future::Future<Output = Ending>,
 ) where
     F: FnMut() -> BoxFuture<'static, Result<()>>,
 {
@@ -187,23 +216,24 @@ async fn remove_until_done<F>(
             }
         }
     };
-    // `ended` is the entry's lost signal, which also completes (with `NotHeld`) when this
-    // client released the entry: the removal running here does that with its first
-    // request (Redis settles the entry before it sends anything). That is not the
+    // `ended` is the entry's lost signal, made before the first removal was sent, which
+    // also completes (with `NotHeld`) when this client released the entry: a removal
+    // does that with its first request (Redis settles the entry before it sends
+    // anything). That is not the
     // session's end and must not stop the retries: on Redis a lone entry moved into the
     // queue layout takes a second script to go, and without it the next holder waits
     // for the key to expire.
     let ended = async {
         let e = ended.await;
-        if e.is_lost() {
-            e
+        if e.lost {
+            e.reason
         } else {
             std::future::pending().await
         }
     };
     tokio::select! {
         () = retry => {}
-        e = ended => tracing::debug!(queue = %q, reason = %e, "session ended; its entries go with it"),
+        reason = ended => tracing::debug!(queue = %q, %reason, "session ended; its entries go with it"),
     }
 }
 
@@ -215,41 +245,94 @@ fn spawn_abandon<B: DynBackend + ?Sized>(
     q: QueuePath,
     ticket: Ticket,
 ) {
-    let Some(rt) = rt.for_drop() else {
-        tracing::warn!(queue = %q, "no tokio runtime to remove an abandoned entry; it goes with the session");
-        return;
+    let task = || {
+        let (backend, q, ticket) = (backend.clone(), q.clone(), ticket.clone());
+        async move {
+            // An abandoned attempt has no entry to ask `lost()` about: the retries end on
+            // success, or when the backend says the session is gone or closed.
+            let op = || {
+                let (backend, q, ticket) = (backend.clone(), q.clone(), ticket.clone());
+                Box::pin(async move { backend.abandon(&q, &ticket).await }) as BoxFuture<'static, _>
+            };
+            remove_until_done(&q, "abandon", op, std::future::pending()).await;
+        }
     };
-    rt.spawn(async move {
-        // An abandoned attempt has no entry to ask `lost()` about: the retries end on
-        // success, or when the backend says the session is gone or closed.
-        let op = || {
-            let (backend, q, ticket) = (backend.clone(), q.clone(), ticket.clone());
-            Box::pin(async move { backend.abandon(&q, &ticket).await }) as BoxFuture<'static, _>
+    if !rt.spawn(task) {
+        tracing::warn!(queue = %q, "no tokio runtime to remove an abandoned entry; it goes with the session");
+    }
+}
+
+/// What a hold's lost signal said, in a form every clone of the signal can have.
+#[derive(Clone, Debug)]
+pub(crate) struct Ending {
+    /// [`Error::is_lost`] of the backend's answer: the session (or, on Redis, the
+    /// entry's lease) ended, or the client was closed. False for an entry this client
+    /// released, which ends nothing.
+    pub(crate) lost: bool,
+    /// Why, as a guard reports it.
+    pub(crate) reason: String,
+}
+
+impl Ending {
+    /// What `e`, a lost future's answer, says.
+    pub(crate) fn of(e: Error) -> Ending {
+        let lost = e.is_lost();
+        let reason = match e {
+            Error::LockLost(msg) => msg,
+            other => other.to_string(),
         };
-        remove_until_done(&q, "abandon", op, Box::pin(futures::future::pending())).await;
-    });
+        Ending { lost, reason }
+    }
+}
+
+/// A hold's lost signal, shared by its guards and by the background removal of its
+/// entry: what the backend's lost future said, once it completed. Awaited through
+/// `LockGuard::lost`; never polled to peek (the grant, re-entries and the release ask
+/// [`dlock_core::Backend::lost_now`]: see `Held::lost_reason`).
+///
+/// Made at the grant, not at the first `LockGuard::lost`: a lost future made after the
+/// loss still completes at once, but some backends (Redis) forget the reason with the
+/// entry and would give a generic one, or, once this client's own removal has started,
+/// call the entry lost (see [`spawn_remove`]).
+///
+/// The backend's boxed future mapped in place, not boxed again: one allocation less per
+/// hold.
+pub(crate) type LostSignal = Shared<Map<BoxFuture<'static, Error>, fn(Error) -> Ending>>;
+
+/// `lost`, a backend's lost future, shared.
+pub(crate) fn lost_signal(lost: BoxFuture<'static, Error>) -> LostSignal {
+    lost.map(Ending::of as fn(Error) -> Ending).shared()
 }
 
 /// Background removal of a held entry (a guard dropped without `release`, or a release
 /// that failed), retried while the session lives (see [`remove_until_done`]).
+///
+/// `ended` is the entry's lost signal made before the first removal was sent, which
+/// on Redis is the difference that matters: a removal takes the entry out of the
+/// registry its renewals and lost signals come from before it sends anything, so a
+/// signal made after a failed first removal would find no entry and report it lost,
+/// and the retries would stop at once, leaving the entry on the server, unrenewed,
+/// until its lease runs out.
 pub(crate) fn spawn_remove<B: DynBackend + ?Sized>(
     rt: &Runtime,
     backend: Arc<B>,
     q: QueuePath,
     entry: Entry,
+    ended: LostSignal,
 ) {
-    let Some(rt) = rt.for_drop() else {
-        tracing::warn!(queue = %q, "no tokio runtime to release a dropped guard; the entry goes with the session");
-        return;
+    let task = || {
+        let (backend, q, entry, ended) = (backend.clone(), q.clone(), entry.clone(), ended.clone());
+        async move {
+            let op = || {
+                let (backend, q, entry) = (backend.clone(), q.clone(), entry.clone());
+                Box::pin(async move { backend.remove(&q, &entry).await }) as BoxFuture<'static, _>
+            };
+            remove_until_done(&q, "release", op, ended).await;
+        }
     };
-    rt.spawn(async move {
-        let ended = backend.lost(&q, &entry);
-        let op = || {
-            let (backend, q, entry) = (backend.clone(), q.clone(), entry.clone());
-            Box::pin(async move { backend.remove(&q, &entry).await }) as BoxFuture<'static, _>
-        };
-        remove_until_done(&q, "release", op, ended).await;
-    });
+    if !rt.spawn(task) {
+        tracing::warn!(queue = %q, "no tokio runtime to release a dropped guard; the entry goes with the session");
+    }
 }
 
 /// [`DynBackend::wait_gone_behind`] on owned arguments, so the watch can outlive one
@@ -308,7 +391,8 @@ pub(crate) async fn confirmed<B: DynBackend + ?Sized>(
 ///
 /// On any error (timeout, would-block, lost session) the entry is removed before the
 /// error is returned; if the returned future is dropped, it is removed in the
-/// background.
+/// background, on `rt` (see [`Runtime`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn acquire<B: DynBackend + ?Sized>(
     backend: &Arc<B>,
     q: &QueuePath,
@@ -317,8 +401,9 @@ pub(crate) async fn acquire<B: DynBackend + ?Sized>(
     at: Position<'_>,
     data: &[u8],
     wait: Wait,
+    rt: &Runtime,
 ) -> Result<Entry> {
-    let cleanup = AbandonOnDrop::new(backend.clone(), q.clone(), ticket.clone());
+    let cleanup = AbandonOnDrop::new(backend.clone(), q.clone(), ticket.clone(), rt.clone());
     let attempt = async {
         let enq = backend.enqueue(q, &ticket, kind, at, data).await?;
         let mine = enq.mine;

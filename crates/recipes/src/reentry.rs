@@ -12,7 +12,10 @@
 //! sibling future's `lock()` "re-entered" a hold it had nothing to do with, and two
 //! critical sections ran at once under one fencing token. A scope is entered only by
 //! the future it wraps (and what that future polls), so a sibling waits like any other
-//! contender, and a task that spawns gives the spawned task no scope at all.
+//! contender, and a task that spawns gives the spawned task no scope at all. A scope
+//! also belongs to the task it was set in: another executor polled inside it (a
+//! `LocalSet`'s `run_until` runs its own tasks inside the poll of the future it is
+//! given, where the task-local is set) runs tasks that are not in the scope.
 
 use std::any::Any;
 use std::future::Future;
@@ -72,17 +75,33 @@ tokio::task_local! {
 #[derive(Clone, Default)]
 pub(crate) struct Scope {
     holds: Vec<(HoldKey, Arc<dyn Any + Send + Sync>)>,
+    /// The tokio task whose poll the scope was set in. A task-local is set for the whole
+    /// of one poll, and an executor polled inside it runs other tasks in that poll
+    /// (`LocalSet::run_until` ticks its tasks there): those tasks see the task-local
+    /// too, and must not be taken for code inside the scope.
+    task: Option<tokio::task::Id>,
 }
 
 impl Scope {
-    /// The scope the current code runs in (empty outside every scope).
+    /// The scope the current code runs in (empty outside every scope, and in a task
+    /// other than the one that set the scope).
     pub(crate) fn current() -> Scope {
-        SCOPE.try_with(Clone::clone).unwrap_or_default()
+        SCOPE
+            .try_with(|s| s.ours().then(|| s.clone()))
+            .ok()
+            .flatten()
+            .unwrap_or_default()
     }
 
-    /// This scope plus one more hold.
+    /// Whether the current code runs in the task that set this scope.
+    fn ours(&self) -> bool {
+        self.task == tokio::task::try_id()
+    }
+
+    /// This scope plus one more hold, set in the current task.
     pub(crate) fn with(mut self, key: HoldKey, held: Arc<dyn Any + Send + Sync>) -> Scope {
         self.holds.push((key, held));
+        self.task = tokio::task::try_id();
         self
     }
 
@@ -116,6 +135,9 @@ impl Scope {
     pub(crate) fn find<T: Any + Send + Sync>(key: &HoldKey) -> Option<Arc<T>> {
         SCOPE
             .try_with(|s| {
+                if !s.ours() {
+                    return None;
+                }
                 s.holds
                     .iter()
                     .rev()

@@ -376,10 +376,11 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         key: Option<HoldKey>,
     ) -> Result<std::sync::Arc<Held<B>>> {
         let backend = &self.client.backend;
+        let rt = self.client.cleanup_runtime();
         let max = self.permits().await?;
         if backend.hints().ranked_semaphore {
-            let (q, entry) = self.acquire_ranked(w, max).await?;
-            return Held::grant(backend.clone(), q, entry, key).await;
+            let (q, entry) = self.acquire_ranked(w, max, &rt).await?;
+            return Held::grant(backend.clone(), q, entry, key, rt).await;
         }
         let locks = QueuePath::sub(self.name.clone(), LOCKS);
         let leases = QueuePath::sub(self.name.clone(), LEASES);
@@ -394,17 +395,22 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                 Position::Tail,
                 &self.client.data,
                 w,
+                &rt,
             )
             .await?;
             let mut lost = backend.lost(&locks, &inner);
             let mut inner_guard = RemoveInner {
                 backend: backend.clone(),
                 q: locks.clone(),
+                // Made before any removal of the internal mutex is sent: its background
+                // retries stop only at the session's end (see `queue::spawn_remove`).
+                ended: queue::lost_signal(backend.lost(&locks, &inner)),
                 entry: Some(inner),
-                rt: queue::Runtime::current(),
+                rt: rt.clone(),
             };
             let ticket = self.client.tickets.ticket();
-            let cleanup = AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone());
+            let cleanup =
+                AbandonOnDrop::new(backend.clone(), leases.clone(), ticket.clone(), rt.clone());
             let attempt = async {
                 // While this contender holds the internal mutex nobody else adds a lease, so
                 // the lease set can only shrink: one listing tells whether a permit is free,
@@ -512,7 +518,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             match result {
                 Ok(Some(entry)) => {
                     cleanup.disarm();
-                    return Held::grant(backend.clone(), leases.clone(), entry, key).await;
+                    return Held::grant(backend.clone(), leases.clone(), entry, key, rt).await;
                 }
                 Ok(None) => cleanup.abandon_now().await,
                 Err(e) => {
@@ -528,11 +534,16 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// Takes a permit of a ranked semaphore: adds an entry to `permits` and waits until
     /// fewer than `max` entries are ahead of it. Cancellation-safe as every acquire: on
     /// an error, or when dropped, the entry is removed.
-    async fn acquire_ranked(&self, w: Wait, max: u32) -> Result<(QueuePath, Entry)> {
+    async fn acquire_ranked(
+        &self,
+        w: Wait,
+        max: u32,
+        rt: &queue::Runtime,
+    ) -> Result<(QueuePath, Entry)> {
         let backend = &self.client.backend;
         let q = QueuePath::sub(self.name.clone(), PERMITS);
         let ticket = self.client.tickets.ticket();
-        let cleanup = AbandonOnDrop::new(backend.clone(), q.clone(), ticket.clone());
+        let cleanup = AbandonOnDrop::new(backend.clone(), q.clone(), ticket.clone(), rt.clone());
         let data = permit_data(&self.client.data, max);
         let attempt = async {
             let enq = backend
@@ -644,7 +655,9 @@ struct RemoveInner<B: DynBackend + ?Sized> {
     backend: std::sync::Arc<B>,
     q: QueuePath,
     entry: Option<dlock_core::Entry>,
-    /// For a drop where no runtime is current (see [`queue::Runtime`]).
+    /// The entry's lost signal, made before its first removal was sent.
+    ended: queue::LostSignal,
+    /// Where a removal left by a drop runs (see [`queue::Runtime`]).
     rt: queue::Runtime,
 }
 
@@ -661,7 +674,13 @@ impl<B: DynBackend + ?Sized> RemoveInner<B> {
 impl<B: DynBackend + ?Sized> Drop for RemoveInner<B> {
     fn drop(&mut self) {
         if let Some(e) = self.entry.take() {
-            queue::spawn_remove(&self.rt, self.backend.clone(), self.q.clone(), e);
+            queue::spawn_remove(
+                &self.rt,
+                self.backend.clone(),
+                self.q.clone(),
+                e,
+                self.ended.clone(),
+            );
         }
     }
 }

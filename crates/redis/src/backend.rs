@@ -665,8 +665,8 @@ impl Backend for RedisBackend {
     }
 
     /// As the lost future made now answers at its first poll, from the registry of live
-    /// entries, without a subscription or a boxed future (asked at every grant and
-    /// release).
+    /// entries, without a subscription or a boxed future (the recipes ask it at every
+    /// grant, re-entry and release, and for `is_lost` and `verify`).
     fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error> {
         let key = (
             QueueKeys::queue_key(&self.shared.prefix, q),

@@ -113,6 +113,7 @@ all_backends! {
     mem mutex_excludes_and_tokens_grow => crate::recipes::mutex_excludes_and_tokens_grow,
     mem joined_futures_never_share_a_hold => crate::reentry::joined_futures_never_share_a_hold,
     mem select_branch_waits_for_the_holder => crate::reentry::select_branch_waits_for_the_holder,
+    mem a_local_task_run_inside_a_scope_does_not_reenter => crate::reentry::a_local_task_run_inside_a_scope_does_not_reenter,
     mem moved_guard_leaves_no_reentry_behind => crate::reentry::moved_guard_leaves_no_reentry_behind,
     mem nested_reentry_through_guard_and_scope => crate::reentry::nested_reentry_through_guard_and_scope,
     mem lost_hold_is_never_reentered_or_downgraded => crate::reentry::lost_hold_is_never_reentered_or_downgraded,
@@ -137,6 +138,7 @@ all_backends! {
     mem failed_removals_keep_trying_while_the_session_lives => crate::removal::failed_removals_keep_trying_while_the_session_lives,
     mem a_dropped_guard_hands_the_lock_on_before_its_session_ends => crate::removal::a_dropped_guard_hands_the_lock_on_before_its_session_ends,
     mem entries_dropped_off_the_runtime_still_go => crate::removal::entries_dropped_off_the_runtime_still_go,
+    mem entries_dropped_inside_another_runtime_still_go => crate::removal::entries_dropped_inside_another_runtime_still_go,
     mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
@@ -418,4 +420,9 @@ mod multilock_with_a_part_lost_meanwhile_is_not_granted {
 /// One Redis master: the URL's database is checked by the server.
 mod a_database_the_server_lacks_is_a_url_error {
     backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::a_database_the_server_lacks_is_a_url_error);
+}
+
+/// One Redis master: an ACL user of the test's own refuses the holder's release.
+mod a_release_the_server_refused_is_retried_until_it_goes {
+    backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::a_release_the_server_refused_is_retried_until_it_goes);
 }

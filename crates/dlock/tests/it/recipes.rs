@@ -507,6 +507,17 @@ pub async fn verify_checks_the_entry_on_the_server(kind: Kind, url: &str) {
         "the waiter never queued"
     );
     g.verify().await.expect("verify while held");
+    // A released re-entry no longer holds, though its hold lives on in `g`.
+    let mut again = g.reenter().expect("re-enter");
+    again.release().await.expect("release the re-entry");
+    let e = again
+        .verify()
+        .await
+        .expect_err("verify of a released guard");
+    assert!(matches!(e, Error::NotHeld(_)), "{e:?}");
+    g.verify()
+        .await
+        .expect("verify while still held by the first guard");
 
     let (q, entry) = holder_entry(&a, &name).await;
     assert!(a.backend().contains(&q, &entry).await.expect("contains"));

@@ -125,6 +125,104 @@ pub async fn waiter_whose_entry_key_was_deleted_never_holds(url: &str) {
     b.close().await.expect("close");
 }
 
+/// A release the server refuses is retried in the background until it goes, not left
+/// for the entry's lease to end. Redis takes the entry out of the client's registry of
+/// live entries (its renewals, its lost signal) before it sends the removal, so a retry
+/// that asked for a lost signal only after that first attempt found no entry, took it
+/// for lost and stopped: the key stayed, unrenewed, and every waiter waited for its
+/// lease (60 s here).
+///
+/// The refusal is staged with an ACL user of the holder's own whose key permissions are
+/// taken away just before the release (`NOPERM`, the script never runs) and given back
+/// after it failed; nothing else on the shared server is touched. Once with the entry
+/// alone (the solo layout), once with a waiter queued behind it.
+pub async fn a_release_the_server_refused_is_retried_until_it_goes(
+    _kind: crate::support::Kind,
+    url: &str,
+) {
+    let user = unique("relfail").replace(|c: char| !c.is_ascii_alphanumeric(), "");
+    let addr = url.strip_prefix("redis://").expect("redis://host:port");
+    redis_cli(
+        url,
+        &["ACL", "SETUSER", &user, "on", ">pw", "~*", "&*", "+@all"],
+    );
+    let holder = dlock::connect_with(
+        &format!("redis://{user}:pw@{addr}"),
+        SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
+    )
+    .await
+    .expect("connect as the ACL user");
+    let b = client(url).await;
+    let deny = || {
+        redis_cli(
+            url,
+            &["ACL", "SETUSER", &user, "resetkeys", "~nothing-of-dlock:*"],
+        )
+    };
+    let allow = || redis_cli(url, &["ACL", "SETUSER", &user, "~*"]);
+
+    // Alone.
+    let name = unique("relfail-solo");
+    let mut g = holder
+        .mutex(&name)
+        .expect("name")
+        .lock()
+        .await
+        .expect("lock");
+    deny();
+    let refused = g.release().await;
+    allow();
+    assert!(
+        matches!(refused, Err(Error::PermissionDenied(_))),
+        "the release was refused: {refused:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            leftovers(&b, &name).await == 0
+        })
+        .await,
+        "the refused release of a lone entry was not retried: its key waits for its lease"
+    );
+
+    // With a waiter behind it.
+    let name = unique("relfail-queued");
+    let mut g = holder
+        .mutex(&name)
+        .expect("name")
+        .lock()
+        .await
+        .expect("lock");
+    let mb = b.mutex(&name).expect("name");
+    let waiter = tokio::spawn(async move { mb.lock_timeout(Duration::from_secs(50)).await });
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            leftovers(&b, &name).await == 2
+        })
+        .await,
+        "the waiter queued"
+    );
+    deny();
+    let refused = g.release().await;
+    allow();
+    assert!(
+        matches!(refused, Err(Error::PermissionDenied(_))),
+        "the release was refused: {refused:?}"
+    );
+    let granted = tokio::time::timeout(Duration::from_secs(10), waiter).await;
+    let mut next = granted
+        .expect(
+            "the waiter was granted once the refused release was retried, not at the lease's end",
+        )
+        .expect("join")
+        .expect("lock");
+    next.release().await.expect("release");
+    assert_eq!(leftovers(&b, &name).await, 0, "nothing is left of the lock");
+
+    holder.close().await.expect("close");
+    b.close().await.expect("close");
+    redis_cli(url, &["ACL", "DELUSER", &user]);
+}
+
 /// A client whose session (60 s) is long enough that its watchdog, renewing every
 /// lease/3, does not notice its own entry's loss before the test's waiter does.
 async fn long_session(url: &str) -> dlock::Client {

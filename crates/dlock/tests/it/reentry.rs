@@ -116,6 +116,38 @@ pub async fn select_branch_waits_for_the_holder(_kind: Kind, url: &str) {
     c.close().await.expect("close");
 }
 
+/// A task of a `LocalSet` driven inside a guard's scope is another task: it does not
+/// see the hold and waits like any other contender. `LocalSet::run_until` runs its
+/// tasks inside the poll of the future it is given, where the scope's task-local is
+/// set; the scope is told apart by the task that set it.
+pub async fn a_local_task_run_inside_a_scope_does_not_reenter(_kind: Kind, url: &str) {
+    let name = unique("localset");
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let local = tokio::task::LocalSet::new();
+    let m2 = m.clone();
+    let other = local.spawn_local(async move {
+        m2.lock_timeout(Duration::from_millis(300))
+            .await
+            .map(|g| g.token())
+    });
+    let mut g = m.lock().await.expect("lock");
+    g.scope(local.run_until(tokio::time::sleep(Duration::from_millis(600))))
+        .await;
+    let got = local.run_until(other).await.expect("the local task");
+    assert!(
+        matches!(got, Err(Error::Timeout(_))),
+        "a local task run inside the holder's scope re-entered its hold: {got:?} (holder's token {})",
+        g.token()
+    );
+    g.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "the local task's timed-out attempt left its entry behind"
+    );
+    c.close().await.expect("close");
+}
+
 /// A guard moved to another task takes its hold along: the task that took it can no
 /// longer re-enter, and waits like anyone else.
 pub async fn moved_guard_leaves_no_reentry_behind(_kind: Kind, url: &str) {

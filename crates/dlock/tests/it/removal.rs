@@ -199,3 +199,84 @@ pub async fn entries_dropped_off_the_runtime_still_go(_kind: Kind, url: &str) {
         c.close().await.expect("close");
     }
 }
+
+/// Runs `f` on a thread of its own inside a short-lived current-thread runtime, and
+/// drops that runtime before returning: the shape of a synchronous wrapper that makes a
+/// runtime per call. Such a runtime runs no task spawned on it once its `block_on`
+/// returns, and discards them when it is dropped.
+async fn in_a_short_lived_runtime<T: Send + 'static>(
+    f: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let out = rt.block_on(f);
+        drop(rt);
+        out
+    })
+    .await
+    .expect("the short-lived runtime's thread")
+}
+
+/// Clean-ups run on the runtime the client was made on, where its session is kept
+/// alive, not on whatever runtime is current at the drop: a guard or a waiting acquire
+/// dropped inside a short-lived runtime (one that would discard the removal unrun), or
+/// a guard taken on such a runtime and dropped after it is gone, still hands the lock
+/// on while the session lives.
+pub async fn entries_dropped_inside_another_runtime_still_go(_kind: Kind, url: &str) {
+    let name = unique("otherrt");
+    let long = || {
+        client_with(
+            url,
+            dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
+        )
+    };
+    let (a, c) = (long().await, long().await);
+    let b = client(url).await;
+    let held = a.mutex(&name).expect("n").lock().await.expect("lock");
+
+    let m = c.mutex(&name).expect("n");
+    let mut waiting = Box::pin(async move { m.lock().await });
+    tokio::select! {
+        r = &mut waiting => panic!("the waiter got a held lock: {r:?}"),
+        queued = eventually(WITHIN, || async { leftovers(&b, &name).await == 2 }) => {
+            assert!(queued, "the waiter never queued");
+        }
+    }
+    in_a_short_lived_runtime(async move { drop(waiting) }).await;
+    assert!(
+        eventually(WITHIN, || async { leftovers(&b, &name).await == 1 }).await,
+        "the waiter dropped inside a short-lived runtime left its entry queued"
+    );
+
+    in_a_short_lived_runtime(async move { drop(held) }).await;
+    let mut g = b
+        .mutex(&name)
+        .expect("n")
+        .lock_timeout(WITHIN)
+        .await
+        .expect("the guard dropped inside a short-lived runtime handed the lock on");
+    g.release().await.expect("release");
+    assert_eq!(leftovers(&b, &name).await, 0);
+
+    // Taken on a short-lived runtime, dropped where no runtime is current once that
+    // runtime is gone.
+    let m = a.mutex(&name).expect("n");
+    let taken = in_a_short_lived_runtime(async move { m.lock().await.expect("lock") }).await;
+    std::thread::spawn(move || drop(taken))
+        .join()
+        .expect("drop thread");
+    let mut g = b
+        .mutex(&name)
+        .expect("n")
+        .lock_timeout(WITHIN)
+        .await
+        .expect("a guard taken on a runtime gone since handed the lock on when dropped");
+    g.release().await.expect("release");
+    assert_eq!(leftovers(&b, &name).await, 0);
+    for c in [a, b, c] {
+        c.close().await.expect("close");
+    }
+}
