@@ -53,6 +53,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod deadline;
 pub mod driver;
 pub mod entry;
 pub mod error;
@@ -66,6 +67,7 @@ pub use backend::{
     lost_margin, Backend, Capability, DynBackend, Enqueued, Gone, Hints, ListedQueue, Position,
     SessionOptions, Woken,
 };
+pub use deadline::SharedDeadline;
 pub use driver::{decide, Decision};
 pub use entry::{Entry, EntryKind, Ticket};
 pub use error::{Error, NameError, Result};

@@ -26,6 +26,12 @@ use std::fmt;
 /// semaphore-mutex, write lock) always has a larger token than every earlier one; on one
 /// Redis master only as long as the server's clock does not step back, and on Redlock
 /// not at all (see the module docs).
+///
+/// Read holds are not ordered with the writes around them: a read placed beside its
+/// write by `RwLock::downgrade` takes a new, larger token, while it keeps the write's
+/// place in the queue, so the writer granted after it can hold a smaller token than that
+/// read. Storage that fences readers as well as writers would refuse that writer: fence
+/// with write tokens only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct FencingToken(u64);
 

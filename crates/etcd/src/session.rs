@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::Error;
+use dlock_core::{Error, SharedDeadline};
 use etcd_client::{LeaseClient, LeaseKeepAliveStream, LeaseKeeper};
 use tokio::sync::watch;
 use tokio::time::{sleep, sleep_until, timeout, Instant};
@@ -46,6 +46,10 @@ pub(crate) struct Session {
     id: i64,
     ttl: Duration,
     state: Arc<watch::Sender<State>>,
+    /// When the keep-alive task will declare the session lost unless a renewal is
+    /// acknowledged first: [`Session::lost_now`] reads it, so a loss is known on time
+    /// even where that task has not been run since (a starved runtime).
+    deadline: Arc<SharedDeadline>,
     /// Dropped (or sent `true`) to stop the keep-alive task.
     stop: watch::Sender<bool>,
 }
@@ -77,20 +81,24 @@ impl Session {
         let ttl = Duration::from_secs(u64::try_from(resp.ttl()).unwrap_or(1));
         let state = Arc::new(watch::channel(State::Alive).0);
         let (stop, stop_rx) = watch::channel(false);
+        let deadline = Arc::new(SharedDeadline::unset(granted_at.into_std()));
         let session = Arc::new(Session {
             id,
             ttl,
             state,
+            deadline: deadline.clone(),
             stop,
         });
-        let task = KeepAlive {
+        let mut task = KeepAlive {
             lease,
             id,
             ttl,
             acked_at: granted_at,
             state: session.state.clone(),
+            shared_deadline: deadline,
             stop: stop_rx,
         };
+        task.acked(granted_at);
         let span =
             tracing::debug_span!(parent: None, "etcd.keepalive", lease = format_args!("{id:x}"));
         tokio::spawn(task.run().instrument(span));
@@ -124,9 +132,20 @@ impl Session {
 
     /// What [`Session::lost`] made now would complete with, read directly (its first
     /// poll may answer `Pending` to a task whose tokio budget is spent).
+    ///
+    /// A deadline passed is a loss here even before the keep-alive task has run to
+    /// declare it: on a starved runtime that task can run long after the server
+    /// expired the lease and granted the lock to another client.
     pub(crate) fn lost_now(&self) -> Option<Error> {
-        let state = self.state.borrow();
-        (*state != State::Alive).then(|| state.to_error())
+        {
+            let state = self.state.borrow();
+            if *state != State::Alive {
+                return Some(state.to_error());
+            }
+        }
+        self.deadline
+            .passed(Instant::now().into_std())
+            .then(|| Error::LockLost(past_deadline(self.id, self.ttl)))
     }
 
     /// Completes with the reason once the session is no longer alive.
@@ -163,7 +182,18 @@ struct KeepAlive {
     /// When the last acknowledged keep-alive (or the grant) was sent.
     acked_at: Instant,
     state: Arc<watch::Sender<State>>,
+    /// [`KeepAlive::deadline`], for [`Session::lost_now`].
+    shared_deadline: Arc<SharedDeadline>,
     stop: watch::Receiver<bool>,
+}
+
+/// Why a session whose deadline passed with no renewal acknowledged is lost.
+fn past_deadline(id: i64, ttl: Duration) -> String {
+    format!(
+        "no keep-alive of lease {id:x} was acknowledged within its TTL of {ttl:?} less the \
+         {:?} safety margin",
+        dlock_core::lost_margin(ttl)
+    )
 }
 
 /// Why the keep-alive loop ended.
@@ -177,6 +207,12 @@ enum End {
 }
 
 impl KeepAlive {
+    /// A keep-alive sent at `sent` (or the grant) was acknowledged: the deadline moves.
+    fn acked(&mut self, sent: Instant) {
+        self.acked_at = sent;
+        self.shared_deadline.set(self.deadline().into_std());
+    }
+
     fn interval(&self) -> Duration {
         (self.ttl / 3).max(Duration::from_millis(100))
     }
@@ -230,13 +266,7 @@ impl KeepAlive {
                 Ok(()) => End::Stopped,
                 Err(_) => End::Dropped,
             }),
-            _ = sleep_until(deadline) => Err(End::Lost(format!(
-                "no keep-alive of lease {:x} was acknowledged within its TTL of {:?} less the \
-                 {:?} safety margin",
-                self.id,
-                self.ttl,
-                dlock_core::lost_margin(self.ttl)
-            ))),
+            _ = sleep_until(deadline) => Err(End::Lost(past_deadline(self.id, self.ttl))),
             out = fut => Ok(out),
         }
     }
@@ -264,7 +294,7 @@ impl KeepAlive {
             match opened {
                 Ok((keeper, stream)) => {
                     // Opening the stream sent a keep-alive and read a positive TTL back.
-                    self.acked_at = sent;
+                    self.acked(sent);
                     backoff = Duration::from_millis(50);
                     if let Err(end) = self.renew_on(keeper, stream).await {
                         return end;
@@ -320,7 +350,7 @@ impl KeepAlive {
             }
             let wait = self.answer_wait();
             match self.bounded(timeout(wait, stream.message())).await? {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => self.acked_at = sent,
+                Ok(Ok(Some(r))) if r.ttl() > 0 => self.acked(sent),
                 Ok(Ok(Some(r))) => {
                     return Err(End::Lost(format!(
                         "lease {:x} expired or was revoked (keep-alive ttl {})",

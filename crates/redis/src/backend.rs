@@ -194,15 +194,17 @@ impl RedisBackend {
                 // removed it, so it re-checks.)
                 if s.mode == Mode::Single && listener.heard.load(Ordering::SeqCst) {
                     // Unless the primary that sent it may be the one a failover is
-                    // replacing: then the waiter lists the queue (a script, which waits
-                    // for the failover to be followed).
-                    return Ok(
-                        if listener.head.load(Ordering::SeqCst) && !s.nodes[0].fenced() {
-                            (Gone::Head, listener.next.lock().clone())
-                        } else {
-                            (Gone::Unknown, None)
-                        },
-                    );
+                    // replacing: then the waiter lists the queue (`Vanished`: not a
+                    // grant from its view; the listing is a script, which waits for the
+                    // failover to be followed). The removal the message tells of may
+                    // not be on the primary that follows.
+                    return Ok(if s.nodes[0].fenced() {
+                        (Gone::Vanished, None)
+                    } else if listener.head.load(Ordering::SeqCst) {
+                        (Gone::Head, listener.next.lock().clone())
+                    } else {
+                        (Gone::Unknown, None)
+                    });
                 }
                 let results = s
                     .gather(s.nodes.iter().map(|n| n.pttl_after_subscribe(&key)))
@@ -666,7 +668,8 @@ impl Backend for RedisBackend {
 
     /// As the lost future made now answers at its first poll, from the registry of live
     /// entries, without a subscription or a boxed future (the recipes ask it at every
-    /// grant, re-entry and release, and for `is_lost` and `verify`).
+    /// grant, re-entry and release, and for `is_lost` and `verify`); and an entry past
+    /// its renewal deadline is lost here even before the watchdog has run to say so.
     fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error> {
         let key = (
             QueueKeys::queue_key(&self.shared.prefix, q),
@@ -674,7 +677,14 @@ impl Backend for RedisBackend {
         );
         let fate = match self.shared.live.lock().get(&key) {
             None => None,
-            Some(l) => Some(l.fate.borrow().clone()?),
+            Some(l) => match l.fate.borrow().clone() {
+                Some(f) => Some(f),
+                // Past its deadline, though the watchdog has not run to say so.
+                None if self.shared.overdue(l) => {
+                    return Some(Error::LockLost(self.shared.overdue_reason()))
+                }
+                None => return None,
+            },
         };
         let closed = self.shared.closed.load(Ordering::SeqCst);
         Some(match fate {

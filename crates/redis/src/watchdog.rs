@@ -197,6 +197,22 @@ impl Shared {
                 .saturating_sub(self.drift + dlock_core::lost_margin(self.lease))
     }
 
+    /// Why an entry is lost whose deadline passed with no renewal: [`Shared::overdue`], or
+    /// the watchdog's round that finds it so.
+    pub(crate) fn overdue_reason(&self) -> String {
+        format!(
+            "no successful renewal for a whole lease ({:?}, less drift and the safety margin)",
+            self.lease
+        )
+    }
+
+    /// Whether `live`'s deadline has passed, whether or not the watchdog has run since
+    /// to declare it lost: on a starved runtime it can run long after the server expired
+    /// the key and granted the lock to another client.
+    pub(crate) fn overdue(&self, live: &Live) -> bool {
+        self.deadline_of(live.renewed_at) <= Instant::now()
+    }
+
     /// Fires `lost()` of every entry not renewed for a whole lease (minus drift): past
     /// that point the server may already have expired it. Returns the earliest deadline
     /// still ahead.
@@ -213,14 +229,7 @@ impl Shared {
             }
         }
         for (q, name) in overdue {
-            self.lose(
-                &q,
-                &name,
-                format!(
-                    "no successful renewal for a whole lease ({:?}, less drift and the safety margin)",
-                    self.lease
-                ),
-            );
+            self.lose(&q, &name, self.overdue_reason());
         }
         next
     }

@@ -505,7 +505,7 @@ impl Backend for ZkBackend {
     /// The session's verdict, read directly: a lost future's first poll may answer
     /// `Pending` to a task whose tokio budget is spent, even for a loss already known.
     fn lost_now(&self, _q: &QueuePath, _entry: &Entry) -> Option<Error> {
-        self.shared.health.borrow().error()
+        self.shared.lost_now()
     }
 
     fn read_value(&self, q: &QueuePath) -> impl Future<Output = Result<Option<Vec<u8>>>> + Send {

@@ -123,6 +123,12 @@ pub(crate) fn session_outlasts_follower_detection(t: Duration, conf: &ServerConf
     conf.follower_detection.is_none_or(|d| t >= d * 2)
 }
 
+/// Until when a session of timeout `t` created by a connect request sent at `requested`
+/// is trusted before any `sync` has confirmed it.
+pub(crate) fn first_deadline(t: Duration, requested: Instant) -> Instant {
+    requested + t - margin(t)
+}
+
 /// The leader-side expiry the client can prove, from the send times of completed syncs.
 #[derive(Debug)]
 pub(crate) struct LeaderLease {
@@ -143,7 +149,7 @@ impl LeaderLease {
             t,
             gap,
             confirmed: VecDeque::new(),
-            deadline: requested + t - margin(t),
+            deadline: first_deadline(t, requested),
         }
     }
 
@@ -179,6 +185,12 @@ impl LeaderLease {
     }
 }
 
+/// Why a session is lost whose leader-proven deadline passed.
+pub(crate) const UNCONFIRMED: &str =
+    "no ZooKeeper leader has confirmed the session for too long: it may expire on the \
+     leader within the safety margin (the server answering this client may be cut off \
+     from the leader, or this client's runtime did not run its heartbeat in time)";
+
 /// Sends a `sync` every [`interval`] until the session ends, and declares the session
 /// lost when the leader-proven deadline passes. `requested` is when the connect request
 /// was sent; `states` tells of reconnections.
@@ -190,6 +202,13 @@ pub(crate) async fn run(
     tick: Option<Duration>,
 ) {
     let mut lease = LeaderLease::new(t, pair_gap(t, tick), requested);
+    // The deadline every synchronous look at the session compares the clock with.
+    let publish = |lease: &LeaderLease| {
+        if let Some(s) = shared.upgrade() {
+            s.deadline.set(lease.deadline().into_std());
+        }
+    };
+    publish(&lease);
     let every = interval(t);
     // True if the connection's state changed since the last look (a watch coalesces
     // values, but `changed` still fires for a Disconnected -> SyncConnected round).
@@ -212,15 +231,11 @@ pub(crate) async fn run(
             lease.reconnected();
         } else if let Ok(Ok(())) = answered {
             lease.confirmed(sent);
+            publish(&lease);
         }
         if Instant::now() >= lease.deadline() {
             if let Some(shared) = shared.upgrade() {
-                shared.conclude(Health::Lost(format!(
-                    "no ZooKeeper leader has confirmed the session for too long: it may expire \
-                     on the leader within {:?} (the server answering this client may be cut \
-                     off from the leader)",
-                    margin(t)
-                )));
+                shared.conclude(Health::Lost(UNCONFIRMED.to_owned()));
             }
             return;
         }

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use dlock_core::Error;
+use dlock_core::{Error, SharedDeadline};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -49,6 +49,11 @@ pub(crate) struct Shared {
     /// dropping our handle then does not end it, so what this backend created must be
     /// deleted by hand after a verdict ([`clean_up_after_loss`]).
     pub(crate) borrowed: Option<Borrowed>,
+    /// Until when a leader has been shown to keep the session (the heartbeat's
+    /// [`crate::heartbeat::LeaderLease`]): the heartbeat declares the loss when it runs
+    /// past it, and [`Shared::lost_now`] reads it so that a loss is known on time even
+    /// where the heartbeat has not been run since (a starved runtime).
+    pub(crate) deadline: SharedDeadline,
 }
 
 /// What a backend on a borrowed session keeps to delete its own entries.
@@ -72,7 +77,20 @@ impl Shared {
             client: Mutex::new(Some(Arc::new(client))),
             health: watch::Sender::new(Health::Live),
             borrowed,
+            deadline: SharedDeadline::unset(Instant::now().into_std()),
         }
+    }
+
+    /// What a lost future made now would answer at its first poll: the verdict, or a
+    /// loss once the leader-proven deadline has passed, whether or not the heartbeat has
+    /// run since to conclude it.
+    pub(crate) fn lost_now(&self) -> Option<Error> {
+        if let Some(e) = self.health.borrow().error() {
+            return Some(e);
+        }
+        self.deadline
+            .passed(Instant::now().into_std())
+            .then(|| Error::LockLost(crate::heartbeat::UNCONFIRMED.to_owned()))
     }
 
     /// Notes that an entry with `ticket` may be created (borrowed sessions only).
@@ -133,6 +151,11 @@ pub(crate) async fn remove_tracked(b: &Borrowed) -> Result<usize, zk::Error> {
     if b.tickets.lock().is_empty() {
         return Ok(0);
     }
+    // A create sent on the connection before the verdict may be committed by the
+    // leader but not yet applied by the server this connection reached since: a `sync`
+    // first makes the listing show it (a create from the old connection that the leader
+    // has not taken yet is refused as `SessionMoved`, never applied later).
+    b.client.sync("/").await?;
     let paths = b.client.list_ephemerals("/").await?;
     let mut removed = 0;
     for path in paths {

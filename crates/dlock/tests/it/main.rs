@@ -141,6 +141,7 @@ all_backends! {
     mem entries_dropped_inside_another_runtime_still_go => crate::removal::entries_dropped_inside_another_runtime_still_go,
     mem multilock_rollback_and_order => crate::recipes::multilock_rollback_and_order,
     mem lost_signal_fires_on_session_end => crate::recipes::lost_signal_fires_on_session_end,
+    mem a_starved_runtime_knows_its_session_deadline_passed => crate::recipes::a_starved_runtime_knows_its_session_deadline_passed,
     mem verify_checks_the_entry_on_the_server => crate::recipes::verify_checks_the_entry_on_the_server,
     mem a_waiter_whose_entry_went_is_never_granted => crate::recipes::a_waiter_whose_entry_went_is_never_granted,
     mem health_is_ok_while_live_and_an_error_after_close => crate::recipes::health_is_ok_while_live_and_an_error_after_close,

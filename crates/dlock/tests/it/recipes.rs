@@ -456,6 +456,49 @@ pub async fn multilock_rollback_and_order(_kind: Kind, url: &str) {
     }
 }
 
+/// A holder whose runtime was starved past its session (its only thread blocked in
+/// synchronous code, so the task that keeps the session alive could not run) knows the
+/// hold is lost as soon as it looks, before that task has run to say so: `is_lost()` and
+/// a re-entry compare the clock with the session's deadline (on Redis, the entry's), as
+/// a grant does. Before, they trusted the keeping task's verdict, which comes only once
+/// it runs: the holder went on under a session the server may already have expired.
+pub async fn a_starved_runtime_knows_its_session_deadline_passed(_kind: Kind, url: &str) {
+    let url = url.to_owned();
+    let name = unique("starved");
+    let session = Duration::from_secs(4);
+    let seen = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let seen = rt.block_on(async move {
+            let c = client_with(
+                &url,
+                SessionOptions::default().with_session_timeout(session),
+            )
+            .await;
+            let g = c.mutex(&name).expect("name").lock().await.expect("lock");
+            assert!(!g.is_lost(), "lost as soon as granted");
+            // The runtime's one thread is blocked: nothing of the client runs.
+            std::thread::sleep(session + Duration::from_secs(2));
+            let seen = (g.is_lost(), g.reenter().err());
+            drop(g);
+            let _ = c.close().await;
+            seen
+        });
+        drop(rt);
+        seen
+    })
+    .await
+    .expect("the starved runtime's thread");
+    assert!(seen.0, "is_lost() said false past the session's deadline");
+    assert!(
+        matches!(seen.1, Some(Error::LockLost(_))),
+        "a re-entry past the session's deadline: {:?}",
+        seen.1
+    );
+}
+
 /// Closing a session fires the lost signal of every guard on it, and another session
 /// gets the lock.
 pub async fn lost_signal_fires_on_session_end(_kind: Kind, url: &str) {

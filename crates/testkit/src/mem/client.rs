@@ -8,7 +8,7 @@ use std::time::Duration;
 use dlock_core::backend::lost_margin;
 use dlock_core::{
     Backend, Capability, Enqueued, Entry, EntryKind, Error, Gone, Hints, ListedQueue, NameRules,
-    Position, QueuePath, Result, Ticket,
+    Position, QueuePath, Result, SharedDeadline, Ticket,
 };
 use futures::future::BoxFuture;
 use tokio::sync::{oneshot, watch};
@@ -39,6 +39,10 @@ struct Link {
     server: Arc<MemServer>,
     id: SessionId,
     health: watch::Sender<Health>,
+    /// When the keeper will conclude the session lost unless a heartbeat is
+    /// acknowledged first, read by `lost_now` (as the real adapters do), so that a loss
+    /// is known on time even where the keeper has not been run since.
+    deadline: SharedDeadline,
 }
 
 /// How often a reply held by a partition looks whether the cut healed.
@@ -156,7 +160,15 @@ impl MemBackend {
         connected: Instant,
     ) -> Arc<MemBackend> {
         let (health, _) = watch::channel(Health::Live);
-        let link = Arc::new(Link { server, id, health });
+        let deadline = SharedDeadline::unset(connected.into_std());
+        // Set before the keeper first runs, which a busy runtime may not get to soon.
+        deadline.set(lost_at(connected, timeout).into_std());
+        let link = Arc::new(Link {
+            server,
+            id,
+            health,
+            deadline,
+        });
         tokio::spawn(keep(link.clone(), timeout, connected));
         Arc::new(MemBackend {
             link,
@@ -217,20 +229,35 @@ fn close_session(link: &Link) {
     }
 }
 
+/// When a session whose last acknowledged heartbeat was sent at `acked_sent` is lost:
+/// `lost_margin` before the server may expire it.
+fn lost_at(acked_sent: Instant, timeout: Duration) -> Instant {
+    (acked_sent + timeout)
+        .checked_sub(lost_margin(timeout))
+        .unwrap_or(acked_sent)
+}
+
+/// Why a session is lost whose deadline passed with no heartbeat acknowledged.
+fn unacknowledged(id: SessionId, timeout: Duration) -> String {
+    format!(
+        "no heartbeat of session {id} acknowledged within {:?} of the session timeout \
+         {timeout:?}",
+        timeout.saturating_sub(lost_margin(timeout)),
+    )
+}
+
 /// The session keeper: heartbeats every third of the timeout, and the lost verdict once
 /// `lost_margin` before the server's earliest deadline passes without an acknowledged
 /// heartbeat, counted from when that heartbeat was sent.
 async fn keep(link: Arc<Link>, timeout: Duration, connected: Instant) {
-    let margin = lost_margin(timeout);
     let beat_every = timeout / 3;
     let retry_every = (beat_every / 4).max(Duration::from_millis(1));
     let mut acked_sent = connected;
     let mut next_beat = connected + beat_every;
     let mut in_flight: Option<(Instant, BoxFuture<'static, Result<()>>)> = None;
     loop {
-        let lost_at = (acked_sent + timeout)
-            .checked_sub(margin)
-            .unwrap_or(acked_sent);
+        let lost_at = lost_at(acked_sent, timeout);
+        link.deadline.set(lost_at.into_std());
         let idle = in_flight.is_none();
         let reply = async {
             match in_flight.as_mut() {
@@ -242,12 +269,7 @@ async fn keep(link: Arc<Link>, timeout: Duration, connected: Instant) {
             biased;
             _ = link.ended() => return,
             () = tokio::time::sleep_until(lost_at) => {
-                link.conclude(Health::Lost(format!(
-                    "no heartbeat of session {} acknowledged within {:?} of the session \
-                     timeout {timeout:?}",
-                    link.id,
-                    timeout.saturating_sub(margin),
-                )));
+                link.conclude(Health::Lost(unacknowledged(link.id, timeout)));
                 return;
             }
             result = reply => {
@@ -403,8 +425,16 @@ impl Backend for MemBackend {
     /// The session's health, read directly (a lost future's first poll may answer
     /// `Pending` to a task whose tokio budget is spent).
     fn lost_now(&self, _q: &QueuePath, _entry: &Entry) -> Option<Error> {
-        let health = self.link.health.borrow();
-        (*health != Health::Live).then(|| health.lost_error())
+        {
+            let health = self.link.health.borrow();
+            if *health != Health::Live {
+                return Some(health.lost_error());
+            }
+        }
+        self.link
+            .deadline
+            .passed(Instant::now().into_std())
+            .then(|| Error::LockLost(unacknowledged(self.link.id, self.timeout)))
     }
 
     fn lost(&self, _q: &QueuePath, _entry: &Entry) -> BoxFuture<'static, Error> {
