@@ -153,29 +153,32 @@ pub async fn a_release_the_server_refused_is_retried_until_it_goes(
     .await
     .expect("connect as the ACL user");
     let b = client(url).await;
-    let deny = || {
-        redis_cli(
-            url,
-            &["ACL", "SETUSER", &user, "resetkeys", "~nothing-of-dlock:*"],
-        )
+    // The holder's release, refused: its user loses its keys for it, then gets them back.
+    let release_refused = |mut g: dlock::LockGuard| {
+        let (url, user) = (url.to_owned(), user.clone());
+        async move {
+            redis_cli(
+                &url,
+                &["ACL", "SETUSER", &user, "resetkeys", "~nothing-of-dlock:*"],
+            );
+            let refused = g.release().await;
+            redis_cli(&url, &["ACL", "SETUSER", &user, "~*"]);
+            assert!(
+                matches!(refused, Err(Error::PermissionDenied(_))),
+                "the release was refused: {refused:?}"
+            );
+        }
     };
-    let allow = || redis_cli(url, &["ACL", "SETUSER", &user, "~*"]);
 
     // Alone.
     let name = unique("relfail-solo");
-    let mut g = holder
+    let g = holder
         .mutex(&name)
         .expect("name")
         .lock()
         .await
         .expect("lock");
-    deny();
-    let refused = g.release().await;
-    allow();
-    assert!(
-        matches!(refused, Err(Error::PermissionDenied(_))),
-        "the release was refused: {refused:?}"
-    );
+    release_refused(g).await;
     assert!(
         eventually(Duration::from_secs(10), || async {
             leftovers(&b, &name).await == 0
@@ -186,7 +189,7 @@ pub async fn a_release_the_server_refused_is_retried_until_it_goes(
 
     // With a waiter behind it.
     let name = unique("relfail-queued");
-    let mut g = holder
+    let g = holder
         .mutex(&name)
         .expect("name")
         .lock()
@@ -201,13 +204,7 @@ pub async fn a_release_the_server_refused_is_retried_until_it_goes(
         .await,
         "the waiter queued"
     );
-    deny();
-    let refused = g.release().await;
-    allow();
-    assert!(
-        matches!(refused, Err(Error::PermissionDenied(_))),
-        "the release was refused: {refused:?}"
-    );
+    release_refused(g).await;
     let granted = tokio::time::timeout(Duration::from_secs(10), waiter).await;
     let mut next = granted
         .expect(

@@ -150,14 +150,17 @@ pub async fn a_dropped_guard_hands_the_lock_on_before_its_session_ends(_kind: Ki
     b.close().await.expect("close");
 }
 
-/// A waiting acquire and a held guard dropped on a thread with no tokio runtime (both are
-/// `Send`; a plain `std::thread`, a rayon worker or the last `Arc` let go there) still
-/// remove their entries, on the runtime they were made on, long before their 60 s
-/// sessions would end. Before, the clean-up found no runtime to run on, logged a warning
-/// and gave up, and the entries stayed under sessions the backends kept alive: every
-/// other contender waited for the process to end.
-pub async fn entries_dropped_off_the_runtime_still_go(_kind: Kind, url: &str) {
-    let name = unique("offrt");
+/// A hold on `name` by `a` and a waiter of `c` queued behind it (both clients with 60 s
+/// sessions, so only a removal frees the lock in a test's time), and `b` to look.
+struct HeldAndWaiting {
+    a: dlock::Client,
+    b: dlock::Client,
+    c: dlock::Client,
+    held: dlock::LockGuard,
+    waiting: std::pin::Pin<Box<dyn std::future::Future<Output = Result<dlock::LockGuard>> + Send>>,
+}
+
+async fn held_and_waiting(url: &str, name: &str) -> HeldAndWaiting {
     let long = || {
         client_with(
             url,
@@ -166,16 +169,40 @@ pub async fn entries_dropped_off_the_runtime_still_go(_kind: Kind, url: &str) {
     };
     let (a, c) = (long().await, long().await);
     let b = client(url).await;
-    let held = a.mutex(&name).expect("n").lock().await.expect("lock");
-
-    let m = c.mutex(&name).expect("n");
-    let mut waiting = Box::pin(async move { m.lock().await });
+    let held = a.mutex(name).expect("n").lock().await.expect("lock");
+    let m = c.mutex(name).expect("n");
+    let mut waiting: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> =
+        Box::pin(async move { m.lock().await });
     tokio::select! {
         r = &mut waiting => panic!("the waiter got a held lock: {r:?}"),
-        queued = eventually(WITHIN, || async { leftovers(&b, &name).await == 2 }) => {
+        queued = eventually(WITHIN, || async { leftovers(&b, name).await == 2 }) => {
             assert!(queued, "the waiter never queued");
         }
     }
+    HeldAndWaiting {
+        a,
+        b,
+        c,
+        held,
+        waiting,
+    }
+}
+
+/// A waiting acquire and a held guard dropped on a thread with no tokio runtime (both are
+/// `Send`; a plain `std::thread`, a rayon worker or the last `Arc` let go there) still
+/// remove their entries, on the runtime they were made on, long before their 60 s
+/// sessions would end. Before, the clean-up found no runtime to run on, logged a warning
+/// and gave up, and the entries stayed under sessions the backends kept alive: every
+/// other contender waited for the process to end.
+pub async fn entries_dropped_off_the_runtime_still_go(_kind: Kind, url: &str) {
+    let name = unique("offrt");
+    let HeldAndWaiting {
+        a,
+        b,
+        c,
+        held,
+        waiting,
+    } = held_and_waiting(url, &name).await;
     std::thread::spawn(move || drop(waiting))
         .join()
         .expect("drop thread");
@@ -227,24 +254,13 @@ async fn in_a_short_lived_runtime<T: Send + 'static>(
 /// on while the session lives.
 pub async fn entries_dropped_inside_another_runtime_still_go(_kind: Kind, url: &str) {
     let name = unique("otherrt");
-    let long = || {
-        client_with(
-            url,
-            dlock::SessionOptions::default().with_session_timeout(Duration::from_secs(60)),
-        )
-    };
-    let (a, c) = (long().await, long().await);
-    let b = client(url).await;
-    let held = a.mutex(&name).expect("n").lock().await.expect("lock");
-
-    let m = c.mutex(&name).expect("n");
-    let mut waiting = Box::pin(async move { m.lock().await });
-    tokio::select! {
-        r = &mut waiting => panic!("the waiter got a held lock: {r:?}"),
-        queued = eventually(WITHIN, || async { leftovers(&b, &name).await == 2 }) => {
-            assert!(queued, "the waiter never queued");
-        }
-    }
+    let HeldAndWaiting {
+        a,
+        b,
+        c,
+        held,
+        waiting,
+    } = held_and_waiting(url, &name).await;
     in_a_short_lived_runtime(async move { drop(waiting) }).await;
     assert!(
         eventually(WITHIN, || async { leftovers(&b, &name).await == 1 }).await,
