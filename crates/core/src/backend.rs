@@ -563,9 +563,17 @@ pub trait Backend: Send + Sync + 'static {
     /// `None` while it would wait. The recipes ask it at every grant, re-entry and
     /// release, without keeping a signal.
     ///
-    /// The default polls a fresh [`Backend::lost`] future once, which is exactly that; a
-    /// backend whose registry answers without building the future overrides it, and
-    /// must answer the same (the contract suite checks both agree).
+    /// It must also answer `Some` once the session's (or the entry's) deadline has
+    /// passed, whether or not the task that keeps the session alive has run since to
+    /// declare the loss, and keep answering `Some` after that: on a starved runtime that
+    /// task can run long after the server expired the session (see
+    /// [`crate::SharedDeadline`]). A lost future can only say so once that task runs.
+    ///
+    /// The default polls a fresh [`Backend::lost`] future once: right while the keeping
+    /// task runs on time, not the deadline's part. Every adapter in this repository and
+    /// the in-memory backend override it to read their state directly, and to compare the
+    /// clock with their deadline; the contract suite checks it agrees with a lost future
+    /// while held and after `close`.
     fn lost_now(&self, q: &QueuePath, entry: &Entry) -> Option<Error> {
         futures::FutureExt::now_or_never(self.lost(q, entry))
     }

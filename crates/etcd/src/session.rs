@@ -98,7 +98,9 @@ impl Session {
             shared_deadline: deadline,
             stop: stop_rx,
         };
-        task.acked(granted_at);
+        // The first deadline, before the task first runs (a busy runtime may not get to
+        // it soon); none was set, so it cannot have lapsed.
+        let _ = task.acked(granted_at);
         let span =
             tracing::debug_span!(parent: None, "etcd.keepalive", lease = format_args!("{id:x}"));
         tokio::spawn(task.run().instrument(span));
@@ -207,10 +209,19 @@ enum End {
 }
 
 impl KeepAlive {
-    /// A keep-alive sent at `sent` (or the grant) was acknowledged: the deadline moves.
-    fn acked(&mut self, sent: Instant) {
+    /// A keep-alive sent at `sent` (or the grant) was acknowledged: the deadline moves,
+    /// unless it has passed (a reader may already have been told the session is lost:
+    /// then it is).
+    fn acked(&mut self, sent: Instant) -> Result<(), End> {
         self.acked_at = sent;
-        self.shared_deadline.set(self.deadline().into_std());
+        if self
+            .shared_deadline
+            .extend(self.deadline().into_std(), Instant::now().into_std())
+        {
+            Ok(())
+        } else {
+            Err(End::Lost(past_deadline(self.id, self.ttl)))
+        }
     }
 
     fn interval(&self) -> Duration {
@@ -294,7 +305,9 @@ impl KeepAlive {
             match opened {
                 Ok((keeper, stream)) => {
                     // Opening the stream sent a keep-alive and read a positive TTL back.
-                    self.acked(sent);
+                    if let Err(end) = self.acked(sent) {
+                        return end;
+                    }
                     backoff = Duration::from_millis(50);
                     if let Err(end) = self.renew_on(keeper, stream).await {
                         return end;
@@ -350,7 +363,7 @@ impl KeepAlive {
             }
             let wait = self.answer_wait();
             match self.bounded(timeout(wait, stream.message())).await? {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => self.acked(sent),
+                Ok(Ok(Some(r))) if r.ttl() > 0 => self.acked(sent)?,
                 Ok(Ok(Some(r))) => {
                     return Err(End::Lost(format!(
                         "lease {:x} expired or was revoked (keep-alive ttl {})",

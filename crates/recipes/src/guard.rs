@@ -319,8 +319,11 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
     }
 
     /// True once the client knows this hold is lost: [`LockGuard::lost`] has completed,
-    /// or would complete at its next poll. It asks the backend's own state, so the
-    /// answer holds even while another task is polling `lost()`. Local: no round trip.
+    /// or would complete at its next poll, or the session's deadline has passed (with
+    /// the adapters in this repository: even if the task that keeps the session alive
+    /// has not run since, on a starved runtime, to fire `lost()`). Once true, it stays
+    /// true. It asks the backend's own state, so the answer holds even while another
+    /// task is polling `lost()`. Local: no round trip.
     pub fn is_lost(&self) -> bool {
         self.held.lost_reason().is_some()
     }

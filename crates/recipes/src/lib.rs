@@ -75,9 +75,9 @@
 //!
 //! # Cancel safety
 //! Every acquire is cancel-safe: dropping its future removes its queue entry (in the
-//! background, on the tokio runtime the [`Client`] was made on, or for a client made
-//! outside any runtime the one the acquire ran on). Dropping a guard releases it the
-//! same way.
+//! background, on the tokio runtime the [`Client`] was made on, or if there is none or
+//! it has shut down, the one the acquire ran on). Dropping a guard releases it the same
+//! way.
 //!
 //! # Session loss
 //! Every entry lives as long as its client's session (ZooKeeper session, etcd lease,

@@ -77,43 +77,60 @@ pub(crate) async fn within<T>(
 ///
 /// Either way the entry would stay for as long as the session lives (the backend's own
 /// tasks keep the session alive), and every other contender would wait for the process
-/// to end. A client made outside any runtime keeps the runtime its lock was taken on.
+/// to end. Next in line come the runtime the lock was taken on (for a client made
+/// outside any runtime, or on one that has shut down since), then the one current at
+/// the drop.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Runtime(Option<tokio::runtime::Handle>);
+pub(crate) struct Runtime {
+    /// The client's runtime.
+    home: Option<tokio::runtime::Handle>,
+    /// The runtime the lock was taken on.
+    taken: Option<tokio::runtime::Handle>,
+}
 
 impl Runtime {
-    /// The runtime of the calling code, if any.
+    /// The runtime of the calling code, if any, as a client's.
     pub(crate) fn current() -> Self {
-        Runtime(tokio::runtime::Handle::try_current().ok())
-    }
-
-    /// This runtime, or the current one if this is none (a client made outside any
-    /// runtime).
-    pub(crate) fn or_current(&self) -> Self {
-        match self.0 {
-            Some(_) => self.clone(),
-            None => Self::current(),
+        Runtime {
+            home: tokio::runtime::Handle::try_current().ok(),
+            taken: None,
         }
     }
 
-    /// Spawns the task `make` builds on this runtime; if there is none, or it has shut
-    /// down (tokio then drops the task unrun, at once), on the runtime current now.
-    /// False when neither took it.
+    /// This client's runtime, with the current one (an acquire's) next in line.
+    pub(crate) fn or_current(&self) -> Self {
+        Runtime {
+            home: self.home.clone(),
+            taken: tokio::runtime::Handle::try_current().ok(),
+        }
+    }
+
+    /// Spawns the task `make` builds on the client's runtime; if there is none, or it has
+    /// shut down (tokio then cancels the task inside `spawn`, unrun), on the runtime the
+    /// lock was taken on, then on the one current now. False when none took it.
     pub(crate) fn spawn<F>(&self, make: impl Fn() -> F) -> bool
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
-        if let Some(kept) = &self.0 {
-            // A task bound to a runtime that has shut down is cancelled inside `spawn`,
-            // so its handle is finished on return. (A live runtime's worker may also
-            // have run it to the end already: the second attempt is then one more
-            // idempotent removal.)
-            if !kept.spawn(make()).is_finished() {
+        /// Whether `rt` took the task: a task bound to a runtime that has shut down is
+        /// cancelled before `spawn` returns (one that already ran to its end, on a
+        /// worker of a live runtime, was taken).
+        fn took(
+            rt: &tokio::runtime::Handle,
+            task: impl std::future::Future<Output = ()> + Send + 'static,
+        ) -> bool {
+            !matches!(
+                futures::FutureExt::now_or_never(rt.spawn(task)),
+                Some(Err(e)) if e.is_cancelled()
+            )
+        }
+        for kept in [&self.home, &self.taken].into_iter().flatten() {
+            if took(kept, make()) {
                 return true;
             }
         }
         match tokio::runtime::Handle::try_current() {
-            Ok(now) => !now.spawn(make()).is_finished(),
+            Ok(now) => took(&now, make()),
             Err(_) => false,
         }
     }

@@ -13,9 +13,11 @@
 //! critical sections ran at once under one fencing token. A scope is entered only by
 //! the future it wraps (and what that future polls), so a sibling waits like any other
 //! contender, and a task that spawns gives the spawned task no scope at all. A scope
-//! also belongs to the task it was set in: another executor polled inside it (a
-//! `LocalSet`'s `run_until` runs its own tasks inside the poll of the future it is
-//! given, where the task-local is set) runs tasks that are not in the scope.
+//! also belongs to the tokio task it was set in: a `LocalSet` driven inside it runs its
+//! own tasks inside the poll of the future it is given, where the task-local is set,
+//! and those tasks are not in the scope. (An executor that is not tokio's, run inside a
+//! scope, polls its tasks under the enclosing tokio task's id: they are in the scope, as
+//! `join!`'s futures are. Do not run one inside a scope.)
 
 use std::any::Any;
 use std::future::Future;

@@ -652,6 +652,7 @@ impl Backend for RedisBackend {
             .map(|l| l.fate.subscribe());
         let (_, name) = key;
         let closed = self.shared.closed.load(Ordering::SeqCst);
+        let lease = self.shared.lease;
         Box::pin(async move {
             let Some(mut rx) = rx else {
                 return not_live(closed, &name);
@@ -662,6 +663,17 @@ impl Backend for RedisBackend {
                 .await
                 .ok()
                 .and_then(|f| f.clone());
+            if matches!(fate, None | Some(Fate::Released)) {
+                // Released by this client: nothing renews the entry any more, so its
+                // keys are gone from the server within one lease, removed or not. Until
+                // then the signal says nothing (a release whose removal failed is
+                // retried while it waits: see the recipes' background removal); then it
+                // says the entry is gone, which ends those retries.
+                tokio::time::sleep(lease).await;
+                return Error::LockLost(format!(
+                    "entry {name} was released by this client, and a lease has passed since"
+                ));
+            }
             fate_error(fate.as_ref(), &name)
         })
     }
@@ -675,16 +687,19 @@ impl Backend for RedisBackend {
             QueueKeys::queue_key(&self.shared.prefix, q),
             entry.name.clone(),
         );
-        let fate = match self.shared.live.lock().get(&key) {
+        let fate = match self.shared.live.lock().get_mut(&key) {
             None => None,
-            Some(l) => match l.fate.borrow().clone() {
-                Some(f) => Some(f),
-                // Past its deadline, though the watchdog has not run to say so.
-                None if self.shared.overdue(l) => {
-                    return Some(Error::LockLost(self.shared.overdue_reason()))
+            Some(l) => {
+                let fate = l.fate.borrow().clone();
+                match fate {
+                    Some(f) => Some(f),
+                    // Past its deadline, though the watchdog has not run to say so.
+                    None if self.shared.overdue(l) => {
+                        return Some(Error::LockLost(self.shared.overdue_reason()))
+                    }
+                    None => return None,
                 }
-                None => return None,
-            },
+            }
         };
         let closed = self.shared.closed.load(Ordering::SeqCst);
         Some(match fate {

@@ -75,6 +75,10 @@ pub(crate) struct Live {
     /// When the last renewal that reached a majority was *sent*: the server's expiry is
     /// later than this plus the lease, so a deadline computed from it is conservative.
     renewed_at: Instant,
+    /// Seen past its deadline ([`Shared::overdue`]): lost for good, whatever renewal is
+    /// credited later (one sent before the deadline can be answered after it, and a
+    /// reader already told "lost" must not be told "held" next).
+    lapsed: bool,
     pub(crate) fate: watch::Sender<Option<Fate>>,
 }
 
@@ -104,6 +108,7 @@ impl Shared {
                 ticket,
                 solo,
                 renewed_at: sent_at,
+                lapsed: false,
                 fate: tx,
             },
         );
@@ -209,8 +214,22 @@ impl Shared {
     /// Whether `live`'s deadline has passed, whether or not the watchdog has run since
     /// to declare it lost: on a starved runtime it can run long after the server expired
     /// the key and granted the lock to another client.
-    pub(crate) fn overdue(&self, live: &Live) -> bool {
-        self.deadline_of(live.renewed_at) <= Instant::now()
+    ///
+    /// Once it has said so, it always will: the entry lapses for good.
+    pub(crate) fn overdue(&self, live: &mut Live) -> bool {
+        if !live.lapsed && self.deadline_of(live.renewed_at) <= Instant::now() {
+            live.lapsed = true;
+        }
+        live.lapsed
+    }
+
+    /// Credits `live` with a renewal sent at `sent_at` that a majority (and the asked
+    /// replicas) acknowledged, unless it is already overdue: a renewal answered after
+    /// the deadline does not bring a lapsed entry back.
+    fn credit(&self, live: &mut Live, sent_at: Instant) {
+        if !self.overdue(live) {
+            live.renewed_at = live.renewed_at.max(sent_at);
+        }
     }
 
     /// Fires `lost()` of every entry not renewed for a whole lease (minus drift): past
@@ -222,7 +241,7 @@ impl Shared {
         let mut next: Option<Instant> = None;
         for (k, l) in self.live.lock().iter() {
             let d = self.deadline_of(l.renewed_at);
-            if d <= now {
+            if l.lapsed || d <= now {
                 overdue.push(k.clone());
             } else {
                 next = Some(next.map_or(d, |n| n.min(d)));
@@ -298,7 +317,7 @@ impl Shared {
                             if self.replicas > 0 {
                                 credits.push(key);
                             } else if let Some(l) = self.live.lock().get_mut(&key) {
-                                l.renewed_at = l.renewed_at.max(sent_at);
+                                self.credit(l, sent_at);
                             }
                         }
                     }
@@ -313,7 +332,7 @@ impl Shared {
                     let mut live = self.live.lock();
                     for key in &credits {
                         if let Some(l) = live.get_mut(key) {
-                            l.renewed_at = l.renewed_at.max(sent_at);
+                            self.credit(l, sent_at);
                         }
                     }
                 }

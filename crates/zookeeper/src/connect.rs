@@ -290,9 +290,10 @@ impl ZkBackend {
         let task_states = client.state_watcher();
         let shared = Arc::new(Shared::new(client, borrowed));
         // Set before the heartbeat first runs, which a busy runtime may not get to soon.
-        shared
-            .deadline
-            .set(crate::heartbeat::first_deadline(session_timeout, requested).into_std());
+        shared.deadline.extend(
+            crate::heartbeat::first_deadline(session_timeout, requested).into_std(),
+            tokio::time::Instant::now().into_std(),
+        );
         let task = tokio::spawn(watch_session(
             Arc::downgrade(&shared),
             task_states,

@@ -202,13 +202,14 @@ pub(crate) async fn run(
     tick: Option<Duration>,
 ) {
     let mut lease = LeaderLease::new(t, pair_gap(t, tick), requested);
-    // The deadline every synchronous look at the session compares the clock with.
+    // The deadline every synchronous look at the session compares the clock with, moved
+    // only while it has not passed (a reader may already have been told "lost": false).
     let publish = |lease: &LeaderLease| {
-        if let Some(s) = shared.upgrade() {
-            s.deadline.set(lease.deadline().into_std());
-        }
+        shared.upgrade().is_none_or(|s| {
+            s.deadline
+                .extend(lease.deadline().into_std(), Instant::now().into_std())
+        })
     };
-    publish(&lease);
     let every = interval(t);
     // True if the connection's state changed since the last look (a watch coalesces
     // values, but `changed` still fires for a Disconnected -> SyncConnected round).
@@ -230,10 +231,13 @@ pub(crate) async fn run(
         if moved() {
             lease.reconnected();
         } else if let Ok(Ok(())) = answered {
-            lease.confirmed(sent);
-            publish(&lease);
+            // A sync answered after the deadline proves nothing any more: once passed,
+            // the deadline stays passed (see `SharedDeadline`).
+            if Instant::now() < lease.deadline() {
+                lease.confirmed(sent);
+            }
         }
-        if Instant::now() >= lease.deadline() {
+        if !publish(&lease) || Instant::now() >= lease.deadline() {
             if let Some(shared) = shared.upgrade() {
                 shared.conclude(Health::Lost(UNCONFIRMED.to_owned()));
             }

@@ -460,7 +460,7 @@ pub async fn multilock_rollback_and_order(_kind: Kind, url: &str) {
 /// synchronous code, so the task that keeps the session alive could not run) knows the
 /// hold is lost as soon as it looks, before that task has run to say so: `is_lost()` and
 /// a re-entry compare the clock with the session's deadline (on Redis, the entry's), as
-/// a grant does. Before, they trusted the keeping task's verdict, which comes only once
+/// a grant and a release do, and the loss stays known once the keeping task runs. Before, they trusted the keeping task's verdict, which comes only once
 /// it runs: the holder went on under a session the server may already have expired.
 pub async fn a_starved_runtime_knows_its_session_deadline_passed(_kind: Kind, url: &str) {
     let url = url.to_owned();
@@ -477,14 +477,18 @@ pub async fn a_starved_runtime_knows_its_session_deadline_passed(_kind: Kind, ur
                 SessionOptions::default().with_session_timeout(session),
             )
             .await;
-            let g = c.mutex(&name).expect("name").lock().await.expect("lock");
+            let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");
             assert!(!g.is_lost(), "lost as soon as granted");
             // The runtime's one thread is blocked: nothing of the client runs.
             std::thread::sleep(session + Duration::from_secs(2));
-            let seen = (g.is_lost(), g.reenter().err());
-            drop(g);
+            let (lost, reentry) = (g.is_lost(), g.reenter().err());
+            // And it stays known: the keeping task runs now, and may take a renewal's
+            // late answer; the release still reports the loss.
+            tokio::task::yield_now().await;
+            let still = g.is_lost();
+            let released = g.release().await.err();
             let _ = c.close().await;
-            seen
+            (lost, reentry, still, released)
         });
         drop(rt);
         seen
@@ -496,6 +500,12 @@ pub async fn a_starved_runtime_knows_its_session_deadline_passed(_kind: Kind, ur
         matches!(seen.1, Some(Error::LockLost(_))),
         "a re-entry past the session's deadline: {:?}",
         seen.1
+    );
+    assert!(seen.2, "is_lost() went back to false");
+    assert!(
+        matches!(seen.3, Some(Error::LockLost(_))),
+        "the release past the session's deadline: {:?}",
+        seen.3
     );
 }
 

@@ -162,7 +162,10 @@ impl MemBackend {
         let (health, _) = watch::channel(Health::Live);
         let deadline = SharedDeadline::unset(connected.into_std());
         // Set before the keeper first runs, which a busy runtime may not get to soon.
-        deadline.set(lost_at(connected, timeout).into_std());
+        deadline.extend(
+            lost_at(connected, timeout).into_std(),
+            Instant::now().into_std(),
+        );
         let link = Arc::new(Link {
             server,
             id,
@@ -257,7 +260,15 @@ async fn keep(link: Arc<Link>, timeout: Duration, connected: Instant) {
     let mut in_flight: Option<(Instant, BoxFuture<'static, Result<()>>)> = None;
     loop {
         let lost_at = lost_at(acked_sent, timeout);
-        link.deadline.set(lost_at.into_std());
+        // Moved only while it has not passed: a reader may already have been told the
+        // session is lost, and then it is.
+        if !link
+            .deadline
+            .extend(lost_at.into_std(), Instant::now().into_std())
+        {
+            link.conclude(Health::Lost(unacknowledged(link.id, timeout)));
+            return;
+        }
         let idle = in_flight.is_none();
         let reply = async {
             match in_flight.as_mut() {
