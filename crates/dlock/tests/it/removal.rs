@@ -251,7 +251,8 @@ async fn in_a_short_lived_runtime<T: Send + 'static>(
 /// alive, not on whatever runtime is current at the drop: a guard or a waiting acquire
 /// dropped inside a short-lived runtime (one that would discard the removal unrun), or
 /// a guard taken on such a runtime and dropped after it is gone, still hands the lock
-/// on while the session lives.
+/// on while the session lives; and a client made on a runtime gone since falls back to
+/// the runtime its lock was taken on.
 pub async fn entries_dropped_inside_another_runtime_still_go(_kind: Kind, url: &str) {
     let name = unique("otherrt");
     let HeldAndWaiting {
@@ -292,6 +293,30 @@ pub async fn entries_dropped_inside_another_runtime_still_go(_kind: Kind, url: &
         .expect("a guard taken on a runtime gone since handed the lock on when dropped");
     g.release().await.expect("release");
     assert_eq!(leftovers(&b, &name).await, 0);
+
+    // A client made on a short-lived runtime (gone since), over a backend whose session
+    // lives here: a guard it takes here and drops where no runtime is current is
+    // removed on the runtime the lock was taken on.
+    let backend = a.backend().clone();
+    let made_elsewhere = in_a_short_lived_runtime(async move { dlock::Client::new(backend) }).await;
+    let taken = made_elsewhere
+        .mutex(&name)
+        .expect("n")
+        .lock()
+        .await
+        .expect("lock");
+    std::thread::spawn(move || drop(taken))
+        .join()
+        .expect("drop thread");
+    let mut g = b
+        .mutex(&name)
+        .expect("n")
+        .lock_timeout(WITHIN)
+        .await
+        .expect("a guard of a client made on a runtime gone since handed the lock on when dropped");
+    g.release().await.expect("release");
+    assert_eq!(leftovers(&b, &name).await, 0);
+    drop(made_elsewhere);
     for c in [a, b, c] {
         c.close().await.expect("close");
     }
