@@ -150,6 +150,19 @@ pub async fn a_dropped_guard_hands_the_lock_on_before_its_session_ends(_kind: Ki
     b.close().await.expect("close");
 }
 
+/// `b` gets the lock `name` within [`WITHIN`] (`why` says what should have handed it
+/// on), releases it, and nothing of the lock is left.
+async fn handed_on(b: &dlock::Client, name: &str, why: &str) {
+    let mut g = b
+        .mutex(name)
+        .expect("n")
+        .lock_timeout(WITHIN)
+        .await
+        .unwrap_or_else(|e| panic!("{why}: {e:?}"));
+    g.release().await.expect("release");
+    assert_eq!(leftovers(b, name).await, 0);
+}
+
 /// A hold on `name` by `a` and a waiter of `c` queued behind it (both clients with 60 s
 /// sessions, so only a removal frees the lock in a test's time), and `b` to look.
 struct HeldAndWaiting {
@@ -214,14 +227,12 @@ pub async fn entries_dropped_off_the_runtime_still_go(_kind: Kind, url: &str) {
     std::thread::spawn(move || drop(held))
         .join()
         .expect("drop thread");
-    let mut g = b
-        .mutex(&name)
-        .expect("n")
-        .lock_timeout(WITHIN)
-        .await
-        .expect("the guard dropped off the runtime handed the lock on");
-    g.release().await.expect("release");
-    assert_eq!(leftovers(&b, &name).await, 0);
+    handed_on(
+        &b,
+        &name,
+        "the guard dropped off the runtime handed the lock on",
+    )
+    .await;
     for c in [a, b, c] {
         c.close().await.expect("close");
     }
@@ -269,14 +280,12 @@ pub async fn entries_dropped_inside_another_runtime_still_go(_kind: Kind, url: &
     );
 
     in_a_short_lived_runtime(async move { drop(held) }).await;
-    let mut g = b
-        .mutex(&name)
-        .expect("n")
-        .lock_timeout(WITHIN)
-        .await
-        .expect("the guard dropped inside a short-lived runtime handed the lock on");
-    g.release().await.expect("release");
-    assert_eq!(leftovers(&b, &name).await, 0);
+    handed_on(
+        &b,
+        &name,
+        "the guard dropped inside a short-lived runtime handed the lock on",
+    )
+    .await;
 
     // Taken on a short-lived runtime, dropped where no runtime is current once that
     // runtime is gone.
@@ -285,14 +294,12 @@ pub async fn entries_dropped_inside_another_runtime_still_go(_kind: Kind, url: &
     std::thread::spawn(move || drop(taken))
         .join()
         .expect("drop thread");
-    let mut g = b
-        .mutex(&name)
-        .expect("n")
-        .lock_timeout(WITHIN)
-        .await
-        .expect("a guard taken on a runtime gone since handed the lock on when dropped");
-    g.release().await.expect("release");
-    assert_eq!(leftovers(&b, &name).await, 0);
+    handed_on(
+        &b,
+        &name,
+        "a guard taken on a runtime gone since handed the lock on when dropped",
+    )
+    .await;
 
     // A client made on a short-lived runtime (gone since), over a backend whose session
     // lives here: a guard it takes here and drops where no runtime is current is
@@ -308,14 +315,12 @@ pub async fn entries_dropped_inside_another_runtime_still_go(_kind: Kind, url: &
     std::thread::spawn(move || drop(taken))
         .join()
         .expect("drop thread");
-    let mut g = b
-        .mutex(&name)
-        .expect("n")
-        .lock_timeout(WITHIN)
-        .await
-        .expect("a guard of a client made on a runtime gone since handed the lock on when dropped");
-    g.release().await.expect("release");
-    assert_eq!(leftovers(&b, &name).await, 0);
+    handed_on(
+        &b,
+        &name,
+        "a guard of a client made on a runtime gone since handed the lock on when dropped",
+    )
+    .await;
     drop(made_elsewhere);
     for c in [a, b, c] {
         c.close().await.expect("close");
