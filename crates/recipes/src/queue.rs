@@ -233,13 +233,13 @@ async fn remove_until_done<F>(
             }
         }
     };
-    // `ended` is the entry's lost signal, made before the first removal was sent, which
-    // also completes (with `NotHeld`) when this client released the entry: a removal
-    // does that with its first request (Redis settles the entry before it sends
-    // anything). That is not the
-    // session's end and must not stop the retries: on Redis a lone entry moved into the
-    // queue layout takes a second script to go, and without it the next holder waits
-    // for the key to expire.
+    // `ended` is the entry's lost signal, made before the first removal was sent. On
+    // ZooKeeper, etcd and the in-memory backend it is the session's. On Redis it is the
+    // entry's: a removal takes the entry out of the registry with its first request,
+    // and the signal then completes one lease later (the unrenewed key is gone by then),
+    // with `LockLost`, which ends the retries; anything that is not a loss (`NotHeld`)
+    // must not end them: on Redis a lone entry moved into the queue layout takes a
+    // second script to go, and without it the next holder waits for the key to expire.
     let ended = async {
         let e = ended.await;
         if e.lost {
