@@ -10,13 +10,21 @@
 //! holds when the command exits by itself: whatever it left running in its group (`sh -c
 //! 'job &'`) is stopped before dlock releases the lock, so no process of the group runs
 //! after the release.
+//!
+//! Two more things follow from the group of its own. A stopped process keeps a signal
+//! pending until it is continued, so every signal dlock sends the group is followed by
+//! SIGCONT (a command stopped by SIGTTIN would otherwise never see the SIGTERM, and dlock
+//! would wait for it forever). And the terminal's job control reaches only dlock's group:
+//! on Ctrl-Z dlock stops the command's group before it stops itself, and once continued
+//! lets the group go on only if the hold was not lost while dlock was stopped (killed
+//! with SIGKILL otherwise, without running again: the next holder may already be in).
 
 use std::time::Duration;
 
 use dlock::Error;
 
 use crate::out::say;
-use crate::signals::Signals;
+use crate::signals::{self, Signals};
 
 /// How the child ended.
 pub(crate) enum Outcome {
@@ -25,19 +33,23 @@ pub(crate) enum Outcome {
     SpawnFailed(u8, String),
 }
 
-/// How a command is run: its argv, its extra environment, and how long its process group
-/// has between SIGTERM and SIGKILL.
+/// How a command is run: its argv, its extra environment, how long its process group
+/// has between SIGTERM and SIGKILL, and how to ask whether the hold is lost right now
+/// (the guard's `is_lost`, which also reads the session's deadline: the lost signal of a
+/// process that was stopped fires only once the task keeping the session has run).
 pub(crate) struct Run<'a> {
     pub(crate) cmd: &'a [String],
     pub(crate) env: &'a [(&'a str, String)],
     pub(crate) kill_after: Duration,
+    pub(crate) is_lost: &'a dyn Fn() -> bool,
 }
 
 /// Runs the command until it exits, then stops whatever it left running in its group;
 /// stops its group on `lost`; passes SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to dlock
-/// (`signals`) on to its group; and sends its group SIGTERM once when `stop` fires (a
-/// revocation request). Returns only when no process of the group runs any more, or
-/// SIGKILL was sent to what was left of it.
+/// (`signals`) on to its group; stops its group with dlock on a job-control stop (see the
+/// module's docs); and sends its group SIGTERM once when `stop` fires (a revocation
+/// request). Returns only when no process of the group runs any more, or SIGKILL was
+/// sent to what was left of it.
 pub(crate) async fn run(
     run: &Run<'_>,
     lost: impl std::future::Future<Output = Error>,
@@ -54,9 +66,19 @@ pub(crate) async fn run(
         say!("dlock: {e}; the command was not started");
         return Outcome::Lost(e);
     }
+    if (run.is_lost)() {
+        let e = Error::LockLost("the session's deadline passed before the command started".into());
+        say!("dlock: {e}; the command was not started");
+        return Outcome::Lost(e);
+    }
     let mut command = tokio::process::Command::new(prog);
     // A group of its own (pgid = its pid), so that signals reach every process it starts.
     command.args(args).kill_on_drop(true).process_group(0);
+    // SAFETY: the hook only calls signal(2), which is async-signal-safe, in the child.
+    #[allow(unsafe_code)]
+    unsafe {
+        command.pre_exec(signals::restore_in_child);
+    }
     for (k, v) in run.env {
         command.env(k, v);
     }
@@ -86,6 +108,27 @@ pub(crate) async fn run(
                     signal_group(group, libc::SIGTERM);
                 }
             }
+            n = signals.recv() => {
+                if !signals::is_stop(n) {
+                    signal_group(group, n);
+                    continue;
+                }
+                // Ctrl-Z: the group first, so that nothing of it runs while dlock, stopped,
+                // renews nothing; then dlock itself, as the shell expects of its job.
+                signal_cont(group, libc::SIGSTOP);
+                signals::stop_self();
+                // Continued. The session may have ended meanwhile, and another holder
+                // started: then the group must not run again, not even for a SIGTERM grace.
+                if (run.is_lost)() {
+                    let e = futures::FutureExt::now_or_never(lost.as_mut()).unwrap_or_else(|| {
+                        Error::LockLost("the session ended while dlock was stopped".into())
+                    });
+                    say!("dlock: {e}; killing the stopped command");
+                    kill(&mut child, group).await;
+                    return Outcome::Lost(e);
+                }
+                signal_cont(group, libc::SIGCONT);
+            }
             status = child.wait() => {
                 let code = match status {
                     Ok(s) => status_code(s),
@@ -103,7 +146,6 @@ pub(crate) async fn run(
                 terminate(&mut child, group, run.kill_after).await;
                 return Outcome::Lost(e);
             }
-            n = signals.recv() => signal_group(group, n),
         }
     }
 }
@@ -132,20 +174,37 @@ async fn terminate(child: &mut tokio::process::Child, group: Option<u32>, grace:
             return;
         }
         if tokio::time::Instant::now() >= deadline {
-            signal_group(group, libc::SIGKILL);
-            let _ = child.wait().await;
-            let settle = tokio::time::Instant::now() + KILL_SETTLE;
-            while group_alive(group) && tokio::time::Instant::now() < settle {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            kill(child, group).await;
             return;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// Sends `sig` to every process of the command's group.
+/// SIGKILL to the whole group, the command reaped, and a wait of at most [`KILL_SETTLE`]
+/// for the rest of the group to be gone.
+async fn kill(child: &mut tokio::process::Child, group: Option<u32>) {
+    signal_cont(group, libc::SIGKILL);
+    let _ = child.wait().await;
+    let settle = tokio::time::Instant::now() + KILL_SETTLE;
+    while group_alive(group) && tokio::time::Instant::now() < settle {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends `sig` to every process of the command's group, then SIGCONT: a stopped process
+/// (a command that read the terminal and got SIGTTIN, or one stopped from outside) keeps
+/// a signal pending until it is continued, and dlock would wait for it without end.
 fn signal_group(group: Option<u32>, sig: libc::c_int) {
+    signal_cont(group, sig);
+    if sig != libc::SIGCONT {
+        signal_cont(group, libc::SIGCONT);
+    }
+}
+
+/// Sends `sig` alone to every process of the command's group (SIGKILL and SIGSTOP need
+/// no SIGCONT after them; SIGCONT is the continuation itself).
+fn signal_cont(group: Option<u32>, sig: libc::c_int) {
     if let Some(pgid) = group.and_then(|g| libc::pid_t::try_from(g).ok()) {
         kill_group(pgid, sig);
     }
@@ -194,8 +253,30 @@ mod tests {
             cmd: &cmd,
             env: &[],
             kill_after: Duration::from_secs(1),
+            is_lost: &|| false,
         };
         let lost = std::future::ready(Error::LockLost("the session expired".into()));
+        match run(&r, lost, None, &mut Signals::install()).await {
+            Outcome::Lost(e) => assert!(e.is_lost(), "{e:?}"),
+            Outcome::Exited(code) => panic!("the command ran and exited {code}"),
+            Outcome::SpawnFailed(code, why) => {
+                panic!("the command was started on a lost lock: {code} {why}")
+            }
+        }
+    }
+
+    /// A hold whose session deadline passed while its lost signal has not fired yet (the
+    /// task that fires it has not run): the command is not started either.
+    #[tokio::test]
+    async fn a_hold_past_its_deadline_runs_nothing() {
+        let cmd = vec!["/nonexistent/dlock-test-command".to_owned()];
+        let r = Run {
+            cmd: &cmd,
+            env: &[],
+            kill_after: Duration::from_secs(1),
+            is_lost: &|| true,
+        };
+        let lost = std::future::pending::<Error>();
         match run(&r, lost, None, &mut Signals::install()).await {
             Outcome::Lost(e) => assert!(e.is_lost(), "{e:?}"),
             Outcome::Exited(code) => panic!("the command ran and exited {code}"),

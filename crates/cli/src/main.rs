@@ -46,9 +46,11 @@ struct Cli {
     connect_timeout: Duration,
 
     /// When the lock is lost under the command: how long its process group (the command
-    /// and everything it started) has between SIGTERM and SIGKILL.
-    #[arg(long, global = true, value_parser = parse_duration, default_value = "5s")]
-    kill_after: Duration,
+    /// and everything it started) has between SIGTERM and SIGKILL. Default: half the lost
+    /// signal's lead on the next holder (max(10% of the session timeout, 100ms) / 2), at
+    /// most 5s; a longer one lets a command that outlives SIGTERM overlap the next holder.
+    #[arg(long, global = true, value_parser = parse_duration)]
+    kill_after: Option<Duration>,
 
     #[command(subcommand)]
     command: Command,
@@ -311,17 +313,47 @@ async fn run_inner(cli: Cli) -> Result<u8, Error> {
     // Validate everything we can before any round trip.
     dlock::BackendUrl::parse(&url)?;
     let client = dlock::connect_with(&url, opts).await?;
+    let kill_after = kill_after(cli.kill_after, client.session_timeout(), &cli.command);
     let code = match cli.command {
-        Command::Exec(a) => exec(&client, a, cli.kill_after).await,
-        Command::Multi(a) => multi(&client, a, cli.kill_after).await,
+        Command::Exec(a) => exec(&client, a, kill_after).await,
+        Command::Multi(a) => multi(&client, a, kill_after).await,
         Command::Status(a) => status(&client, a).await,
         Command::List(a) => list(&client, a).await,
         Command::Revoke(a) => revoke(&client, a).await,
-        Command::Elect(a) => elect(&client, a, cli.kill_after).await,
+        Command::Elect(a) => elect(&client, a, kill_after).await,
         Command::Leader(a) => leader(&client, a).await,
     };
     let _ = client.close().await;
     code
+}
+
+/// The longest default grace between SIGTERM and SIGKILL.
+const MAX_DEFAULT_KILL_AFTER: Duration = Duration::from_secs(5);
+
+/// The grace between SIGTERM and SIGKILL: `--kill-after`, or half the lead the lost signal
+/// has on the next holder ([`dlock::lost_margin`] of the session: no backend fires it
+/// later), at most [`MAX_DEFAULT_KILL_AFTER`]. The other half is for dlock to notice and
+/// for the kernel to tear the group down. A `--kill-after` longer than the whole lead
+/// is the user's to set, with a warning for the commands that run one: the group can
+/// then run beside the next holder for the difference.
+fn kill_after(given: Option<Duration>, session: Duration, command: &Command) -> Duration {
+    let lead = dlock::lost_margin(session);
+    let Some(given) = given else {
+        return (lead / 2).min(MAX_DEFAULT_KILL_AFTER);
+    };
+    if given > lead
+        && matches!(
+            command,
+            Command::Exec(_) | Command::Multi(_) | Command::Elect(_)
+        )
+    {
+        say!(
+            "dlock: warning: --kill-after {} is longer than the lost signal's lead on the next holder ({}): a command that outlives SIGTERM can run beside the next holder for the difference",
+            humantime::format_duration(given),
+            humantime::format_duration(lead)
+        );
+    }
+    given
 }
 
 async fn exec(client: &Client, a: ExecArgs, kill_after: Duration) -> Result<u8, Error> {
@@ -339,10 +371,12 @@ async fn exec(client: &Client, a: ExecArgs, kill_after: Duration) -> Result<u8, 
     let token = guard.token().to_string();
     let lost = guard.lost();
     let env = [("DLOCK_TOKEN", token), ("DLOCK_NAME", name.to_string())];
+    let is_lost = || guard.is_lost();
     let run = Run {
         cmd: &a.cmd,
         env: &env,
         kill_after,
+        is_lost: &is_lost,
     };
     let outcome = child::run(&run, lost, None, &mut signals).await;
     let verified = confirm(&outcome, guard.verify()).await;
@@ -421,10 +455,12 @@ async fn exec_revocable(
     let lost = guard.lost();
     let revoked = guard.revoke_requested();
     let env = [("DLOCK_TOKEN", token), ("DLOCK_NAME", name.to_string())];
+    let is_lost = || guard.is_lost();
     let run = Run {
         cmd: &a.cmd,
         env: &env,
         kill_after,
+        is_lost: &is_lost,
     };
     let outcome = run_child_revocable(&run, lost, revoked, &mut signals).await;
     let verified = confirm(&outcome, guard.verify()).await;
@@ -499,10 +535,12 @@ async fn multi(client: &Client, a: MultiArgs, kill_after: Duration) -> Result<u8
         .join(",");
     let lost = guard.lost();
     let env = [("DLOCK_TOKEN", tokens), ("DLOCK_NAME", names)];
+    let is_lost = || guard.is_lost();
     let run = Run {
         cmd: &a.cmd,
         env: &env,
         kill_after,
+        is_lost: &is_lost,
     };
     let outcome = child::run(&run, lost, None, &mut signals).await;
     let verified = confirm(&outcome, guard.verify()).await;
@@ -587,10 +625,12 @@ async fn elect(client: &Client, a: ElectArgs, kill_after: Duration) -> Result<u8
         ("DLOCK_TERM", term),
         ("DLOCK_VALUE", a.value.clone()),
     ];
+    let is_lost = || leadership.is_lost();
     let run = Run {
         cmd: &a.cmd,
         env: &env,
         kill_after,
+        is_lost: &is_lost,
     };
     let outcome = child::run(&run, lost, None, &mut signals).await;
     let verified = confirm(&outcome, leadership.verify()).await;
@@ -760,4 +800,35 @@ async fn status(client: &Client, a: StatusArgs) -> Result<u8, Error> {
     } else {
         STATUS_FREE
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exec_command() -> Command {
+        Cli::try_parse_from(["dlock", "exec", "name", "--", "true"])
+            .expect("exec args")
+            .command
+    }
+
+    /// The default grace is half the lost signal's lead on the next holder (the core's
+    /// `lost_margin`, max(10 % of the session, 100 ms)), at most 5 s; a grace given is kept.
+    #[test]
+    fn the_default_grace_is_half_the_lost_signals_lead() {
+        let exec = exec_command();
+        let s = Duration::from_secs;
+        assert_eq!(kill_after(None, s(10), &exec), Duration::from_millis(500));
+        assert_eq!(kill_after(None, s(30), &exec), Duration::from_millis(1500));
+        assert_eq!(kill_after(None, s(2), &exec), Duration::from_millis(100));
+        assert_eq!(
+            kill_after(None, Duration::from_millis(500), &exec),
+            Duration::from_millis(50)
+        );
+        assert_eq!(kill_after(None, s(3600), &exec), s(5));
+        for session in [s(2), s(10), s(60), s(3600)] {
+            assert!(kill_after(None, session, &exec) < dlock::lost_margin(session));
+        }
+        assert_eq!(kill_after(Some(s(20)), s(10), &exec), s(20));
+    }
 }

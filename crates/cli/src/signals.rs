@@ -8,28 +8,44 @@
 //! while waiting ends the wait (the entry is removed, nothing runs, exit 128 + N), and one
 //! that comes while the command runs is passed on to the command's group (see
 //! [`crate::child`]). SIGKILL cannot be caught: see docs/cli.md.
+//!
+//! Job control needs the same care. Left alone, Ctrl-Z (SIGTSTP) stops dlock but not the
+//! command, which is not in the terminal's foreground group: dlock stops renewing its
+//! session while the command runs on, and once the session ends another holder starts
+//! beside it. So dlock takes SIGTSTP and SIGTTIN too ([`is_stop`]): while it waits it
+//! simply stops itself ([`stop_self`]), as the default action would; while the command
+//! runs it first stops the command's group, and once continued it lets the group go on
+//! only if the hold was not lost meanwhile ([`crate::child`]). SIGTTOU, which a terminal
+//! with `tostop` sends to a background process that writes to it, is ignored: a handler
+//! would make the write restart and raise it again without end, and dlock's few lines on
+//! stderr are no reason to stop renewing. The command gets both back at their defaults
+//! ([`restore_in_child`]).
 
 use std::future::Future;
 use std::task::Poll;
 
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-/// The four signals, each as a stream; the process no longer dies of them once this
-/// exists (tokio keeps its handlers for the life of the process).
+/// The four signals and the two job-control stops, each as a stream; the process no
+/// longer dies of (or stops on) them once this exists (tokio keeps its handlers for the
+/// life of the process).
 pub(crate) struct Signals {
     streams: Vec<(libc::c_int, Signal)>,
 }
 
 impl Signals {
-    /// Takes SIGTERM, SIGINT, SIGHUP and SIGQUIT. A signal whose handler cannot be
-    /// installed keeps its default action (reported at debug level): dlock then behaves
-    /// for it as it did without this.
+    /// Takes SIGTERM, SIGINT, SIGHUP and SIGQUIT, and SIGTSTP and SIGTTIN ([`is_stop`]),
+    /// and ignores SIGTTOU. A signal whose handler cannot be installed keeps its default
+    /// action (reported at debug level): dlock then behaves for it as it did without this.
     pub(crate) fn install() -> Signals {
+        ignore_ttou();
         let kinds = [
             (libc::SIGTERM, SignalKind::terminate()),
             (libc::SIGINT, SignalKind::interrupt()),
             (libc::SIGHUP, SignalKind::hangup()),
             (libc::SIGQUIT, SignalKind::quit()),
+            (libc::SIGTSTP, SignalKind::from_raw(libc::SIGTSTP)),
+            (libc::SIGTTIN, SignalKind::from_raw(libc::SIGTTIN)),
         ];
         let streams = kinds
             .into_iter()
@@ -44,7 +60,7 @@ impl Signals {
         Signals { streams }
     }
 
-    /// The next of the four signals to arrive (its number); pending forever if none does.
+    /// The next of the six signals to arrive (its number); pending forever if none does.
     pub(crate) async fn recv(&mut self) -> libc::c_int {
         std::future::poll_fn(|cx| {
             for (n, s) in &mut self.streams {
@@ -57,18 +73,70 @@ impl Signals {
         .await
     }
 
-    /// Runs `wait` until it ends or a signal arrives; on a signal `wait` is dropped
-    /// (an acquire's entry is then removed: the recipes' cancellation safety) and the
-    /// signal's number returned.
+    /// Runs `wait` until it ends or one of the four ending signals arrives; on one,
+    /// `wait` is dropped (an acquire's entry is then removed: the recipes' cancellation
+    /// safety) and the signal's number returned. A job-control stop ([`is_stop`]) stops
+    /// dlock where it is, as the default action would have, and the wait goes on once
+    /// it is continued: nothing runs under a lock yet, so there is nothing to stop first.
     pub(crate) async fn or_signal<T>(
         &mut self,
         wait: impl Future<Output = T>,
     ) -> Result<T, libc::c_int> {
-        tokio::select! {
-            v = wait => Ok(v),
-            n = self.recv() => Err(n),
+        tokio::pin!(wait);
+        loop {
+            tokio::select! {
+                v = &mut wait => return Ok(v),
+                n = self.recv() => {
+                    if is_stop(n) {
+                        stop_self();
+                    } else {
+                        return Err(n);
+                    }
+                }
+            }
         }
     }
+}
+
+/// True for the job-control stops dlock takes (SIGTSTP: Ctrl-Z or `kill -TSTP`;
+/// SIGTTIN): their default action would stop dlock alone, leaving the command running
+/// while nothing renews the session.
+pub(crate) fn is_stop(n: libc::c_int) -> bool {
+    n == libc::SIGTSTP || n == libc::SIGTTIN
+}
+
+/// Stops the whole dlock process with SIGSTOP (which cannot be caught), as a job-control
+/// stop's default action does: the shell sees the job stopped and `fg` or `bg` (SIGCONT)
+/// continues it. Returns once dlock is continued.
+#[allow(unsafe_code)]
+pub(crate) fn stop_self() {
+    // SAFETY: getpid(2) and kill(2) take and return plain integers; SIGSTOP stops every
+    // thread of the process until a SIGCONT, after which this call returns.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGSTOP);
+    }
+}
+
+/// Sets SIGTTOU to be ignored (see the module's docs). Failing leaves its default.
+#[allow(unsafe_code)]
+fn ignore_ttou() {
+    // SAFETY: signal(2) with SIG_IGN installs no handler code; nothing else in dlock
+    // sets a disposition for SIGTTOU.
+    unsafe {
+        libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+    }
+}
+
+/// Gives the command SIGTTOU back at its default, which dlock ignores (an ignored signal
+/// stays ignored across exec; the caught ones are reset by exec itself). Called in the
+/// forked child before exec, so it only makes an async-signal-safe call.
+#[allow(unsafe_code)]
+pub(crate) fn restore_in_child() -> std::io::Result<()> {
+    // SAFETY: signal(2) is async-signal-safe and touches only this (child) process.
+    unsafe {
+        libc::signal(libc::SIGTTOU, libc::SIG_DFL);
+    }
+    Ok(())
 }
 
 /// The exit code of a wait ended by signal `n`: 128 + n, as a shell reports a process
@@ -84,6 +152,8 @@ pub(crate) fn name(n: libc::c_int) -> &'static str {
         libc::SIGINT => "SIGINT",
         libc::SIGHUP => "SIGHUP",
         libc::SIGQUIT => "SIGQUIT",
+        libc::SIGTSTP => "SIGTSTP",
+        libc::SIGTTIN => "SIGTTIN",
         _ => "a signal",
     }
 }

@@ -76,12 +76,12 @@ mod url;
 
 use std::sync::Arc;
 
+pub use dlock_core::{lost_margin, Credentials, Secret, TlsOptions};
 #[doc(inline)]
 pub use dlock_core::{
     Backend, Capability, DynBackend, Entry, EntryKind, Error, FenceGate, FencingToken, LockName,
     NameError, Result, SessionOptions,
 };
-pub use dlock_core::{Credentials, Secret, TlsOptions};
 pub use dlock_recipes::{
     semaphore, Election, Leader, Leadership, LockGuard, LockKind, LockSummary, MultiGuard,
     MultiLock, Part, Participant, RevocableGuard, Semaphore, SemaphoreMutex, TicketSource,

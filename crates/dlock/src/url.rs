@@ -307,18 +307,36 @@ impl BackendUrl {
     }
 
     /// `text` (an error message, say) with every URL in it redacted ([`Self::redact`]):
-    /// each whitespace-separated word that contains `://` or `@`, quotes around it kept.
+    /// each space-separated word that contains `://` or `@`, quotes around it kept. A
+    /// password with a space in it splits its URL into several words: a word with `://`
+    /// and no `@` is taken together with the words up to the next one with an `@` (when
+    /// no other `://` comes first), so no part of the password is shown; text that only
+    /// looks like that is hidden generously.
     pub fn redact_in(text: &str) -> String {
-        text.split(' ')
-            .map(|word| {
-                if !(word.contains("://") || word.contains('@')) {
-                    return word.to_owned();
+        let words: Vec<&str> = text.split(' ').collect();
+        let mut out = Vec::with_capacity(words.len());
+        let mut i = 0;
+        while i < words.len() {
+            let mut j = i;
+            if words[i].contains("://") && !words[i].contains('@') {
+                if let Some(k) = words[i + 1..]
+                    .iter()
+                    .take_while(|w| !w.contains("://"))
+                    .position(|w| w.contains('@'))
+                {
+                    j = i + 1 + k;
                 }
+            }
+            let word = words[i..=j].join(" ");
+            if word.contains("://") || word.contains('@') {
                 let inner = word.trim_matches(|c| matches!(c, '\'' | '"' | ',' | ':' | '`'));
-                word.replacen(inner, &Self::redact(inner), 1)
-            })
-            .collect::<Vec<_>>()
-            .join(" ")
+                out.push(word.replacen(inner, &Self::redact(inner), 1));
+            } else {
+                out.push(word);
+            }
+            i = j + 1;
+        }
+        out.join(" ")
     }
 }
 
@@ -758,6 +776,12 @@ mod tests {
             "a value \"zk://u:***@a:1/c\" for --url: bad, x"
         );
         assert_eq!(BackendUrl::redact_in("no url here"), "no url here");
+        // A password with a space: no part of it shows.
+        let shown = BackendUrl::redact_in("a value 'redis://:pa ss@h:1' for --url, and x@y");
+        assert!(!shown.contains("pa") && !shown.contains("ss@"), "{shown}");
+        assert_eq!(shown, "a value 'redis://:***@h:1' for --url, and ***@y");
+        let shown = BackendUrl::redact_in("'etcd://u:a b c@h:1/x' and zk://h:1");
+        assert_eq!(shown, "'etcd://u:***@h:1/x' and zk://h:1");
     }
 
     #[test]

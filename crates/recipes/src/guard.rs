@@ -33,6 +33,20 @@ pub(crate) struct Held<B: DynBackend + ?Sized> {
     rt: Runtime,
 }
 
+/// An entry whose grant was refused, removed in the background ([`spawn_remove`]) when
+/// dropped while it still holds it.
+struct RefusedGrant<B: DynBackend + ?Sized>(
+    Option<(Runtime, Arc<B>, QueuePath, Entry, LostSignal)>,
+);
+
+impl<B: DynBackend + ?Sized> Drop for RefusedGrant<B> {
+    fn drop(&mut self) {
+        if let Some((rt, backend, q, entry, ended)) = self.0.take() {
+            spawn_remove(&rt, backend, q, entry, ended);
+        }
+    }
+}
+
 impl<B: DynBackend + ?Sized> Held<B> {
     /// The hold of `entry`, just granted in `q`; or, when it cannot be handed out (no
     /// fencing token, or the session already lost), the entry removed and the reason.
@@ -59,7 +73,14 @@ impl<B: DynBackend + ?Sized> Held<B> {
                 rt,
             })),
             Err(e) => {
-                let _ = backend.remove(&q, &entry).await;
+                // Removed now if it can be; if the removal fails, or this future is
+                // dropped while it runs, in the background, retried while the session
+                // lives (the acquire's own clean-up was disarmed by the grant).
+                let mut pending =
+                    RefusedGrant(Some((rt, backend.clone(), q.clone(), entry.clone(), lost)));
+                if backend.remove(&q, &entry).await.is_ok() {
+                    pending.0 = None;
+                }
                 Err(e)
             }
         }

@@ -3,6 +3,7 @@
 //! the queue, or a panic in place of an exit code.
 
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use crate::faults::{spawn_exec, start_time, wait_exit, GENEROUS};
 use crate::support::{client, dlock, eventually, leftovers, tempdir, unique, Kind};
@@ -172,4 +173,164 @@ pub async fn cli_closed_output_changes_no_exit_code(_kind: Kind, url: &str) {
     assert_eq!(st.code(), Some(0), "status of a held lock: {st}");
     g.release().await.expect("release");
     c.close().await.expect("close");
+}
+
+/// The state letter of `pid` (`R`, `S`, `T` for stopped...), or `None` if it is gone.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+/// The size of the file a writing command appends to (0 before its first line).
+fn written(file: &std::path::Path) -> u64 {
+    std::fs::metadata(file).map(|m| m.len()).unwrap_or(0)
+}
+
+/// A `sh -c` script that records its PID in `$1` and then appends a line to `$2` every
+/// 20 ms for as long as it runs.
+const RECORD_PID_AND_WRITE: &str = "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; \
+     while :; do echo x >> \"$2\"; sleep 0.02; done";
+
+/// SIGCONTs the process groups it names when dropped, so that a failed assertion leaves
+/// nothing of the test stopped.
+struct ContAll(Vec<u32>);
+
+impl Drop for ContAll {
+    fn drop(&mut self) {
+        for g in &self.0 {
+            let _ = Command::new("kill")
+                .args(["-CONT", "--", &format!("-{g}")])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Ctrl-Z (SIGTSTP) on `dlock exec` stops the command with dlock, and once dlock is
+/// continued the command goes on only if the lock is still held: stopped past its
+/// session, the lock went to another client meanwhile, and the command is killed
+/// without running again (exit 70). Before, SIGTSTP stopped dlock alone: the command, in
+/// a process group of its own, ran on while nothing renewed the session, beside the
+/// next holder.
+pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
+    let name = unique("tstp");
+    let dir = tempdir("tstp");
+    let pid_file = dir.join("pid");
+    let out = dir.join("out");
+    let errfile = dir.join("dlock.err");
+    let session = Duration::from_secs(5);
+    let mut holder = spawn_exec(
+        &["--url", url, "--session-timeout", "5s", "exec", &name],
+        RECORD_PID_AND_WRITE,
+        &[&pid_file, &out],
+        &errfile,
+    );
+    let dlock_pid = holder.0.id();
+    let pid = crate::faults::recorded_pid(&pid_file).await;
+    let start = start_time(pid).expect("the command runs");
+    let _cont = ContAll(vec![dlock_pid, pid]);
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let stopped_together = || async {
+        eventually(Duration::from_secs(10), || async {
+            proc_state(dlock_pid) == Some('T') && proc_state(pid) == Some('T')
+        })
+        .await
+    };
+
+    // Stopped and continued within the session: the command waits with dlock, then goes on.
+    signal_pid(dlock_pid, "TSTP");
+    assert!(
+        stopped_together().await,
+        "Ctrl-Z must stop the command with dlock (dlock {:?}, command {:?})",
+        proc_state(dlock_pid),
+        proc_state(pid)
+    );
+    let before = written(&out);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(written(&out), before, "the command wrote while stopped");
+    signal_pid(dlock_pid, "CONT");
+    assert!(
+        eventually(Duration::from_secs(10), || async { written(&out) > before }).await,
+        "the command did not go on once dlock was continued within its session"
+    );
+    assert!(
+        matches!(m.try_lock().await, Err(dlock::Error::WouldBlock)),
+        "the lock must still be dlock's"
+    );
+
+    // Stopped past the session: the lock goes to another client; continued, dlock kills
+    // the command before it runs again.
+    signal_pid(dlock_pid, "TSTP");
+    let stopped_at = tokio::time::Instant::now();
+    assert!(stopped_together().await, "the second Ctrl-Z");
+    let mut g = m
+        .lock_timeout(GENEROUS)
+        .await
+        .expect("another client gets the lock once the stopped holder's session ends");
+    let at_grant = written(&out);
+    // dlock's own clock must say the session passed too.
+    tokio::time::sleep_until(stopped_at + 2 * session).await;
+    signal_pid(dlock_pid, "CONT");
+    let status = wait_exit(&mut holder.0, GENEROUS).await;
+    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {err}"));
+    assert_eq!(status.code(), Some(70), "{status}; stderr: {err}");
+    assert!(err.contains("killing the stopped command"), "stderr: {err}");
+    assert_ne!(start_time(pid), Some(start), "the command outlived dlock");
+    assert_eq!(
+        written(&out),
+        at_grant,
+        "the command ran again after the next holder got the lock"
+    );
+    assert!(!g.is_lost(), "the next holder's hold must survive");
+    g.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left under {name}"
+    );
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Ctrl-C reaches a command that is stopped (one that read the terminal and got SIGTTIN,
+/// or was stopped from outside): dlock follows every signal it passes on with SIGCONT,
+/// so the command sees it, dies of it, and dlock releases and exits. Before, the SIGINT
+/// stayed pending on the stopped command, and dlock, which had taken the signal, waited
+/// for it without end while holding the lock.
+pub async fn cli_signal_reaches_a_stopped_command(_kind: Kind, url: &str) {
+    let name = unique("stopped-cmd");
+    let dir = tempdir("stopped-cmd");
+    let pid_file = dir.join("pid");
+    let errfile = dir.join("dlock.err");
+    let mut holder = spawn_exec(
+        &["--url", url, "--session-timeout", "30s", "exec", &name],
+        crate::faults::RECORD_PID_AND_SLEEP,
+        &[&pid_file],
+        &errfile,
+    );
+    let pid = crate::faults::recorded_pid(&pid_file).await;
+    let start = start_time(pid).expect("the command runs");
+    let _cont = ContAll(vec![pid]);
+    crate::faults::signal_group(pid, "STOP");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            proc_state(pid) == Some('T')
+        })
+        .await,
+        "the command did not stop"
+    );
+    signal_pid(holder.0.id(), "INT");
+    let status = wait_exit(&mut holder.0, Duration::from_secs(20)).await;
+    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
+    let status = status.unwrap_or_else(|| {
+        panic!("dlock never exited: its SIGINT did not reach the stopped command; stderr: {err}")
+    });
+    // `sleep` died of the SIGINT: 128 + 2, as a shell reports it.
+    assert_eq!(status.code(), Some(130), "{status}; stderr: {err}");
+    assert_ne!(start_time(pid), Some(start), "the command outlived dlock");
+    let c = client(url).await;
+    assert_eq!(leftovers(&c, &name).await, 0, "an entry was left behind");
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
 }

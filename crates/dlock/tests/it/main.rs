@@ -175,6 +175,8 @@ all_backends! {
     servers cli_leftovers_of_the_command_stop_before_the_release => crate::cli_signals::cli_leftovers_of_the_command_stop_before_the_release,
     servers cli_interrupted_waiter_leaves_the_queue => crate::cli_signals::cli_interrupted_waiter_leaves_the_queue,
     servers cli_closed_output_changes_no_exit_code => crate::cli_signals::cli_closed_output_changes_no_exit_code,
+    servers cli_stopped_dlock_stops_its_command => crate::cli_signals::cli_stopped_dlock_stops_its_command,
+    servers cli_signal_reaches_a_stopped_command => crate::cli_signals::cli_signal_reaches_a_stopped_command,
 }
 
 /// One `#[tokio::test]` per backend running a shared test against the secured variant
@@ -426,4 +428,9 @@ mod a_database_the_server_lacks_is_a_url_error {
 /// One Redis master: an ACL user of the test's own refuses the holder's release.
 mod a_release_the_server_refused_is_retried_until_it_goes {
     backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::a_release_the_server_refused_is_retried_until_it_goes);
+}
+
+/// One Redis master: the holder's renewals refused by an ACL user of the test's own.
+mod cli_default_grace_ends_before_the_next_holder {
+    backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::cli_default_grace_ends_before_the_next_holder);
 }

@@ -360,3 +360,78 @@ pub async fn a_database_the_server_lacks_is_a_url_error(_kind: crate::support::K
         "refused only at the connect timeout"
     );
 }
+
+/// `dlock exec` with the default `--kill-after` stops a command that ignores SIGTERM
+/// before the next holder can get the lock: the default grace is half the lead the lost
+/// signal has on the session's end. The holder's renewals are refused (an ACL user of
+/// the test's own loses its keys), so its lost signal fires at its deadline and its key
+/// expires a lead later. Before, the default grace was 5 s, longer than the 1 s lead of
+/// a 10 s session: the command was still running when the waiter got the lock.
+pub async fn cli_default_grace_ends_before_the_next_holder(_kind: crate::support::Kind, url: &str) {
+    use crate::faults::{recorded_pid, spawn_exec, start_time, wait_exit, GENEROUS};
+    let user = unique("grace").replace(|c: char| !c.is_ascii_alphanumeric(), "");
+    let addr = url.strip_prefix("redis://").expect("redis://host:port");
+    redis_cli(
+        url,
+        &["ACL", "SETUSER", &user, "on", ">pw", "~*", "&*", "+@all"],
+    );
+    let name = unique("grace");
+    let dir = crate::support::tempdir("grace");
+    let pid_file = dir.join("pid");
+    let errfile = dir.join("dlock.err");
+    let holder_url = format!("redis://{user}:pw@{addr}");
+    let mut holder = spawn_exec(
+        &[
+            "--url",
+            &holder_url,
+            "--session-timeout",
+            "10s",
+            "exec",
+            &name,
+        ],
+        "trap '' TERM; echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; \
+         while :; do sleep 0.02; done",
+        &[&pid_file],
+        &errfile,
+    );
+    let pid = recorded_pid(&pid_file).await;
+    let start = start_time(pid).expect("the command runs");
+    let c = client(url).await;
+    let m = c.mutex(&name).expect("name");
+    let waiter = tokio::spawn(async move { m.lock_timeout(GENEROUS).await });
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 2 }).await,
+        "the waiter queued"
+    );
+    // From now on the holder's renewals are refused.
+    redis_cli(
+        url,
+        &["ACL", "SETUSER", &user, "resetkeys", "~nothing-of-dlock:*"],
+    );
+    let mut next = waiter
+        .await
+        .expect("join")
+        .expect("the waiter gets the lock once the holder's key expired");
+    let still_running = start_time(pid) == Some(start);
+    let status = wait_exit(&mut holder.0, GENEROUS).await;
+    let err = std::fs::read_to_string(&errfile).unwrap_or_default();
+    redis_cli(url, &["ACL", "DELUSER", &user]);
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    assert!(
+        !still_running,
+        "the command that ignores SIGTERM still ran when the next holder got the lock; stderr: {err}"
+    );
+    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {err}"));
+    assert_eq!(status.code(), Some(70), "{status}; stderr: {err}");
+    assert!(err.contains("stopping the command"), "stderr: {err}");
+    assert!(!next.is_lost(), "the next holder's hold must survive");
+    next.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
+        "entries left under {name}"
+    );
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
+}
