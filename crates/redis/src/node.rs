@@ -539,9 +539,14 @@ impl Node {
     /// sent there with `ASKING` unless it has every key. Every script of ours names three
     /// keys, and the sequence key of a non-Redlock queue never exists, so every script on
     /// that slot is refused until the slot is assigned, after which the source answers
-    /// `MOVED`, which fred follows. Both refusals come before anything runs, so a retry
-    /// cannot apply a script twice. Without the retry a routine topology change fails an
-    /// acquire or a release and misses renewals.
+    /// `MOVED`, which fred follows. Both refusals come before anything runs. fred's
+    /// "Too many failed write attempts." does not always mean that, though: it fails
+    /// with it, too, a command that was in flight on a connection it found broken while
+    /// following another command's `MOVED`, which may have run; so every script is safe
+    /// to run twice (the enqueue returns the entry its ticket already has, see
+    /// `scripts::ENQUEUE`; a second removal, renewal or abandon finds nothing more to
+    /// do, and a release that ran twice may report its entry gone). Without the retry a
+    /// routine topology change fails an acquire or a release and misses renewals.
     ///
     /// `request` builds the keys and arguments, once per command sent: fred takes them
     /// by value, so a request that is built in the closure (the uncontended acquire's
@@ -958,9 +963,11 @@ where
 /// one of the three ways fred 10 reports it with one attempt per command (pitfall R1):
 /// - `TRYAGAIN`: the node has only some of the keys the command names (a migration).
 /// - "Too many failed write attempts.": the node answered `MOVED`; fred re-read the slot
-///   map but, its one attempt spent, did not send the command again. With one attempt
-///   fred gives this error only there (a retry after a dropped connection needs an
-///   attempt left, and reports the connection's error).
+///   map but, its one attempt spent, did not send the command again. fred gives the
+///   same error to a command in flight on a connection that it found broken while it
+///   re-read the map (it puts such commands back in its retry buffer, where their spent
+///   attempt fails them): that command may have run, which is why every script is safe
+///   to run twice (see [`Node::eval`]).
 /// - "Max attempts reached.": the node answered `ASK` (a migration). fred sends the
 ///   command it was told to take elsewhere back to the slot's owner (it sets no target
 ///   node for it), so it cannot follow an `ASK` at all; with its attempts spent it

@@ -260,6 +260,18 @@ end
 /// `%.0f` goes through glibc's float printer, which was about 6 % of the server's
 /// instructions per uncontended acquire + release (callgrind on redis-server).
 ///
+/// A `tail` enqueue is idempotent per ticket: when the queue already has a live entry
+/// whose name starts with this ticket's prefix (tickets are drawn anew for every
+/// acquire), that entry is returned and nothing is added. The script can run twice for
+/// one request: on a cluster fred fails a command that was in flight on a connection it
+/// found broken while following another command's `MOVED` with the same error it gives
+/// a `MOVED` it did not follow, which [`crate::node`] takes as "not run" and sends again.
+/// A second entry would queue the contender behind its own first one, unrenewed, until
+/// that one's lease ran out. (An `ACQUIRE_SOLO` run twice returns nil the second time;
+/// the client then sends this script, whose `unsolo` moves the first run's entry into
+/// the queue, where it is found.) Redlock's `cas` and `beside` are left as they were:
+/// their sequence is the client's proposal, and a retry there is a new proposal.
+///
 /// Returns `{'OK', name, seq, token, created_ms, {name, seq, token, ...}}`.
 const ENQUEUE: &str = r#"
 local ep, gp, qc, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -274,10 +286,20 @@ elseif mode == 'beside' then
 end
 local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local out = {}
+local again
 for i = 1, #m, 2 do
   out[#out + 1] = m[i]
   out[#out + 1] = m[i + 1]
   out[#out + 1] = ''
+  if mode == 'tail' and string.find(m[i], prefix, 1, true) == 1 then again = i end
+end
+if again then
+  local v = redis.call('GET', ep .. m[again])
+  if v then
+    local tok_s, now_s = ent(v)
+    out[again + 2] = tok_s
+    return {'OK', m[again], m[again + 1], tok_s, now_s, out}
+  end
 end
 local top = 0
 if #m > 0 then top = tonumber(m[#m]) end

@@ -1368,3 +1368,47 @@ async fn scripts_the_server_forgot_are_loaded_and_the_request_sent_again() {
     assert_eq!(loads, 4, "SCRIPT LOAD calls: {stats}");
     b.close().await.expect("close");
 }
+
+/// An enqueue that runs twice for one ticket (on a cluster fred can fail a command that
+/// ran with the error it gives a `MOVED` it did not follow, and the adapter sends it
+/// again) makes one entry, not a second one queued behind the first: the second run
+/// returns the first run's entry, token included. Once for a lone entry (the solo
+/// acquire finds the key taken, and the enqueue finds the entry it moved into the
+/// queue) and once for an entry queued behind another.
+#[tokio::test]
+async fn an_enqueue_run_twice_for_one_ticket_makes_one_entry() {
+    init_tracing();
+    let Some(addr) = endpoint("DLOCK_TEST_REDIS", "an_enqueue_run_twice") else {
+        return;
+    };
+    let b = connect(&addr, LONG).await;
+    let q = fresh_queue("enqueue-twice");
+    let enqueue = |ticket: dlock_core::Ticket| {
+        let (b, q) = (&b, &q);
+        async move {
+            b.enqueue(q, &ticket, EntryKind::Lock, Position::Tail, b"")
+                .await
+                .expect("enqueue")
+        }
+    };
+    let (first, second) = (dlock_testkit::ticket(), dlock_testkit::ticket());
+    let a1 = enqueue(first.clone()).await;
+    let a2 = enqueue(first.clone()).await;
+    assert_eq!(a2.mine.name, a1.mine.name, "a second entry for one ticket");
+    assert_eq!(a2.mine.token, a1.mine.token);
+    assert_eq!(a2.queue.len(), 1, "the queue: {:?}", a2.queue);
+    let b1 = enqueue(second.clone()).await;
+    assert_eq!(b1.queue.len(), 2, "the queue: {:?}", b1.queue);
+    let b2 = enqueue(second).await;
+    assert_eq!(b2.mine.name, b1.mine.name, "a second entry for one ticket");
+    assert_eq!(b2.mine.token, b1.mine.token);
+    let names: Vec<&str> = b2.queue.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [a1.mine.name.as_str(), b1.mine.name.as_str()],
+        "the queue after the second run"
+    );
+    b.remove(&q, &a1.mine).await.expect("remove");
+    b.remove(&q, &b1.mine).await.expect("remove");
+    b.close().await.expect("close");
+}
