@@ -115,7 +115,22 @@ impl ZkBackend {
             .await
             .unwrap_or_default()
         };
-        let tick = zk_opts.tick_time.or(conf.map(|c| c.tick));
+        // The larger of a stated and a probed tick: one stated too small would make the
+        // heartbeat's pair gap shorter than the leader's PING period, and prove touches
+        // the leader never heard of.
+        let tick = match (zk_opts.tick_time, conf.map(|c| c.tick)) {
+            (Some(stated), Some(probed)) => {
+                if stated != probed {
+                    tracing::warn!(
+                        stated = ?stated,
+                        probed = ?probed,
+                        "ZkOptions::tick_time differs from the servers' tickTime: using the larger"
+                    );
+                }
+                Some(stated.max(probed))
+            }
+            (stated, probed) => stated.or(probed),
+        };
         let negotiated = client.session_timeout();
         match conf {
             None if zk_opts.tick_time.is_some() => tracing::warn!(
@@ -244,7 +259,8 @@ impl ZkBackend {
             let mut states = client.state_watcher();
             let first = tokio::time::Instant::now();
             within(limit, "proving the session", client.sync("/")).await?;
-            tokio::time::sleep_until(first + gap).await;
+            // Counted from the first sync's completion, not its send (see `heartbeat`).
+            tokio::time::sleep(gap).await;
             within(limit, "proving the session", client.sync("/")).await?;
             if states.changed().now_or_never().is_none() {
                 break first;

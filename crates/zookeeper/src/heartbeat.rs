@@ -25,10 +25,18 @@
 //! pair across a reconnection proved a touch that never reached the leader). So any
 //! change of the connection's state forgets every earlier sync.
 //!
-//! The heartbeat therefore sends a `sync` every [`interval`] and keeps the send times of
-//! the completed ones; the session is trusted until `s1 + t - margin`, where `s1` is the
-//! latest completed send at least `t / 2` before the latest completed one. When that
-//! moment passes without a newer proof, the session is declared lost.
+//! The follower records the touch when `s1` *reaches* it, which a slow network can make
+//! as late as `s1`'s completion `c1` (the client cannot tell when in between). So the pair
+//! gap is counted from `c1`, not from `s1`: a `s2` sent at least two ticks after `c1` is
+//! forwarded at least two ticks after the touch, with a PING and its answer in between.
+//! Counted from the send times, a `s1` held up in the network until just before `s2` went
+//! out proved a touch no PING had reported yet (found by a review).
+//!
+//! The heartbeat therefore sends a `sync` every [`interval`] and keeps the send and
+//! completion times of the completed ones; the session is trusted until `s1 + t -
+//! margin`, where `s1` is the send time of the latest completed sync that completed at
+//! least a pair gap before the latest completed one was sent. When that moment passes
+//! without a newer proof, the session is declared lost.
 
 use std::collections::VecDeque;
 use std::sync::Weak;
@@ -51,9 +59,11 @@ pub(crate) fn interval(t: Duration) -> Duration {
     t / 16
 }
 
-/// How far apart two completed syncs must be sent for the later one to prove the earlier
-/// one's touch reached the leader: two ticks (the leader PINGs every half tick, and the
-/// touch must be reported before the later sync is forwarded), at most `t`/2.
+/// How long after an earlier sync completed a later one must be sent for the later one
+/// to prove the earlier one's touch reached the leader: two ticks (the leader PINGs every
+/// half tick, and the touch must be reported before the later sync is forwarded), at most
+/// `t`/2. A tick stated smaller than the ensemble's makes this too short to prove
+/// anything: the adapter takes the larger of a stated and a probed tick.
 pub(crate) fn pair_gap(t: Duration, tick: Option<Duration>) -> Duration {
     tick.map_or(t / 2, |tick| (tick * 2).min(t / 2))
 }
@@ -134,8 +144,9 @@ pub(crate) fn first_deadline(t: Duration, requested: Instant) -> Instant {
 pub(crate) struct LeaderLease {
     t: Duration,
     gap: Duration,
-    /// Send times of completed syncs, oldest first; only what a later pair may need.
-    confirmed: VecDeque<Instant>,
+    /// Send and completion times of completed syncs, oldest first; only what a later
+    /// pair may need.
+    confirmed: VecDeque<(Instant, Instant)>,
     /// Until when the session is trusted.
     deadline: Instant,
 }
@@ -164,24 +175,25 @@ impl LeaderLease {
         self.confirmed.clear();
     }
 
-    /// Records a `sync` sent at `sent` that completed.
-    pub(crate) fn confirmed(&mut self, sent: Instant) {
-        self.confirmed.push_back(sent);
+    /// Records a `sync` sent at `sent` that completed at `completed`.
+    pub(crate) fn confirmed(&mut self, sent: Instant, completed: Instant) {
         let pair_gap = self.gap;
-        // The latest earlier send at least a pair gap before this one proves a touch.
-        if let Some(proven) = self
+        // The latest earlier sync that completed at least a pair gap before this one was
+        // sent proves a touch at its send time.
+        if let Some((proven, _)) = self
             .confirmed
             .iter()
             .rev()
-            .find(|s| sent.saturating_duration_since(**s) >= pair_gap)
+            .find(|(_, done)| sent.saturating_duration_since(*done) >= pair_gap)
             .copied()
         {
             self.deadline = self.deadline.max(proven + self.t - margin(self.t));
-            // Sends before `proven` can never prove a later deadline.
-            while self.confirmed.front().is_some_and(|s| *s < proven) {
+            // Syncs sent before `proven` can never prove a later deadline.
+            while self.confirmed.front().is_some_and(|(s, _)| *s < proven) {
                 self.confirmed.pop_front();
             }
         }
+        self.confirmed.push_back((sent, completed));
     }
 }
 
@@ -227,14 +239,15 @@ pub(crate) async fn run(
         }
         let sent = Instant::now();
         let answered = tokio::time::timeout_at(lease.deadline(), client.sync("/")).await;
+        let completed = Instant::now();
         drop(client);
         if moved() {
             lease.reconnected();
         } else if let Ok(Ok(())) = answered {
             // A sync answered after the deadline proves nothing any more: once passed,
             // the deadline stays passed (see `SharedDeadline`).
-            if Instant::now() < lease.deadline() {
-                lease.confirmed(sent);
+            if completed < lease.deadline() {
+                lease.confirmed(sent, completed);
             }
         }
         if !publish(&lease) || Instant::now() >= lease.deadline() {
@@ -361,16 +374,17 @@ mod tests {
         let start = Instant::now();
         let mut lease = LeaderLease::new(T, T / 2, start);
         let first = lease.deadline();
+        let ms = |n: u64| start + Duration::from_millis(n);
         // Syncs closer together than t/2 prove nothing beyond the first one's send.
-        lease.confirmed(start + Duration::from_millis(100));
-        lease.confirmed(start + Duration::from_millis(500));
+        lease.confirmed(ms(100), ms(110));
+        lease.confirmed(ms(500), ms(510));
         assert_eq!(lease.deadline(), first);
-        // 1,100 ms is 1,000 ms after the 100 ms send: that one is proven touched.
-        lease.confirmed(start + Duration::from_millis(1_100));
-        let proven = start + Duration::from_millis(100) + T - margin(T);
+        // 1,110 ms is 1,000 ms after the 100 ms sync completed: that one is proven touched.
+        lease.confirmed(ms(1_110), ms(1_120));
+        let proven = ms(100) + T - margin(T);
         assert_eq!(lease.deadline(), proven.max(first));
         // A later pair moves it on; the deadline never moves back.
-        lease.confirmed(start + Duration::from_millis(1_600));
+        lease.confirmed(ms(1_600), ms(1_610));
         assert_eq!(
             lease.deadline(),
             start + Duration::from_millis(500) + T - margin(T)
@@ -382,12 +396,13 @@ mod tests {
         let start = Instant::now();
         let mut lease = LeaderLease::new(T, T / 2, start);
         let first = lease.deadline();
-        lease.confirmed(start + Duration::from_millis(100));
+        let ms = |n: u64| start + Duration::from_millis(n);
+        lease.confirmed(ms(100), ms(100));
         lease.reconnected();
         // 1,100 ms would pair with the 100 ms sync, which came before the reconnection.
-        lease.confirmed(start + Duration::from_millis(1_100));
+        lease.confirmed(ms(1_100), ms(1_100));
         assert_eq!(lease.deadline(), first);
-        lease.confirmed(start + Duration::from_millis(2_100));
+        lease.confirmed(ms(2_100), ms(2_100));
         assert_eq!(
             lease.deadline(),
             start + Duration::from_millis(1_100) + T - margin(T)
@@ -406,8 +421,30 @@ mod tests {
             let answered = sent + interval(T);
             assert!(lease.deadline() > answered, "tripped at sync {k}");
             worst = worst.min(lease.deadline() - answered);
-            lease.confirmed(sent);
+            lease.confirmed(sent, answered);
         }
-        assert!(worst >= T / 5, "headroom fell to {worst:?}");
+        // About 0.16 t: the pair gap counted from completions costs one slow answer
+        // (t/16 here) of the 0.2 t that counting from send times left.
+        assert!(worst >= T * 3 / 20, "headroom fell to {worst:?}");
+    }
+
+    /// A sync held up in the network until just before the next one was sent proves
+    /// nothing, however far apart the two were sent: the follower may have recorded its
+    /// touch only just before forwarding the next one, with no PING in between to report
+    /// it to the leader. The gap is counted from the earlier one's completion.
+    #[test]
+    fn a_pair_counts_from_the_earlier_syncs_completion() {
+        let start = Instant::now();
+        let mut lease = LeaderLease::new(T, T / 2, start);
+        let first = lease.deadline();
+        let ms = |n: u64| start + Duration::from_millis(n);
+        // Sent at 100 ms, answered only at 1,050 ms; the next sent at 1,150 ms, 1,050 ms
+        // after the first was sent (a pair by send times) but 100 ms after it completed.
+        lease.confirmed(ms(100), ms(1_050));
+        lease.confirmed(ms(1_150), ms(1_160));
+        assert_eq!(lease.deadline(), first, "a touch proven by a slow sync");
+        // Sent a pair gap after the slow one completed: now it is proven.
+        lease.confirmed(ms(2_050), ms(2_060));
+        assert_eq!(lease.deadline(), (ms(100) + T - margin(T)).max(first));
     }
 }

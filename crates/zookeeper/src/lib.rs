@@ -165,7 +165,10 @@ pub struct ZkOptions {
     /// four-letter word at connect, and if no server answers it (`conf` not in
     /// `4lw.commands.whitelist`), taken as half the session timeout, the most ZooKeeper
     /// allows; the lost signal is then safe but fires during any leader election or
-    /// reconnection. Set it when `conf` is not whitelisted.
+    /// reconnection. Set it when `conf` is not whitelisted. A value given and a value
+    /// the servers answer: the larger is used. Never state it smaller than the
+    /// ensemble's (over an application's own client nothing is asked, so the value given
+    /// is trusted): the proof would then count touches the leader never heard of.
     pub tick_time: Option<std::time::Duration>,
 }
 
