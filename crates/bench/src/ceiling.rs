@@ -20,6 +20,13 @@
 //!   commands, with no recipe and no adapter around them. Beside W1 (and W3) it splits
 //!   dlock's cost into what its protocol on this client crate costs and what its own
 //!   layers add.
+//! - Redis, the cheapest acquire that reads the server's clock in the same atomic step as
+//!   its `SET NX` without a script (`W0m`, and `W3m` with `--workers` workers, only when
+//!   `--only` names them): `MULTI`, `SET NX PX`, `TIME`, `EXEC` in one round trip through
+//!   fred's transactions, then rslock's release. Beside `W0d`/`W3d` it says whether a
+//!   script-free acquire with a server-clock fencing token would lower the floor of
+//!   dlock's protocol (it does not put the token into the value, so it is not a lock
+//!   dlock could send as it stands).
 //! - etcd, a semaphore without an internal mutex (`W4r`, only when `--only` names it):
 //!   each worker keeps one key under the semaphore's prefix, created with its lease
 //!   and read back with the whole prefix in one transaction; it holds a permit while
@@ -55,6 +62,12 @@ pub const REDIS_FRED_W3_WORKLOAD: &str = "W3f-redis-fred-setnx-evalsha";
 pub const REDIS_FRED_DLOCK_WORKLOAD: &str = "W0d-redis-fred-dlock-fast-path";
 /// The same with `--workers` workers, each on a key and a client of its own (W3's shape).
 pub const REDIS_FRED_DLOCK_W3_WORKLOAD: &str = "W3d-redis-fred-dlock-fast-path";
+/// The label of the cheapest acquire that reads the server's clock atomically with its
+/// `SET NX` without a script (`MULTI`, `SET NX PX`, `TIME`, `EXEC`), then rslock's
+/// release, through fred, one worker.
+pub const REDIS_FRED_MULTI_WORKLOAD: &str = "W0m-redis-fred-multi-setnx-time";
+/// The same with `--workers` workers, each on a key and a client of its own (W3's shape).
+pub const REDIS_FRED_MULTI_W3_WORKLOAD: &str = "W3m-redis-fred-multi-setnx-time";
 
 /// The compare-and-delete every Redis lock releases with (redis-py's, rslock's).
 const RELEASE_LUA: &str =
@@ -372,6 +385,11 @@ pub enum FredCommands {
     Rslock,
     /// The adapter's fast-path scripts (`W0d`), as it loads them for a 10 s lease.
     DlockFastPath,
+    /// `SET NX PX` and `TIME` in one `MULTI`/`EXEC`, then rslock's compare-and-delete
+    /// (`W0m`): a server-clock token read atomically with the `SET NX` with no script.
+    /// The token does not go into the value (a transaction cannot compute one command's
+    /// argument from another's reply), so this is a floor, not a lock dlock could send.
+    MultiTime,
 }
 
 /// The name prefix a [`FredCommands::DlockFastPath`] entry carries, in the adapter's
@@ -418,7 +436,9 @@ impl RedisFred {
             .await
             .map_err(|e| format!("fred connect {addr}: {e}"))?;
         let (first, second) = match commands {
-            FredCommands::Rslock => (RELEASE_LUA.to_owned(), String::new()),
+            FredCommands::Rslock | FredCommands::MultiTime => {
+                (RELEASE_LUA.to_owned(), String::new())
+            }
             FredCommands::DlockFastPath => dlock_redis::fast_path_lua(10_000),
         };
         let sha: String = c
@@ -475,6 +495,45 @@ impl Worker for RedisFred {
                     .map_err(|e| format!("fast-path release: {e}"))?;
                 if n != 1 {
                     return Err(format!("fast-path release answered {n}"));
+                }
+                return Ok(d);
+            }
+            if self.commands == FredCommands::MultiTime {
+                use fred::prelude::TransactionInterface as _;
+                let trx = c.multi();
+                let queued: Result<(), _> = trx
+                    .set(
+                        self.key.as_str(),
+                        "tok",
+                        Some(Expiration::PX(10_000)),
+                        Some(SetOptions::NX),
+                        false,
+                    )
+                    .await;
+                queued.map_err(|e| format!("MULTI SET NX PX: {e}"))?;
+                let queued: Result<(), _> = trx
+                    .custom(
+                        fred::types::CustomCommand::new_static("TIME", None, false),
+                        Vec::<String>::new(),
+                    )
+                    .await;
+                queued.map_err(|e| format!("MULTI TIME: {e}"))?;
+                let (set, time): (Option<String>, Vec<String>) = trx
+                    .exec(true)
+                    .await
+                    .map_err(|e| format!("MULTI/EXEC: {e}"))?;
+                let d = t.elapsed();
+                if set.as_deref() != Some("OK") || time.len() != 2 {
+                    return Err(format!(
+                        "MULTI/EXEC did not take the free key: {set:?} {time:?}"
+                    ));
+                }
+                let n: i64 = c
+                    .evalsha(self.sha.as_str(), self.key.as_str(), "tok")
+                    .await
+                    .map_err(|e| format!("release script: {e}"))?;
+                if n != 1 {
+                    return Err(format!("release script answered {n}"));
                 }
                 return Ok(d);
             }

@@ -79,9 +79,9 @@ struct Args {
     prefix: String,
     /// Only these workloads, comma separated (W0 = the ceilings; W0f and W3f = the Redis
     /// ceiling through fred, W0d and W3d = the Redis adapter's fast-path scripts through
-    /// fred, the W0s on one worker and the W3s on `--workers` workers; W4r = an etcd
-    /// semaphore without an internal mutex; these five only when named here; W1..W6,
-    /// S1, S2, S3).
+    /// fred, W0m and W3m = MULTI/SET NX/TIME/EXEC and rslock's release through fred, the
+    /// W0s on one worker and the W3s on `--workers` workers; W4r = an etcd semaphore
+    /// without an internal mutex; these seven only when named here; W1..W6, S1, S2, S3).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
     /// Also run the scale checks S1, S2 and S3.
@@ -130,7 +130,7 @@ impl Args {
         if w == "W6" && self.failovers == 0 {
             return false;
         }
-        if matches!(w, "W0f" | "W3f" | "W0d" | "W3d" | "W4r") {
+        if matches!(w, "W0f" | "W3f" | "W0d" | "W3d" | "W0m" | "W3m" | "W4r") {
             // Opt-in: not one of the peers' workloads, so the default output keeps its lines.
             return self.only.as_ref().is_some_and(|o| o.iter().any(|x| x == w));
         }
@@ -329,8 +329,9 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
             )
             .await;
         }
-        // The fred workloads: rslock's pair and the adapter's fast path, each on one
-        // worker (W0f, W0d: W1's shape) and on `--workers` workers (W3f, W3d: W3's).
+        // The fred workloads: rslock's pair, the adapter's fast path and the transaction
+        // acquire, each on one worker (W0f, W0d, W0m: W1's shape) and on `--workers`
+        // workers (W3f, W3d, W3m: W3's).
         let fred = [
             (
                 "W0f",
@@ -358,6 +359,20 @@ async fn run(args: Args, w6_peers: Vec<failover::PeerSpec>) -> bool {
                 "ceiling-redis-fred-dlock",
                 ceiling::REDIS_FRED_DLOCK_W3_WORKLOAD,
                 ceiling::FredCommands::DlockFastPath,
+                args.workers,
+            ),
+            (
+                "W0m",
+                "ceiling-redis-fred-multi",
+                ceiling::REDIS_FRED_MULTI_WORKLOAD,
+                ceiling::FredCommands::MultiTime,
+                1,
+            ),
+            (
+                "W3m",
+                "ceiling-redis-fred-multi",
+                ceiling::REDIS_FRED_MULTI_W3_WORKLOAD,
+                ceiling::FredCommands::MultiTime,
                 args.workers,
             ),
         ];
@@ -883,7 +898,7 @@ mod tests {
     /// output outside scripts read) never prints them, and `--only` runs each named one.
     #[test]
     fn opt_in_workloads_run_only_when_named() {
-        let opt_in = ["W0f", "W3f", "W0d", "W3d", "W4r"];
+        let opt_in = ["W0f", "W3f", "W0d", "W3d", "W0m", "W3m", "W4r"];
         let default = Args::parse_from(["dlock-bench"]);
         for w in opt_in {
             assert!(!default.wants(w), "{w} ran by default");
