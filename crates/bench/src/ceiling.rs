@@ -498,7 +498,7 @@ impl Worker for RedisFred {
                 }
                 return Ok(d);
             }
-            if self.commands == FredCommands::MultiTime {
+            let d = if self.commands == FredCommands::MultiTime {
                 use fred::prelude::TransactionInterface as _;
                 let trx = c.multi();
                 let queued: Result<(), _> = trx
@@ -522,35 +522,28 @@ impl Worker for RedisFred {
                     .exec(true)
                     .await
                     .map_err(|e| format!("MULTI/EXEC: {e}"))?;
-                let d = t.elapsed();
                 if set.as_deref() != Some("OK") || time.len() != 2 {
                     return Err(format!(
                         "MULTI/EXEC did not take the free key: {set:?} {time:?}"
                     ));
                 }
-                let n: i64 = c
-                    .evalsha(self.sha.as_str(), self.key.as_str(), "tok")
+                t.elapsed()
+            } else {
+                let r: Option<String> = c
+                    .set(
+                        self.key.as_str(),
+                        "tok",
+                        Some(Expiration::PX(10_000)),
+                        Some(SetOptions::NX),
+                        false,
+                    )
                     .await
-                    .map_err(|e| format!("release script: {e}"))?;
-                if n != 1 {
-                    return Err(format!("release script answered {n}"));
+                    .map_err(|e| format!("SET NX PX: {e}"))?;
+                if r.as_deref() != Some("OK") {
+                    return Err(format!("SET NX PX did not take the free key: {r:?}"));
                 }
-                return Ok(d);
-            }
-            let r: Option<String> = c
-                .set(
-                    self.key.as_str(),
-                    "tok",
-                    Some(Expiration::PX(10_000)),
-                    Some(SetOptions::NX),
-                    false,
-                )
-                .await
-                .map_err(|e| format!("SET NX PX: {e}"))?;
-            let d = t.elapsed();
-            if r.as_deref() != Some("OK") {
-                return Err(format!("SET NX PX did not take the free key: {r:?}"));
-            }
+                t.elapsed()
+            };
             let n: i64 = c
                 .evalsha(self.sha.as_str(), self.key.as_str(), "tok")
                 .await

@@ -172,7 +172,10 @@ impl RedisBackend {
     /// **What dlock needs of the client.** Each of dlock's commands is sent with its own
     /// options, whatever the client's defaults: one attempt (never replayed after a
     /// reconnection, where a replayed enqueue could take a second place in a queue) and
-    /// a timeout of half the lease (1 to 5 s). The client may speak RESP2 or RESP3.
+    /// a timeout of half the lease (1 to 5 s). The client may speak RESP2 or RESP3. On a
+    /// Redis Cluster, fred ends a client's routing task when a command meets an `ASK`
+    /// (a slot being migrated); dlock restarts its own clients', but a borrowed client's
+    /// task is the application's to start again (docs/own-client.md).
     ///
     /// # Errors
     /// [`Error::InvalidUrl`] for a client configured for anything but one server, a

@@ -186,7 +186,14 @@ impl ZkBackend {
             }
         };
 
-        Ok(Self::assemble(client, requested, tick, Some(attempt), acls))
+        Ok(Self::assemble(
+            client,
+            requested,
+            tick,
+            Some(attempt),
+            acls,
+            None,
+        ))
     }
 
     /// Builds the backend on the application's own zookeeper-client session (bring your
@@ -252,18 +259,41 @@ impl ZkBackend {
         // (see `heartbeat`), so the first one's send time starts the lost signal's clock.
         // Both must go over one connection: a pair across a reconnection proves nothing
         // (the heartbeat forgets every sync at a change of state for the same reason),
-        // so a pair the connection changed during is sent again.
+        // so a pair the connection changed during is sent again. The syncs go every
+        // heartbeat interval, not just two, and all of them seed the heartbeat: with a
+        // pair gap of half the session (no tick known), a heartbeat starting from none
+        // could prove nothing newer before the first deadline, 0.85 of the session after
+        // the first sync, and declared the session lost there.
         let gap = crate::heartbeat::pair_gap(t, zk_opts.tick_time);
+        let every = crate::heartbeat::interval(t);
         let mut attempts = 0;
-        let first = loop {
+        let (first, proof, states) = loop {
             let mut states = client.state_watcher();
             let first = tokio::time::Instant::now();
-            within(limit, "proving the session", client.sync("/")).await?;
-            // Counted from the first sync's completion, not its send (see `heartbeat`).
-            tokio::time::sleep(gap).await;
-            within(limit, "proving the session", client.sync("/")).await?;
-            if states.changed().now_or_never().is_none() {
-                break first;
+            let syncs = async {
+                within(limit, "proving the session", client.sync("/")).await?;
+                let mut proof = vec![(first, tokio::time::Instant::now())];
+                loop {
+                    let (last, _) = proof[proof.len() - 1];
+                    tokio::time::sleep_until(last + every).await;
+                    let sent = tokio::time::Instant::now();
+                    within(limit, "proving the session", client.sync("/")).await?;
+                    proof.push((sent, tokio::time::Instant::now()));
+                    // Counted from the first sync's completion, not its send (see
+                    // `heartbeat`).
+                    if sent >= proof[0].1 + gap {
+                        return Ok::<_, Error>(proof);
+                    }
+                }
+            }
+            .await;
+            // A sync that failed because the connection changed is a proof to take again;
+            // any other failure is the caller's.
+            let changed = states.changed().now_or_never().is_some();
+            match syncs {
+                Ok(proof) if !changed => break (first, proof, states),
+                Err(e) if !changed => return Err(e),
+                _ => {}
             }
             attempts += 1;
             if attempts == PROOF_ATTEMPTS {
@@ -285,24 +315,42 @@ impl ZkBackend {
                  the lost signal will also fire on leader elections and reconnections"
             );
         }
-        Ok(Self::assemble(client, first, zk_opts.tick_time, None, acls))
+        Ok(Self::assemble(
+            client,
+            first,
+            zk_opts.tick_time,
+            None,
+            acls,
+            Some((proof, states)),
+        ))
     }
 
     /// The backend on an established session; `requested` starts the lost signal's
     /// clock (the session lives on the leader at least a timeout from then). `attempt`
     /// is the connection timeout dlock gave the client it made, `None` for the
-    /// application's own client (a borrowed session).
+    /// application's own client (a borrowed session). `proof`: the syncs (send and
+    /// completion times) that proved a borrowed session, which seed the heartbeat, and
+    /// the state watcher they were checked with, so that a change of state since the
+    /// first of them makes the heartbeat forget them.
     fn assemble(
         client: zk::Client,
         requested: tokio::time::Instant,
         tick: Option<std::time::Duration>,
         attempt: Option<std::time::Duration>,
         acls: zk::Acls<'static>,
+        proof: Option<(
+            Vec<(tokio::time::Instant, tokio::time::Instant)>,
+            zk::StateWatcher,
+        )>,
     ) -> Arc<ZkBackend> {
         let borrowed = attempt.is_none();
         let session_timeout = client.session_timeout();
         let session_id = client.session_id();
         let states = client.state_watcher();
+        let (seeds, beat_states) = match proof {
+            Some((syncs, watcher)) => (syncs, watcher),
+            None => (Vec::new(), states.clone()),
+        };
         let task_states = client.state_watcher();
         let shared = Arc::new(Shared::new(client, borrowed));
         // Set before the heartbeat first runs, which a busy runtime may not get to soon.
@@ -320,8 +368,9 @@ impl ZkBackend {
             Arc::downgrade(&shared),
             session_timeout,
             requested,
-            states.clone(),
+            beat_states,
             tick,
+            seeds,
         ));
         let backend = Arc::new(ZkBackend {
             shared,

@@ -205,15 +205,20 @@ pub(crate) const UNCONFIRMED: &str =
 
 /// Sends a `sync` every [`interval`] until the session ends, and declares the session
 /// lost when the leader-proven deadline passes. `requested` is when the connect request
-/// was sent; `states` tells of reconnections.
+/// was sent; `states` tells of reconnections; `seeds` are syncs (send and completion
+/// times) completed on the connection `states` watches before the heartbeat started.
 pub(crate) async fn run(
     shared: Weak<Shared>,
     t: Duration,
     requested: Instant,
     mut states: zookeeper_client::StateWatcher,
     tick: Option<Duration>,
+    seeds: Vec<(Instant, Instant)>,
 ) {
     let mut lease = LeaderLease::new(t, pair_gap(t, tick), requested);
+    for (sent, completed) in seeds {
+        lease.confirmed(sent, completed);
+    }
     // The deadline every synchronous look at the session compares the clock with, moved
     // only while it has not passed (a reader may already have been told "lost": false).
     let publish = |lease: &LeaderLease| {
@@ -446,5 +451,41 @@ mod tests {
         // Sent a pair gap after the slow one completed: now it is proven.
         lease.confirmed(ms(2_050), ms(2_060));
         assert_eq!(lease.deadline(), (ms(100) + T - margin(T)).max(first));
+    }
+
+    /// A borrowed session (no tick known: a pair gap of t/2) is proven by syncs every
+    /// interval for a pair gap before the heartbeat starts; seeded with them, the
+    /// heartbeat keeps its deadline ahead. Started from none, it could prove nothing
+    /// newer than the first sync before that sync's deadline (0.85 t) passed.
+    #[test]
+    fn a_heartbeat_seeded_with_the_proof_keeps_a_borrowed_session() {
+        let start = Instant::now();
+        let rtt = Duration::from_millis(5);
+        let gap = pair_gap(T, None);
+        let mut proof = vec![(start, start + rtt)];
+        while proof[proof.len() - 1].0 < proof[0].1 + gap {
+            let sent = proof[proof.len() - 1].0 + interval(T);
+            proof.push((sent, sent + rtt));
+        }
+        let began = proof[proof.len() - 1].1;
+        let run = |seeds: &[(Instant, Instant)]| {
+            let mut lease = LeaderLease::new(T, gap, start);
+            for (s, c) in seeds {
+                lease.confirmed(*s, *c);
+            }
+            for k in 0..100u32 {
+                let sent = began + interval(T) * k;
+                if lease.deadline() <= sent + rtt {
+                    return Some(k);
+                }
+                lease.confirmed(sent, sent + rtt);
+            }
+            None
+        };
+        assert_eq!(run(&proof), None, "the seeded heartbeat lost the session");
+        assert!(
+            run(&[]).is_some(),
+            "unseeded, it keeps the session (the test proves nothing)"
+        );
     }
 }

@@ -371,6 +371,7 @@ zk_only! {
     exclusive follower_cut_from_leader_loses_before_the_next_grant => crate::zk_faults::follower_cut_from_leader_loses_before_the_next_grant,
     exclusive verify_never_confirms_from_a_lagging_follower => crate::zk_faults::verify_never_confirms_from_a_lagging_follower,
     exclusive borrowed_session_proof_is_taken_on_one_connection => crate::zk_faults::borrowed_session_proof_is_taken_on_one_connection,
+    shared borrowed_session_without_a_tick_keeps_its_locks => crate::zk_faults::borrowed_session_without_a_tick_keeps_its_locks,
 }
 
 /// On the backends whose semaphores are ranked: etcd, and mem with its ranking on.

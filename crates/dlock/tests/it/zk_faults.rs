@@ -541,13 +541,13 @@ pub async fn verify_never_confirms_from_a_lagging_follower(url: &str) {
     b.close().await.ok();
 }
 
-/// `ZkBackend::from_client` proves an application's session at the leader with two syncs
-/// a pair gap apart on one connection; a pair across a reconnection proves nothing (see
-/// `dlock_zookeeper`'s heartbeat). The session's server is killed and restarted between
-/// the two, so the client reconnects to it with the same session: the pair must be sent
-/// again, and `from_client` returns no earlier than two gaps after it was called. (Before,
-/// it returned after one gap, its lost signal's clock started by a sync whose touch may
-/// never have reached the leader.)
+/// `ZkBackend::from_client` proves an application's session at the leader with syncs a
+/// pair gap apart on one connection; a pair across a reconnection proves nothing (see
+/// `dlock_zookeeper`'s heartbeat). The session's server is killed and restarted during
+/// the proof, so the client reconnects to it with the same session: the proof must be
+/// taken again, and `from_client` returns no earlier than a gap after the server was
+/// back. (Before the first fix, it returned after one gap from the call, its lost
+/// signal's clock started by a sync whose touch may never have reached the leader.)
 pub async fn borrowed_session_proof_is_taken_on_one_connection(url: &str) {
     let _ = url;
     let Some(mut state) = dlock_testkit::require_state() else {
@@ -607,9 +607,47 @@ pub async fn borrowed_session_proof_is_taken_on_one_connection(url: &str) {
         "precondition: the server must be back before the second sync ({restarted:?})"
     );
     assert!(
-        took >= 2 * gap,
-        "from_client returned {took:?} after it was called, less than two gaps ({gap:?} each): \
-         it took a pair of syncs across the reconnection as a proof"
+        took >= restarted + gap,
+        "from_client returned {took:?} after it was called, less than a gap ({gap:?}) after \
+         its server was back ({restarted:?}): it took syncs across the reconnection as a proof"
     );
     dlock_core::Backend::close(backend.as_ref()).await.ok();
+}
+
+/// A lock held on an application's own ZooKeeper session with no `tick_time` given (the
+/// pair gap is then half the session) stays held past the session timeout: the heartbeat
+/// starts from the syncs that proved the session. Before, it started from none, could
+/// prove nothing newer before the first deadline (0.85 of the session after the first
+/// proof sync), and declared the session lost there, under every such hold.
+pub async fn borrowed_session_without_a_tick_keeps_its_locks(url: &str) {
+    let hosts = url.strip_prefix("zk://").unwrap_or(url);
+    let (hosts, chroot) = match hosts.find('/') {
+        Some(i) => hosts.split_at(i),
+        None => (hosts, ""),
+    };
+    let session = Duration::from_secs(4);
+    let raw = zk::Client::connector()
+        .with_session_timeout(session)
+        .connect(&format!("{hosts}{chroot}"))
+        .await
+        .expect("the application's session");
+    let t = raw.session_timeout();
+    let backend = dlock_zookeeper::ZkBackend::from_client(
+        raw,
+        dlock::SessionOptions::default(),
+        dlock_zookeeper::ZkOptions::default(),
+    )
+    .await
+    .expect("the session proven");
+    let c = dlock::Client::from_backend(backend);
+    let name = unique("borrowed-no-tick");
+    let mut g = c.mutex(&name).expect("name").lock().await.expect("lock");
+    tokio::time::sleep(t * 2).await;
+    assert!(
+        !g.is_lost(),
+        "a healthy borrowed session was declared lost within two session timeouts ({t:?})"
+    );
+    g.verify().await.expect("still held on the server");
+    g.release().await.expect("release");
+    c.close().await.expect("close");
 }
