@@ -115,8 +115,13 @@ pub(crate) async fn run(
                 }
                 // Ctrl-Z: the group first, so that nothing of it runs while dlock, stopped,
                 // renews nothing; then dlock itself, as the shell expects of its job.
+                // An orphaned dlock (its shell gone) is not stopped: nobody would
+                // continue it, and the kernel discards such a stop's default action too.
                 signal_cont(group, libc::SIGSTOP);
-                signals::stop_self();
+                if !signals::stop_self() {
+                    signal_cont(group, libc::SIGCONT);
+                    continue;
+                }
                 // Continued. The session may have ended meanwhile, and another holder
                 // started: then the group must not run again, not even for a SIGTERM grace.
                 if (run.is_lost)() {

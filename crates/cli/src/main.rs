@@ -48,7 +48,8 @@ struct Cli {
     /// When the lock is lost under the command: how long its process group (the command
     /// and everything it started) has between SIGTERM and SIGKILL. Default: half the lost
     /// signal's lead on the next holder (max(10% of the session timeout, 100ms) / 2), at
-    /// most 5s; a longer one lets a command that outlives SIGTERM overlap the next holder.
+    /// most 5s; a longer one can let a command that outlives SIGTERM overlap the next
+    /// holder (warned of).
     #[arg(long, global = true, value_parser = parse_duration)]
     kill_after: Option<Duration>,
 
@@ -333,22 +334,22 @@ const MAX_DEFAULT_KILL_AFTER: Duration = Duration::from_secs(5);
 /// The grace between SIGTERM and SIGKILL: `--kill-after`, or half the lead the lost signal
 /// has on the next holder ([`dlock::lost_margin`] of the session: no backend fires it
 /// later), at most [`MAX_DEFAULT_KILL_AFTER`]. The other half is for dlock to notice and
-/// for the kernel to tear the group down. A `--kill-after` longer than the whole lead
-/// is the user's to set, with a warning for the commands that run one: the group can
-/// then run beside the next holder for the difference.
+/// for the kernel to tear the group down. A longer `--kill-after` is the user's to set,
+/// with a warning for the commands that run one: the group can then run beside the
+/// next holder.
 fn kill_after(given: Option<Duration>, session: Duration, command: &Command) -> Duration {
     let lead = dlock::lost_margin(session);
     let Some(given) = given else {
         return (lead / 2).min(MAX_DEFAULT_KILL_AFTER);
     };
-    if given > lead
+    if given > lead / 2
         && matches!(
             command,
             Command::Exec(_) | Command::Multi(_) | Command::Elect(_)
         )
     {
         say!(
-            "dlock: warning: --kill-after {} is longer than the lost signal's lead on the next holder ({}): a command that outlives SIGTERM can run beside the next holder for the difference",
+            "dlock: warning: --kill-after {} is more than half the lost signal's lead on the next holder ({}): a command that outlives SIGTERM can run beside the next holder",
             humantime::format_duration(given),
             humantime::format_duration(lead)
         );

@@ -88,7 +88,8 @@ impl Signals {
                 v = &mut wait => return Ok(v),
                 n = self.recv() => {
                     if is_stop(n) {
-                        stop_self();
+                        // Orphaned: nobody could continue it; the stop is discarded.
+                        let _ = stop_self();
                     } else {
                         return Err(n);
                     }
@@ -107,34 +108,73 @@ pub(crate) fn is_stop(n: libc::c_int) -> bool {
 
 /// Stops the whole dlock process with SIGSTOP (which cannot be caught), as a job-control
 /// stop's default action does: the shell sees the job stopped and `fg` or `bg` (SIGCONT)
-/// continues it. Returns once dlock is continued.
+/// continues it. Returns once dlock is continued; returns `false` at once, stopping
+/// nothing, when dlock's process group is orphaned (its shell is gone: nobody would ever
+/// continue it), where the kernel discards a job-control stop's default action too.
 #[allow(unsafe_code)]
-pub(crate) fn stop_self() {
+pub(crate) fn stop_self() -> bool {
+    if group_orphaned() {
+        return false;
+    }
     // SAFETY: getpid(2) and kill(2) take and return plain integers; SIGSTOP stops every
     // thread of the process until a SIGCONT, after which this call returns.
     unsafe {
         libc::kill(libc::getpid(), libc::SIGSTOP);
     }
+    true
 }
 
-/// Sets SIGTTOU to be ignored (see the module's docs). Failing leaves its default.
+/// Whether dlock's process group is orphaned as far as dlock can tell: its parent is
+/// gone (reparented to init), or is not in another process group of dlock's session
+/// (the parent that can continue a stopped job is a shell in the same session).
 #[allow(unsafe_code)]
-fn ignore_ttou() {
-    // SAFETY: signal(2) with SIG_IGN installs no handler code; nothing else in dlock
-    // sets a disposition for SIGTTOU.
+fn group_orphaned() -> bool {
+    // SAFETY: getppid(2), getpgrp(2), getpgid(2) and getsid(2) take and return plain
+    // integers and have no memory effects.
     unsafe {
-        libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+        let parent = libc::getppid();
+        if parent <= 1 {
+            return true;
+        }
+        let (parent_group, parent_session) = (libc::getpgid(parent), libc::getsid(parent));
+        parent_group < 0
+            || parent_session < 0
+            || parent_session != libc::getsid(0)
+            || parent_group == libc::getpgrp()
     }
 }
 
-/// Gives the command SIGTTOU back at its default, which dlock ignores (an ignored signal
-/// stays ignored across exec; the caught ones are reset by exec itself). Called in the
-/// forked child before exec, so it only makes an async-signal-safe call.
+/// SIGTTOU's disposition as dlock got it from its parent (a `sighandler_t`), which the
+/// command gets back; `SIG_DFL` until [`ignore_ttou`] has run.
+static TTOU_INHERITED: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(libc::SIG_DFL);
+
+/// Sets SIGTTOU to be ignored (see the module's docs), once per process, keeping the
+/// disposition it had for the command. Failing leaves it as it was.
+#[allow(unsafe_code)]
+fn ignore_ttou() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: signal(2) with SIG_IGN installs no handler code; nothing else in dlock
+        // sets a disposition for SIGTTOU.
+        let old = unsafe { libc::signal(libc::SIGTTOU, libc::SIG_IGN) };
+        if old != libc::SIG_ERR {
+            TTOU_INHERITED.store(old, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+}
+
+/// Gives the command SIGTTOU back as dlock inherited it (an ignored signal stays ignored
+/// across exec; the caught ones are reset by exec itself). Called in the forked child
+/// before exec, so it only reads an atomic and makes an async-signal-safe call.
 #[allow(unsafe_code)]
 pub(crate) fn restore_in_child() -> std::io::Result<()> {
-    // SAFETY: signal(2) is async-signal-safe and touches only this (child) process.
+    let inherited = TTOU_INHERITED.load(std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: signal(2) is async-signal-safe and touches only this (child) process; the
+    // disposition is SIG_DFL or SIG_IGN (dlock installs no SIGTTOU handler of its own
+    // before it stores one, so no handler address of the parent reaches the child).
     unsafe {
-        libc::signal(libc::SIGTTOU, libc::SIG_DFL);
+        libc::signal(libc::SIGTTOU, inherited);
     }
     Ok(())
 }

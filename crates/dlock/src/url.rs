@@ -309,21 +309,41 @@ impl BackendUrl {
     /// `text` (an error message, say) with every URL in it redacted ([`Self::redact`]):
     /// each space-separated word that contains `://` or `@`, quotes around it kept. A
     /// password with a space in it splits its URL into several words: a word with `://`
-    /// and no `@` is taken together with the words up to the next one with an `@` (when
-    /// no other `://` comes first), so no part of the password is shown; text that only
-    /// looks like that is hidden generously.
+    /// whose authority does not end in it (no `/`, `?` or `#` after the scheme) is taken
+    /// together with the words up to the last one with an `@` before the next `://`, so
+    /// no part of the password is shown; text that only looks like that is hidden
+    /// generously (a host or a later word may be hidden with it).
     pub fn redact_in(text: &str) -> String {
         let words: Vec<&str> = text.split(' ').collect();
         let mut out = Vec::with_capacity(words.len());
         let mut i = 0;
         while i < words.len() {
             let mut j = i;
-            if words[i].contains("://") && !words[i].contains('@') {
-                if let Some(k) = words[i + 1..]
+            if words[i]
+                .split_once("://")
+                .is_some_and(|(_, rest)| !rest.contains(['/', '?', '#']))
+            {
+                // The authority has not ended in this word: its userinfo may go on, up to
+                // the last `@` before the next URL.
+                let rest = &words[i + 1..];
+                let mut until = rest
                     .iter()
-                    .take_while(|w| !w.contains("://"))
-                    .position(|w| w.contains('@'))
-                {
+                    .position(|w| w.contains("://"))
+                    .unwrap_or(rest.len());
+                // A quoted URL ends at its closing quote.
+                if let Some(q) = words[i].chars().next().filter(|c| matches!(c, '\'' | '"')) {
+                    let closed = words[i].len() > 1
+                        && words[i].trim_end_matches([',', ':', '.']).ends_with(q);
+                    until = if closed {
+                        0
+                    } else {
+                        rest[..until]
+                            .iter()
+                            .position(|w| w.contains(q))
+                            .map_or(until, |p| p + 1)
+                    };
+                }
+                if let Some(k) = rest[..until].iter().rposition(|w| w.contains('@')) {
                     j = i + 1 + k;
                 }
             }
@@ -782,6 +802,9 @@ mod tests {
         assert_eq!(shown, "a value 'redis://:***@h:1' for --url, and ***@y");
         let shown = BackendUrl::redact_in("'etcd://u:a b c@h:1/x' and zk://h:1");
         assert_eq!(shown, "'etcd://u:***@h:1/x' and zk://h:1");
+        // With an `@` before the space too.
+        let shown = BackendUrl::redact_in("'redis://u:a@b c@h:1' failed");
+        assert_eq!(shown, "'redis://u:***@h:1' failed");
     }
 
     #[test]

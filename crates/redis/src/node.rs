@@ -542,10 +542,12 @@ impl Node {
     /// `MOVED`, which fred follows. Both refusals come before anything runs. fred's
     /// "Too many failed write attempts." does not always mean that, though: it fails
     /// with it, too, a command that was in flight on a connection it found broken while
-    /// following another command's `MOVED`, which may have run; so every script is safe
-    /// to run twice (the enqueue returns the entry its ticket already has, see
-    /// `scripts::ENQUEUE`; a second removal, renewal or abandon finds nothing more to
-    /// do, and a release that ran twice may report its entry gone). Without the retry a
+    /// following another command's `MOVED`, which may have run; so the scripts are made
+    /// safe to run twice: a tail enqueue returns the entry its ticket already has (see
+    /// `scripts::ENQUEUE`), a read entry beside its writer is written under the same
+    /// name again (only its token and the counter move), a second removal, renewal or
+    /// abandon finds nothing more to do, and a release that ran twice may report its
+    /// entry gone. Without the retry a
     /// routine topology change fails an acquire or a release and misses renewals.
     ///
     /// `request` builds the keys and arguments, once per command sent: fred takes them
