@@ -115,13 +115,10 @@ pub(crate) async fn run(
                 }
                 // Ctrl-Z: the group first, so that nothing of it runs while dlock, stopped,
                 // renews nothing; then dlock itself, as the shell expects of its job.
-                // An orphaned dlock (its shell gone) is not stopped: nobody would
-                // continue it, and the kernel discards such a stop's default action too.
+                // (In an orphaned process group the kernel discards dlock's stop, and the
+                // group is continued at once below.)
                 signal_cont(group, libc::SIGSTOP);
-                if !signals::stop_self() {
-                    signal_cont(group, libc::SIGCONT);
-                    continue;
-                }
+                signals::stop_self(n);
                 // Continued. The session may have ended meanwhile, and another holder
                 // started: then the group must not run again, not even for a SIGTERM grace.
                 if (run.is_lost)() {

@@ -18,8 +18,8 @@
 //! only if the hold was not lost meanwhile ([`crate::child`]). SIGTTOU, which a terminal
 //! with `tostop` sends to a background process that writes to it, is ignored: a handler
 //! would make the write restart and raise it again without end, and dlock's few lines on
-//! stderr are no reason to stop renewing. The command gets both back at their defaults
-//! ([`restore_in_child`]).
+//! stderr are no reason to stop renewing. The command gets SIGTTOU back as dlock got it
+//! ([`restore_in_child`]). A signal dlock was started with ignored stays ignored.
 
 use std::future::Future;
 use std::task::Poll;
@@ -49,6 +49,10 @@ impl Signals {
         ];
         let streams = kinds
             .into_iter()
+            // A signal dlock was started with ignored (a script's background job gets
+            // SIGINT and SIGQUIT so) stays ignored, as the one who started it meant: a
+            // handler would take it, and exec would give it to the command at its default.
+            .filter(|(n, _)| !inherited_ignored(*n))
             .filter_map(|(n, k)| match signal(k) {
                 Ok(s) => Some((n, s)),
                 Err(e) => {
@@ -88,8 +92,7 @@ impl Signals {
                 v = &mut wait => return Ok(v),
                 n = self.recv() => {
                     if is_stop(n) {
-                        // Orphaned: nobody could continue it; the stop is discarded.
-                        let _ = stop_self();
+                        stop_self(n);
                     } else {
                         return Err(n);
                     }
@@ -106,41 +109,38 @@ pub(crate) fn is_stop(n: libc::c_int) -> bool {
     n == libc::SIGTSTP || n == libc::SIGTTIN
 }
 
-/// Stops the whole dlock process with SIGSTOP (which cannot be caught), as a job-control
-/// stop's default action does: the shell sees the job stopped and `fg` or `bg` (SIGCONT)
-/// continues it. Returns once dlock is continued; returns `false` at once, stopping
-/// nothing, when dlock's process group is orphaned (its shell is gone: nobody would ever
-/// continue it), where the kernel discards a job-control stop's default action too.
+/// Stops dlock as the job-control stop `n` (SIGTSTP or SIGTTIN) would have by its default
+/// action, and returns once it is continued: the shell sees the job stopped, and `fg`
+/// or `bg` (SIGCONT) continues it. The kernel decides, as it would have without dlock's
+/// handler: `n` is raised on this thread with its default action for the moment, which
+/// stops every thread of the process, unless dlock's process group is orphaned (nobody
+/// could continue it), where the kernel discards the stop and this returns at once.
 #[allow(unsafe_code)]
-pub(crate) fn stop_self() -> bool {
-    if group_orphaned() {
-        return false;
-    }
-    // SAFETY: getpid(2) and kill(2) take and return plain integers; SIGSTOP stops every
-    // thread of the process until a SIGCONT, after which this call returns.
+pub(crate) fn stop_self(n: libc::c_int) {
+    // SAFETY: sigaction(2) and raise(3) with plain values and a zeroed `sigaction` that is
+    // filled in before use; the disposition dlock's handler had is put back unchanged.
+    // raise(3) delivers `n` to this thread before it returns (it is not blocked here), so
+    // the default action has run, or been discarded, when the handler comes back.
     unsafe {
-        libc::kill(libc::getpid(), libc::SIGSTOP);
+        let mut saved: libc::sigaction = std::mem::zeroed();
+        let mut default: libc::sigaction = std::mem::zeroed();
+        default.sa_sigaction = libc::SIG_DFL;
+        if libc::sigaction(n, &default, &mut saved) != 0 {
+            return;
+        }
+        libc::raise(n);
+        libc::sigaction(n, &saved, std::ptr::null_mut());
     }
-    true
 }
 
-/// Whether dlock's process group is orphaned as far as dlock can tell: its parent is
-/// gone (reparented to init), or is not in another process group of dlock's session
-/// (the parent that can continue a stopped job is a shell in the same session).
+/// Whether signal `n` was ignored when dlock started (before any handler of its own).
 #[allow(unsafe_code)]
-fn group_orphaned() -> bool {
-    // SAFETY: getppid(2), getpgrp(2), getpgid(2) and getsid(2) take and return plain
-    // integers and have no memory effects.
+fn inherited_ignored(n: libc::c_int) -> bool {
+    // SAFETY: sigaction(2) with a null new action only reads the disposition into a
+    // zeroed struct.
     unsafe {
-        let parent = libc::getppid();
-        if parent <= 1 {
-            return true;
-        }
-        let (parent_group, parent_session) = (libc::getpgid(parent), libc::getsid(parent));
-        parent_group < 0
-            || parent_session < 0
-            || parent_session != libc::getsid(0)
-            || parent_group == libc::getpgrp()
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(n, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
     }
 }
 

@@ -294,55 +294,38 @@ impl BackendUrl {
                 None => url.to_owned(),
             };
         };
-        let (userinfo, hosts, tail) = match split_authority(rest) {
-            (Some(userinfo), hosts, tail) => (userinfo, hosts, tail),
-            (None, ..) => match rest.rsplit_once('@') {
-                Some((userinfo, after)) => (userinfo, after, ""),
-                None => return url.to_owned(),
-            },
+        // Up to the last `@`, not the authority's: a password may hold an unencoded `/`,
+        // `?`, `#` or `@` (and, quoted in a message, a space), which would otherwise end
+        // the userinfo early and show the rest of it.
+        let Some((userinfo, after)) = rest.rsplit_once('@') else {
+            return url.to_owned();
         };
         let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
         let hidden = if userinfo.contains(':') { ":***" } else { "" };
-        format!("{scheme}://{user}{hidden}@{hosts}{tail}")
+        format!("{scheme}://{user}{hidden}@{after}")
     }
 
     /// `text` (an error message, say) with every URL in it redacted ([`Self::redact`]):
     /// each space-separated word that contains `://` or `@`, quotes around it kept. A
     /// password with a space in it splits its URL into several words: a word with `://`
-    /// whose authority does not end in it (no `/`, `?` or `#` after the scheme) is taken
-    /// together with the words up to the last one with an `@` before the next `://`, so
-    /// no part of the password is shown; text that only looks like that is hidden
-    /// generously (a host or a later word may be hidden with it).
+    /// is taken together with the words up to the last one with an `@` before the next
+    /// `://`, so no part of the password is shown, whatever else it holds; text that only
+    /// looks like that is hidden generously (the words up to such an `@` are hidden with
+    /// the password).
     pub fn redact_in(text: &str) -> String {
         let words: Vec<&str> = text.split(' ').collect();
         let mut out = Vec::with_capacity(words.len());
         let mut i = 0;
         while i < words.len() {
             let mut j = i;
-            if words[i]
-                .split_once("://")
-                .is_some_and(|(_, rest)| !rest.contains(['/', '?', '#']))
-            {
-                // The authority has not ended in this word: its userinfo may go on, up to
-                // the last `@` before the next URL.
+            if words[i].contains("://") {
+                // A password may hold a space (and `@`, `/`, quotes...): the URL's words
+                // go on up to the last one with an `@` before the next URL.
                 let rest = &words[i + 1..];
-                let mut until = rest
+                let until = rest
                     .iter()
                     .position(|w| w.contains("://"))
                     .unwrap_or(rest.len());
-                // A quoted URL ends at its closing quote.
-                if let Some(q) = words[i].chars().next().filter(|c| matches!(c, '\'' | '"')) {
-                    let closed = words[i].len() > 1
-                        && words[i].trim_end_matches([',', ':', '.']).ends_with(q);
-                    until = if closed {
-                        0
-                    } else {
-                        rest[..until]
-                            .iter()
-                            .position(|w| w.contains(q))
-                            .map_or(until, |p| p + 1)
-                    };
-                }
                 if let Some(k) = rest[..until].iter().rposition(|w| w.contains('@')) {
                     j = i + 1 + k;
                 }
@@ -797,9 +780,23 @@ mod tests {
         );
         assert_eq!(BackendUrl::redact_in("no url here"), "no url here");
         // A password with a space: no part of it shows.
-        let shown = BackendUrl::redact_in("a value 'redis://:pa ss@h:1' for --url, and x@y");
+        let shown = BackendUrl::redact_in("a value 'redis://:pa ss@h:1' for --url");
         assert!(!shown.contains("pa") && !shown.contains("ss@"), "{shown}");
-        assert_eq!(shown, "a value 'redis://:***@h:1' for --url, and ***@y");
+        assert_eq!(shown, "a value 'redis://:***@h:1' for --url");
+        // Generous: a later word with an `@` is taken as the end of the userinfo.
+        assert_eq!(
+            BackendUrl::redact_in("'redis://:pa ss@h:1' and x@y"),
+            "'redis://:***@y"
+        );
+        // A `/`, `?` or a quote in the password before the space.
+        for (text, shown) in [
+            ("'redis://:pa/ss word@h:1'", "'redis://:***@h:1'"),
+            ("'redis://u:x@y/z w@h:1'", "'redis://u:***@h:1'"),
+            ("'redis://:ab' cd@h:1'", "'redis://:***@h:1'"),
+            ("\"redis://:a?b c@h:1\" x", "\"redis://:***@h:1\" x"),
+        ] {
+            assert_eq!(BackendUrl::redact_in(text), shown, "{text}");
+        }
         let shown = BackendUrl::redact_in("'etcd://u:a b c@h:1/x' and zk://h:1");
         assert_eq!(shown, "'etcd://u:***@h:1/x' and zk://h:1");
         // With an `@` before the space too.

@@ -16,9 +16,8 @@ use crate::ZkOptions;
 pub(crate) const ZK_QUORUM: &str =
     "ZooKeeper answers a write only once a quorum of its servers has it, whatever the setting";
 
-/// How often `from_client` sends its pair of syncs again when the connection changed
-/// between the two, before it gives up: each retry needs another reconnection within
-/// one pair gap.
+/// How often `from_client` takes its proof again when the connection changed during it,
+/// before it gives up: each retry needs another reconnection within one proof.
 const PROOF_ATTEMPTS: usize = 4;
 
 impl ZkBackend {
@@ -217,14 +216,16 @@ impl ZkBackend {
     /// so it cannot ask them for `tickTime`: set [`ZkOptions::tick_time`], or dlock
     /// assumes half the session timeout (safe, but the lost signal then also fires on
     /// leader elections). The lost signal needs a proof that the session is live on the
-    /// leader, which takes two `sync`s one pair gap apart (two ticks, at most half the
-    /// session timeout) over one connection: this call waits that long, and again if the
-    /// client reconnected in between.
+    /// leader, `sync`s every sixteenth of the session timeout until one is sent a pair gap
+    /// (two ticks, at most half the session timeout) after the first completed, over one
+    /// connection: this call waits that long (at least a sixteenth of the session), and
+    /// again if the client reconnected meanwhile.
     ///
     /// # Errors
-    /// [`Error::Unreachable`] if the session is not connected, does not answer within
-    /// `opts.connect_timeout` (plus the pair gap), or reconnected during each of four
-    /// pairs; [`Error::LockLost`] if it has expired or was closed.
+    /// [`Error::Unreachable`] if the session is not connected, a `sync` is not answered
+    /// within `opts.connect_timeout`, the proof took so long that its deadline passed, or
+    /// the client reconnected during each of four proofs; [`Error::LockLost`] if the
+    /// session has expired or was closed.
     ///
     /// [`Backend::close`]: dlock_core::Backend::close
     pub async fn from_client(
@@ -307,6 +308,19 @@ impl ZkBackend {
                 "the connection changed while the session was being proven; proving again"
             );
         };
+        // Syncs slow enough to take the proof past the deadline it proves would hand out
+        // a backend lost at birth.
+        let mut lease = crate::heartbeat::LeaderLease::new(t, gap, first);
+        for (sent, completed) in &proof {
+            lease.confirmed(*sent, *completed);
+        }
+        if lease.deadline() <= tokio::time::Instant::now() {
+            return Err(Error::Unreachable(format!(
+                "ZooKeeper answered the syncs that prove the session too slowly: the proof \
+                 took {:?} of a {t:?} session",
+                first.elapsed()
+            )));
+        }
         if zk_opts.tick_time.is_none() {
             tracing::warn!(
                 session_timeout = ?t,
