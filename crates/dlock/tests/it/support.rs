@@ -286,8 +286,31 @@ pub fn dlock_bin() -> PathBuf {
 /// The `dlock` binary under test, with no `DLOCK_URL` from the caller's environment and
 /// no stdin, so it can never wait on a terminal.
 pub fn dlock() -> Command {
+    use std::os::unix::process::CommandExt as _;
     let mut c = Command::new(dlock_bin());
     c.env_remove("DLOCK_URL").stdin(Stdio::null());
+    // As from an interactive shell: the signals the tests send dlock at their default
+    // dispositions, whatever this test process inherited (a runner started in the
+    // background of a script has SIGINT and SIGQUIT ignored, `nohup` SIGHUP, and dlock
+    // keeps a signal it was started with ignored).
+    // SAFETY: the hook only calls signal(2), which is async-signal-safe, in the child.
+    #[allow(unsafe_code)]
+    unsafe {
+        c.pre_exec(|| {
+            for sig in [
+                libc::SIGHUP,
+                libc::SIGINT,
+                libc::SIGQUIT,
+                libc::SIGTERM,
+                libc::SIGTSTP,
+                libc::SIGTTIN,
+                libc::SIGTTOU,
+            ] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
     c
 }
 
