@@ -62,12 +62,11 @@ pub(crate) async fn run(
     tokio::pin!(lost);
     // A lock lost between its grant and here is not run under: the command would start
     // only to be stopped, after it may already have done something.
-    if let Some(e) = futures::FutureExt::now_or_never(lost.as_mut()) {
-        say!("dlock: {e}; the command was not started");
-        return Outcome::Lost(e);
-    }
-    if (run.is_lost)() {
-        let e = Error::LockLost("the session's deadline passed before the command started".into());
+    if let Some(e) = known_loss(
+        lost.as_mut(),
+        run,
+        "the session's deadline passed before the command started",
+    ) {
         say!("dlock: {e}; the command was not started");
         return Outcome::Lost(e);
     }
@@ -117,19 +116,18 @@ pub(crate) async fn run(
                 // renews nothing; then dlock itself, as the shell expects of its job.
                 // (In an orphaned process group the kernel discards dlock's stop, and the
                 // group is continued at once below.)
-                signal_cont(group, libc::SIGSTOP);
+                signal_only(group, libc::SIGSTOP);
                 signals::stop_self(n);
                 // Continued. The session may have ended meanwhile, and another holder
                 // started: then the group must not run again, not even for a SIGTERM grace.
-                if (run.is_lost)() {
-                    let e = futures::FutureExt::now_or_never(lost.as_mut()).unwrap_or_else(|| {
-                        Error::LockLost("the session ended while dlock was stopped".into())
-                    });
+                if let Some(e) =
+                    known_loss(lost.as_mut(), run, "the session ended while dlock was stopped")
+                {
                     say!("dlock: {e}; killing the stopped command");
                     kill(&mut child, group).await;
                     return Outcome::Lost(e);
                 }
-                signal_cont(group, libc::SIGCONT);
+                signal_only(group, libc::SIGCONT);
             }
             status = child.wait() => {
                 let code = match status {
@@ -150,6 +148,17 @@ pub(crate) async fn run(
             }
         }
     }
+}
+
+/// The loss known right now: the lost signal's error if it has fired, else `why` if the
+/// guard's `is_lost` says so (its session deadline passed before the signal fired).
+fn known_loss(
+    lost: std::pin::Pin<&mut impl std::future::Future<Output = Error>>,
+    run: &Run<'_>,
+    why: &str,
+) -> Option<Error> {
+    futures::FutureExt::now_or_never(lost)
+        .or_else(|| (run.is_lost)().then(|| Error::LockLost(why.to_owned())))
 }
 
 /// How long, after SIGKILL, [`terminate`] waits for the group's processes to be gone: a
@@ -186,7 +195,7 @@ async fn terminate(child: &mut tokio::process::Child, group: Option<u32>, grace:
 /// SIGKILL to the whole group, the command reaped, and a wait of at most [`KILL_SETTLE`]
 /// for the rest of the group to be gone.
 async fn kill(child: &mut tokio::process::Child, group: Option<u32>) {
-    signal_cont(group, libc::SIGKILL);
+    signal_only(group, libc::SIGKILL);
     let _ = child.wait().await;
     let settle = tokio::time::Instant::now() + KILL_SETTLE;
     while group_alive(group) && tokio::time::Instant::now() < settle {
@@ -198,15 +207,15 @@ async fn kill(child: &mut tokio::process::Child, group: Option<u32>) {
 /// (a command that read the terminal and got SIGTTIN, or one stopped from outside) keeps
 /// a signal pending until it is continued, and dlock would wait for it without end.
 fn signal_group(group: Option<u32>, sig: libc::c_int) {
-    signal_cont(group, sig);
+    signal_only(group, sig);
     if sig != libc::SIGCONT {
-        signal_cont(group, libc::SIGCONT);
+        signal_only(group, libc::SIGCONT);
     }
 }
 
-/// Sends `sig` alone to every process of the command's group (SIGKILL and SIGSTOP need
-/// no SIGCONT after them; SIGCONT is the continuation itself).
-fn signal_cont(group: Option<u32>, sig: libc::c_int) {
+/// Sends `sig` alone to every process of the command's group, with no SIGCONT after it
+/// (SIGKILL and SIGSTOP need none; SIGCONT is the continuation itself).
+fn signal_only(group: Option<u32>, sig: libc::c_int) {
     if let Some(pgid) = group.and_then(|g| libc::pid_t::try_from(g).ok()) {
         kill_group(pgid, sig);
     }

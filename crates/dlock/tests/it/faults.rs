@@ -81,6 +81,25 @@ pub(crate) async fn wait_exit(
     }
 }
 
+/// The end of a test where another client took the lock from a holder that lost it: the
+/// new holder's hold survived whatever the old one did on waking, it releases, nothing is
+/// left of the lock, and the test's client and directory go.
+pub(crate) async fn next_holder_undisturbed(
+    mut g: dlock::LockGuard,
+    c: dlock::Client,
+    name: &str,
+    dir: &Path,
+) {
+    assert!(!g.is_lost(), "the next holder's hold must survive");
+    g.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&c, name).await == 0 }).await,
+        "entries left under {name}"
+    );
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A `sh -c` script for [`spawn_exec`]: the command records its PID in the file `$1`
 /// (written beside it and renamed, so a reader never sees half of it), then becomes
 /// `sleep` under that same PID.
@@ -196,7 +215,7 @@ pub async fn cli_paused_holder_exits_70(_kind: Kind, url: &str) {
     // Whatever happens below, the group must not stay stopped.
     let cont = Cont(pgid);
     let got = m.lock_timeout(GENEROUS).await;
-    let mut g = got.unwrap_or_else(|e| {
+    let g = got.unwrap_or_else(|e| {
         panic!("another client must get the lock of a paused holder after its session: {e}")
     });
     // Keep the holder paused well past its timeout (3x), so its own clock also says so.
@@ -224,14 +243,7 @@ pub async fn cli_paused_holder_exits_70(_kind: Kind, url: &str) {
         "the command (pid {child_pid}) outlived the lost lock"
     );
     // The new holder was never disturbed by the old one waking up.
-    assert!(!g.is_lost(), "the second client's hold must survive");
-    g.release().await.expect("release");
-    assert!(
-        eventually(GENEROUS, || async { leftovers(&c, &name).await == 0 }).await,
-        "entries left under {name}"
-    );
-    c.close().await.expect("close");
-    let _ = std::fs::remove_dir_all(&dir);
+    next_holder_undisturbed(g, c, &name, &dir).await;
 }
 
 /// A `dlock exec` that loses its lock stops everything its command started, not only the
