@@ -112,10 +112,16 @@ pub(crate) async fn run(
                     signal_group(group, n);
                     continue;
                 }
+                // A SIGCONT already came after this stop: it is cancelled, as the kernel
+                // would have cancelled it (see `signals::stop_cancelled`).
+                if signals::stop_cancelled() {
+                    continue;
+                }
                 // Ctrl-Z: the group first, so that nothing of it runs while dlock, stopped,
                 // renews nothing; then dlock itself, as the shell expects of its job.
-                // (In an orphaned process group the kernel discards dlock's stop, and the
-                // group is continued at once below.)
+                // (In an orphaned process group the kernel discards dlock's stop, and a
+                // SIGCONT between these two lines cancels it: either way the group is
+                // continued at once below.)
                 signal_only(group, libc::SIGSTOP);
                 signals::stop_self(n);
                 // Continued. The session may have ended meanwhile, and another holder

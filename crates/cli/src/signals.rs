@@ -15,13 +15,15 @@
 //! beside it. So dlock takes SIGTSTP and SIGTTIN too ([`is_stop`]): while it waits it
 //! simply stops itself ([`stop_self`]), as the default action would; while the command
 //! runs it first stops the command's group, and once continued it lets the group go on
-//! only if the hold was not lost meanwhile ([`crate::child`]). SIGTTOU, which a terminal
+//! only if the hold was not lost meanwhile ([`crate::child`]). A SIGCONT that came after
+//! the stop, before dlock acted on it, cancels it ([`stop_cancelled`]). SIGTTOU, which a terminal
 //! with `tostop` sends to a background process that writes to it, is ignored: a handler
 //! would make the write restart and raise it again without end, and dlock's few lines on
 //! stderr are no reason to stop renewing. The command gets SIGTTOU back as dlock got it
 //! ([`restore_in_child`]). A signal dlock was started with ignored stays ignored.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::Poll;
 
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -39,6 +41,14 @@ impl Signals {
     /// action (reported at debug level): dlock then behaves for it as it did without this.
     pub(crate) fn install() -> Signals {
         ignore_ttou();
+        // Before tokio's handlers, so that a stop's arrival is on record by the time its
+        // stream yields it (the registry runs a signal's actions in registration order).
+        record_order(
+            &[libc::SIGTSTP, libc::SIGTTIN]
+                .into_iter()
+                .filter(|n| !inherited_ignored(*n))
+                .collect::<Vec<_>>(),
+        );
         let kinds = [
             (libc::SIGTERM, SignalKind::terminate()),
             (libc::SIGINT, SignalKind::interrupt()),
@@ -92,7 +102,9 @@ impl Signals {
                 v = &mut wait => return Ok(v),
                 n = self.recv() => {
                     if is_stop(n) {
-                        stop_self(n);
+                        if !stop_cancelled() {
+                            stop_self(n);
+                        }
                     } else {
                         return Err(n);
                     }
@@ -115,6 +127,11 @@ pub(crate) fn is_stop(n: libc::c_int) -> bool {
 /// handler: `n` is raised on this thread with its default action for the moment, which
 /// stops every thread of the process, unless dlock's process group is orphaned (nobody
 /// could continue it), where the kernel discards the stop and this returns at once.
+///
+/// A SIGCONT that came after the stop cancels it, as the kernel discards a pending stop
+/// when SIGCONT is sent: this then returns without stopping ([`stop_cancelled`], asked
+/// once more just before the raise). Only a SIGCONT in the few instructions between that
+/// look and the raise is missed; dlock then stays stopped until the next SIGCONT.
 #[allow(unsafe_code)]
 pub(crate) fn stop_self(n: libc::c_int) {
     // SAFETY: sigaction(2) and raise(3) with plain values and a zeroed `sigaction` that is
@@ -128,9 +145,73 @@ pub(crate) fn stop_self(n: libc::c_int) {
         if libc::sigaction(n, &default, &mut saved) != 0 {
             return;
         }
-        libc::raise(n);
+        if !stop_cancelled() {
+            libc::raise(n);
+        }
         libc::sigaction(n, &saved, std::ptr::null_mut());
     }
+}
+
+/// Counts the arrivals of the job-control stops and of SIGCONT, in the order the
+/// handlers ran; [`LAST_STOP`] and [`LAST_CONT`] hold the count at the latest of each.
+static ARRIVALS: AtomicU64 = AtomicU64::new(0);
+/// [`ARRIVALS`] at the latest SIGTSTP or SIGTTIN dlock's handler took (0: none yet).
+static LAST_STOP: AtomicU64 = AtomicU64::new(0);
+/// [`ARRIVALS`] at the latest SIGCONT (0: none yet).
+static LAST_CONT: AtomicU64 = AtomicU64::new(0);
+/// Whether the arrivals above are recorded for every stop dlock takes and for SIGCONT;
+/// if not, no stop is ever taken as cancelled.
+static ORDER_KNOWN: AtomicBool = AtomicBool::new(false);
+
+/// True when a SIGCONT came after the latest job-control stop: the stop is then
+/// cancelled, as the kernel cancels a pending stop on SIGCONT (a `kill -TSTP` followed at
+/// once by `kill -CONT`, or `fg` right after Ctrl-Z, before dlock acted on the stop). The
+/// stop's stream only says that a stop came, not when: this order says whether a
+/// continue came after it.
+pub(crate) fn stop_cancelled() -> bool {
+    ORDER_KNOWN.load(Ordering::SeqCst)
+        && LAST_CONT.load(Ordering::SeqCst) > LAST_STOP.load(Ordering::SeqCst)
+}
+
+/// Notes one arrival in `last` (run in a signal handler: lock-free atomics only).
+fn arrived(last: &AtomicU64) {
+    let n = ARRIVALS.fetch_add(1, Ordering::SeqCst) + 1;
+    last.fetch_max(n, Ordering::SeqCst);
+}
+
+/// Records the arrival order of `stops` and of SIGCONT beside any other handler, once per
+/// process. Recording SIGCONT changes nothing of what it does (the kernel continues a
+/// stopped process before any handler runs; exec gives the command the default action).
+/// If one of them cannot be recorded, none is, and [`stop_cancelled`] stays false: dlock
+/// then stops on every stop, as before. SIGCONT inherited ignored stays so, unrecorded.
+#[allow(unsafe_code)]
+fn record_order(stops: &[libc::c_int]) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if inherited_ignored(libc::SIGCONT) {
+            return;
+        }
+        let wanted = stops
+            .iter()
+            .map(|n| (*n, &LAST_STOP))
+            .chain([(libc::SIGCONT, &LAST_CONT)]);
+        let mut ids = Vec::new();
+        for (n, last) in wanted {
+            // SAFETY: the action does only lock-free atomic operations on statics, which
+            // are async-signal-safe; none of these signals is one the registry forbids.
+            match unsafe { signal_hook_registry::register(n, move || arrived(last)) } {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    tracing::debug!(signal = n, error = %e, "cannot record the signal's arrival");
+                    for id in ids {
+                        signal_hook_registry::unregister(id);
+                    }
+                    return;
+                }
+            }
+        }
+        ORDER_KNOWN.store(true, Ordering::SeqCst);
+    });
 }
 
 /// Whether signal `n` was ignored when dlock started (before any handler of its own).
@@ -195,5 +276,29 @@ pub(crate) fn name(n: libc::c_int) -> &'static str {
         libc::SIGTSTP => "SIGTSTP",
         libc::SIGTTIN => "SIGTTIN",
         _ => "a signal",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The order rule alone, on the statics the handlers write (no signal is sent): a
+    /// stop is cancelled only by a SIGCONT after it, and only once the order is recorded.
+    /// (Other tests in this binary install the handlers, so nothing is assumed of the
+    /// statics' start.)
+    #[test]
+    fn a_stop_is_cancelled_only_by_a_later_continue() {
+        let known = ORDER_KNOWN.swap(false, Ordering::SeqCst);
+        arrived(&LAST_STOP);
+        arrived(&LAST_CONT);
+        assert!(!stop_cancelled(), "an order not recorded cancels nothing");
+        ORDER_KNOWN.store(true, Ordering::SeqCst);
+        assert!(stop_cancelled(), "a SIGCONT after the stop");
+        arrived(&LAST_STOP);
+        assert!(!stop_cancelled(), "a stop after that SIGCONT");
+        arrived(&LAST_CONT);
+        assert!(stop_cancelled(), "and a SIGCONT after that one");
+        ORDER_KNOWN.store(known, Ordering::SeqCst);
     }
 }

@@ -187,9 +187,13 @@ fn written(file: &std::path::Path) -> u64 {
 }
 
 /// A `sh -c` script that records its PID in `$1` and then appends a line to `$2` every
-/// 20 ms for as long as it runs.
+/// 20 ms for as long as it runs. The `sleep` runs in a subshell: dash starts a plain
+/// command with vfork(2), and a SIGSTOP that lands between its vfork and exec stops the
+/// child while the script waits for the exec in uninterruptible sleep (`D`, not `T`)
+/// until the child is continued; a subshell is a fork, and the script then waits in
+/// wait(2), where it stops like any process.
 const RECORD_PID_AND_WRITE: &str = "echo $$ > \"$1.tmp\"; mv \"$1.tmp\" \"$1\"; \
-     while :; do echo x >> \"$2\"; sleep 0.02; done";
+     while :; do echo x >> \"$2\"; (sleep 0.02); done";
 
 /// SIGCONTs the process groups it names when dropped, so that a failed assertion leaves
 /// nothing of the test stopped.
@@ -263,7 +267,13 @@ pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
     // the command before it runs again.
     signal_pid(dlock_pid, "TSTP");
     let stopped_at = tokio::time::Instant::now();
-    assert!(stopped_together().await, "the second Ctrl-Z");
+    assert!(
+        stopped_together().await,
+        "the second Ctrl-Z must stop the command with dlock (dlock {:?}, command {:?}); stderr: {}",
+        proc_state(dlock_pid),
+        proc_state(pid),
+        std::fs::read_to_string(&errfile).unwrap_or_default()
+    );
     let g = m
         .lock_timeout(GENEROUS)
         .await
@@ -284,6 +294,99 @@ pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
         "the command ran again after the next holder got the lock"
     );
     crate::faults::next_holder_undisturbed(g, c, &name, &dir).await;
+}
+
+/// A SIGCONT sent right after a SIGTSTP, before dlock acts on the stop, cancels it, as
+/// the kernel cancels a pending stop: dlock and its command go on running. The gap
+/// between the two is swept from 0 to 1.5 ms in 10 µs steps (150 tries, each checked
+/// 50 ms later), so that some tries land after dlock's handler took the stop and before
+/// its runtime acted on it. Before, dlock acted on the stop whatever came after it and
+/// stayed stopped, holding the lock, its command stopped with it, until a second SIGCONT:
+/// 13 and 16 of 150 tries in two runs on the old code, against 0 to 1 on the new.
+/// dlock knows the order by the order its handlers ran, which can differ from the order
+/// the signals were sent by a few microseconds on a busy machine; hence the 3 allowed.
+/// A stop on its own still stops both, after all those SIGCONTs.
+pub async fn cli_continue_right_after_a_stop_cancels_it(_kind: Kind, url: &str) {
+    let name = unique("tstp-cont");
+    let dir = tempdir("tstp-cont");
+    let pid_file = dir.join("pid");
+    let out = dir.join("out");
+    let errfile = dir.join("dlock.err");
+    let mut holder = spawn_exec(
+        &["--url", url, "--session-timeout", "30s", "exec", &name],
+        RECORD_PID_AND_WRITE,
+        &[&pid_file, &out],
+        &errfile,
+    );
+    let dlock_pid = holder.0.id();
+    let pid = crate::faults::recorded_pid(&pid_file).await;
+    let _cont = ContAll(vec![dlock_pid, pid]);
+    let raw = i32::try_from(dlock_pid).expect("a pid fits in pid_t");
+    let stderr = || std::fs::read_to_string(&errfile).unwrap_or_default();
+    // kill(2) itself, busy-waiting the gap: kill(1) twice would leave a millisecond.
+    let stop_then_continue = |gap: Duration| {
+        // SAFETY: kill(2) with a pid this test spawned and two plain signal numbers.
+        #[allow(unsafe_code)]
+        let sent = unsafe {
+            let stopped = libc::kill(raw, libc::SIGTSTP) == 0;
+            let t = std::time::Instant::now();
+            while t.elapsed() < gap {
+                std::hint::spin_loop();
+            }
+            stopped && libc::kill(raw, libc::SIGCONT) == 0
+        };
+        assert!(sent, "kill: {}", std::io::Error::last_os_error());
+    };
+
+    let mut left_stopped = Vec::new();
+    for gap_us in (0..1500).step_by(10) {
+        stop_then_continue(Duration::from_micros(gap_us));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if proc_state(dlock_pid) == Some('T') {
+            left_stopped.push(gap_us);
+            signal_pid(dlock_pid, "CONT");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert!(
+        left_stopped.len() <= 3,
+        "a SIGCONT right after the SIGTSTP left dlock stopped after gaps of {left_stopped:?} µs; stderr: {}",
+        stderr()
+    );
+    let before = written(&out);
+    assert!(
+        eventually(Duration::from_secs(10), || async { written(&out) > before }).await,
+        "the command does not run; stderr: {}",
+        stderr()
+    );
+
+    signal_pid(dlock_pid, "TSTP");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            proc_state(dlock_pid) == Some('T') && proc_state(pid) == Some('T')
+        })
+        .await,
+        "Ctrl-Z must still stop the command with dlock (dlock {:?}, command {:?}); stderr: {}",
+        proc_state(dlock_pid),
+        proc_state(pid),
+        stderr()
+    );
+    signal_pid(dlock_pid, "CONT");
+    let before = written(&out);
+    assert!(
+        eventually(Duration::from_secs(10), || async { written(&out) > before }).await,
+        "the command did not go on once dlock was continued"
+    );
+
+    signal_pid(dlock_pid, "TERM");
+    let status = wait_exit(&mut holder.0, GENEROUS).await;
+    let status = status.unwrap_or_else(|| panic!("dlock did not exit; stderr: {}", stderr()));
+    // The command's `sh` died of the SIGTERM passed on to it: 128 + 15.
+    assert_eq!(status.code(), Some(143), "{status}; stderr: {}", stderr());
+    let c = client(url).await;
+    assert_eq!(leftovers(&c, &name).await, 0, "an entry was left behind");
+    c.close().await.expect("close");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Ctrl-C reaches a command that is stopped (one that read the terminal and got SIGTTIN,

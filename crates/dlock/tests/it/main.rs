@@ -431,6 +431,11 @@ mod a_release_the_server_refused_is_retried_until_it_goes {
     backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::a_release_the_server_refused_is_retried_until_it_goes);
 }
 
+/// The CLI's own signal handling, the same on every backend: one server is enough.
+mod cli_continue_right_after_a_stop_cancels_it {
+    backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::cli_signals::cli_continue_right_after_a_stop_cancels_it);
+}
+
 /// One Redis master: the holder's renewals refused by an ACL user of the test's own.
 mod cli_default_grace_ends_before_the_next_holder {
     backend_tests!(redis, crate::support::Kind::Redis, "redis"; crate::redis_faults::cli_default_grace_ends_before_the_next_holder);
