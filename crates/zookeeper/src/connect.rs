@@ -225,7 +225,7 @@ impl ZkBackend {
     /// [`Error::Unreachable`] if the session is not connected, a `sync` is not answered
     /// within `opts.connect_timeout`, the proof took so long that its deadline passed, or
     /// the client reconnected during each of four proofs; [`Error::LockLost`] if the
-    /// session has expired or was closed.
+    /// session has expired or was closed, before or during the proof.
     ///
     /// [`Backend::close`]: dlock_core::Backend::close
     pub async fn from_client(
@@ -242,11 +242,7 @@ impl ZkBackend {
                     "the application's ZooKeeper session is not connected (read-write)".into(),
                 ))
             }
-            other => {
-                return Err(Error::LockLost(format!(
-                    "the application's ZooKeeper session is over ({other})"
-                )))
-            }
+            other => return Err(session_over(other)),
         }
         let limit = opts.connect_limit();
         let users = within(
@@ -295,6 +291,14 @@ impl ZkBackend {
                 Ok(proof) if !changed => break (first, proof, states),
                 Err(e) if !changed => return Err(e),
                 _ => {}
+            }
+            // The change may have been the session's end: that is a loss, not a server
+            // out of reach, and no attempt after it can prove anything.
+            match client.state() {
+                zk::SessionState::SyncConnected
+                | zk::SessionState::Disconnected
+                | zk::SessionState::ConnectedReadOnly => {}
+                other => return Err(session_over(other)),
             }
             attempts += 1;
             if attempts == PROOF_ATTEMPTS {
@@ -398,6 +402,14 @@ impl ZkBackend {
         tracing::info!(session = %session_id, ?session_timeout, borrowed, "ZooKeeper session established");
         backend
     }
+}
+
+/// The error for an application's session found over for good (`state`: expired, closed,
+/// or its authentication failed): the session's end is the lock's end.
+fn session_over(state: zk::SessionState) -> Error {
+    Error::LockLost(format!(
+        "the application's ZooKeeper session is over ({state})"
+    ))
 }
 
 /// Splits `h:p,h:p/chroot` into hosts and chroot. A `/` that belongs to a `tcp://`
