@@ -37,8 +37,10 @@ pub(crate) struct Signals {
 
 impl Signals {
     /// Takes SIGTERM, SIGINT, SIGHUP and SIGQUIT, and SIGTSTP and SIGTTIN ([`is_stop`]),
-    /// and ignores SIGTTOU. A signal whose handler cannot be installed keeps its default
-    /// action (reported at debug level): dlock then behaves for it as it did without this.
+    /// and ignores SIGTTOU. A signal whose handler cannot be installed is reported at
+    /// debug level and keeps its default action (a stop's arrival is recorded through the
+    /// same registry as tokio's handler, by [`record_order`], so a stop it could record is
+    /// one tokio can take).
     pub(crate) fn install() -> Signals {
         ignore_ttou();
         // Before tokio's handlers, so that a stop's arrival is on record by the time its
@@ -130,8 +132,9 @@ pub(crate) fn is_stop(n: libc::c_int) -> bool {
 ///
 /// A SIGCONT that came after the stop cancels it, as the kernel discards a pending stop
 /// when SIGCONT is sent: this then returns without stopping ([`stop_cancelled`], asked
-/// once more just before the raise). Only a SIGCONT in the few instructions between that
-/// look and the raise is missed; dlock then stays stopped until the next SIGCONT.
+/// once more just before the raise). A SIGCONT in the few instructions between that look
+/// and the raise is missed (dlock then stays stopped until the next SIGCONT), and so is
+/// one whose order [`stop_cancelled`] gets wrong.
 #[allow(unsafe_code)]
 pub(crate) fn stop_self(n: libc::c_int) {
     // SAFETY: sigaction(2) and raise(3) with plain values and a zeroed `sigaction` that is
@@ -168,9 +171,29 @@ static ORDER_KNOWN: AtomicBool = AtomicBool::new(false);
 /// once by `kill -CONT`, or `fg` right after Ctrl-Z, before dlock acted on the stop). The
 /// stop's stream only says that a stop came, not when: this order says whether a
 /// continue came after it.
+///
+/// The order is the order in which dlock's handlers ran, which can differ from the order
+/// the signals were sent when the two come within a microsecond or two (a handler may be
+/// interrupted by the other signal's before it records): a SIGCONT just after a stop may
+/// then leave dlock stopped, and a stop just after a SIGCONT may be taken as cancelled.
+/// The kernel alone orders them exactly; this narrows the gap from "until dlock's runtime
+/// acts on the stop" to that.
 pub(crate) fn stop_cancelled() -> bool {
-    ORDER_KNOWN.load(Ordering::SeqCst)
-        && LAST_CONT.load(Ordering::SeqCst) > LAST_STOP.load(Ordering::SeqCst)
+    let yes = cancelled(
+        ORDER_KNOWN.load(Ordering::SeqCst),
+        LAST_STOP.load(Ordering::SeqCst),
+        LAST_CONT.load(Ordering::SeqCst),
+    );
+    if yes {
+        tracing::debug!("a SIGCONT came after the stop: not stopping");
+    }
+    yes
+}
+
+/// The rule of [`stop_cancelled`]: with the order `known`, a stop is cancelled when the
+/// latest SIGCONT's arrival (`cont`) is after the latest stop's (`stop`).
+fn cancelled(known: bool, stop: u64, cont: u64) -> bool {
+    known && cont > stop
 }
 
 /// Notes one arrival in `last` (run in a signal handler: lock-free atomics only).
@@ -180,8 +203,10 @@ fn arrived(last: &AtomicU64) {
 }
 
 /// Records the arrival order of `stops` and of SIGCONT beside any other handler, once per
-/// process. Recording SIGCONT changes nothing of what it does (the kernel continues a
-/// stopped process before any handler runs; exec gives the command the default action).
+/// process. Recording SIGCONT does not change what it does (the kernel continues a
+/// stopped process before any handler runs; exec gives the command the default action),
+/// but it now runs a handler: a SIGCONT interrupts a blocking call of whichever thread
+/// takes it, which tokio's threads restart.
 /// If one of them cannot be recorded, none is, and [`stop_cancelled`] stays false: dlock
 /// then stops on every stop, as before. SIGCONT inherited ignored stays so, unrecorded.
 #[allow(unsafe_code)]
@@ -283,22 +308,37 @@ pub(crate) fn name(n: libc::c_int) -> &'static str {
 mod tests {
     use super::*;
 
-    /// The order rule alone, on the statics the handlers write (no signal is sent): a
-    /// stop is cancelled only by a SIGCONT after it, and only once the order is recorded.
-    /// (Other tests in this binary install the handlers, so nothing is assumed of the
-    /// statics' start.)
+    /// The rule alone (the statics are shared with the tests that install the handlers):
+    /// a stop is cancelled only by a SIGCONT after it, and only with the order recorded.
     #[test]
     fn a_stop_is_cancelled_only_by_a_later_continue() {
-        let known = ORDER_KNOWN.swap(false, Ordering::SeqCst);
-        arrived(&LAST_STOP);
-        arrived(&LAST_CONT);
-        assert!(!stop_cancelled(), "an order not recorded cancels nothing");
-        ORDER_KNOWN.store(true, Ordering::SeqCst);
-        assert!(stop_cancelled(), "a SIGCONT after the stop");
-        arrived(&LAST_STOP);
-        assert!(!stop_cancelled(), "a stop after that SIGCONT");
-        arrived(&LAST_CONT);
-        assert!(stop_cancelled(), "and a SIGCONT after that one");
-        ORDER_KNOWN.store(known, Ordering::SeqCst);
+        assert!(
+            !cancelled(false, 1, 2),
+            "an order not recorded cancels nothing"
+        );
+        assert!(!cancelled(true, 0, 0), "nothing arrived");
+        assert!(!cancelled(true, 2, 1), "a SIGCONT before the stop");
+        assert!(cancelled(true, 1, 2), "a SIGCONT after the stop");
+        assert!(cancelled(true, 0, 1), "a SIGCONT and no stop yet");
+    }
+
+    /// Arrivals are numbered in order, each kind keeping its latest.
+    #[test]
+    fn arrivals_are_numbered_in_order() {
+        static STOP: AtomicU64 = AtomicU64::new(0);
+        static CONT: AtomicU64 = AtomicU64::new(0);
+        arrived(&STOP);
+        arrived(&CONT);
+        assert!(cancelled(
+            true,
+            STOP.load(Ordering::SeqCst),
+            CONT.load(Ordering::SeqCst)
+        ));
+        arrived(&STOP);
+        assert!(!cancelled(
+            true,
+            STOP.load(Ordering::SeqCst),
+            CONT.load(Ordering::SeqCst)
+        ));
     }
 }

@@ -232,6 +232,9 @@ pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
     let dlock_pid = holder.0.id();
     let pid = crate::faults::recorded_pid(&pid_file).await;
     let start = start_time(pid).expect("the command runs");
+    // Dropped in reverse: the group continued, then the command killed if it outlived a
+    // failed assertion (dlock's own group is killed by `holder`).
+    let _orphan = crate::faults::Orphan::new(pid);
     let _cont = ContAll(vec![dlock_pid, pid]);
     let c = client(url).await;
     let m = c.mutex(&name).expect("name");
@@ -300,26 +303,31 @@ pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
 /// the kernel cancels a pending stop: dlock and its command go on running. The gap
 /// between the two is swept from 0 to 1.5 ms in 10 µs steps (150 tries, each checked
 /// 50 ms later), so that some tries land after dlock's handler took the stop and before
-/// its runtime acted on it. Before, dlock acted on the stop whatever came after it and
-/// stayed stopped, holding the lock, its command stopped with it, until a second SIGCONT:
-/// 13 and 16 of 150 tries in two runs on the old code, against 0 to 1 on the new.
-/// dlock knows the order by the order its handlers ran, which can differ from the order
-/// the signals were sent by a few microseconds on a busy machine; hence the 3 allowed.
-/// A stop on its own still stops both, after all those SIGCONTs.
+/// its runtime acted on it; dlock's debug log must show that some did, or the sweep
+/// proved nothing. Before, dlock acted on the stop whatever came after it and stayed
+/// stopped, holding the lock, its command stopped with it, until a second SIGCONT: 13, 16
+/// and 37 of 150 tries in three runs on the old code, against 0 or 1 on the new. dlock
+/// knows the order by the order its handlers ran, which can differ from the order the
+/// signals were sent within a microsecond or two; hence the 3 allowed. A stop on its own
+/// still stops both, after all those SIGCONTs.
 pub async fn cli_continue_right_after_a_stop_cancels_it(_kind: Kind, url: &str) {
     let name = unique("tstp-cont");
     let dir = tempdir("tstp-cont");
     let pid_file = dir.join("pid");
     let out = dir.join("out");
     let errfile = dir.join("dlock.err");
-    let mut holder = spawn_exec(
+    let mut holder = crate::faults::spawn_exec_env(
         &["--url", url, "--session-timeout", "30s", "exec", &name],
+        &[("DLOCK_LOG", "dlock::signals=debug")],
         RECORD_PID_AND_WRITE,
         &[&pid_file, &out],
         &errfile,
     );
     let dlock_pid = holder.0.id();
     let pid = crate::faults::recorded_pid(&pid_file).await;
+    // Dropped in reverse: the group continued, then the command killed if it outlived a
+    // failed assertion (dlock's own group is killed by `holder`).
+    let _orphan = crate::faults::Orphan::new(pid);
     let _cont = ContAll(vec![dlock_pid, pid]);
     let raw = i32::try_from(dlock_pid).expect("a pid fits in pid_t");
     let stderr = || std::fs::read_to_string(&errfile).unwrap_or_default();
@@ -352,6 +360,14 @@ pub async fn cli_continue_right_after_a_stop_cancels_it(_kind: Kind, url: &str) 
         left_stopped.len() <= 3,
         "a SIGCONT right after the SIGTSTP left dlock stopped after gaps of {left_stopped:?} µs; stderr: {}",
         stderr()
+    );
+    let cancelled = stderr().matches("not stopping").count();
+    eprintln!(
+        "{cancelled} looks found the stop cancelled; dlock left stopped after {left_stopped:?} µs"
+    );
+    assert!(
+        cancelled > 0,
+        "no try landed between dlock's handler and its runtime acting on the stop: the sweep proved nothing"
     );
     let before = written(&out);
     assert!(

@@ -171,7 +171,19 @@ pub(crate) fn spawn_exec(
     script_args: &[&Path],
     errfile: &Path,
 ) -> Reap {
+    spawn_exec_env(args, &[], script, script_args, errfile)
+}
+
+/// [`spawn_exec`] with `env` added to dlock's environment.
+pub(crate) fn spawn_exec_env(
+    args: &[&str],
+    env: &[(&str, &str)],
+    script: &str,
+    script_args: &[&Path],
+    errfile: &Path,
+) -> Reap {
     let holder = dlock()
+        .envs(env.iter().copied())
         .args(args)
         .args(["--", "sh", "-c", script, "sh"])
         .args(script_args)
