@@ -225,7 +225,8 @@ impl ZkBackend {
     /// [`Error::Unreachable`] if the session is not connected, a `sync` is not answered
     /// within `opts.connect_timeout`, the proof took so long that its deadline passed, or
     /// the client reconnected during each of four proofs; [`Error::LockLost`] if the
-    /// session has expired or was closed, before or during the proof.
+    /// session has expired, was closed or failed authentication, before or during the
+    /// proof.
     ///
     /// [`Backend::close`]: dlock_core::Backend::close
     pub async fn from_client(
@@ -238,9 +239,7 @@ impl ZkBackend {
         match client.state() {
             zk::SessionState::SyncConnected => {}
             zk::SessionState::Disconnected | zk::SessionState::ConnectedReadOnly => {
-                return Err(Error::Unreachable(
-                    "the application's ZooKeeper session is not connected (read-write)".into(),
-                ))
+                return Err(not_read_write())
             }
             other => return Err(session_over(other)),
         }
@@ -292,13 +291,24 @@ impl ZkBackend {
                 Err(e) if !changed => return Err(e),
                 _ => {}
             }
+            // A proof sent while the client reconnects would be thrown away at the
+            // reconnection: wait for it (bounded; a client still disconnected then fails
+            // the next attempt's sync within the same limit).
+            let mut now = client.state_watcher();
+            let mut state = now.state();
+            if state == zk::SessionState::Disconnected {
+                if let Ok(s) = tokio::time::timeout(limit, now.changed()).await {
+                    state = s;
+                }
+            }
             // The change may have been the session's end: that is a loss, not a server
-            // out of reach, and no attempt after it can prove anything.
-            match client.state() {
-                zk::SessionState::SyncConnected
-                | zk::SessionState::Disconnected
-                | zk::SessionState::ConnectedReadOnly => {}
-                other => return Err(session_over(other)),
+            // out of reach, and no attempt after it can prove anything. A read-only
+            // reconnection cannot prove it either, as at the start.
+            if state.is_terminated() {
+                return Err(session_over(state));
+            }
+            if state == zk::SessionState::ConnectedReadOnly {
+                return Err(not_read_write());
             }
             attempts += 1;
             if attempts == PROOF_ATTEMPTS {
@@ -402,6 +412,12 @@ impl ZkBackend {
         tracing::info!(session = %session_id, ?session_timeout, borrowed, "ZooKeeper session established");
         backend
     }
+}
+
+/// The error for an application's session that is not connected to a read-write server
+/// (disconnected, or reconnected read-only), which no sync can prove.
+fn not_read_write() -> Error {
+    Error::Unreachable("the application's ZooKeeper session is not connected (read-write)".into())
 }
 
 /// The error for an application's session found over for good (`state`: expired, closed,
