@@ -305,8 +305,9 @@ pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
 /// 50 ms later), so that some tries land after dlock's handler took the stop and before
 /// its runtime acted on it; dlock's debug log must show that some did, or the sweep
 /// proved nothing. Before, dlock acted on the stop whatever came after it and stayed
-/// stopped, holding the lock, its command stopped with it, until a second SIGCONT: 13, 16
-/// and 37 of 150 tries in three runs on the old code, against 0 or 1 on the new. dlock
+/// stopped, holding the lock, its command stopped with it, until a second SIGCONT: 37 and
+/// 24 of 150 tries in two runs of this sweep on the old code (13 and 16 in two sweeps by
+/// hand), against 0 or 1 on the new. dlock
 /// knows the order by the order its handlers ran, which can differ from the order the
 /// signals were sent within a microsecond or two; hence the 3 allowed. A stop on its own
 /// still stops both, after all those SIGCONTs.
