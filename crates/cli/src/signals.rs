@@ -104,9 +104,8 @@ impl Signals {
                 v = &mut wait => return Ok(v),
                 n = self.recv() => {
                     if is_stop(n) {
-                        if !stop_cancelled() {
-                            stop_self(n);
-                        }
+                        // Returns at once if a SIGCONT cancelled the stop.
+                        stop_self(n);
                     } else {
                         return Err(n);
                     }

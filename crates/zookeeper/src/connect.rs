@@ -236,12 +236,12 @@ impl ZkBackend {
     ) -> Result<Arc<ZkBackend>> {
         opts.refuse_replicas(ZK_QUORUM)?;
         let t = client.session_timeout();
-        match client.state() {
-            zk::SessionState::SyncConnected => {}
-            zk::SessionState::Disconnected | zk::SessionState::ConnectedReadOnly => {
-                return Err(not_read_write())
-            }
-            other => return Err(session_over(other)),
+        let state = client.state();
+        if let Some(e) = unprovable(state) {
+            return Err(e);
+        }
+        if state == zk::SessionState::Disconnected {
+            return Err(not_read_write());
         }
         let limit = opts.connect_limit();
         let users = within(
@@ -304,11 +304,8 @@ impl ZkBackend {
             // The change may have been the session's end: that is a loss, not a server
             // out of reach, and no attempt after it can prove anything. A read-only
             // reconnection cannot prove it either, as at the start.
-            if state.is_terminated() {
-                return Err(session_over(state));
-            }
-            if state == zk::SessionState::ConnectedReadOnly {
-                return Err(not_read_write());
+            if let Some(e) = unprovable(state) {
+                return Err(e);
             }
             attempts += 1;
             if attempts == PROOF_ATTEMPTS {
@@ -411,6 +408,19 @@ impl ZkBackend {
         });
         tracing::info!(session = %session_id, ?session_timeout, borrowed, "ZooKeeper session established");
         backend
+    }
+}
+
+/// Why no sync can prove a session in `state`, whether it is over for good
+/// ([`session_over`]) or connected read-only ([`not_read_write`]); `None` while it is
+/// connected read-write or disconnected (the caller says what a disconnection means).
+fn unprovable(state: zk::SessionState) -> Option<Error> {
+    if state.is_terminated() {
+        Some(session_over(state))
+    } else if state == zk::SessionState::ConnectedReadOnly {
+        Some(not_read_write())
+    } else {
+        None
     }
 }
 

@@ -186,6 +186,20 @@ fn written(file: &std::path::Path) -> u64 {
     std::fs::metadata(file).map(|m| m.len()).unwrap_or(0)
 }
 
+/// Whether `dlock_pid` and the command `pid` are both stopped within 10 s.
+async fn stopped_together(dlock_pid: u32, pid: u32) -> bool {
+    eventually(Duration::from_secs(10), || async {
+        proc_state(dlock_pid) == Some('T') && proc_state(pid) == Some('T')
+    })
+    .await
+}
+
+/// Whether the writing command appends to `out` again within 10 s.
+async fn writes_again(out: &std::path::Path) -> bool {
+    let before = written(out);
+    eventually(Duration::from_secs(10), || async { written(out) > before }).await
+}
+
 /// A `sh -c` script that records its PID in `$1` and then appends a line to `$2` every
 /// 20 ms for as long as it runs. The `sleep` runs in a subshell: dash starts a plain
 /// command with vfork(2), and a SIGSTOP that lands between its vfork and exec stops the
@@ -238,17 +252,11 @@ pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
     let _cont = ContAll(vec![dlock_pid, pid]);
     let c = client(url).await;
     let m = c.mutex(&name).expect("name");
-    let stopped_together = || async {
-        eventually(Duration::from_secs(10), || async {
-            proc_state(dlock_pid) == Some('T') && proc_state(pid) == Some('T')
-        })
-        .await
-    };
 
     // Stopped and continued within the session: the command waits with dlock, then goes on.
     signal_pid(dlock_pid, "TSTP");
     assert!(
-        stopped_together().await,
+        stopped_together(dlock_pid, pid).await,
         "Ctrl-Z must stop the command with dlock (dlock {:?}, command {:?})",
         proc_state(dlock_pid),
         proc_state(pid)
@@ -271,7 +279,7 @@ pub async fn cli_stopped_dlock_stops_its_command(_kind: Kind, url: &str) {
     signal_pid(dlock_pid, "TSTP");
     let stopped_at = tokio::time::Instant::now();
     assert!(
-        stopped_together().await,
+        stopped_together(dlock_pid, pid).await,
         "the second Ctrl-Z must stop the command with dlock (dlock {:?}, command {:?}); stderr: {}",
         proc_state(dlock_pid),
         proc_state(pid),
@@ -370,28 +378,23 @@ pub async fn cli_continue_right_after_a_stop_cancels_it(_kind: Kind, url: &str) 
         cancelled > 0,
         "no try landed between dlock's handler and its runtime acting on the stop: the sweep proved nothing"
     );
-    let before = written(&out);
     assert!(
-        eventually(Duration::from_secs(10), || async { written(&out) > before }).await,
+        writes_again(&out).await,
         "the command does not run; stderr: {}",
         stderr()
     );
 
     signal_pid(dlock_pid, "TSTP");
     assert!(
-        eventually(Duration::from_secs(10), || async {
-            proc_state(dlock_pid) == Some('T') && proc_state(pid) == Some('T')
-        })
-        .await,
+        stopped_together(dlock_pid, pid).await,
         "Ctrl-Z must still stop the command with dlock (dlock {:?}, command {:?}); stderr: {}",
         proc_state(dlock_pid),
         proc_state(pid),
         stderr()
     );
     signal_pid(dlock_pid, "CONT");
-    let before = written(&out);
     assert!(
-        eventually(Duration::from_secs(10), || async { written(&out) > before }).await,
+        writes_again(&out).await,
         "the command did not go on once dlock was continued"
     );
 
