@@ -31,7 +31,9 @@
 //! length. A permit costs two synced writes (the entry's creation and
 //! its removal) instead of Curator's three with a grant serialized behind a mutex
 //! (docs/benchmarks.md, round eight). Each entry's payload ends with ` permits=N`, the
-//! count its contender was given, so a listing can tell holders from waiters.
+//! count its contender was given, so a listing can tell holders from waiters, and a
+//! contender given more permits than one ahead of it goes by the smaller count: a
+//! semaphore-mutex's holder is alone even beside a semaphore of the same name.
 
 use std::time::Duration;
 
@@ -84,19 +86,52 @@ fn permit_data(client: &[u8], permits: u32) -> Vec<u8> {
 /// The permit count a ranked semaphore's entry was written with (see [`permit_data`]),
 /// if its payload says.
 pub(crate) fn permits_of(entry: &Entry) -> Option<usize> {
-    let data = std::str::from_utf8(&entry.data).ok()?;
-    let (_, n) = data.rsplit_once(PERMITS_TAG)?;
-    n.parse().ok()
+    // By bytes: the client's data before the tag need not be UTF-8.
+    let tag = PERMITS_TAG.as_bytes();
+    let at = entry.data.windows(tag.len()).rposition(|w| w == tag)?;
+    std::str::from_utf8(&entry.data[at + tag.len()..])
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// The count a ranked semaphore's waiter at `mine` goes by: its own, `permits`, or the
+/// smallest count of an entry ahead of it, if smaller ([`permit_holders`] says why). An
+/// entry ahead without a count (not written by dlock) sets no bound.
+///
+/// On a view that over-counts the entries ahead (as every view does: entries ahead only
+/// go), the bound is at most the true one, so a grant on the view is a grant on the truth.
+fn bounded_permits(view: &[Entry], mine: &str, permits: u32) -> u32 {
+    view.iter()
+        .take_while(|e| e.name != mine)
+        .filter_map(permits_of)
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+        .fold(permits, u32::min)
 }
 
 /// Whether each entry of a ranked semaphore's queue (in queue order) holds a permit: the
-/// entry at index i does while fewer than its contender's count are ahead. An entry
-/// without a count is taken to hold (the listing then errs towards "held").
+/// entry at index i does while i is below its contender's count and below every count
+/// of the entries ahead of it. Contenders normally share one count, and this is "the
+/// first N hold". Where counts differ (a semaphore-mutex beside a semaphore of the same
+/// name, or semaphores of one name given different counts), the holders are still the
+/// queue's first entries, and each holder with a count of n shares the semaphore with
+/// fewer than n others: a semaphore-mutex's holder is alone, and one given 3 permits
+/// never shares with 3 more because a later contender was given 5. (Counting its own
+/// count only, a contender given 3 would be let in beside a semaphore-mutex's holder.)
+/// An entry without a count is taken to hold and sets no bound (the listing then errs
+/// towards "held").
 pub(crate) fn permit_holders(entries: &[Entry]) -> Vec<bool> {
+    let mut bound = usize::MAX;
     entries
         .iter()
         .enumerate()
-        .map(|(i, e)| permits_of(e).is_none_or(|n| i < n))
+        .map(|(i, e)| match permits_of(e) {
+            Some(n) => {
+                bound = bound.min(n);
+                i < bound
+            }
+            None => true,
+        })
         .collect()
 }
 
@@ -114,6 +149,13 @@ enum Permits {
 /// Each permit is its own [`LockGuard`], with its own fencing token and lost signal.
 /// Matches Curator's `InterProcessSemaphoreV2` on the wire, so Java and dlock holders
 /// share the same permits.
+///
+/// Give every contender of one name the same count (a [`SemaphoreMutex`] of that name
+/// is a semaphore of one). Where counts differ, what a holder shares depends on the
+/// layout: on a ranked semaphore (etcd) no holder shares it with as many others as its
+/// own count, so a semaphore-mutex's holder is alone; in Curator's layout (ZooKeeper,
+/// Redis), as with Curator, each contender counts the leases out against its own count
+/// only, so one given three is let in beside a semaphore-mutex's holder.
 pub struct Semaphore<B: DynBackend + ?Sized = dyn DynBackend> {
     client: Client<B>,
     name: LockName,
@@ -532,7 +574,8 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
 
 impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// Takes a permit of a ranked semaphore: adds an entry to `permits` and waits until
-    /// fewer than `max` entries are ahead of it. Cancellation-safe as every acquire: on
+    /// fewer than `max` entries are ahead of it, and fewer than the count of any entry
+    /// ahead ([`permit_holders`]). Cancellation-safe as every acquire: on
     /// an error, or when dropped, the entry is removed.
     async fn acquire_ranked(
         &self,
@@ -570,10 +613,11 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             // last must not stand for a later removal that came after `mine` went.
             let mut proven = true;
             loop {
+                let bound = bounded_permits(&view, &mine.name, max);
                 let next = permit_next(
                     &view,
                     &mine.name,
-                    max,
+                    bound,
                     WATCH_AHEAD,
                     |n| watching.contains(n),
                     fresh,
@@ -597,9 +641,25 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                         (fresh, proven) = (true, true);
                         continue;
                     }
-                    PermitNext::Wait(arm) => {
+                    PermitNext::Wait(mut arm) => {
                         if let Some(refused) = w.refusal() {
                             return Err(refused);
+                        }
+                        // An entry ahead with a smaller count than `max` holds the bound
+                        // down until it goes, wherever it is in the queue: watched too,
+                        // or a permit it frees would wait for a nearer entry to go.
+                        if bound < max {
+                            arm.extend(
+                                view.iter()
+                                    .take_while(|e| e.name != mine.name)
+                                    .filter(|e| {
+                                        permits_of(e).is_some_and(|n| n < max as usize)
+                                            && !watching.contains(&e.name)
+                                            && !arm.iter().any(|a| a.name == e.name)
+                                    })
+                                    .cloned()
+                                    .collect::<Vec<_>>(),
+                            );
                         }
                         for e in arm {
                             watching.insert(e.name.clone());
@@ -804,5 +864,87 @@ impl<B: DynBackend + ?Sized> SemaphoreMutex<B> {
         }
         let held = self.sem.acquire_lease(w, Some(key)).await?;
         Ok(LockGuard::new(held))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dlock_core::driver::{permit_decision, PermitDecision};
+
+    fn entry(i: usize, permits: Option<u32>) -> Entry {
+        Entry {
+            name: format!("e{i}"),
+            kind: EntryKind::Lease,
+            seq: i as u64,
+            token: None,
+            ticket: None,
+            created_ms: None,
+            data: match permits {
+                Some(n) => permit_data(b"host", n),
+                None => b"foreign".to_vec(),
+            },
+        }
+    }
+
+    /// Every queue of up to five entries, each given 1, 2 or 3 permits or no count: the
+    /// holders are the queue's first entries; a holder given n shares with fewer than n
+    /// others; with one count N for all, the first N hold; and a waiter's own decision
+    /// (its bound on the queue, then the driver's rule) agrees with the listing's.
+    #[test]
+    fn mixed_counts_never_let_a_holder_share_beyond_its_own_count() {
+        let choices = [Some(1), Some(2), Some(3), None];
+        for len in 1..=5usize {
+            for code in 0..choices.len().pow(len as u32) {
+                let counts: Vec<Option<u32>> = (0..len)
+                    .map(|i| choices[code / choices.len().pow(i as u32) % choices.len()])
+                    .collect();
+                let q: Vec<Entry> = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| entry(i, *c))
+                    .collect();
+                let held = permit_holders(&q);
+                let holders = held.iter().filter(|h| **h).count();
+                assert!(
+                    held.iter().skip(holders).all(|h| !h) || counts.contains(&None),
+                    "holders not a prefix: {counts:?} -> {held:?}"
+                );
+                for (i, c) in counts.iter().enumerate() {
+                    let Some(n) = c else { continue };
+                    if held[i] {
+                        let with_count = (0..len)
+                            .filter(|j| held[*j] && counts[*j].is_some())
+                            .count();
+                        assert!(with_count <= *n as usize, "{counts:?} -> {held:?}");
+                    }
+                    let bound = bounded_permits(&q, &q[i].name, *n);
+                    let granted =
+                        permit_decision(&q, &q[i].name, bound, 8) == PermitDecision::Granted;
+                    assert_eq!(granted, held[i], "entry {i} of {counts:?}");
+                }
+                if let Some(n) = counts[0].filter(|_| counts.iter().all(|c| *c == counts[0])) {
+                    assert_eq!(holders, len.min(n as usize), "{counts:?}");
+                }
+            }
+        }
+    }
+
+    /// The case a review found: a semaphore-mutex's holder first, then a contender given
+    /// three permits, then one given three behind a semaphore-mutex's waiter. Counting
+    /// only its own count, the second was granted beside the first, and the fourth ahead
+    /// of the third, queued before it.
+    #[test]
+    fn a_semaphore_mutex_holder_is_alone_and_keeps_its_place() {
+        let q = [entry(0, Some(1)), entry(1, Some(3))];
+        assert_eq!(permit_holders(&q), [true, false]);
+        assert_eq!(bounded_permits(&q, "e1", 3), 1);
+        let q = [entry(0, Some(3)), entry(1, Some(1)), entry(2, Some(3))];
+        assert_eq!(permit_holders(&q), [true, false, false]);
+        assert_eq!(bounded_permits(&q, "e2", 3), 1);
+        let q = [entry(0, Some(3)), entry(1, Some(3)), entry(2, Some(5))];
+        assert_eq!(permit_holders(&q), [true, true, true]);
+        let q = [entry(0, Some(2)), entry(1, Some(5)), entry(2, Some(5))];
+        assert_eq!(permit_holders(&q), [true, true, false]);
     }
 }

@@ -138,6 +138,84 @@ pub async fn a_long_semaphore_queue_hands_every_permit_on(_kind: Kind, url: &str
     }
 }
 
+/// etcd's ranked semaphore: a semaphore-mutex and a semaphore of three permits under one
+/// name share one queue, and no holder shares it with as many others as its own count: while the semaphore-mutex holds,
+/// nobody given three permits is let in beside it (a contender counting only its own
+/// three was, found by a review); once it releases, two given three hold together;
+/// a semaphore-mutex contender queued behind them waits until both are gone, and one
+/// given three that comes while one of the two still holds does not pass it (counting
+/// its own three only, it would: one entry ahead of the two before it). Curator's
+/// layout (ZooKeeper, Redis, the in-memory backend) counts as Curator does, each
+/// contender against its own count: see `Semaphore`'s docs.
+pub async fn mixed_permit_counts_never_share_beyond_a_holders_count(_kind: Kind, url: &str) {
+    let name = unique("sem-mixed");
+    let cs = clients(url, 4).await;
+    let mutex = cs[0].semaphore_mutex(&name).expect("name");
+    let mut alone = mutex.lock_timeout(GENEROUS).await.expect("the mutex");
+    let three = cs[1].semaphore(&name, 3).expect("name");
+    let beside = three.acquire_timeout(Duration::from_millis(1500)).await;
+    assert!(
+        matches!(beside, Err(dlock::Error::Timeout(_))),
+        "a permit of three beside the semaphore-mutex's holder: {:?}",
+        beside.map(|g| g.token())
+    );
+    let (a, b) = (three.clone(), cs[2].semaphore(&name, 3).expect("name"));
+    let first = tokio::spawn(async move { a.acquire_timeout(GENEROUS).await });
+    let second = tokio::spawn(async move { b.acquire_timeout(GENEROUS).await });
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await >= 3 }).await,
+        "both queued"
+    );
+    assert!(
+        !first.is_finished() && !second.is_finished(),
+        "nobody beside the semaphore-mutex's holder"
+    );
+    alone.release().await.expect("release");
+    let mut first = tokio::time::timeout(PROMPTLY, first)
+        .await
+        .expect("a permit of three once the mutex is back")
+        .expect("task")
+        .expect("permit");
+    let mut second = tokio::time::timeout(PROMPTLY, second)
+        .await
+        .expect("two of three together")
+        .expect("task")
+        .expect("permit");
+    let next_mutex = cs[3].semaphore_mutex(&name).expect("name");
+    let waiter = tokio::spawn(async move { next_mutex.lock_timeout(GENEROUS).await });
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await >= 3 }).await,
+        "the semaphore-mutex contender queued"
+    );
+    second.release().await.expect("release");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the semaphore-mutex granted beside a permit still held"
+    );
+    let late = cs[1].semaphore(&name, 3).expect("name");
+    let behind = late.acquire_timeout(Duration::from_millis(1500)).await;
+    assert!(
+        matches!(behind, Err(dlock::Error::Timeout(_))),
+        "a permit of three passed the semaphore-mutex contender queued before it: {:?}",
+        behind.map(|g| g.token())
+    );
+    first.release().await.expect("release");
+    let mut last = tokio::time::timeout(PROMPTLY, waiter)
+        .await
+        .expect("the semaphore-mutex once both are back")
+        .expect("task")
+        .expect("the mutex");
+    last.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
+        "nothing left"
+    );
+    for c in cs {
+        c.close().await.expect("close");
+    }
+}
+
 /// etcd's semaphore is one ranked queue: every contender's entry is in `permits` (none
 /// in Curator's `leases` or `locks`), the first two of a two-permit semaphore hold and
 /// the third waits, as `participants` and the listing say; when the first holder
