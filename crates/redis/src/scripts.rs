@@ -269,7 +269,10 @@ end
 /// A second entry would queue the contender behind its own first one, unrenewed, until
 /// that one's lease ran out. (An `ACQUIRE_SOLO` run twice returns nil the second time;
 /// the client then sends this script, whose `unsolo` moves the first run's entry into
-/// the queue, where it is found.) Redlock's `cas` and `beside` are left as they were:
+/// the queue, where it is found.) The entry found is given a whole lease again (and the
+/// queue's key at least that): the client files it with the send time of the request
+/// that found it, and counts its lease from then, while the first run, up to a command
+/// timeout earlier, started the server's. Redlock's `cas` and `beside` are left as they were:
 /// their sequence is the client's proposal, and a retry there is a new proposal.
 ///
 /// Returns `{'OK', name, seq, token, created_ms, {name, seq, token, ...}}`.
@@ -296,6 +299,9 @@ end
 if again then
   local v = redis.call('GET', ep .. m[again])
   if v then
+    -- The client files the entry with this run's send time: its lease runs from now.
+    redis.call('PEXPIRE', ep .. m[again], lease)
+    redis.call('PEXPIRE', KEYS[1], lease, 'GT')
     local tok_s, now_s = ent(v)
     out[again + 2] = tok_s
     return {'OK', m[again], m[again + 1], tok_s, now_s, out}

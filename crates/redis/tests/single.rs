@@ -1412,3 +1412,75 @@ async fn an_enqueue_run_twice_for_one_ticket_makes_one_entry() {
     b.remove(&q, &b1.mine).await.expect("remove");
     b.close().await.expect("close");
 }
+
+/// An enqueue that finds this ticket's entry from an earlier run of the same request
+/// gives it a whole lease from now: the client files the entry with this request's
+/// send time and counts the lease from then, so the server must not expire it sooner.
+/// (The earlier run is a Redis Cluster `ACQUIRE_SOLO` that ran although fred reported
+/// it failed, retried after up to a command timeout: it started the server's lease, and
+/// the client, which never saw it succeed, filed nothing then.) Staged here by writing
+/// that run's solo string by hand, with the ticket's name, 1.5 s into a 3 s lease
+/// before the enqueue; before the fix the entry kept the 1.5 s left, and a watchdog
+/// renewal that failed after the first 1.5 s would not have fired `lost()` before the
+/// server expired it.
+#[tokio::test]
+async fn an_enqueue_finding_its_own_earlier_entry_renews_its_lease() {
+    init_tracing();
+    let Some(addr) = endpoint(
+        "DLOCK_TEST_REDIS",
+        "an_enqueue_finding_its_own_earlier_entry",
+    ) else {
+        return;
+    };
+    let lease = Duration::from_secs(3);
+    let b = connect(&addr, lease).await;
+    let insp = inspector(&addr).await;
+    let q = fresh_queue("enqueue-rearms");
+    let ticket = dlock_testkit::ticket();
+    let prefix = ticket.name_prefix(EntryKind::Lock);
+    let (secs, micros): (String, String) =
+        fred::prelude::ClientLike::custom(&insp, fred::cmd!("TIME"), Vec::<String>::new())
+            .await
+            .expect("time");
+    let token = format!("{secs}{micros:0>6}");
+    let queue_key = format!("dlock:{{{}}}:q", q.lock);
+    let earlier: Option<String> = fred::prelude::KeysInterface::set(
+        &insp,
+        &queue_key,
+        format!("{prefix}{token} {token} "),
+        Some(fred::types::Expiration::PX(lease.as_millis() as i64)),
+        Some(fred::types::SetOptions::NX),
+        false,
+    )
+    .await
+    .expect("write the earlier run's solo entry");
+    assert_eq!(earlier.as_deref(), Some("OK"));
+    tokio::time::sleep(lease / 2).await;
+    let sent = std::time::Instant::now();
+    let added = b
+        .enqueue(&q, &ticket, EntryKind::Lock, Position::Tail, b"")
+        .await
+        .expect("enqueue");
+    assert_eq!(
+        added.mine.name,
+        format!("{prefix}{token}"),
+        "the earlier entry"
+    );
+    assert_eq!(added.mine.token.map(|t| t.get().to_string()), Some(token));
+    let entry_key = format!("dlock:{{{}}}:e:{}", q.lock, added.mine.name);
+    for key in [&entry_key, &queue_key] {
+        let pttl: i64 = fred::prelude::KeysInterface::pttl(&insp, key)
+            .await
+            .expect("pttl");
+        // What the client counts on: a lease from its send. 50 ms for PTTL's rounding
+        // and this machine's scheduling, far below the 1.5 s the old script left off.
+        let floor = lease.saturating_sub(sent.elapsed()).as_millis() as i64 - 50;
+        assert!(
+            pttl >= floor,
+            "{key}: PTTL {pttl} ms, the client counts on {floor}"
+        );
+    }
+    b.remove(&q, &added.mine).await.expect("remove");
+    assert!(!key_exists(&insp, &entry_key).await, "removed");
+    b.close().await.expect("close");
+}
