@@ -56,7 +56,10 @@ use fred::types::scripts::Script;
 /// a key in its last millisecond, `PTTL` 0, keeps 1 ms, not a new lease; only a key
 /// without any TTL, which dlock never writes, gets the lease) before a second entry joins
 /// it: every script that reads or changes the queue checks
-/// `KEYS[1]`'s type first, because the sorted-set commands fail on a string.
+/// `KEYS[1]`'s type first, because the sorted-set commands fail on a string. `num`
+/// writes a whole number below 2^53 in decimal (with `pad`, a `%0Nd` format of up to
+/// nine digits, for numbers below 10^9), formatting nine digits at a time so that a
+/// 32-bit C `long` holds each part (see [`ENQUEUE`]).
 const PRELUDE: &str = r#"
 local function ent(v)
   local i = string.find(v, ' ', 1, true)
@@ -83,6 +86,13 @@ local function unsolo(ep, lease)
   redis.call('SET', ep .. name, tok .. ' ' .. string.sub(tok, 1, -4) .. ' ' .. data, 'PX', ttl)
   redis.call('ZADD', KEYS[1], tok, name)
   redis.call('PEXPIRE', KEYS[1], ttl)
+end
+local function num(n, pad)
+  if n < 1e9 then return string.format(pad or '%d', n) end
+  local hi = math.floor(n / 1e9)
+  local lo = n - hi * 1e9
+  if lo < 0 then hi, lo = hi - 1, lo + 1e9 elseif lo >= 1e9 then hi, lo = hi + 1, lo - 1e9 end
+  return string.format('%d%09d', hi, lo)
 end
 local function tidy()
   if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[2], KEYS[3]) end
@@ -255,10 +265,14 @@ end
 ///
 /// The entry key is a string `<token> <created ms> <data>` with the lease as its TTL.
 ///
-/// Numbers are written with `%d`, not `%.0f`: Lua 5.1 formats `%d` through a C `long`
-/// (exact for every integer below 2^53, which tokens, sequences and ms clocks are), while
-/// `%.0f` goes through glibc's float printer, which was about 6 % of the server's
-/// instructions per uncontended acquire + release (callgrind on redis-server).
+/// Numbers are written by `num` (the prelude's), not `%.0f`, which goes through glibc's
+/// float printer (about 6 % of the server's instructions per uncontended acquire +
+/// release, callgrind on redis-server), nor `%d` on the whole number: Lua 5.1 formats
+/// `%d` through a C `long`, which is 32 bits on a 32-bit build and on Windows ports of
+/// Redis, where a token of 16 digits would come out clamped or wrapped (every entry the
+/// same sequence and token: order and tokens gone). `num` formats at most nine digits
+/// per `%d`, exact for every integer below 2^53 (tokens, sequences, ms clocks) whatever
+/// the `long`.
 ///
 /// A `tail` enqueue is idempotent per ticket: when the queue already has a live entry
 /// whose name starts with this ticket's prefix (tickets are drawn anew for every
@@ -283,7 +297,7 @@ unsolo(ep, lease)
 local cur
 if mode == 'cas' then
   cur = tonumber(redis.call('GET', KEYS[2]) or '0')
-  if tonumber(p) <= cur then return {'REJECT', string.format('%d', cur)} end
+  if tonumber(p) <= cur then return {'REJECT', num(cur)} end
 elseif mode == 'beside' then
   if redis.call('EXISTS', ep .. writer) == 0 then return {'MISSING'} end
 end
@@ -327,15 +341,15 @@ if mode == 'tail' then
   seq = tok
 elseif mode == 'cas' then
   seq = tonumber(p)
-  if seq <= top then return {'REJECT', string.format('%d', top)} end
+  if seq <= top then return {'REJECT', num(top)} end
   redis.call('SET', KEYS[2], p, 'PX', lease)
 else
   seq = tonumber(p)
 end
-local tok_s = string.format('%d', tok)
-local seq_s = string.format('%d', seq)
-local name = prefix .. string.format('%010d', seq)
-local now_s = string.format('%d', now_ms)
+local tok_s = num(tok)
+local seq_s = num(seq)
+local name = prefix .. num(seq, '%010d')
+local now_s = num(now_ms)
 if counted then redis.call('SET', KEYS[3], tok_s, 'PX', lease) end
 redis.call('SET', ep .. name, tok_s .. ' ' .. now_s .. ' ' .. data, 'PX', lease)
 redis.call('ZADD', KEYS[1], seq_s, name)
@@ -623,5 +637,82 @@ mod tests {
         let unsolo = sharded.unsolo.lua().expect("source");
         assert!(!unsolo.contains("redis.call('PUBLISH'"));
         assert_ne!(plain.remove.sha1(), sharded.remove.sha1());
+    }
+
+    /// No script formats a number with `string.format` but through the prelude's `num`,
+    /// which hands `%d` nine digits at a time: Lua 5.1's `%d` goes through a C `long`,
+    /// 32 bits on some builds, and tokens have 16 digits. (ENQUEUE wrote its token,
+    /// sequence, name and clock with `%d` whole until a review found it.)
+    #[test]
+    fn numbers_are_formatted_within_a_32_bit_long() {
+        let s = Scripts::new(false, 30_000);
+        let num = &super::PRELUDE[super::PRELUDE.find("local function num").expect("num")..];
+        let num = &num[..num.find("\nend\n").expect("end of num")];
+        for script in [
+            &s.enqueue,
+            &s.list,
+            &s.remove,
+            &s.abandon,
+            &s.renew,
+            &s.acquire_solo,
+            &s.release_solo,
+            &s.unsolo,
+            &s.proclaim,
+            &s.read,
+        ] {
+            let lua = script.lua().expect("source");
+            let outside = lua.replace(num, "");
+            assert!(
+                !outside.contains("string.format") && !outside.contains("tostring"),
+                "a number formatted outside num: {lua}"
+            );
+        }
+    }
+
+    /// `num` on a real server, against Rust's own decimal digits: around every power of
+    /// ten it splits at, 2^31 and 2^32 (where a 32-bit `long` would break), today's
+    /// microsecond clock and 2^53 - 1. Runs when `DLOCK_TEST_REDIS` is set.
+    #[tokio::test]
+    async fn num_writes_every_number_below_2_pow_53_exactly() {
+        use fred::prelude::{ClientLike, Config, LuaInterface};
+        let Ok(addr) = std::env::var("DLOCK_TEST_REDIS") else {
+            eprintln!("DLOCK_TEST_REDIS not set: skipped");
+            return;
+        };
+        let mut values: Vec<u64> = vec![0, 7, 2_147_483_647, 2_147_483_648, 4_294_967_296];
+        for p in [9u32, 10, 12, 15] {
+            let t = 10u64.pow(p);
+            values.extend([t - 1, t, t + 1]);
+        }
+        values.extend([1_796_012_335_840_895, (1 << 53) - 1]);
+        let client = fred::prelude::Builder::from_config(
+            Config::from_url(&format!("redis://{addr}")).expect("url"),
+        )
+        .build()
+        .expect("client");
+        client.init().await.expect("connect");
+        let lua = format!(
+            "{}local out = {{}}\nfor i = 1, #ARGV do\n  out[#out + 1] = num(tonumber(ARGV[i]))\n  \
+             if tonumber(ARGV[i]) < 1e9 then out[#out + 1] = num(tonumber(ARGV[i]), '%010d') end\n\
+             end\nreturn out\n",
+            super::PRELUDE
+        );
+        let args: Vec<String> = values.iter().map(u64::to_string).collect();
+        let got: Vec<String> = client
+            .eval(lua, Vec::<String>::new(), args)
+            .await
+            .expect("eval");
+        let want: Vec<String> = values
+            .iter()
+            .flat_map(|v| {
+                let mut w = vec![v.to_string()];
+                if *v < 1_000_000_000 {
+                    w.push(format!("{v:010}"));
+                }
+                w
+            })
+            .collect();
+        assert_eq!(got, want);
+        client.quit().await.expect("quit");
     }
 }
