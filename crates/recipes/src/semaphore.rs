@@ -25,7 +25,9 @@
 //! internal mutex and no Curator layout: every contender's entry goes to one queue,
 //! `s/permits`, and the first N entries hold ([`dlock_core::driver::permit_decision`]).
 //! A waiter waits for one of the entries just ahead of it to go (the N nearest, and up
-//! to eight), so a release wakes at most eight waiters (N if more); it arms watches
+//! to eight), so a release wakes at most eight waiters (N if more; where contenders of
+//! one name were given different counts, every waiter also watches each entry ahead
+//! with a count below its own, whose release can wake the whole queue); it arms watches
 //! only from a fresh listing, and lists again once fewer than N of its watches are left
 //! ([`dlock_core::driver::permit_next`]), so a handoff costs the same whatever the queue's
 //! length. A permit costs two synced writes (the entry's creation and
@@ -68,7 +70,8 @@ pub const PERMITS: &str = "permits";
 /// [`dlock_core::driver::permit_next`]); with only the `permits` nearest, each release
 /// made every waiter behind it arm the next one, a read each. Measured on one etcd (W4,
 /// 8 workers, 3 permits): see docs/benchmarks.md, round eight. A change wakes at most
-/// this many waiters (or the permit count, if larger): constant in the queue's length.
+/// this many waiters (or the permit count, if larger): constant in the queue's length,
+/// where every contender of the name was given one count (see [`permit_holders`]).
 const WATCH_AHEAD: usize = 8;
 
 /// What a ranked semaphore's entry carries after the client's data: the permit count
@@ -314,7 +317,10 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// The permits are taken one at a time, as Curator's `acquire(qty)` takes them: two
     /// callers that each ask for more than half the permits can each get some and wait
     /// for the rest forever. Give such calls a timeout, or serialize them (a mutex
-    /// around the `acquire_many`).
+    /// around the `acquire_many`). On etcd, where a contender goes by the smallest count
+    /// ahead of it, so can one caller beside a smaller count: holding one of three
+    /// permits, its second waits behind a semaphore-mutex contender of the same name
+    /// that queued in between, which waits for the first (one count per name avoids it).
     ///
     /// # Errors
     /// [`Error::InvalidPermits`] if `n` is 0 or more than the semaphore has; as

@@ -57,9 +57,10 @@ use fred::types::scripts::Script;
 /// without any TTL, which dlock never writes, gets the lease) before a second entry joins
 /// it: every script that reads or changes the queue checks
 /// `KEYS[1]`'s type first, because the sorted-set commands fail on a string. `num`
-/// writes a whole number below 2^53 in decimal (with `pad`, a `%0Nd` format of up to
-/// nine digits, for numbers below 10^9), formatting nine digits at a time so that a
-/// 32-bit C `long` holds each part (see [`ENQUEUE`]).
+/// writes a whole number below 2^53 in decimal (with `pad`, a `%0Nd` format with N at
+/// most ten, applied to numbers below 10^9 only: larger ones have ten digits or more),
+/// formatting nine digits at a time so that a 32-bit C `long` holds each part (see
+/// [`ENQUEUE`]).
 const PRELUDE: &str = r#"
 local function ent(v)
   local i = string.find(v, ' ', 1, true)
@@ -642,7 +643,9 @@ mod tests {
     /// No script formats a number with `string.format` but through the prelude's `num`,
     /// which hands `%d` nine digits at a time: Lua 5.1's `%d` goes through a C `long`,
     /// 32 bits on some builds, and tokens have 16 digits. (ENQUEUE wrote its token,
-    /// sequence, name and clock with `%d` whole until a review found it.)
+    /// sequence, name and clock with `%d` whole until a review found it.) It does not
+    /// see a number joined with `..` (Lua's `%.14g`, 14 digits): by convention every
+    /// `..` in the scripts joins strings (`TIME`'s fields, `ARGV`, `num`'s output).
     #[test]
     fn numbers_are_formatted_within_a_32_bit_long() {
         let s = Scripts::new(false, 30_000);

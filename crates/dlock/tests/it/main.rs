@@ -280,6 +280,9 @@ mod etcd_lost_enqueue_reply_leaves_one_raw_candidate {
 mod etcd_mixed_permit_counts_never_share_beyond_a_holders_count {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::semaphore::mixed_permit_counts_never_share_beyond_a_holders_count);
 }
+mod etcd_a_smaller_count_far_ahead_is_watched {
+    backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::semaphore::a_smaller_count_far_ahead_is_watched);
+}
 mod etcd_semaphore_is_one_ranked_queue {
     backend_tests!(etcd, crate::support::Kind::Etcd, "etcd"; crate::semaphore::etcd_semaphore_is_one_ranked_queue);
 }

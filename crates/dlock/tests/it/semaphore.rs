@@ -163,7 +163,7 @@ pub async fn mixed_permit_counts_never_share_beyond_a_holders_count(_kind: Kind,
     let first = tokio::spawn(async move { a.acquire_timeout(GENEROUS).await });
     let second = tokio::spawn(async move { b.acquire_timeout(GENEROUS).await });
     assert!(
-        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await >= 3 }).await,
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 3 }).await,
         "both queued"
     );
     assert!(
@@ -184,7 +184,7 @@ pub async fn mixed_permit_counts_never_share_beyond_a_holders_count(_kind: Kind,
     let next_mutex = cs[3].semaphore_mutex(&name).expect("name");
     let waiter = tokio::spawn(async move { next_mutex.lock_timeout(GENEROUS).await });
     assert!(
-        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await >= 3 }).await,
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 3 }).await,
         "the semaphore-mutex contender queued"
     );
     second.release().await.expect("release");
@@ -207,6 +207,60 @@ pub async fn mixed_permit_counts_never_share_beyond_a_holders_count(_kind: Kind,
         .expect("task")
         .expect("the mutex");
     last.release().await.expect("release");
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
+        "nothing left"
+    );
+    for c in cs {
+        c.close().await.expect("close");
+    }
+}
+
+/// etcd's ranked semaphore: a waiter watches the entry with a smaller count that holds
+/// its bound down, however far ahead. A semaphore-mutex's holder, then nine contenders
+/// given ten permits: each waits for the mutex's holder alone; when it releases, all
+/// nine hold at once. The ninth has nine entries ahead and watches the eight nearest
+/// (and the bound's), so without its watch on the holder it would wait for one of the
+/// other eight to go.
+pub async fn a_smaller_count_far_ahead_is_watched(_kind: Kind, url: &str) {
+    const WAITERS: usize = 9;
+    let name = unique("sem-far");
+    let cs = clients(url, 2).await;
+    let mutex = cs[0].semaphore_mutex(&name).expect("name");
+    let mut alone = mutex.lock_timeout(GENEROUS).await.expect("the mutex");
+    let mut waiters = Vec::new();
+    for i in 0..WAITERS {
+        let sem = cs[1].semaphore(&name, 10).expect("name");
+        waiters.push(tokio::spawn(
+            async move { sem.acquire_timeout(GENEROUS).await },
+        ));
+        assert!(
+            eventually(GENEROUS, || async {
+                leftovers(&cs[0], &name).await == i + 2
+            })
+            .await,
+            "waiter {i} queued in turn"
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "nobody beside the semaphore-mutex's holder"
+    );
+    alone.release().await.expect("release");
+    let mut held = Vec::new();
+    for (i, w) in waiters.into_iter().enumerate() {
+        held.push(
+            tokio::time::timeout(PROMPTLY, w)
+                .await
+                .unwrap_or_else(|_| panic!("waiter {i} of {WAITERS} once the mutex is back"))
+                .expect("task")
+                .expect("permit"),
+        );
+    }
+    for g in &mut held {
+        g.release().await.expect("release");
+    }
     assert!(
         eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
         "nothing left"
