@@ -421,13 +421,16 @@ impl<B: DynBackend + ?Sized> Client<B> {
                 .await?;
             Held::grant(self.backend.clone(), q, entry, Some(key), rt).await
         }
-        .await;
+        .await
+        // A guard before anything else runs (metrics, the log line): if that panics, the
+        // guard's drop removes the entry.
+        .map(LockGuard::new);
         crate::metrics::acquire(self.backend.kind(), kind.label(), asked.elapsed(), &result);
-        let held = result?;
-        span.record("token", held.token.get());
+        let guard = result?;
+        span.record("token", guard.token().get());
         span.record("wait_ms", asked.elapsed().as_secs_f64() * 1e3);
         tracing::debug!(parent: &span, "acquired");
-        Ok(LockGuard::new(held))
+        Ok(guard)
     }
 }
 

@@ -185,15 +185,17 @@ impl<B: DynBackend + ?Sized> Election<B> {
             // No reentry key: an election is never re-entered.
             Held::grant(backend.clone(), q.clone(), entry, None, rt).await
         }
-        .await;
+        .await
+        // A guard before the metrics and the log line: see `Client::acquire_reentrant_with`.
+        .map(LockGuard::new);
         crate::metrics::acquire(backend.kind(), "election", asked.elapsed(), &result);
-        let held = result?;
-        span.record("token", held.token.get());
+        let guard = result?;
+        span.record("token", guard.token().get());
         span.record("wait_ms", asked.elapsed().as_secs_f64() * 1e3);
         tracing::debug!(parent: &span, "elected");
         Ok(Leadership {
             value: std::sync::Mutex::new(value.to_vec()),
-            guard: LockGuard::new(held),
+            guard,
         })
     }
 

@@ -168,18 +168,22 @@ impl<B: DynBackend + ?Sized> Held<B> {
 
     /// Counts one guard released; `Some(lost)` if it was the last, so the entry must go.
     /// `lost` is whether the hold was lost by then, looked at by the caller before the
-    /// count drops (see [`LockGuard::release`]), and goes to `dlock_holds_lost_total`.
+    /// count drops (see [`LockGuard::release`]). The caller sets the entry's removal
+    /// going, then reports the end ([`Held::ended`]): a panic in a metrics recorder must
+    /// not come between the last guard and the removal, which nothing else would send.
     fn leave(&self, lost: bool) -> Option<bool> {
-        if self.guards.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return None;
-        }
+        (self.guards.fetch_sub(1, Ordering::AcqRel) == 1).then_some(lost)
+    }
+
+    /// Reports the hold's end (`lost`: it had been lost) to `dlock_hold_seconds` and
+    /// `dlock_holds_lost_total`, once its removal is under way.
+    fn ended(&self, lost: bool) {
         crate::metrics::hold_ended(
             self.backend.kind(),
             self.entry.kind.label(),
             self.granted_at.elapsed(),
             lost,
         );
-        Some(lost)
     }
 
     /// How many guards of this hold are not yet released.
@@ -441,6 +445,7 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
         let held = &self.held;
         let span = tracing::debug_span!("dlock.release", lock = %held.q.lock, token = %held.token);
         let mut remover = RemoveOnDrop(Some(held.clone()));
+        held.ended(was_lost);
         let r = held
             .backend
             .remove(&held.q, &held.entry)
@@ -558,8 +563,9 @@ impl<B: DynBackend + ?Sized> Drop for LockGuard<B> {
             return;
         }
         self.released = true;
-        if self.held.leave(self.held.lost_reason().is_some()).is_some() {
+        if let Some(lost) = self.held.leave(self.held.lost_reason().is_some()) {
             self.held.remove_in_background();
+            self.held.ended(lost);
         }
     }
 }

@@ -264,8 +264,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// Curator `InterProcessSemaphoreV2.acquire()` (same algorithm and layout); Redisson `RPermitExpirableSemaphore.acquire()`, but the
     /// permit is bound to the session rather than to a client-clock expiry.
     pub async fn acquire(&self) -> Result<LockGuard<B>> {
-        let held = self.acquire_lease(Wait::Forever, None).await?;
-        Ok(LockGuard::new(held))
+        self.acquire_lease(Wait::Forever, None).await
     }
 
     /// Waits at most `timeout` for one permit. A zero timeout asks once: a free permit
@@ -282,8 +281,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// Curator `InterProcessSemaphoreV2.acquire(time, unit)`; Redisson
     /// `tryAcquire(waitTime, unit)`.
     pub async fn acquire_timeout(&self, timeout: Duration) -> Result<LockGuard<B>> {
-        let held = self.acquire_lease(Wait::timeout(timeout), None).await?;
-        Ok(LockGuard::new(held))
+        self.acquire_lease(Wait::timeout(timeout), None).await
     }
 
     /// Takes a permit only if one is free now; never waits. Also returns
@@ -307,8 +305,7 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     /// # Upstream
     /// Curator `InterProcessSemaphoreV2.acquire(0, unit)`; Redisson `tryAcquire()`.
     pub async fn try_acquire(&self) -> Result<LockGuard<B>> {
-        let held = self.acquire_lease(Wait::No, None).await?;
-        Ok(LockGuard::new(held))
+        self.acquire_lease(Wait::No, None).await
     }
 
     /// Waits for `n` permits, all or none, held by one guard: on an error the permits
@@ -371,10 +368,12 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
                 self.name
             )));
         }
-        let mut got = Vec::with_capacity(n as usize);
+        // Not sized from `n`, which only the permit count bounds (up to u32::MAX): the
+        // guards come one wait at a time.
+        let mut got = Vec::new();
         for _ in 0..n {
             match self.acquire_lease(w, None).await {
-                Ok(h) => got.push(LockGuard::new(h)),
+                Ok(g) => got.push(g),
                 Err(e) => {
                     for mut g in got.into_iter().rev() {
                         let _ = g.release().await;
@@ -387,12 +386,14 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
     }
 
     /// Takes one lease; `key` names the hold for scopes (a semaphore-mutex's), `None`
-    /// for a plain permit.
+    /// for a plain permit. The guard is made before the metrics and the log line, so
+    /// that a panic in a recorder or a subscriber drops a guard, which removes the
+    /// entry, rather than a bare hold, which nothing would remove.
     pub(crate) async fn acquire_lease(
         &self,
         w: Wait,
         key: Option<HoldKey>,
-    ) -> Result<std::sync::Arc<Held<B>>> {
+    ) -> Result<LockGuard<B>> {
         let span = tracing::debug_span!(
             "dlock.acquire",
             lock = %self.name,
@@ -404,18 +405,19 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
         let result = self
             .acquire_lease_inner(w, key)
             .instrument(span.clone())
-            .await;
+            .await
+            .map(LockGuard::new);
         crate::metrics::acquire(
             self.client.backend.kind(),
             "lease",
             asked.elapsed(),
             &result,
         );
-        let held = result?;
-        span.record("token", held.token.get());
+        let guard = result?;
+        span.record("token", guard.token().get());
         span.record("wait_ms", asked.elapsed().as_secs_f64() * 1e3);
         tracing::debug!(parent: &span, "acquired");
-        Ok(held)
+        Ok(guard)
     }
 
     async fn acquire_lease_inner(
@@ -868,8 +870,7 @@ impl<B: DynBackend + ?Sized> SemaphoreMutex<B> {
                 self.sem.name
             )));
         }
-        let held = self.sem.acquire_lease(w, Some(key)).await?;
-        Ok(LockGuard::new(held))
+        self.sem.acquire_lease(w, Some(key)).await
     }
 }
 
