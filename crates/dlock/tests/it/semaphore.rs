@@ -24,6 +24,17 @@ async fn clients(url: &str, n: usize) -> Vec<Client> {
     out
 }
 
+/// Asserts that `name` has no entry left (within [`GENEROUS`]), then closes `cs`.
+async fn nothing_left_then_close(cs: Vec<Client>, name: &str) {
+    assert!(
+        eventually(GENEROUS, || async { leftovers(&cs[0], name).await == 0 }).await,
+        "nothing left"
+    );
+    for c in cs {
+        c.close().await.expect("close");
+    }
+}
+
 /// Three permits held in turn by A, B and C, and D waiting: B, neither the first nor
 /// the last holder, gives its permit back, and D gets it while A and C still hold. With
 /// Curator's layout the internal mutex's holder waits on every lease; in the ranked one
@@ -65,13 +76,7 @@ pub async fn a_waiter_gets_the_permit_any_holder_gives_back(_kind: Kind, url: &s
     for g in &mut held {
         g.release().await.expect("release");
     }
-    assert!(
-        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
-        "nothing left"
-    );
-    for c in cs {
-        c.close().await.expect("close");
-    }
+    nothing_left_then_close(cs, &name).await;
 }
 
 /// A queue longer than a waiter watches: two permits held, twenty waiters of one client
@@ -129,13 +134,7 @@ pub async fn a_long_semaphore_queue_hands_every_permit_on(_kind: Kind, url: &str
     assert_eq!(served, WAITERS);
     let peak = peak.load(SeqCst);
     assert!((1..=2).contains(&peak), "{peak} held at once of 2 permits");
-    assert!(
-        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
-        "nothing left"
-    );
-    for c in cs {
-        c.close().await.expect("close");
-    }
+    nothing_left_then_close(cs, &name).await;
 }
 
 /// etcd's ranked semaphore: a semaphore-mutex and a semaphore of three permits under one
@@ -207,13 +206,7 @@ pub async fn mixed_permit_counts_never_share_beyond_a_holders_count(_kind: Kind,
         .expect("task")
         .expect("the mutex");
     last.release().await.expect("release");
-    assert!(
-        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
-        "nothing left"
-    );
-    for c in cs {
-        c.close().await.expect("close");
-    }
+    nothing_left_then_close(cs, &name).await;
 }
 
 /// etcd's ranked semaphore: a waiter watches the entry with a smaller count that holds
@@ -261,13 +254,7 @@ pub async fn a_smaller_count_far_ahead_is_watched(_kind: Kind, url: &str) {
     for g in &mut held {
         g.release().await.expect("release");
     }
-    assert!(
-        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
-        "nothing left"
-    );
-    for c in cs {
-        c.close().await.expect("close");
-    }
+    nothing_left_then_close(cs, &name).await;
 }
 
 /// etcd's semaphore is one ranked queue: every contender's entry is in `permits` (none
@@ -327,13 +314,7 @@ pub async fn etcd_semaphore_is_one_ranked_queue(_kind: Kind, url: &str) {
     assert_eq!(holds, [true, true], "B and C hold");
     b.release().await.expect("release");
     c.release().await.expect("release");
-    assert!(
-        eventually(GENEROUS, || async { leftovers(&cs[0], &name).await == 0 }).await,
-        "nothing left"
-    );
-    for c in cs {
-        c.close().await.expect("close");
-    }
+    nothing_left_then_close(cs, &name).await;
 }
 
 /// A permit waiter whose own entry is deleted from outside while it waits never takes a
