@@ -370,8 +370,11 @@ impl<B: DynBackend + ?Sized> Client<B> {
         if let Some(held) = Scope::find::<Held<B>>(&key) {
             match held.join() {
                 Ok(()) => {
-                    tracing::debug!(lock = %lock, token = %held.token, "re-entered");
-                    return Ok(LockGuard::new(held));
+                    let token = held.token;
+                    // The guard first: it undoes the join if the log line panics.
+                    let guard = LockGuard::new(held);
+                    tracing::debug!(lock = %lock, token = %token, "re-entered");
+                    return Ok(guard);
                 }
                 // The scope's hold has ended: take the lock afresh, below.
                 Err(Error::NotHeld(_)) => {}

@@ -257,8 +257,10 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
             }
         }
         self.held.join()?;
+        // The guard first: it undoes the join if what follows panics.
+        let guard = LockGuard::new(self.held.clone());
         tracing::debug!(lock = %self.held.q.lock, token = %self.held.token, "re-entered");
-        Ok(LockGuard::new(self.held.clone()))
+        Ok(guard)
     }
 
     /// Runs `fut` inside this hold: while it runs, asking the same client for the same
@@ -443,8 +445,10 @@ impl<B: DynBackend + ?Sized> LockGuard<B> {
             return Ok(());
         };
         let held = &self.held;
-        let span = tracing::debug_span!("dlock.release", lock = %held.q.lock, token = %held.token);
+        // The removal is armed before anything else runs (the span, the metrics): from
+        // here a panic drops it, which sends the removal.
         let mut remover = RemoveOnDrop(Some(held.clone()));
+        let span = tracing::debug_span!("dlock.release", lock = %held.q.lock, token = %held.token);
         held.ended(was_lost);
         let r = held
             .backend

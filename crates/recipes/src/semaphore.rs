@@ -402,11 +402,10 @@ impl<B: DynBackend + ?Sized> Semaphore<B> {
             wait_ms = tracing::field::Empty
         );
         let asked = tokio::time::Instant::now();
-        let result = self
-            .acquire_lease_inner(w, key)
+        // The guard is made inside the instrumented future: the span's exit runs after.
+        let result = async { self.acquire_lease_inner(w, key).await.map(LockGuard::new) }
             .instrument(span.clone())
-            .await
-            .map(LockGuard::new);
+            .await;
         crate::metrics::acquire(
             self.client.backend.kind(),
             "lease",

@@ -56,8 +56,9 @@ fn refuse(metric: Option<&'static str>) {
     *REFUSED.lock().unwrap_or_else(|p| p.into_inner()) = metric;
 }
 
-/// For each place a hold's metrics are recorded (the grant's outcome, the hold's end,
-/// on a mutex and a semaphore permit), a task whose recorder panics there, then a
+/// For each place a hold's metrics are recorded (the grant's outcome, the hold's end on
+/// a release and on a guard's drop, on a mutex and a semaphore permit), a task whose
+/// recorder panics there, then a
 /// second client that must get the lock well within the first one's 30 s session.
 /// Before the fix the panic came after the grant and before the guard existed, or
 /// after the last guard and before the removal: the entry stayed, and the second
@@ -67,10 +68,13 @@ async fn a_panicking_recorder_leaves_no_lock_held() {
     metrics::set_global_recorder(Panicking).expect("the only recorder of this binary");
     let server = MemServer::new();
     let (a, b) = (client(&server).await, client(&server).await);
-    for (i, metric) in ["dlock_acquires_total", "dlock_hold_seconds"]
-        .into_iter()
-        .enumerate()
-    {
+    // The hold's end is recorded on a release and on a guard's drop: both are tried.
+    let cases = [
+        ("dlock_acquires_total", true),
+        ("dlock_hold_seconds", true),
+        ("dlock_hold_seconds", false),
+    ];
+    for (i, (metric, release)) in cases.into_iter().enumerate() {
         for semaphore in [false, true] {
             let name = format!("recorder/{i}/{semaphore}");
             refuse(Some(metric));
@@ -82,7 +86,12 @@ async fn a_panicking_recorder_leaves_no_lock_held() {
                     a2.mutex(&n).expect("name").lock().await
                 }
                 .expect("granted");
-                g.release().await
+                if release {
+                    g.release().await
+                } else {
+                    drop(g);
+                    Ok(())
+                }
             });
             let r = task.await;
             assert!(
@@ -102,7 +111,10 @@ async fn a_panicking_recorder_leaves_no_lock_held() {
                     .await
             };
             let mut g = next.unwrap_or_else(|e| {
-                panic!("{metric} panicked (semaphore: {semaphore}): the lock stayed held: {e}")
+                panic!(
+                    "{metric} panicked (semaphore: {semaphore}, release: {release}): \
+                     the lock stayed held: {e}"
+                )
             });
             g.release().await.expect("release");
         }
